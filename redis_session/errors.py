@@ -1,0 +1,65 @@
+"""Typed errors. Every failure a caller can act on has its own class under `SessionError`."""
+
+from __future__ import annotations
+
+
+class SessionError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class SessionNotFoundError(SessionError):
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} not found")
+        self.session_id = session_id
+
+
+class SessionAlreadyExistsError(SessionError):
+    def __init__(self, session_id: str, detail: str = "") -> None:
+        msg = f"session {session_id!r} already exists"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+        self.session_id = session_id
+
+
+class SessionConflictError(SessionError):
+    """A writer's `expected_n` was stale: another writer appended first. Nothing was written.
+
+    Reload (``Session.refresh()``), rebuild the entries if they depend on the log, and retry.
+    """
+
+    def __init__(self, session_id: str, expected_n: int, actual_n: int) -> None:
+        super().__init__(f"session {session_id!r}: expected n={expected_n}, but the log is at n={actual_n}")
+        self.session_id = session_id
+        self.expected_n = expected_n
+        self.actual_n = actual_n
+
+
+class InvalidEntryError(SessionError, ValueError):
+    """An entry (or a batch) was rejected before anything was written.
+
+    `index` is the position of the offending entry in its batch, when there is one.
+    """
+
+    def __init__(self, message: str, *, index: int | None = None) -> None:
+        super().__init__(message if index is None else f"entry {index}: {message}")
+        self.index = index
+
+
+class InvalidSessionIdError(SessionError, ValueError):
+    """A session id that could move a session's keys to another hash slot, or is unusable."""
+
+
+class SessionForkError(SessionError):
+    """A fork that cannot be made; `code` is one of the dsh codes
+    (INVALID_BOUNDARY, OPEN_TURN, SESSION_NOT_FOUND, SESSION_ALREADY_EXISTS)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LeaseHeldError(SessionError):
+    """Another holder owns the session's lease."""
+
+
+class StoreUnavailableError(SessionError, ConnectionError):
+    """The server could not be reached or did not answer in time."""

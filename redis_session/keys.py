@@ -1,0 +1,136 @@
+"""Every Redis key name, in one place.
+
+All keys of one session share the hash tag ``{<id>}`` so each script touches one cluster slot::
+
+    {prefix}:{<id>}:hdr     HASH    header fields, n, last_cut, updated_at
+    {prefix}:{<id>}:log     STREAM  entry n at stream ID "<n>-1"
+    {prefix}:{<id>}:proj    STRING  the projector's snapshot (JSON)
+    {prefix}:{<id>}:idem    ZSET    idempotency key -> first n of its batch (last 1024 kept)
+    {prefix}:{<id>}:kids    ZSET    live branches of this session (list index, lexicographic)
+    {prefix}:{<id>}:draft   STRING  the streaming assistant draft (JSON)
+    {prefix}:{<id>}:lease   STRING  the writer lease token
+
+Cross-session keys (never needed for an append's correctness)::
+
+    {prefix}:sessions       ZSET    list index, newest first (lexicographic members)
+    {prefix}:feed:{<k>}     STREAM  change feed shard k: "session S reached n"
+    {prefix}:events         PUBSUB  session-branch notifications
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+from .errors import InvalidSessionIdError
+
+MAX_ID_LENGTH = 256
+_BAD_ID = re.compile(r"[{}\s\x00-\x1f\x7f]")
+# 13 digits hold every ms timestamp until the year 2286.
+_TS_MAX = 9_999_999_999_999
+
+
+def validate_session_id(session_id: object) -> str:
+    """Return the id if it is safe, else raise `InvalidSessionIdError`.
+
+    Ids are 1-256 characters, with no braces (they would move the hash tag, so the session's keys
+    could land in another slot), no whitespace and no control characters.
+    """
+    if not isinstance(session_id, str):
+        raise InvalidSessionIdError(f"session id must be a str, got {type(session_id).__name__}")
+    if not session_id:
+        raise InvalidSessionIdError("session id must not be empty")
+    if len(session_id) > MAX_ID_LENGTH:
+        raise InvalidSessionIdError(
+            f"session id is {len(session_id)} characters; the limit is {MAX_ID_LENGTH}"
+        )
+    bad = _BAD_ID.search(session_id)
+    if bad:
+        raise InvalidSessionIdError(
+            f"session id {session_id[:80]!r} contains {bad.group()!r}: "
+            "braces, whitespace and control characters are not allowed"
+        )
+    return session_id
+
+
+def validate_prefix(prefix: str) -> str:
+    if not prefix or _BAD_ID.search(prefix) or len(prefix) > 64:
+        raise ValueError(f"invalid key prefix {prefix!r}")
+    return prefix
+
+
+class Keys:
+    """Key names for one prefix."""
+
+    __slots__ = ("feed_shards", "prefix")
+
+    def __init__(self, prefix: str = "rs", feed_shards: int = 4) -> None:
+        self.prefix = validate_prefix(prefix)
+        self.feed_shards = feed_shards
+
+    def _k(self, session_id: str, part: str) -> str:
+        return f"{self.prefix}:{{{session_id}}}:{part}"
+
+    def hdr(self, session_id: str) -> str:
+        return self._k(session_id, "hdr")
+
+    def log(self, session_id: str) -> str:
+        return self._k(session_id, "log")
+
+    def proj(self, session_id: str) -> str:
+        return self._k(session_id, "proj")
+
+    def idem(self, session_id: str) -> str:
+        return self._k(session_id, "idem")
+
+    def kids(self, session_id: str) -> str:
+        return self._k(session_id, "kids")
+
+    def draft(self, session_id: str) -> str:
+        return self._k(session_id, "draft")
+
+    def lease(self, session_id: str) -> str:
+        return self._k(session_id, "lease")
+
+    def session_keys(self, session_id: str) -> list[str]:
+        """Every per-session key, in the order the Lua scripts take them."""
+        return [
+            self.hdr(session_id),
+            self.log(session_id),
+            self.idem(session_id),
+            self.proj(session_id),
+            self.draft(session_id),
+            self.kids(session_id),
+            self.lease(session_id),
+        ]
+
+    @property
+    def sessions(self) -> str:
+        return f"{self.prefix}:sessions"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}:events"
+
+    def feed_shard(self, session_id: str) -> int:
+        return zlib.crc32(session_id.encode()) % self.feed_shards
+
+    def feed(self, shard: int) -> str:
+        return f"{self.prefix}:feed:{{{shard}}}"
+
+    def all_feeds(self) -> list[str]:
+        return [self.feed(i) for i in range(self.feed_shards)]
+
+
+def index_member(created_at: int, session_id: str) -> str:
+    """List-index member: sorts lexicographically newest first, ties broken by id."""
+    return f"{_TS_MAX - max(0, min(created_at, _TS_MAX)):013d}:{session_id}"
+
+
+def id_from_index_member(member: str) -> str:
+    return member[14:]
+
+
+def stream_id(n: int) -> str:
+    """Stream ID of entry n (`0-0` is not a valid XADD ID, so the sequence part is 1)."""
+    return f"{n}-1"

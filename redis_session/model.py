@@ -1,0 +1,660 @@
+"""The data model: headers, entries and the entry vocabulary, as msgspec Structs.
+
+Data enters through `encode_batch`, which checks each entry against its schema and proves it is
+lossless JSON, so nothing malformed ever reaches a store. Entries read back are decoded in one
+pass (`ENTRY_LIST_DECODER`) without re-validation: the log only ever holds validated data.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+from .errors import InvalidEntryError
+
+FORMAT_VERSION = 1
+DEFAULT_MAX_ENTRY_BYTES = 1 << 20
+DEFAULT_MAX_BATCH = 10_000
+
+NonNeg = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+
+# --------------------------------------------------------------------------- headers
+
+
+class SessionHeader(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a session is. Every field but `id` has a default; `created_at=0` means "now"."""
+
+    id: str
+    format_version: int = FORMAT_VERSION
+    created_at: int = 0
+    parent: str | None = None
+    at: int | None = None
+    delegation_depth: int = 0
+    title: str | None = None
+    origin: Any = None
+
+
+class SessionHead(Struct, frozen=True, kw_only=True):
+    """A header plus where the log stands: `n` entries, the last `cut` at `last_cut`."""
+
+    header: SessionHeader
+    n: int
+    updated_at: int
+    last_cut: int | None = None
+
+    @property
+    def id(self) -> str:
+        return self.header.id
+
+
+T = TypeVar("T")
+
+
+class Page(Struct, Generic[T], frozen=True):
+    """One page of a listing; `cursor` is None on the last page."""
+
+    items: list[T]
+    cursor: str | None = None
+
+
+# --------------------------------------------------------------------------- surface (dsh)
+
+
+class SurfaceReplace(Struct, frozen=True, forbid_unknown_fields=True):
+    """Shadow surface nodes `start..end` (inclusive, by position; named by their n)."""
+
+    op: Literal["replace"]
+    start: NonNeg
+    end: NonNeg
+
+
+class Surface(
+    Struct,
+    frozen=True,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+    rename={"op": "surfaceOp", "source_event_seqs": "sourceEventSeqs"},
+):
+    """dsh surface metadata of a message entry: stored as
+    ``{"surfaceOp": "append" | {"op": "replace", "start": n, "end": n}, "sourceEventSeqs": [n…]}``."""
+
+    op: Literal["append"] | SurfaceReplace = "append"
+    source_event_seqs: list[NonNeg] | None = None
+
+    @property
+    def is_replace(self) -> bool:
+        return isinstance(self.op, SurfaceReplace)
+
+
+# --------------------------------------------------------------------------- entries
+
+MESSAGE_TYPES: frozenset[str] = frozenset(
+    {
+        "user/message",
+        "assistant/message",
+        "tool/result",
+        "context/message",
+        "steering/message",
+        "message",
+    }
+)
+CUT = "cut"
+
+
+def kind_of(entry_type: str) -> Literal["message", "cut", "mark"]:
+    if entry_type in MESSAGE_TYPES:
+        return "message"
+    if entry_type == CUT:
+        return "cut"
+    return "mark"
+
+
+class Entry(Struct, frozen=True, omit_defaults=True):
+    """One stored entry. `n` is 0-based and contiguous; `time` is ms since the epoch."""
+
+    n: int
+    time: int
+    type: str
+    data: dict[str, Any]
+    meta: dict[str, Any] | None = None
+    surface: Surface | None = None
+
+    @property
+    def kind(self) -> Literal["message", "cut", "mark"]:
+        return kind_of(self.type)
+
+
+class NewEntry(Struct, frozen=True):
+    """An entry to append: ``NewEntry(type, data, meta=None, surface=None, time=None)``."""
+
+    type: str
+    data: Any
+    meta: Any = None
+    surface: Surface | Mapping[str, Any] | None = None
+    time: int | None = None
+
+
+NewEntryLike = NewEntry | tuple[Any, ...] | Mapping[str, Any]
+
+# --------------------------------------------------------------------------- vocabulary
+
+
+class _Schema(Struct, frozen=True, kw_only=True):
+    """Base of every payload schema: unknown extra fields are allowed and kept."""
+
+
+class TextBlock(_Schema, tag="text", tag_field="type"):
+    text: str
+
+
+class ImageBlock(_Schema, tag="image", tag_field="type"):
+    url: str | None = None
+    data: str | None = None
+    mimeType: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.url is None and self.data is None:
+            raise ValueError("an image block needs `url` or `data`")
+
+
+class ReasoningBlock(_Schema, tag="reasoning", tag_field="type"):
+    text: str
+    signature: str | None = None
+
+
+class ToolCallBlock(_Schema, tag="tool-call", tag_field="type"):
+    id: str
+    name: str
+    arguments: str
+
+
+class ToolResultBlock(_Schema, tag="tool-result", tag_field="type"):
+    toolCallId: str
+    content: Any = None
+    isError: bool = False
+
+
+ContentBlock = TextBlock | ImageBlock | ReasoningBlock | ToolCallBlock | ToolResultBlock
+Content = str | list[ContentBlock]
+
+
+class UserMessageData(_Schema):
+    content: Content
+    source: Any = None
+
+
+class AssistantMessageData(_Schema):
+    content: Content
+    turn: int | None = None
+    step: int | None = None
+    usage: dict[str, Any] | None = None
+
+
+class ToolResultData(_Schema):
+    callId: str
+    content: Content
+    isError: bool = False
+    turn: int | None = None
+    step: int | None = None
+    error: dict[str, Any] | None = None
+    meta: Any = None
+
+
+class ContextMessageData(_Schema):
+    content: Content
+    source: Any = None
+
+
+class SteeringMessageData(_Schema):
+    content: Content
+    turn: int | None = None
+    source: Any = None
+
+
+class OpenAIFunction(_Schema):
+    name: str
+    arguments: str
+
+
+class OpenAIToolCall(_Schema):
+    id: str
+    function: OpenAIFunction
+    type: str = "function"
+
+
+class ChatMessageData(_Schema):
+    """A plain chat message as ChatLuna, nanobot and OpenAI write it."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[OpenAIToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+
+
+class CutData(_Schema):
+    """Compaction: the projection becomes `summary` (or a usable `native`) + messages from `before`."""
+
+    before: NonNeg
+    summary: list[ChatMessageData]
+    reason: str
+    native: Any = None
+    meta: dict[str, Any] | None = None
+
+
+TURN_END_REASONS = frozenset(
+    {"completed", "aborted", "error", "disposed", "max-tokens", "rejected", "interrupted"}
+)
+
+
+class TurnStartData(_Schema):
+    turn: Positive
+    trigger: dict[str, Any] | None = None
+
+
+class TurnEndData(_Schema):
+    turn: Positive
+    reason: str | dict[str, Any]
+
+    def __post_init__(self) -> None:
+        kind = self.reason if isinstance(self.reason, str) else self.reason.get("kind")
+        if kind not in TURN_END_REASONS:
+            raise ValueError(f"turn/end reason must be one of {sorted(TURN_END_REASONS)}, got {kind!r}")
+
+
+class StepData(_Schema):
+    turn: Positive
+    step: Positive
+
+
+class AssistantChunkData(_Schema):
+    turn: int | None = None
+    step: int | None = None
+    chunk: Any = None
+
+
+class ToolCallData(_Schema):
+    callId: str
+    name: str
+    arguments: str
+    turn: int | None = None
+    step: int | None = None
+
+
+class PromptBlockedData(_Schema):
+    content: Content
+    reason: str
+    source: Any = None
+
+
+class TodoItem(_Schema):
+    content: str
+    status: Literal["pending", "in_progress", "completed"]
+
+
+class TodoWriteData(_Schema):
+    todos: list[TodoItem]
+
+
+class RequestHeaderData(_Schema):
+    header: dict[str, Any]
+    reason: Any = None
+
+
+class RequestHeaderDeltaData(_Schema):
+    system: dict[str, Any] | None = None
+    tools: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
+    messagePrefix: list[dict[str, Any]] | None = None
+
+
+class PresetSelectedData(_Schema):
+    presetId: str
+    revision: str | None = None
+
+
+class RequestContextData(_Schema):
+    provider: str
+    model: str
+    contextWindow: int | None = None
+
+
+class InputEnqueuedData(_Schema):
+    messageId: str
+    message: Any = None
+    target: Literal["next-turn", "next-step"] | None = None
+    wakeup: bool | None = None
+    enqueuedAt: int | None = None
+
+
+class InputAdmittedData(_Schema):
+    messageId: str
+    n: NonNeg
+
+
+class InputDiscardedData(_Schema):
+    messageId: str
+    reason: str
+
+
+class TurnSkipData(_Schema):
+    reason: str
+    detail: str | None = None
+    turn: int | None = None
+
+
+#: `None` as a schema means "any JSON object".
+DEFAULT_SCHEMAS: dict[str, Any] = {
+    "user/message": UserMessageData,
+    "assistant/message": AssistantMessageData,
+    "tool/result": ToolResultData,
+    "context/message": ContextMessageData,
+    "steering/message": SteeringMessageData,
+    "message": ChatMessageData,
+    "cut": CutData,
+    "turn/start": TurnStartData,
+    "turn/end": TurnEndData,
+    "step/start": StepData,
+    "step/end": StepData,
+    "assistant/chunk": AssistantChunkData,
+    "tool/call": ToolCallData,
+    "prompt/blocked": PromptBlockedData,
+    "todo/write": TodoWriteData,
+    "request/header": RequestHeaderData,
+    "request/header-delta": RequestHeaderDeltaData,
+    "prompt": None,
+    "preset/selected": PresetSelectedData,
+    "request/context": RequestContextData,
+    "agent/input-enqueued": InputEnqueuedData,
+    "agent/input-admitted": InputAdmittedData,
+    "agent/input-discarded": InputDiscardedData,
+    "turn-skip": TurnSkipData,
+    "session/meta": None,
+}
+
+_TYPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/|+-]{0,127}$")
+
+
+def validate_type_name(entry_type: object) -> str:
+    if not isinstance(entry_type, str) or not _TYPE_NAME.match(entry_type):
+        raise InvalidEntryError(
+            f"entry type {entry_type!r} is not a valid type name "
+            "(1-128 characters: letters, digits and _ . : / | + -, starting with a letter or digit)"
+        )
+    return entry_type
+
+
+class Vocabulary:
+    """The schemas of entry types. `define()` adds or replaces one.
+
+    In strict mode a type without a schema is rejected; otherwise it is accepted as a mark whose
+    data must be a JSON object.
+    """
+
+    def __init__(self, *, strict: bool = False, schemas: Mapping[str, Any] | None = None) -> None:
+        self.strict = strict
+        self._decoders: dict[str, msgspec.json.Decoder[Any] | None] = {}
+        for name, schema in (DEFAULT_SCHEMAS if schemas is None else schemas).items():
+            self.define(name, schema)
+
+    def define(self, entry_type: str, schema: Any = None) -> None:
+        """Register `entry_type` with a schema: a msgspec Struct, any type msgspec can decode into
+        (TypedDict, dataclass, ``dict[str, int]`` …), or None for "any JSON object"."""
+        validate_type_name(entry_type)
+        if entry_type == CUT and entry_type in self._decoders:
+            raise ValueError("the `cut` schema is fixed: the projection depends on it")
+        self._decoders[entry_type] = None if schema is None else msgspec.json.Decoder(schema)
+
+    def __contains__(self, entry_type: object) -> bool:
+        return entry_type in self._decoders
+
+    def copy(self) -> Vocabulary:
+        new = Vocabulary.__new__(Vocabulary)
+        new.strict = self.strict
+        new._decoders = dict(self._decoders)
+        return new
+
+    def check(self, entry_type: str, raw: bytes, index: int | None) -> None:
+        try:
+            decoder = self._decoders[entry_type]
+        except KeyError:
+            if self.strict:
+                raise InvalidEntryError(
+                    f"unknown entry type {entry_type!r} (strict mode: define() it first)", index=index
+                ) from None
+            return
+        if decoder is not None:
+            try:
+                decoder.decode(raw)
+            except msgspec.ValidationError as e:
+                raise InvalidEntryError(f"{entry_type}: {e}", index=index) from None
+
+
+# --------------------------------------------------------------------------- encoding
+
+_encoder = msgspec.json.Encoder()
+_decode_any = msgspec.json.Decoder()
+_surface_decoder = msgspec.json.Decoder(Surface)
+
+
+def lossless_json(value: Any, what: str, index: int | None = None) -> bytes:
+    """Encode `value` as JSON, or raise `InvalidEntryError` if JSON cannot hold it exactly.
+
+    NaN, Infinity, bytes, sets, tuples, non-string keys, integers beyond 64 bits and cycles are
+    all rejected: the encoded form must decode back equal to the input.
+    """
+    if isinstance(value, Struct):
+        value = msgspec.to_builtins(value)
+    try:
+        raw = _encoder.encode(value)
+    except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError) as e:
+        raise InvalidEntryError(f"{what} is not JSON-serializable: {e}", index=index) from None
+    try:
+        same = _decode_any.decode(raw) == value
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise InvalidEntryError(f"{what} is not JSON-serializable: {e}", index=index) from None
+    if not same:
+        raise InvalidEntryError(
+            f"{what} is not lossless JSON (NaN/Infinity, bytes, sets, tuples or non-string keys)",
+            index=index,
+        )
+    return raw
+
+
+class EncodedEntry(Struct, frozen=True):
+    """A validated entry, ready for a store: the wire bytes and their decoded twins."""
+
+    type: str
+    time: int | None
+    data_raw: bytes
+    data: dict[str, Any]
+    meta_raw: bytes | None = None
+    meta: dict[str, Any] | None = None
+    surface_raw: bytes | None = None
+    surface: Surface | None = None
+    cut_before: int | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.type) + len(self.data_raw) + len(self.meta_raw or b"") + len(self.surface_raw or b"")
+
+    def stored(self, n: int, time: int) -> Entry:
+        return Entry(
+            n=n,
+            time=self.time if self.time is not None else time,
+            type=self.type,
+            data=self.data,
+            meta=self.meta,
+            surface=self.surface,
+        )
+
+
+def as_new_entry(item: NewEntryLike, index: int | None = None) -> NewEntry:
+    """Accept a NewEntry, a ``(type, data[, meta[, surface[, time]]])`` tuple or a mapping."""
+    if isinstance(item, NewEntry):
+        return item
+    if isinstance(item, tuple):
+        if not 2 <= len(item) <= 5:
+            raise InvalidEntryError("an entry tuple is (type, data[, meta[, surface[, time]]])", index=index)
+        return NewEntry(*item)
+    if isinstance(item, Mapping):
+        try:
+            return NewEntry(**item)
+        except TypeError as e:
+            raise InvalidEntryError(f"bad entry mapping: {e}", index=index) from None
+    raise InvalidEntryError(
+        f"expected a NewEntry, a (type, data) tuple or a mapping, got {type(item).__name__}", index=index
+    )
+
+
+def _surface(value: Any, index: int) -> tuple[Surface | None, bytes | None]:
+    if value is None:
+        return None, None
+    try:
+        if isinstance(value, Surface):
+            surface = value
+        else:
+            surface = _surface_decoder.decode(lossless_json(value, "surface", index))
+    except msgspec.ValidationError as e:
+        raise InvalidEntryError(f"invalid surface metadata: {e}", index=index) from None
+    seqs = surface.source_event_seqs
+    if seqs is not None and len(set(seqs)) != len(seqs):
+        raise InvalidEntryError("surface sourceEventSeqs has duplicates", index=index)
+    if surface.is_replace and not seqs:
+        raise InvalidEntryError(
+            "a surface replace must list the replaced nodes in sourceEventSeqs", index=index
+        )
+    return surface, _encoder.encode(surface)
+
+
+def encode_entry(
+    item: NewEntryLike,
+    vocabulary: Vocabulary,
+    *,
+    index: int = 0,
+    max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+) -> EncodedEntry:
+    e = as_new_entry(item, index)
+    entry_type = validate_type_name(e.type)
+    data_raw = lossless_json(e.data, "data", index)
+    data = _decode_any.decode(data_raw)
+    if not isinstance(data, dict):
+        raise InvalidEntryError(f"data must be a JSON object, got {type(e.data).__name__}", index=index)
+    vocabulary.check(entry_type, data_raw, index)
+    meta_raw = meta = None
+    if e.meta is not None:
+        meta_raw = lossless_json(e.meta, "meta", index)
+        meta = _decode_any.decode(meta_raw)
+        if not isinstance(meta, dict):
+            raise InvalidEntryError("meta must be a JSON object", index=index)
+    surface, surface_raw = _surface(e.surface, index)
+    if surface is not None and entry_type not in MESSAGE_TYPES:
+        raise InvalidEntryError(
+            f"{entry_type!r} is not surface-eligible and cannot carry surface metadata", index=index
+        )
+    if e.time is not None and (
+        not isinstance(e.time, int) or isinstance(e.time, bool) or not 0 <= e.time < 1 << 53
+    ):
+        raise InvalidEntryError(f"time must be a non-negative int (ms), got {e.time!r}", index=index)
+    cut_before = data["before"] if entry_type == CUT else None
+    enc = EncodedEntry(
+        type=entry_type,
+        time=e.time,
+        data_raw=data_raw,
+        data=data,
+        meta_raw=meta_raw,
+        meta=meta,
+        surface_raw=surface_raw,
+        surface=surface,
+        cut_before=cut_before,
+    )
+    if enc.size > max_entry_bytes:
+        raise InvalidEntryError(f"entry is {enc.size} bytes; the limit is {max_entry_bytes}", index=index)
+    return enc
+
+
+def encode_batch(
+    items: Iterable[NewEntryLike],
+    vocabulary: Vocabulary,
+    *,
+    first_n: int | None = None,
+    max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+    max_batch: int = DEFAULT_MAX_BATCH,
+) -> list[EncodedEntry]:
+    """Validate a whole batch before anything is written. `first_n`, when known (an
+    expected-n append), lets cuts and surface source seqs be checked against their own n."""
+    if isinstance(items, (str, bytes, Mapping)):
+        raise InvalidEntryError("entries must be a sequence of entries")
+    out: list[EncodedEntry] = []
+    for i, item in enumerate(items):
+        if i >= max_batch:
+            raise InvalidEntryError(f"a batch holds at most {max_batch} entries")
+        enc = encode_entry(item, vocabulary, index=i, max_entry_bytes=max_entry_bytes)
+        if first_n is not None:
+            own_n = first_n + i
+            check_against_n(enc, own_n, i)
+        elif enc.surface is not None and enc.surface.is_replace:
+            raise InvalidEntryError(
+                "a surface replace depends on the log before it: append it with an expected_n",
+                index=i,
+            )
+        out.append(enc)
+    return out
+
+
+def check_against_n(enc: EncodedEntry, own_n: int, index: int) -> None:
+    if enc.cut_before is not None and enc.cut_before > own_n:
+        raise InvalidEntryError(
+            f"cut.before={enc.cut_before} is outside [0, {own_n}] (the cut's own n)", index=index
+        )
+    seqs = enc.surface.source_event_seqs if enc.surface is not None else None
+    if seqs and max(seqs) >= own_n:
+        raise InvalidEntryError(f"surface sourceEventSeqs must name earlier entries (< {own_n})", index=index)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+ENTRY_DECODER = msgspec.json.Decoder(Entry)
+ENTRY_LIST_DECODER = msgspec.json.Decoder(list[Entry])
+ENTRY_ENCODER = msgspec.json.Encoder()
+
+
+def now_ms() -> int:
+    import time
+
+    return time.time_ns() // 1_000_000
+
+
+def entries_equal_ignoring_time(a: Sequence[Entry], b: Sequence[Entry]) -> bool:
+    return [msgspec.structs.replace(x, time=0) for x in a] == [msgspec.structs.replace(x, time=0) for x in b]
+
+
+def new_header(session_id: str, **fields: Any) -> SessionHeader:
+    return SessionHeader(id=session_id, **fields)
+
+
+__all__ = [
+    "CUT",
+    "MESSAGE_TYPES",
+    "Content",
+    "ContentBlock",
+    "EncodedEntry",
+    "Entry",
+    "NewEntry",
+    "Page",
+    "SessionHead",
+    "SessionHeader",
+    "Surface",
+    "SurfaceReplace",
+    "Vocabulary",
+    "encode_batch",
+    "field",
+    "kind_of",
+]
