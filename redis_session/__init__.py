@@ -1,0 +1,110 @@
+"""redis-session: a distributed event store for AI-agent sessions on Redis Streams.
+
+>>> import redis_session
+>>> sessions = await redis_session.connect()          # $REDIS_URL, else the embedded server
+>>> s = await sessions.open("chat-1")
+>>> await s.append("user/message", {"content": "hello"})
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    InvalidEntryError,
+    InvalidSessionIdError,
+    LeaseHeldError,
+    SessionAlreadyExistsError,
+    SessionConflictError,
+    SessionError,
+    SessionForkError,
+    SessionNotFoundError,
+    StoreUnavailableError,
+)
+from .model import (
+    Entry,
+    NewEntry,
+    Page,
+    SessionHead,
+    SessionHeader,
+    Surface,
+    SurfaceReplace,
+    Vocabulary,
+)
+from .redis_store import RedisSessionStore
+from .store import MemorySessionStore, SessionStore
+
+if TYPE_CHECKING:
+    from .sessions import Sessions
+
+__version__ = "0.1.0"
+
+
+def resolve_url(url: str | None = None) -> str:
+    """`url`, else ``$REDIS_URL``, else the embedded server (started on first use)."""
+    if url:
+        return url
+    env = os.environ.get("REDIS_URL")
+    if env:
+        return env
+    from .embedded import ensure_server
+
+    return ensure_server().url
+
+
+def open_store(
+    url: str | None = None, *, prefix: str = "rs", cluster: bool = False, **kwargs: Any
+) -> RedisSessionStore:
+    """A `RedisSessionStore` for `url` (see `resolve_url`)."""
+    return RedisSessionStore.from_url(resolve_url(url), prefix=prefix, cluster=cluster, **kwargs)
+
+
+async def connect(
+    url: str | None = None, *, prefix: str = "rs", cluster: bool = False, **kwargs: Any
+) -> Sessions:
+    """The `Sessions` service on Redis: `url`, else ``$REDIS_URL``, else the embedded server."""
+    from .sessions import Sessions
+
+    return Sessions(open_store(url, prefix=prefix, cluster=cluster, **kwargs))
+
+
+def __getattr__(name: str) -> Any:
+    # The projection and service layers are imported on first use, keeping `import redis_session`
+    # light for processes that only need the store.
+    if name in {"project", "to_openai", "to_anthropic", "Message", "history", "ProjectionState"}:
+        from . import projection
+
+        return getattr(projection, name)
+    if name in {"Sessions", "Session"}:
+        from . import sessions
+
+        return getattr(sessions, name)
+    raise AttributeError(name)
+
+
+__all__ = [
+    "Entry",
+    "InvalidEntryError",
+    "InvalidSessionIdError",
+    "LeaseHeldError",
+    "MemorySessionStore",
+    "NewEntry",
+    "Page",
+    "RedisSessionStore",
+    "SessionAlreadyExistsError",
+    "SessionConflictError",
+    "SessionError",
+    "SessionForkError",
+    "SessionHead",
+    "SessionHeader",
+    "SessionNotFoundError",
+    "SessionStore",
+    "StoreUnavailableError",
+    "Surface",
+    "SurfaceReplace",
+    "Vocabulary",
+    "connect",
+    "open_store",
+    "resolve_url",
+]

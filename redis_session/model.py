@@ -144,7 +144,7 @@ NewEntryLike = NewEntry | tuple[Any, ...] | Mapping[str, Any]
 # --------------------------------------------------------------------------- vocabulary
 
 
-class _Schema(Struct, frozen=True, kw_only=True):
+class _Schema(Struct, kw_only=True):
     """Base of every payload schema: unknown extra fields are allowed and kept."""
 
 
@@ -446,7 +446,7 @@ _surface_decoder = msgspec.json.Decoder(Surface)
 def lossless_json(value: Any, what: str, index: int | None = None) -> bytes:
     """Encode `value` as JSON, or raise `InvalidEntryError` if JSON cannot hold it exactly.
 
-    NaN, Infinity, bytes, sets, tuples, non-string keys, integers beyond 64 bits and cycles are
+    NaN, Infinity, bytes, sets, tuples, non-string keys, arbitrary objects and cycles are
     all rejected: the encoded form must decode back equal to the input.
     """
     if isinstance(value, Struct):

@@ -1,0 +1,125 @@
+-- append.lua: create a session and/or append a batch of entries, atomically, in one slot.
+--
+-- KEYS[1] hdr    HASH    {prefix}:{id}:hdr   header fields, n, updated_at, last_cut
+-- KEYS[2] log    STREAM  {prefix}:{id}:log   entry n at ID "<n>-1"
+-- KEYS[3] idem   ZSET    {prefix}:{id}:idem  idempotency key -> first n of its batch
+-- KEYS[4..7]     proj, draft, kids, lease    (only touched to refresh a session TTL)
+-- KEYS[8] feed   STREAM  optional change-feed shard (standalone servers only: another slot)
+--
+-- ARGV[1] mode         "append" | "create"
+-- ARGV[2] expected_n   "" = append at the end whatever n is
+-- ARGV[3] idem_key     "" = none
+-- ARGV[4] count        number of entries in the batch
+-- ARGV[5] feed_maxlen  approximate MAXLEN of the feed shard
+-- ARGV[6] session_id   written to the feed
+-- ARGV[7] ttl_ms       create only: "" = no expiry
+-- ARGV[8] nhdr         create only: number of header field/value pairs that follow
+-- ARGV[9 .. 8+2*nhdr]  create only: header fields ("created_at" "" = server time); "at" gives first n
+-- then per entry, 6 values: type, time ("" = server time), data, meta (""), surface (""),
+--                            cut_before ("" unless type is cut)
+--
+-- Returns {0, first_n, now_ms}             written
+--         {1, first_n}                      idempotent retry: that batch already landed at first_n
+--         {2, actual_n}                     conflict: header n ~= expected_n
+--         {3}                               session not found (or deleted)
+--         {4, index, own_n}                 a cut's `before` is beyond its own n
+--         {5}                               create: the session already exists
+--         {6, last_id}                      the stream is ahead of the header (corrupt; nothing written)
+
+local hdr, log, idem = KEYS[1], KEYS[2], KEYS[3]
+local mode, expected, idem_key = ARGV[1], ARGV[2], ARGV[3]
+local count = tonumber(ARGV[4])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n, ttl
+local base
+
+if mode == 'create' then
+  if redis.call('EXISTS', hdr) == 1 then return {5} end
+  -- leftovers of an expired or half-purged session must not leak into the new one
+  redis.call('DEL', log, idem, KEYS[4], KEYS[5], KEYS[7])
+  local nhdr = tonumber(ARGV[8])
+  local fields = {}
+  n = 0
+  for i = 0, nhdr - 1 do
+    local k, v = ARGV[9 + 2 * i], ARGV[10 + 2 * i]
+    if k == 'created_at' and v == '' then v = string.format('%d', now) end
+    if k == 'at' then n = tonumber(v) end
+    fields[#fields + 1] = k
+    fields[#fields + 1] = v
+  end
+  ttl = ARGV[7]
+  if ttl ~= '' then fields[#fields + 1] = 'ttl_ms'; fields[#fields + 1] = ttl end
+  fields[#fields + 1] = 'n'; fields[#fields + 1] = string.format('%d', n)
+  fields[#fields + 1] = 'updated_at'; fields[#fields + 1] = string.format('%d', now)
+  redis.call('HSET', hdr, unpack(fields))
+  base = 9 + 2 * nhdr
+else
+  local h = redis.call('HMGET', hdr, 'n', 'deleted', 'ttl_ms')
+  if not h[1] or h[2] then return {3} end
+  n = tonumber(h[1])
+  ttl = h[3] or ''
+  base = 9
+  if idem_key ~= '' then
+    local first = redis.call('ZSCORE', idem, idem_key)
+    if first then return {1, tonumber(first)} end
+  end
+  if expected ~= '' and tonumber(expected) ~= n then return {2, n} end
+  if count > 0 then
+    local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+    if last then
+      local last_n = tonumber(string.match(last[1], '^(%d+)-'))
+      if last_n == nil or last_n >= n then return {6, last[1]} end
+    end
+  end
+end
+
+for i = 0, count - 1 do
+  local b = ARGV[base + 6 * i + 5]
+  if b ~= '' and tonumber(b) > n + i then return {4, i, n + i} end
+end
+
+local last_cut = nil
+for i = 0, count - 1 do
+  local p = base + 6 * i
+  local typ, tm = ARGV[p], ARGV[p + 1]
+  if tm == '' then tm = string.format('%d', now) end
+  local f = {'type', typ, 'time', tm, 'data', ARGV[p + 2]}
+  if ARGV[p + 3] ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[p + 3] end
+  if ARGV[p + 4] ~= '' then f[#f + 1] = 'surface'; f[#f + 1] = ARGV[p + 4] end
+  redis.call('XADD', log, string.format('%d-1', n + i), unpack(f))
+  if typ == 'cut' then last_cut = n + i end
+end
+
+local new_n = n + count
+if mode ~= 'create' then
+  if count > 0 then
+    if last_cut then
+      redis.call('HSET', hdr, 'n', string.format('%d', new_n), 'updated_at', string.format('%d', now),
+                 'last_cut', string.format('%d', last_cut))
+    else
+      redis.call('HSET', hdr, 'n', string.format('%d', new_n), 'updated_at', string.format('%d', now))
+    end
+  end
+else
+  if last_cut then
+    redis.call('HSET', hdr, 'n', string.format('%d', new_n), 'last_cut', string.format('%d', last_cut))
+  elseif count > 0 then
+    redis.call('HSET', hdr, 'n', string.format('%d', new_n))
+  end
+end
+
+if idem_key ~= '' and count > 0 then
+  redis.call('ZADD', idem, n, idem_key)
+  redis.call('ZREMRANGEBYRANK', idem, 0, -1025)
+end
+
+if ttl ~= '' then
+  for k = 1, 7 do redis.call('PEXPIRE', KEYS[k], ttl) end
+end
+
+if KEYS[8] and count > 0 then
+  redis.call('XADD', KEYS[8], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', string.format('%d', new_n))
+end
+
+return {0, n, now}

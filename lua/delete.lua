@@ -1,0 +1,19 @@
+-- delete.lua: delete one session, or hide it (a tombstone) while live branches still read it.
+--
+-- KEYS[1..7] hdr, log, idem, proj, draft, kids, lease of the session  ({prefix}:{id}:*)
+-- ARGV       none
+--
+-- Returns {0}                                  absent (or already hidden)
+--         {1, created_at}                       hidden: its branches keep reading its entries
+--         {2, created_at, parent or ""}         deleted: every key gone
+local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'created_at', 'parent')
+if not h[1] or h[2] then return {0} end
+if redis.call('ZCARD', KEYS[6]) > 0 then
+  redis.call('HSET', KEYS[1], 'deleted', '1')
+  redis.call('PERSIST', KEYS[1])
+  redis.call('PERSIST', KEYS[2])
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[7])
+  return {1, h[3]}
+end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+return {2, h[3], h[4] or ''}

@@ -1,0 +1,15 @@
+-- unlink.lua: a branch is gone; drop it from its parent's `kids` and purge the parent if it
+-- was hidden (deleted while branches still read it) and this was its last branch.
+--
+-- KEYS[1..7] hdr, log, idem, proj, draft, kids, lease of the PARENT  ({prefix}:{parent}:*)
+-- ARGV[1]    the child's kids member ("<inverted created_at>:<child id>")
+--
+-- Returns {0}                        parent kept
+--         {1, grandparent or ""}     parent purged (its own parent must be unlinked in turn)
+redis.call('ZREM', KEYS[6], ARGV[1])
+local h = redis.call('HMGET', KEYS[1], 'deleted', 'parent', 'created_at')
+if h[1] and redis.call('ZCARD', KEYS[6]) == 0 then
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+  return {1, h[2] or '', h[3] or '0'}
+end
+return {0}

