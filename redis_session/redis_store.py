@@ -85,7 +85,7 @@ class _Script:
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
 
-_SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease")}
+_SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj")}
 
 
 @contextlib.contextmanager
@@ -636,6 +636,29 @@ class RedisSessionStore:
             res = int(await self._eval(
                 "lease", [self.keys.hdr(session_id), self.keys.lease(session_id)], ["release", token, 0]
             ))  # fmt: skip
+        return res == 1
+
+    async def get_projection(self, session_id: str) -> tuple[int, bytes] | None:
+        validate_session_id(session_id)
+        with _io():
+            n_raw, state = await self._raw("HMGET", self.keys.proj(session_id), "n", "state")
+        if n_raw is None or state is None:
+            return None
+        try:
+            return int(n_raw), bytes(state)
+        except ValueError:
+            return None  # a damaged snapshot is no snapshot: readers fold from the log
+
+    async def put_projection(self, session_id: str, n: int, state: bytes) -> bool:
+        validate_session_id(session_id)
+        with _io():
+            res = int(
+                await self._eval("proj", [self.keys.hdr(session_id), self.keys.proj(session_id)], [n, state])
+            )
+        if res == -1:
+            raise SessionNotFoundError(session_id)
+        if res == -2:
+            raise ValueError(f"snapshot n={n} is beyond the session's n")
         return res == 1
 
     async def publish(self, event: str, payload: dict[str, Any]) -> None:

@@ -81,6 +81,14 @@ class SessionStore(Protocol):
 
     async def publish(self, event: str, payload: dict[str, Any]) -> None: ...
 
+    async def get_projection(self, session_id: str) -> tuple[int, bytes] | None:
+        """The projector's cached snapshot: (n it covers, serialized state), or None."""
+        ...
+
+    async def put_projection(self, session_id: str, n: int, state: bytes) -> bool:
+        """Store a snapshot covering [0, n) unless one at >= n is there already."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -182,6 +190,7 @@ class _MemSession:
         "last_cut",
         "lease",
         "n",
+        "proj",
         "segments",
         "ttl_ms",
         "updated_at",
@@ -201,6 +210,7 @@ class _MemSession:
         self.lease: tuple[str, float] | None = None
         self.ttl_ms = ttl_ms
         self.expires_at: float | None = None
+        self.proj: tuple[int, bytes] | None = None
         self.changed = anyio.Event()
 
     def head(self) -> SessionHead:
@@ -398,6 +408,7 @@ class MemorySessionStore:
             if s.kids:
                 s.deleted = True
                 s.draft = None
+                s.proj = None
                 s.lease = None
                 old, s.changed = s.changed, anyio.Event()
                 old.set()
@@ -462,6 +473,21 @@ class MemorySessionStore:
 
     async def publish(self, event: str, payload: dict[str, Any]) -> None:
         self.events.append((event, payload))
+
+    async def get_projection(self, session_id: str) -> tuple[int, bytes] | None:
+        s = self._get(validate_session_id(session_id))
+        return None if s is None else s.proj
+
+    async def put_projection(self, session_id: str, n: int, state: bytes) -> bool:
+        s = self._get(validate_session_id(session_id))
+        if s is None:
+            raise SessionNotFoundError(session_id)
+        if n > s.n:
+            raise ValueError(f"snapshot n={n} is beyond the session's n={s.n}")
+        if s.proj is not None and s.proj[0] >= n:
+            return False
+        s.proj = (n, bytes(state))
+        return True
 
     async def aclose(self) -> None:
         return None

@@ -20,6 +20,17 @@ from redis_session import MemorySessionStore, RedisSessionStore
 from redis_session.embedded import start_server
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that talks to a server `redis`, so CI can rerun just those on another one."""
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        callspec = getattr(item, "callspec", None)
+        backend = callspec.params.get("store") if callspec is not None else None
+        if "redis_url" in names and backend != "memory":
+            item.add_marker(pytest.mark.redis)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

@@ -496,3 +496,16 @@ async def test_lease(store: Any) -> None:
     assert await store.release_lease("s1", "pod-b") is False
     assert await store.release_lease("s1", "pod-a") is True
     assert await store.acquire_lease("s1", "pod-b", 5_000) is True
+
+
+async def test_projection_snapshot_only_moves_forward(store: Any) -> None:
+    await make(store, k=5)
+    assert await store.get_projection("s1") is None
+    assert await store.put_projection("s1", 3, b'{"v":3}') is True
+    assert await store.put_projection("s1", 2, b'{"v":2}') is False
+    assert await store.put_projection("s1", 3, b'{"v":"again"}') is False
+    assert await store.get_projection("s1") == (3, b'{"v":3}')
+    with pytest.raises(ValueError):
+        await store.put_projection("s1", 6, b"{}")
+    with pytest.raises(SessionNotFoundError):
+        await store.put_projection("ghost", 0, b"{}")
