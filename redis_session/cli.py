@@ -330,7 +330,9 @@ def projector_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     status: Annotated[bool, typer.Option("--status", help="Print lag and counters, then exit.")] = False,
-    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(envvar="REDIS_SESSION_METRICS_PORT", help="Serve Prometheus metrics on this port.")
+    ] = None,
     consumer: Annotated[str | None, typer.Option(help="Consumer name (default: host-pid).")] = None,
 ) -> None:
     """Run a projector worker (keeps each session's derived messages cached), or show --status."""

@@ -29,6 +29,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         backend = callspec.params.get("store") if callspec is not None else None
         if "redis_url" in names and backend != "memory":
             item.add_marker(pytest.mark.redis)
+        if "cluster_url" in names or backend == "cluster":
+            item.add_marker(pytest.mark.cluster)
 
 
 @pytest.fixture
@@ -71,6 +73,23 @@ def redis_url() -> Iterator[str]:
             server.stop()
 
 
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[Any]:
+    """A real 3-master + 3-replica cluster from the embedded valkey-server, for the whole run."""
+    from redis_session.localcluster import start_cluster
+
+    cluster = start_cluster(masters=3, replicas_per_master=1)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_url(local_cluster: Any) -> str:
+    return str(local_cluster.url)
+
+
 @pytest.fixture
 def prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
@@ -96,11 +115,20 @@ async def redis_store(redis_url: str, prefix: str) -> AsyncIterator[RedisSession
         await _cleanup(redis_url, prefix)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def store(request: pytest.FixtureRequest, redis_url: str, prefix: str) -> AsyncIterator[Any]:
-    """The contract fixture: every store backend, one test body."""
+    """The contract fixture: every store backend, one test body (memory, a server, a cluster)."""
     if request.param == "memory":
         yield MemorySessionStore()
+        return
+    if request.param == "cluster":
+        url = request.getfixturevalue("cluster_url")
+        cs = RedisSessionStore.from_url(url, prefix=prefix, cluster=True)
+        try:
+            yield cs
+        finally:
+            await cs.aclose()
+            await _cleanup_cluster(url, prefix)
         return
     s = RedisSessionStore.from_url(redis_url, prefix=prefix)
     try:
@@ -108,6 +136,20 @@ async def store(request: pytest.FixtureRequest, redis_url: str, prefix: str) -> 
     finally:
         await s.aclose()
         await _cleanup(redis_url, prefix)
+
+
+async def _cleanup_cluster(url: str, prefix: str) -> None:
+    from redis.asyncio.cluster import RedisCluster
+
+    rc = RedisCluster.from_url(url)
+    try:
+        for node in rc.get_primaries():
+            r = rc.get_redis_connection(node)
+            keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+            for k in keys:
+                await rc.delete(k)
+    finally:
+        await rc.aclose()
 
 
 @pytest.fixture

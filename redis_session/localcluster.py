@@ -1,0 +1,251 @@
+"""A real Redis Cluster on loopback, from the embedded ``valkey-server`` binary.
+
+For tests, benchmarks and local development: `start_cluster(masters=3, replicas_per_master=1)`
+starts the processes, assigns slots (CLUSTER ADDSLOTSRANGE), joins the nodes (CLUSTER MEET),
+attaches replicas (CLUSTER REPLICATE) and waits until every node reports ``cluster_state:ok``.
+Only plain commands are used, so no ``redis-cli --cluster`` is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .embedded import EmbeddedServerError, ServerProcess, start_server
+
+SLOTS = 16384
+
+
+def _cmd(port: int, *args: str, timeout: float = 5.0) -> bytes:
+    """Send one command in RESP and return the raw reply (enough for the few we need)."""
+    payload = f"*{len(args)}\r\n".encode() + b"".join(
+        f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in args
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(payload)
+        chunks = []
+        s.settimeout(timeout)
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            data = b"".join(chunks)
+            if _complete(data):
+                return data
+    return b"".join(chunks)
+
+
+def _complete(data: bytes) -> bool:
+    if not data.endswith(b"\r\n"):
+        return False
+    head = data[:1]
+    if head in (b"+", b"-", b":"):
+        return True
+    if head == b"$":
+        size = int(data[1 : data.index(b"\r\n")])
+        return size < 0 or len(data) >= data.index(b"\r\n") + 2 + size + 2
+    if head == b"=":  # RESP3 verbatim string
+        size = int(data[1 : data.index(b"\r\n")])
+        return len(data) >= data.index(b"\r\n") + 2 + size + 2
+    return True
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too; both must stay below 65536."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        ok = True
+        for p in (port, port + 10000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return port
+    raise EmbeddedServerError("no free port pair for a cluster node")
+
+
+def _bulk_text(reply: bytes) -> str:
+    if reply[:1] in (b"$", b"="):
+        body = reply[reply.index(b"\r\n") + 2 : -2]
+        return body.decode(errors="replace")
+    return reply.decode(errors="replace")
+
+
+@dataclass
+class LocalCluster:
+    """A running local cluster. `url` is a seed node for ``RedisCluster.from_url``."""
+
+    masters: list[ServerProcess]
+    replicas: list[ServerProcess]
+    base_dir: Path
+    _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+
+    @property
+    def nodes(self) -> list[ServerProcess]:
+        return self.masters + self.replicas
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.masters[0].port}/0"
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.stop(timeout=5)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        else:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def node_info(self, port: int) -> str:
+        return _bulk_text(_cmd(port, "CLUSTER", "INFO"))
+
+    def wait_ok(self, timeout: float = 30.0, ports: list[int] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        ports = ports or [n.port for n in self.nodes]
+        while True:
+            try:
+                if all("cluster_state:ok" in self.node_info(p) for p in ports):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise EmbeddedServerError("local cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+
+    def master_of_slot(self, slot: int) -> ServerProcess:
+        """The node that serves `slot` now (after failovers too)."""
+        for node in self.nodes:
+            try:
+                nodes = _bulk_text(_cmd(node.port, "CLUSTER", "NODES"))
+            except OSError:
+                continue
+            for line in nodes.splitlines():
+                parts = line.split()
+                if len(parts) < 9 or "master" not in parts[2] or "fail" in parts[2]:
+                    continue
+                for rng in parts[8:]:
+                    if rng.startswith("["):
+                        continue
+                    lo, _, hi = rng.partition("-")
+                    if int(lo) <= slot <= int(hi or lo):
+                        port = int(parts[1].split(":")[1].split("@")[0])
+                        return next(n for n in self.nodes if n.port == port)
+        raise EmbeddedServerError(f"no master serves slot {slot}")
+
+
+def start_cluster(
+    masters: int = 3,
+    replicas_per_master: int = 1,
+    *,
+    base_dir: Path | str | None = None,
+    appendonly: bool = False,
+    node_timeout_ms: int = 2000,
+) -> LocalCluster:
+    """Start `masters` masters (+ replicas) on free loopback ports and join them into a cluster."""
+    tmp = None
+    if base_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="rs-cluster-")
+        base = Path(tmp.name)
+    else:
+        base = Path(base_dir)
+    started: list[ServerProcess] = []
+    try:
+        for i in range(masters * (1 + replicas_per_master)):
+            started.append(
+                start_server(
+                    base / f"node{i}",
+                    appendonly=appendonly,
+                    port=cluster_port(),
+                    extra_args=[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        str(node_timeout_ms),
+                        "--cluster-require-full-coverage",
+                        "no",
+                        "--cluster-allow-replica-migration",
+                        "no",
+                    ],
+                )
+            )
+        ms, rs = started[:masters], started[masters:]
+        per = SLOTS // masters
+        for i, node in enumerate(ms):
+            lo = i * per
+            hi = SLOTS - 1 if i == masters - 1 else (i + 1) * per - 1
+            _expect_ok(_cmd(node.port, "CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)))
+        for node in started[1:]:
+            _expect_ok(_cmd(node.port, "CLUSTER", "MEET", "127.0.0.1", str(ms[0].port)))
+        cluster = LocalCluster(masters=ms, replicas=rs, base_dir=base, _tmp=tmp)
+        _wait_known(started)
+        for j, replica in enumerate(rs):
+            master = ms[j % masters]
+            master_id = _bulk_text(_cmd(master.port, "CLUSTER", "MYID")).strip()
+            deadline = time.monotonic() + 15
+            while True:
+                reply = _cmd(replica.port, "CLUSTER", "REPLICATE", master_id)
+                if reply.startswith(b"+OK"):
+                    break
+                if time.monotonic() > deadline:
+                    raise EmbeddedServerError(f"CLUSTER REPLICATE failed: {reply!r}")
+                time.sleep(0.1)
+        cluster.wait_ok()
+        return cluster
+    except BaseException:
+        for node in started:
+            with contextlib.suppress(Exception):
+                node.stop(timeout=3)
+        if tmp is not None:
+            tmp.cleanup()
+        raise
+
+
+def _wait_known(nodes: list[ServerProcess], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    want = len(nodes)
+    while True:
+        counts = []
+        for n in nodes:
+            info = _bulk_text(_cmd(n.port, "CLUSTER", "INFO"))
+            for line in info.splitlines():
+                if line.startswith("cluster_known_nodes:"):
+                    counts.append(int(line.split(":")[1]))
+        if counts and min(counts) >= want:
+            return
+        if time.monotonic() > deadline:
+            raise EmbeddedServerError(f"cluster nodes did not meet: known={counts}")
+        time.sleep(0.05)
+
+
+def _expect_ok(reply: bytes) -> None:
+    if not reply.startswith(b"+OK"):
+        raise EmbeddedServerError(f"cluster setup command failed: {reply!r}")
+
+
+def main() -> None:  # pragma: no cover - a manual helper
+    """`python -m redis_session.localcluster`: start a cluster and print its seed URL until Ctrl-C."""
+    c = start_cluster()
+    print(c.url, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        c.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
