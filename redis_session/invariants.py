@@ -1,0 +1,289 @@
+"""Log invariants (ChatLuna ``checkInvariants``, dsh turn enclosure) and dsh crash repair.
+
+`check_invariants` reports, never repairs and never raises. `interrupted_turn_closers` computes the
+entries that close a turn a crash left open; appending them is the caller's decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from msgspec import Struct
+
+from .errors import InvalidEntryError
+from .model import CUT, MESSAGE_TYPES, Entry, NewEntry, Surface, lossless_json
+from .projection import ProjectionState
+from .request import HEADER, HEADER_DELTA, apply_header_delta, canonical_header
+
+
+class Problem(Struct, frozen=True):
+    """One broken invariant: the entry's `n` (None for the log as a whole), a stable `code`, and
+    a message for people.
+
+    Codes: ``n-gap``, ``data-json``, ``meta-json``, ``cut-before``, ``surface``, ``header-delta``,
+    ``turn-number``, ``turn-nested``, ``turn-unmatched``, ``step-open``, ``step-number``,
+    ``step-nested``, ``step-unmatched``, ``outside-turn``, ``turn-mismatch``, ``step-mismatch``,
+    ``tool-unpaired``, ``check-failed``.
+    """
+
+    n: int | None
+    code: str
+    message: str
+
+
+BOUNDARY_TYPES = frozenset({"turn/start", "turn/end", "step/start", "step/end"})
+#: Types that only make sense inside a turn. Other types (user input, ChatLuna marks, plugin
+#: marks) may be appended between turns: a queued user message or a preset switch is legal there.
+TURN_SCOPED_TYPES = frozenset(
+    {"assistant/chunk", "assistant/message", "tool/call", "tool/result", "step/start", "step/end"}
+)
+
+INTERRUPTED_TEXT = "Tool call interrupted by a crash; no result was recorded."
+
+_Report = Callable[[int | None, str, str], None]
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _is_interrupted_result(data: dict[str, Any]) -> bool:
+    error = data.get("error")
+    return bool(data.get("isError")) and isinstance(error, dict) and error.get("code") == "interrupted"
+
+
+class _Turns:
+    """The dsh turn/step enclosure state machine."""
+
+    def __init__(self, add: _Report) -> None:
+        self.add = add
+        self.last_turn = 0
+        self.turn: int | None = None
+        self.last_step = 0
+        self.step: int | None = None
+        self.calls: set[Any] = set()  # tool/call ids of the current step
+
+    def see(self, e: Entry) -> None:
+        t, d, n = e.type, e.data, e.n
+        turn, step = _int(d.get("turn")), _int(d.get("step"))
+        if t == "turn/start":
+            if self.turn is not None:
+                self.add(n, "turn-nested", f"turn/start {turn} while turn {self.turn} is open")
+            if turn is not None and turn != self.last_turn + 1:
+                self.add(n, "turn-number", f"expected turn {self.last_turn + 1}, got {turn}")
+            self.turn = turn if turn is not None else self.last_turn + 1
+            self.last_turn = self.turn
+            self.step, self.last_step = None, 0
+            self.calls.clear()
+            return
+        if t == "turn/end":
+            if self.turn is None:
+                self.add(n, "turn-unmatched", "turn/end outside any open turn")
+            else:
+                if turn != self.turn:
+                    self.add(n, "turn-unmatched", f"turn/end {turn} does not match the open turn {self.turn}")
+                if self.step is not None:
+                    self.add(n, "step-open", f"turn/end while step {self.step} is open")
+            self.turn = self.step = None
+            self.calls.clear()
+            return
+        if t not in TURN_SCOPED_TYPES and not (t == "steering/message" and self.turn is not None):
+            return
+        if self.turn is None:
+            self.add(n, "outside-turn", f"{t} appended outside any open turn")
+            return
+        if turn is not None and turn != self.turn:
+            self.add(n, "turn-mismatch", f"{t} names turn {turn}, but turn {self.turn} is open")
+        if t == "step/start":
+            if self.step is not None:
+                self.add(n, "step-nested", f"step/start {step} while step {self.step} is open")
+            if step is not None and step != self.last_step + 1:
+                self.add(n, "step-number", f"expected step {self.last_step + 1}, got {step}")
+            self.step = step if step is not None else self.last_step + 1
+            self.last_step = self.step
+            self.calls.clear()
+            return
+        if t == "step/end":
+            if self.step is None:
+                self.add(n, "step-unmatched", "step/end with no open step")
+            elif step != self.step:
+                self.add(n, "step-mismatch", f"step/end {step} does not match the open step {self.step}")
+            self.step = None
+            self.calls.clear()
+            return
+        if step is not None and step != self.step:
+            where = "no step is open" if self.step is None else f"step {self.step} is open"
+            self.add(n, "step-mismatch", f"{t} names step {step}, but {where}")
+        if t == "tool/call":
+            self.calls.add(d.get("callId"))
+        elif t == "tool/result" and d.get("callId") not in self.calls and not _is_interrupted_result(d):
+            self.add(n, "tool-unpaired", f"tool/result for call {d.get('callId')!r} has no tool/call in its step")
+
+
+def check_invariants(entries: Sequence[Entry]) -> list[Problem]:
+    """Every broken invariant of a log, in log order. Never raises, never repairs.
+
+    - n runs 0, 1, 2 … without gaps; data (and meta) are lossless JSON objects;
+    - a cut's ``before`` lies in [0, the cut's n];
+    - surface metadata is what `check_surface` would have let in (message types only; replaces
+      name visible nodes in order, with complete sourceEventSeqs);
+    - no ``request/header-delta`` before a snapshot, and each delta applies;
+    - in logs that use turn/step events (dsh): turns numbered from 1 without gaps and never
+      nested; turn/end matches the open turn with no step open; steps numbered from 1 in each turn,
+      never nested; assistant/tool/step events inside an open turn, naming the open turn and step
+      when they carry numbers; a tool/result answers a tool/call of its own step (synthetic
+      ``interrupted`` results excepted). A log without turn/step events (ChatLuna, nanobot) has no
+      turn problems. A turn still open at the end is not a problem: the session may be mid-turn.
+    """
+    problems: list[Problem] = []
+
+    def add(n: int | None, code: str, message: str) -> None:
+        problems.append(Problem(n, code, message))
+
+    turns = _Turns(add) if any(e.type in BOUNDARY_TYPES for e in entries) else None
+    state: ProjectionState | None = ProjectionState()
+    header: dict[str, Any] | None = None
+    expected = 0
+    for e in entries:
+        n = e.n
+        if n != expected:
+            add(n, "n-gap", f"expected n={expected}, got n={n}")
+            state = None  # the surface cannot be followed across a gap
+        expected = n + 1
+        if not isinstance(e.data, dict):
+            add(n, "data-json", f"data must be a JSON object, got {type(e.data).__name__}")
+            state = None
+            continue
+        # Each check runs on its own, so one odd payload cannot hide the others' findings.
+        try:
+            _check_entry(e, add)
+        except Exception as err:
+            add(n, "check-failed", f"{type(err).__name__}: {err}")
+        if state is not None:
+            try:
+                why = state.surface_error(e)
+                if why is not None:
+                    add(n, "surface", why)
+                state.apply(e)
+            except Exception as err:
+                add(n, "check-failed", f"surface: {type(err).__name__}: {err}")
+                state = None
+        if e.type == HEADER or e.type == HEADER_DELTA:
+            header = _fold_header(header, e, add)
+        if turns is not None:
+            try:
+                turns.see(e)
+            except Exception as err:
+                add(n, "check-failed", f"turns: {type(err).__name__}: {err}")
+    return problems
+
+
+def _check_entry(e: Entry, add: _Report) -> None:
+    n = e.n
+    try:
+        lossless_json(e.data, "data")
+    except InvalidEntryError as err:
+        add(n, "data-json", str(err))
+    if e.meta is not None:
+        try:
+            lossless_json(e.meta, "meta")
+        except InvalidEntryError as err:
+            add(n, "meta-json", str(err))
+    if e.type == CUT:
+        before = _int(e.data.get("before"))
+        if before is None or not 0 <= before <= n:
+            add(n, "cut-before", f"cut.before={e.data.get('before')!r} is outside [0, {n}]")
+    if e.surface is not None and e.type not in MESSAGE_TYPES:
+        add(n, "surface", f"{e.type!r} is not surface-eligible and cannot carry surface metadata")
+
+
+def _fold_header(header: dict[str, Any] | None, e: Entry, add: _Report) -> dict[str, Any] | None:
+    if e.type == HEADER:
+        h = e.data.get("header")
+        if isinstance(h, dict):
+            return canonical_header(h)
+        add(e.n, "header-delta", "request/header holds no header object")
+        return None
+    if header is None:
+        add(e.n, "header-delta", "request/header-delta before any request/header snapshot")
+        return None
+    try:
+        return apply_header_delta(header, e.data)
+    except Exception as err:
+        add(e.n, "header-delta", f"request/header-delta does not apply: {err}")
+        return None
+
+
+def interrupted_turn_closers(entries: Sequence[Entry]) -> list[NewEntry]:
+    """The entries that close a turn a crash left open (dsh ``interruptedTurnClosers``), to append
+    after `entries`; [] when no turn is open.
+
+    In order: a synthetic error ``tool/result`` for each tool-call block of the open step's
+    assistant messages that has no result yet (log order; ``sourceEventSeqs`` = the n of its
+    ``tool/call`` when one was logged — calls without an assistant block get nothing), then
+    ``step/end`` if a step is open, then ``turn/end {reason: {kind: "interrupted"}}``. Every closer
+    takes the last entry's time, so the repair is deterministic.
+    """
+    open_turn = False
+    turn: int | None = None
+    step: int | None = None
+    pending: dict[Any, tuple[int | None, int | None]] = {}  # call id → (step, tool/call n)
+    logged: dict[Any, int] = {}  # tool/call ids of the current step → n
+    for e in entries:
+        t, d = e.type, e.data
+        if t == "turn/start":
+            open_turn, turn, step = True, _int(d.get("turn")), None
+            pending.clear()
+            logged.clear()
+        elif t == "turn/end":
+            open_turn, turn, step = False, None, None
+            pending.clear()
+            logged.clear()
+        elif t == "step/start":
+            step = _int(d.get("step"))
+        elif t == "step/end":
+            step = None
+            pending.clear()
+            logged.clear()
+        elif t == "assistant/message":
+            content = d.get("content")
+            for block in content if isinstance(content, list) else ():
+                if isinstance(block, dict) and block.get("type") == "tool-call":
+                    call_id = block.get("id")
+                    pending.setdefault(call_id, (_int(d.get("step")) or step, logged.get(call_id)))
+        elif t == "tool/call":
+            call_id = d.get("callId")
+            logged[call_id] = e.n
+            if call_id in pending:
+                pending[call_id] = (pending[call_id][0], e.n)
+        elif t == "tool/result":
+            pending.pop(d.get("callId"), None)
+    if not open_turn:
+        return []
+    time = entries[-1].time
+    closers: list[NewEntry] = []
+    for call_id, (call_step, call_n) in pending.items():
+        data: dict[str, Any] = {"turn": turn}
+        if call_step is not None:
+            data["step"] = call_step
+        data["callId"] = call_id
+        data["content"] = [{"type": "text", "text": INTERRUPTED_TEXT}]
+        data["isError"] = True
+        data["error"] = {"name": "InterruptedError", "code": "interrupted"}
+        seqs = None if call_n is None else [call_n]
+        closers.append(NewEntry("tool/result", data, surface=Surface("append", seqs), time=time))
+    if step is not None:
+        closers.append(NewEntry("step/end", {"turn": turn, "step": step}, time=time))
+    closers.append(NewEntry("turn/end", {"turn": turn, "reason": {"kind": "interrupted"}}, time=time))
+    return closers
+
+
+__all__ = [
+    "BOUNDARY_TYPES",
+    "INTERRUPTED_TEXT",
+    "TURN_SCOPED_TYPES",
+    "Problem",
+    "check_invariants",
+    "interrupted_turn_closers",
+]
