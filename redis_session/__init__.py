@@ -91,13 +91,35 @@ async def connect(
     return Sessions(open_store(url, prefix=prefix, cluster=cluster, **kwargs))
 
 
+_PROJECTION = {
+    "project",
+    "to_openai",
+    "to_anthropic",
+    "Message",
+    "history",
+    "ProjectionState",
+    "check_surface",
+    "needs_rebuild",
+}
+_REQUEST = {"reconstruct_request", "prompt_digest", "diff_header", "apply_header_delta", "fold_request_header"}
+_INVARIANTS = {"check_invariants", "interrupted_turn_closers", "Problem"}
+
+
 def __getattr__(name: str) -> Any:
     # The projection and service layers are imported on first use, keeping `import redis_session`
     # light for processes that only need the store.
-    if name in {"project", "to_openai", "to_anthropic", "Message", "history", "ProjectionState"}:
+    if name in _PROJECTION:
         from . import projection
 
         return getattr(projection, name)
+    if name in _REQUEST:
+        from . import request
+
+        return getattr(request, name)
+    if name in _INVARIANTS:
+        from . import invariants
+
+        return getattr(invariants, name)
     if name in {"Sessions", "Session"}:
         from . import sessions
 

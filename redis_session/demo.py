@@ -266,8 +266,8 @@ async def run_demo(
                 report = await doctor(store, sid)
                 if not report.ok:
                     problems += 1
-                    for p in report.problems:
-                        console.print(f"[red]doctor {sid}[/red] {p.code}: {p.message}")
+                    for problem in report.problems:
+                        console.print(f"[red]doctor {sid}[/red] {problem.code}: {problem.message}")
             shared = await store.head(shared_id)
             elapsed = time.monotonic() - started
             console.rule("summary")
