@@ -1,0 +1,31 @@
+"""Drop-in adapters for agent frameworks, on a redis-session store.
+
+- `RedisEventSession` (``redis_session.adapters.openai_agents``): the OpenAI Agents SDK
+  ``Session`` protocol; needs the ``openai-agents`` extra.
+- `RedisChatMessageHistory` (``redis_session.adapters.langchain``): a LangChain
+  ``BaseChatMessageHistory``; needs the ``langchain`` extra.
+
+Each is imported on first use, so this package imports without either framework installed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .langchain import RedisChatMessageHistory
+    from .openai_agents import RedisEventSession
+
+__all__ = ["RedisChatMessageHistory", "RedisEventSession"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisEventSession":
+        from .openai_agents import RedisEventSession
+
+        return RedisEventSession
+    if name == "RedisChatMessageHistory":
+        from .langchain import RedisChatMessageHistory
+
+        return RedisChatMessageHistory
+    raise AttributeError(name)

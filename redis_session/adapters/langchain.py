@@ -1,0 +1,344 @@
+"""A LangChain chat history on redis-session: `RedisChatMessageHistory`.
+
+A `langchain_core.chat_history.BaseChatMessageHistory` (``messages``, ``add_messages``,
+``clear`` and the async ``aget_messages``, ``aadd_messages``, ``aclear``), usable with
+``RunnableWithMessageHistory`` or on its own::
+
+    store = redis_session.open_store("redis://localhost:6379/0")
+    history = RedisChatMessageHistory("chat-1", store)
+    await history.aadd_messages([HumanMessage("hi"), AIMessage("hello")])
+
+Each LangChain message is one ``message`` entry: an OpenAI-style chat message ``{role, content,
+tool_calls?, tool_call_id?, name?, reasoning_content?}`` (so the session's projection and every
+other reader understand it), plus ``langchain: {type, id?, additional_kwargs?, response_metadata?,
+usage_metadata?, invalid_tool_calls?, status?, artifact?}`` holding what LangChain needs to give
+the same message back (fields that are not JSON are left out). ``clear()`` appends a ``cut``
+(``before`` = its own n, empty summary): the history is empty, the log keeps everything.
+
+``messages`` is the session's projection (`redis_session.project`), so it honours cuts and dsh
+surface replaces, and shows sessions written by other writers (dsh events, importers) too: a
+``message`` entry comes back as the LangChain message it was stored from; anything else goes
+through the OpenAI rendering. Like the projection, an assistant message with no content and no
+tool calls is left out. Writes are expected-n appends, retried after a conflict with another
+writer. The session is created on the first write.
+
+The async methods run on the caller's event loop. The sync ones run on a background event-loop
+thread shared by all histories; a `RedisSessionStore` is bound to the event loop that first uses
+it, so use one store per loop (don't mix the sync and async methods on one Redis store). Needs
+the ``langchain`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+from anyio.from_thread import BlockingPortal
+from langchain_core.chat_history import BaseChatMessageHistory
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+
+from ..model import CUT, Entry, NewEntry
+from ..projection import Message, ProjectionState, to_openai
+from ._log import SessionLog, resolve_store
+
+CLEAR_REASON = "langchain:clear"
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "ai": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
+
+__all__ = ["CLEAR_REASON", "RedisChatMessageHistory", "from_chat_message", "to_chat_message"]
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def _json_or_none(value: Any) -> Any:
+    """`value` when it is lossless JSON, else None (left out)."""
+    try:
+        raw = msgspec.json.encode(value)
+        return value if msgspec.json.decode(raw) == value else None
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError, RecursionError):
+        return None
+
+
+def _content(content: Any) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    return [{"type": "text", "text": p} if isinstance(p, str) else dict(p) for p in content or ()]
+
+
+def to_chat_message(message: BaseMessage) -> dict[str, Any]:
+    """A LangChain message as the data of a ``message`` entry (see the module docstring)."""
+    if isinstance(message, HumanMessage):
+        role = "user"
+    elif isinstance(message, AIMessage):
+        role = "assistant"
+    elif isinstance(message, SystemMessage):
+        role = "system"
+    elif isinstance(message, (ToolMessage, FunctionMessage)):
+        role = "tool"
+    elif isinstance(message, ChatMessage):
+        if message.role not in _ROLES:
+            raise ValueError(
+                f"a ChatMessage with role {message.role!r} has no chat-message equivalent (use one of {sorted(_ROLES)})"
+            )
+        role = _ROLES[message.role]
+    else:
+        raise ValueError(f"unsupported message type {type(message).__name__}")
+    data: dict[str, Any] = {"role": role, "content": _content(message.content)}
+    if message.name:
+        data["name"] = message.name
+    lc: dict[str, Any] = {"type": message.type}
+    if isinstance(message, ChatMessage):
+        lc["role"] = message.role
+    if message.id is not None:
+        lc["id"] = message.id
+    for key in ("additional_kwargs", "response_metadata"):
+        value = _json_or_none(getattr(message, key, None) or None)
+        if value:
+            lc[key] = value
+    if isinstance(message, AIMessage):
+        if message.tool_calls:
+            data["tool_calls"] = [
+                {
+                    "id": call.get("id") or "",
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": json.dumps(call["args"], ensure_ascii=False)},
+                }
+                for call in message.tool_calls
+            ]
+        reasoning = message.additional_kwargs.get("reasoning_content")
+        if isinstance(reasoning, str) and reasoning:
+            data["reasoning_content"] = reasoning
+        for key in ("usage_metadata", "invalid_tool_calls"):
+            value = _json_or_none(getattr(message, key, None) or None)
+            if value:
+                lc[key] = value
+    if isinstance(message, ToolMessage):
+        data["tool_call_id"] = message.tool_call_id
+        if message.status != "success":
+            lc["status"] = message.status
+        artifact = _json_or_none(message.artifact)
+        if artifact is not None:
+            lc["artifact"] = artifact
+    data["langchain"] = lc
+    return data
+
+
+def _args(arguments: Any) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) and arguments else {}
+    except ValueError:
+        return {"_raw_arguments": arguments}
+    return value if isinstance(value, dict) else {"_value": value}
+
+
+def from_chat_message(data: dict[str, Any]) -> BaseMessage:
+    """The LangChain message of a chat message (a ``message`` entry's data, or an OpenAI-format
+    message); the ``langchain`` extras, when present, restore what the format cannot hold."""
+    lc = data.get("langchain") if isinstance(data.get("langchain"), dict) else {}
+    assert isinstance(lc, dict)
+    role = data.get("role")
+    content = data.get("content")
+    if content is None:
+        content = ""
+    kwargs: dict[str, Any] = {"content": content}
+    if data.get("name"):
+        kwargs["name"] = data["name"]
+    if lc.get("id") is not None:
+        kwargs["id"] = lc["id"]
+    for key in ("additional_kwargs", "response_metadata"):
+        if isinstance(lc.get(key), dict):
+            kwargs[key] = lc[key]
+    kind = lc.get("type")
+    if kind == "chat" and isinstance(lc.get("role"), str):
+        return ChatMessage(role=lc["role"], **kwargs)
+    if role == "assistant":
+        calls = []
+        for call in data.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            calls.append(
+                {
+                    "name": fn.get("name") or "",
+                    "args": _args(fn.get("arguments")),
+                    "id": call.get("id") or None,
+                    "type": "tool_call",
+                }
+            )
+        if calls:
+            kwargs["tool_calls"] = calls
+        if data.get("reasoning_content") and "additional_kwargs" not in kwargs:
+            kwargs["additional_kwargs"] = {"reasoning_content": data["reasoning_content"]}
+        for key in ("usage_metadata", "invalid_tool_calls"):
+            if lc.get(key):
+                kwargs[key] = lc[key]
+        return AIMessage(**kwargs)
+    if role == "tool":
+        if kind == "function":
+            return FunctionMessage(**{**kwargs, "name": data.get("name") or ""})
+        if lc.get("status") in ("success", "error"):
+            kwargs["status"] = lc["status"]
+        if "artifact" in lc:
+            kwargs["artifact"] = lc["artifact"]
+        return ToolMessage(tool_call_id=data.get("tool_call_id") or "", **kwargs)
+    if role == "system":
+        return SystemMessage(**kwargs)
+    return HumanMessage(**kwargs)
+
+
+# --------------------------------------------------------------------------- the sync bridge
+
+_portal: BlockingPortal | None = None
+_portal_lock = threading.Lock()
+
+
+def _shared_portal() -> BlockingPortal:
+    """One background event loop (a daemon thread) for every history's sync calls."""
+    global _portal
+    with _portal_lock:
+        if _portal is None:
+            ready = threading.Event()
+            box: list[BlockingPortal] = []
+
+            async def serve() -> None:
+                async with BlockingPortal() as portal:
+                    box.append(portal)
+                    ready.set()
+                    await portal.sleep_until_stopped()
+
+            threading.Thread(target=anyio.run, args=(serve,), name="redis-session-langchain", daemon=True).start()
+            ready.wait()
+            _portal = box[0]
+        return _portal
+
+
+# --------------------------------------------------------------------------- the history
+
+
+class _View:
+    """The log as this history sees it on one event loop: the projection, kept incrementally."""
+
+    def __init__(self, history: RedisChatMessageHistory) -> None:
+        self.state = ProjectionState()
+        self.chat: dict[int, dict[str, Any]] = {}
+        self.lock = anyio.Lock()
+        self.log = SessionLog(
+            history._store,
+            history.session_id,
+            origin=history._origin,
+            fold=self.fold,
+            reset=self.reset,
+        )
+
+    def reset(self) -> None:
+        self.state = ProjectionState()
+        self.chat.clear()
+
+    def fold(self, entries: Sequence[Entry]) -> None:
+        self.state.extend(entries)
+        for e in entries:
+            if e.type == "message":
+                self.chat[e.n] = e.data
+
+    def convert(self, m: Message) -> list[BaseMessage]:
+        if len(m.source) == 1 and m.source[0] in self.chat:
+            data = self.chat[m.source[0]]
+            if data.get("role") == m.role:
+                return [from_chat_message(data)]
+        return [from_chat_message(d) for d in to_openai([m])]
+
+    async def messages(self) -> list[BaseMessage]:
+        async with self.lock:
+            await self.log.catch_up()
+            return [lc for m in self.state.messages() for lc in self.convert(m)]
+
+    async def add(self, messages: Sequence[BaseMessage]) -> None:
+        data = [to_chat_message(m) for m in messages]
+        if not data:
+            return
+        async with self.lock:
+            step = self.log.max_batch
+            for lo in range(0, len(data), step):
+                chunk = [NewEntry("message", d) for d in data[lo : lo + step]]
+                await self.log.write(partial(list, chunk), fresh=False)
+
+    async def clear(self) -> None:
+        def build() -> list[NewEntry]:
+            if not self.state.messages():
+                return []
+            return [NewEntry(CUT, {"before": self.log.n, "summary": [], "reason": CLEAR_REASON})]
+
+        async with self.lock:
+            await self.log.write(build, fresh=True)
+
+
+class RedisChatMessageHistory(BaseChatMessageHistory):
+    """LangChain chat history of one redis-session session (see the module docstring).
+
+    `store` is a `SessionStore` or a `Sessions` service; `origin` goes into the header of the
+    session when this history creates it.
+    """
+
+    def __init__(self, session_id: str, store: Any, *, origin: Any = None) -> None:
+        super().__init__()
+        self.session_id = session_id
+        self._store = resolve_store(store)
+        self._origin = {"adapter": "langchain"} if origin is None else origin
+        self._async_view = _View(self)  # validates the id now
+        self._sync_view: _View | None = None
+
+    # -- sync API: on the shared background loop
+    def _sync(self, fn: Callable[[_View], Awaitable[T]]) -> T:
+        if self._sync_view is None:
+            self._sync_view = _View(self)
+        view = self._sync_view
+
+        async def call() -> T:
+            return await fn(view)
+
+        return _shared_portal().call(call)
+
+    @property
+    def messages(self) -> list[BaseMessage]:  # type: ignore[override]
+        """The history (the session's projection, as LangChain messages)."""
+        return self._sync(lambda v: v.messages())
+
+    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
+        """Append the messages, in order, in one expected-n write."""
+        self._sync(lambda v: v.add(list(messages)))
+
+    def clear(self) -> None:
+        """Empty the history with a ``cut``; the log keeps every entry."""
+        self._sync(lambda v: v.clear())
+
+    # -- async API: on the caller's loop
+    async def aget_messages(self) -> list[BaseMessage]:
+        return await self._async_view.messages()
+
+    async def aadd_messages(self, messages: Sequence[BaseMessage]) -> None:
+        await self._async_view.add(list(messages))
+
+    async def aclear(self) -> None:
+        await self._async_view.clear()

@@ -1,0 +1,218 @@
+"""An OpenAI Agents SDK session on redis-session: `RedisEventSession`.
+
+It satisfies the SDK's `agents.memory.Session` protocol (``session_id``, ``session_settings``,
+``get_items(limit=None)``, ``add_items(items)``, ``pop_item()``, ``clear_session()``), so it drops
+in wherever the SDK takes a session::
+
+    store = redis_session.open_store("redis://localhost:6379/0")
+    session = RedisEventSession("user-42", store)
+    result = await Runner.run(agent, "Hi", session=session)
+
+The log stays append-only; nothing is ever deleted:
+
+- each item is one ``openai/item`` entry whose data is the item (a Responses input item, as JSON);
+- ``pop_item()`` appends ``openai/pop {"n": k}``, a tombstone hiding item k (the last visible one);
+- ``clear_session()`` appends ``cut {before: n, summary: [], reason: "openai-agents:clear_session"}``,
+  which hides every entry before it.
+
+``get_items`` folds those: the items of the entries with n >= the last cut's ``before`` that no
+pop hid (after a compaction by another tool, the cut's ``summary`` messages come first, as
+``{role, content}`` items). Every write is an expected-n append: concurrent writers (other pods,
+other instances) conflict, catch up and retry, so none of their items are lost or reordered
+within a call; ``pop_item`` pops exactly the item it returns, even while others append. The SDK's
+own ``RedisSession`` has neither the expected-n check nor the audit trail. The session is created
+on the first write. It satisfies the protocol structurally (as the SDK asks third-party sessions
+to), so importing it does not need the SDK; running agents does (the ``openai-agents`` extra).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+import anyio
+
+from ..model import CUT, Entry, NewEntry
+from ._log import SessionLog, resolve_store
+
+if TYPE_CHECKING:
+    from agents.items import TResponseInputItem
+    from agents.memory import SessionSettings
+
+    from ..redis_store import RedisSessionStore
+
+ITEM = "openai/item"
+POP = "openai/pop"
+CLEAR_REASON = "openai-agents:clear_session"
+_SUMMARY_ROLES = frozenset({"user", "assistant", "system", "developer"})
+
+__all__ = ["CLEAR_REASON", "ITEM", "POP", "RedisEventSession"]
+
+
+def _as_item(item: Any) -> dict[str, Any]:
+    if isinstance(item, Mapping):
+        return dict(item)
+    dump = getattr(item, "model_dump", None)  # a pydantic Responses type
+    if callable(dump):
+        out = dump(mode="json", exclude_unset=True)
+        if isinstance(out, dict):
+            return out
+    raise TypeError(f"a session item must be a JSON object (dict), got {type(item).__name__}")
+
+
+class RedisEventSession:
+    """The Agents SDK ``Session`` protocol over a redis-session log (see the module docstring).
+
+    `store` is a `SessionStore` or a `Sessions` service. `session_settings` (an
+    ``agents.memory.SessionSettings`` or a dict) gives the default ``limit`` of `get_items`.
+    Calls on one instance are serialised; several instances (or pods) may share a session.
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        store: Any,
+        *,
+        session_settings: SessionSettings | Mapping[str, Any] | None = None,
+        origin: Any = None,
+    ) -> None:
+        self.session_id = session_id
+        if isinstance(session_settings, Mapping):
+            from agents.memory import SessionSettings
+
+            session_settings = SessionSettings(**session_settings)
+        self.session_settings: SessionSettings | None = session_settings
+        self._owned: RedisSessionStore | None = None
+        self._items: dict[int, dict[str, Any]] = {}  # n -> item, not popped (cut-hidden ones too)
+        self._before = 0
+        self._summary: list[dict[str, Any]] = []
+        self._lock = anyio.Lock()
+        self._log = SessionLog(
+            resolve_store(store),
+            session_id,
+            origin={"adapter": "openai-agents"} if origin is None else origin,
+            fold=self._fold,
+            reset=self._reset,
+            mark_types=(ITEM, POP),
+        )
+
+    @classmethod
+    def from_url(
+        cls,
+        session_id: str,
+        *,
+        url: str | None = None,
+        prefix: str = "rs",
+        session_settings: SessionSettings | Mapping[str, Any] | None = None,
+    ) -> RedisEventSession:
+        """Like the SDK's ``RedisSession.from_url``: a store of its own (`url`, else
+        ``$REDIS_URL``, else the embedded server), closed by `close()`."""
+        from .. import open_store
+
+        store = open_store(url, prefix=prefix)
+        session = cls(session_id, store, session_settings=session_settings)
+        session._owned = store
+        return session
+
+    @property
+    def store(self) -> Any:
+        return self._log.store
+
+    # ------------------------------------------------------------------ the fold
+
+    def _reset(self) -> None:
+        self._items.clear()
+        self._before = 0
+        self._summary = []
+
+    def _fold(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
+            if e.type == ITEM:
+                self._items[e.n] = e.data
+            elif e.type == POP:
+                k = e.data.get("n")
+                if isinstance(k, int):
+                    self._items.pop(k, None)
+            elif e.type == CUT:
+                self._before = int(e.data.get("before", e.n))
+                self._summary = [
+                    {"role": m["role"], "content": m.get("content") or ""}
+                    for m in e.data.get("summary") or ()
+                    if isinstance(m, dict) and m.get("role") in _SUMMARY_ROLES
+                ]
+
+    def _visible(self) -> list[tuple[int, dict[str, Any]]]:
+        before = self._before
+        return [(n, item) for n, item in self._items.items() if n >= before]
+
+    # ------------------------------------------------------------------ the protocol
+
+    async def get_items(self, limit: int | None = None) -> list[TResponseInputItem]:
+        """The history in chronological order; with `limit` (else ``session_settings.limit``),
+        the latest `limit` items (none for a limit <= 0)."""
+        if limit is None and self.session_settings is not None:
+            limit = self.session_settings.limit
+        async with self._lock:
+            await self._log.catch_up()
+            items = [*self._summary, *(item for _, item in self._visible())]
+        if limit is not None:
+            items = items[-limit:] if limit > 0 else []
+        return cast("list[TResponseInputItem]", copy.deepcopy(items))
+
+    async def add_items(self, items: list[TResponseInputItem]) -> None:
+        """Append the items, in order (one expected-n batch per store batch)."""
+        converted = [_as_item(i) for i in items]
+        if not converted:
+            return
+        async with self._lock:
+            step = self._log.max_batch
+            for lo in range(0, len(converted), step):
+                chunk = [NewEntry(ITEM, item) for item in converted[lo : lo + step]]
+                await self._log.write(partial(list, chunk), fresh=False)
+
+    async def pop_item(self) -> TResponseInputItem | None:
+        """Hide the most recent item (an ``openai/pop`` tombstone) and return it; None if empty."""
+        popped: list[dict[str, Any]] = []
+
+        def build() -> list[NewEntry]:
+            popped.clear()
+            visible = self._visible()
+            if not visible:
+                return []
+            n, item = visible[-1]
+            popped.append(item)
+            return [NewEntry(POP, {"n": n})]
+
+        async with self._lock:
+            await self._log.write(build, fresh=True)
+        return cast("TResponseInputItem", copy.deepcopy(popped[0])) if popped else None
+
+    async def clear_session(self) -> None:
+        """Hide every item with a ``cut`` (the entries stay in the log)."""
+
+        def build() -> list[NewEntry]:
+            if not self._visible() and not self._summary:
+                return []
+            n = self._log.n
+            return [NewEntry(CUT, {"before": n, "summary": [], "reason": CLEAR_REASON})]
+
+        async with self._lock:
+            await self._log.write(build, fresh=True)
+
+    # ------------------------------------------------------------------ extras
+
+    async def ping(self) -> bool:
+        """Whether the store answers."""
+        try:
+            await self._log.store.head(self.session_id)
+        except Exception:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Close the store if `from_url` opened it (a store passed in is the caller's to close)."""
+        if self._owned is not None:
+            await self._owned.aclose()
+            self._owned = None
