@@ -194,6 +194,7 @@ def doctor_cmd(
         raise CliError("give a SESSION or --all")
 
     async def main() -> int:
+        from .errors import SessionNotFoundError
         from .sessions import doctor
 
         store = _store(url, prefix)
@@ -213,7 +214,12 @@ def doctor_cmd(
                 assert session is not None
                 ids = [session]
             for sid in ids:
-                report = await doctor(store, sid)
+                try:
+                    report = await doctor(store, sid)
+                except SessionNotFoundError:
+                    if not all_:
+                        raise
+                    continue  # deleted or expired since it was listed
                 checked += 1
                 if report.ok:
                     continue

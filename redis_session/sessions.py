@@ -1,0 +1,1072 @@
+"""The `Sessions` service and the `Session` handle (ChatLuna ``ctx.sessions``, DESIGN §5).
+
+`Sessions` opens, creates, branches, forks, lists and deletes sessions on any `SessionStore`;
+a `Session` is one writer's (or reader's) view of one session:
+
+>>> sessions = await redis_session.connect()
+>>> s = await sessions.open("chat-1")                    # reads the head, not the log
+>>> await s.append("user/message", {"content": "hi"})    # expected_n = s.n: a stale handle conflicts
+>>> await s.commit({"content": "hello!"})                # an assistant message; clears the draft
+>>> [m.text for m in await s.messages()]
+['hi', 'hello!']
+
+Concurrency, in short:
+
+- every write of a handle carries the handle's `n` as ``expected_n``: if another handle or pod
+  appended first, nothing is written and `SessionConflictError` is raised; the handle is left as
+  it was, and `Session.refresh()` catches it up. `Session.transact(fn)` runs that loop for you
+  (refresh, retry, jittered backoff);
+- writes of one handle go through one lock, so tasks sharing a handle never reorder;
+- `Session.enqueue` appends at the end whatever n is, for entries that do not depend on the log;
+- `Session.lease()` is the cooperative "one writer per session" lock; `Sessions.repair` closes a
+  turn whose writer crashed (no live lease).
+
+This module only talks to the `SessionStore` protocol (plus `doctor`'s storage checks, which look
+at the Redis stream itself when the store is a `RedisSessionStore`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+from msgspec import Struct
+
+from .errors import (
+    InvalidEntryError,
+    InvalidSessionIdError,
+    LeaseHeldError,
+    SessionAlreadyExistsError,
+    SessionConflictError,
+    SessionError,
+    SessionForkError,
+    SessionNotFoundError,
+    StoreUnavailableError,
+)
+from .invariants import Problem, check_invariants, interrupted_turn_closers
+from .keys import MAX_ID_LENGTH, validate_session_id
+from .model import (
+    CUT,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_ENTRY_BYTES,
+    Entry,
+    NewEntry,
+    NewEntryLike,
+    Page,
+    SessionHead,
+    SessionHeader,
+    Surface,
+    as_new_entry,
+    encode_batch,
+    kind_of,
+)
+from .projection import Message, ProjectionState, check_surface, history, to_openai
+from .request import ReconstructedRequest, reconstruct_request
+from .store import MemorySessionStore, SessionStore
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Entries per store read when folding or reading a long log (the Redis store caps one read at 100k).
+READ_PAGE = 50_000
+DEFAULT_LEASE_TTL = 30.0
+DEFAULT_EPHEMERAL_TTL = 3600.0
+BRANCH_EVENT = "session-branch"
+
+
+class LeaseLostError(LeaseHeldError):
+    """This handle's lease expired or was taken over: its writes are refused until it leases again."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_int(value: object, what: str, *, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _ttl_ms(ttl: float) -> int:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl:
+        raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    return max(1, round(ttl * 1000))
+
+
+def _new_session_id() -> str:
+    return f"session-{uuid.uuid4().hex}"
+
+
+def _default_branch_id(parent: str) -> str:
+    branch_id = f"{parent}:branch:{uuid.uuid4().hex[:8]}"
+    if len(branch_id) > MAX_ID_LENGTH:
+        raise InvalidSessionIdError(
+            f"the default branch id of {parent[:60]!r}… would be {len(branch_id)} characters "
+            f"(the limit is {MAX_ID_LENGTH}): pass an explicit branch_id"
+        )
+    return branch_id
+
+
+def _is_user_message(e: Entry) -> bool:
+    return e.type == "user/message" or (e.type == "message" and e.data.get("role") == "user")
+
+
+async def _read_range(store: SessionStore, session_id: str, start: int, stop: int) -> builtins.list[Entry]:
+    """Entries [start, stop), in pages (one store read is capped)."""
+    out: builtins.list[Entry] = []
+    lo = start
+    while lo < stop:
+        hi = min(stop, lo + READ_PAGE)
+        batch = await store.read(session_id, lo, hi)
+        out.extend(batch)
+        if len(batch) != hi - lo:
+            break  # the session is shorter than asked: the caller sees what there is
+        lo = hi
+    return out
+
+
+async def _fold_into(store: SessionStore, session_id: str, state: ProjectionState, stop: int) -> None:
+    """Fold entries [state.n, stop) into `state`, page by page (never holding the whole log)."""
+    while state.n < stop:
+        lo = state.n
+        hi = min(stop, lo + READ_PAGE)
+        batch = await store.read(session_id, lo, hi)
+        if len(batch) != hi - lo:
+            raise SessionError(
+                f"session {session_id!r}: the log holds {len(batch)} entries in [{lo}, {hi}), "
+                f"expected {hi - lo}; run `redis-session doctor {session_id}`"
+            )
+        state.extend(batch)
+
+
+async def _snapshot_state(store: SessionStore, session_id: str, limit: int) -> ProjectionState | None:
+    """The projector's snapshot of `session_id` if it is sound and covers at most `limit` entries."""
+    try:
+        got = await store.get_projection(session_id)
+    except SessionNotFoundError:
+        return None
+    if got is None or got[0] > limit:
+        return None
+    try:
+        state = ProjectionState.from_bytes(got[1])
+    except ValueError:
+        return None  # damaged or foreign: fold from the log instead
+    return state if state.n == got[0] else None
+
+
+async def _from_cut(store: SessionStore, session_id: str, cut_n: int, stop: int, start: int) -> ProjectionState | None:
+    """The state at `stop` rebuilt from the cut at `cut_n`, when that reads fewer entries than
+    folding from `start`; None when it does not pay off or cannot be done."""
+    got = await store.read(session_id, cut_n, cut_n + 1)
+    if len(got) != 1 or got[0].type != CUT:
+        return None  # `last_cut` is a hint: it must point at a cut to be used
+    cut = got[0]
+    before = cut.data.get("before")
+    if not isinstance(before, int) or isinstance(before, bool) or not start < before <= cut_n:
+        return None
+    window = await _read_range(store, session_id, before, cut_n)
+    try:
+        state = ProjectionState.from_cut(cut, window)
+        await _fold_into(store, session_id, state, stop)
+    except ValueError:
+        return None  # a replace in the window needs older history: fold from further back
+    return state
+
+
+async def load_projection(store: SessionStore, head: SessionHead) -> ProjectionState:
+    """The projection state of `head`'s session at ``head.n``, reading as little as it can.
+
+    Start points, cheapest first: the projector's snapshot at n_s ≤ n (for a branch without one,
+    its parent's snapshot when it covers only the shared prefix), or a rebuild from the last cut.
+    Entries [start, n) are then folded here, so a lagging, dead or wrong-version projector costs
+    speed, never correctness. Anything unusable (absent, damaged, ahead of n, needing history it
+    does not hold) falls back to the next start point, and finally to a full fold from 0.
+    """
+    sid, n, header = head.header.id, head.n, head.header
+    state = await _snapshot_state(store, sid, n)
+    if state is None and header.parent is not None and header.at is not None:
+        # The branch shares [0, at) with its parent. The guard on created_at keeps a parent id
+        # that was re-created after this branch (a different log) from lending its snapshot.
+        parent = await store.head(header.parent)
+        if parent is not None and parent.header.created_at < header.created_at:
+            state = await _snapshot_state(store, header.parent, min(n, header.at))
+    start = 0 if state is None else state.n
+    if head.last_cut is not None and start <= head.last_cut < n:
+        rebuilt = await _from_cut(store, sid, head.last_cut, n, start)
+        if rebuilt is not None:
+            return rebuilt
+    if state is not None:
+        try:
+            await _fold_into(store, sid, state, n)
+            return state
+        except ValueError:
+            pass  # e.g. a cut that shows entries older than the snapshot's floor
+    state = ProjectionState()
+    try:
+        await _fold_into(store, sid, state, n)
+    except ValueError as e:
+        raise SessionError(f"session {sid!r} cannot be folded: {e}; run `redis-session doctor {sid}`") from e
+    return state
+
+
+class _TaskLock:
+    """A lock the holding task may re-enter, so `Session.transact` can hold a handle's write lock
+    across its function while the writes inside it take the lock again. FIFO like `anyio.Lock`."""
+
+    __slots__ = ("_depth", "_lock", "_owner")
+
+    def __init__(self) -> None:
+        self._lock = anyio.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    async def __aenter__(self) -> None:
+        me = anyio.get_current_task().id
+        if self._owner == me:
+            self._depth += 1
+            return
+        await self._lock.acquire()
+        self._owner, self._depth = me, 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+            self._lock.release()
+
+
+# --------------------------------------------------------------------------- lease
+
+
+class SessionLease:
+    """The writer lease of one session, held by one `Session` handle (``async with s.lease():``).
+
+    Entering acquires the store's lease with a fresh token (`LeaseHeldError` at once when another
+    holder has it); a background task renews it every ttl/3 while the block runs; leaving stops the
+    renewal and releases it (also on error or cancellation).
+
+    **Fencing.** While a handle holds a lease, each of its writes first checks, locally and without
+    a round trip, that the lease is still *valid*: the last renewal succeeded and was sent less
+    than ``0.9 * ttl`` ago (the server's expiry runs from when it received the renewal, so this is
+    a safe under-estimate with a 10% margin for latency). A write after that raises
+    `LeaseLostError` and writes nothing. A renewal the server refuses (the lease expired and another
+    token took it) invalidates the lease at once. The store's append script does not check the
+    token, so a write whose check passed just before expiry may still land after it: the real
+    fence is ``expected_n`` — a new holder works from the head it read, so a late write of the old
+    holder either lands before that read (and the new holder sees it) or makes the new holder's
+    next write conflict. Entries can never interleave silently.
+    """
+
+    def __init__(self, session: Session, ttl: float) -> None:
+        self.session = session
+        self.ttl = float(ttl)
+        self.ttl_ms = _ttl_ms(ttl)
+        self.token = uuid.uuid4().hex
+        self._valid_until = 0.0
+        self._lost = False
+        self._tg: Any = None
+
+    @property
+    def held(self) -> bool:
+        """Whether the lease is (as far as this process can tell) still ours."""
+        return not self._lost and anyio.current_time() < self._valid_until
+
+    def check(self) -> None:
+        """Raise `LeaseLostError` unless `held`."""
+        if not self.held:
+            why = "was taken over" if self._lost else "expired (renewals failed)"
+            raise LeaseLostError(f"the lease on session {self.session.id!r} {why}; nothing was written")
+
+    async def _acquire(self) -> bool:
+        sent = anyio.current_time()
+        ok = await self.session._store.acquire_lease(self.session.id, self.token, self.ttl_ms)
+        if ok:
+            self._valid_until = sent + self.ttl * 0.9
+        return ok
+
+    async def _renew(self) -> None:
+        while True:
+            await anyio.sleep(self.ttl / 3)
+            try:
+                ok = await self._acquire()
+            except Exception as e:  # the server is unreachable: keep trying while the lease lasts
+                log.warning("renewing the lease on %r failed: %s", self.session.id, e)
+                if not self.held:
+                    return
+                continue
+            if not ok:
+                self._lost = True
+                log.warning("the lease on %r was taken over by another holder", self.session.id)
+                return
+
+    async def __aenter__(self) -> SessionLease:
+        if self.session._lease is not None:
+            raise RuntimeError(f"this handle already holds the lease on {self.session.id!r}")
+        if not await self._acquire():
+            raise LeaseHeldError(f"session {self.session.id!r}: another holder owns the lease")
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._renew)
+        self.session._lease = self
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # The body's own exception propagates untouched: the renewal task group is closed as if
+        # the body ended normally (it never raises itself), so nothing is wrapped in a group.
+        self.session._lease = None
+        self._tg.cancel_scope.cancel()
+        try:
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.session._store.release_lease(self.session.id, self.token)
+                except Exception as e:  # it expires on its own
+                    log.warning("releasing the lease on %r failed: %s", self.session.id, e)
+            self._lost = True
+
+
+# --------------------------------------------------------------------------- Session
+
+
+class Session:
+    """A handle on one session: a snapshot at `n` that its own writes move forward.
+
+    Lazy: opening one reads the head only. The projection is loaded on the first `messages()`
+    (from the projector's snapshot plus the entries after it) and then kept current by this
+    handle's writes and `refresh()` without reading the log again.
+
+    Every write appends with ``expected_n = n``. `SessionConflictError` means another writer got
+    there first; nothing was written and this handle is unchanged: `refresh()` and retry (or use
+    `transact`). Writes of one handle are serialized by its lock, in call order.
+    """
+
+    def __init__(self, sessions: Sessions, head: SessionHead) -> None:
+        self._sessions = sessions
+        self._store: SessionStore = sessions.store
+        self._header = head.header
+        self._n = head.n
+        self._last_cut = head.last_cut
+        self._state: ProjectionState | None = None
+        self._lock = _TaskLock()
+        self._lease: SessionLease | None = None
+
+    def __repr__(self) -> str:
+        return f"<Session {self.id!r} n={self._n}>"
+
+    # ------------------------------------------------------------------ sync view
+
+    @property
+    def id(self) -> str:
+        return self._header.id
+
+    @property
+    def header(self) -> SessionHeader:
+        return self._header
+
+    @property
+    def n(self) -> int:
+        """The number of entries as this handle last saw them (its writes and `refresh` move it)."""
+        return self._n
+
+    @property
+    def last_cut(self) -> int | None:
+        """The n of the last cut as this handle last saw it (None: none seen)."""
+        return self._last_cut
+
+    @property
+    def sessions(self) -> Sessions:
+        return self._sessions
+
+    # ------------------------------------------------------------------ writes
+
+    async def append(
+        self,
+        type: str,
+        data: Any,
+        meta: Any = None,
+        surface: Surface | Mapping[str, Any] | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> builtins.list[Entry]:
+        """Append one entry at this handle's n. Returns the stored entries (one)."""
+        return await self._write([NewEntry(type, data, meta, surface)], idempotency_key=idempotency_key)
+
+    async def append_many(
+        self, entries: Iterable[NewEntryLike], *, idempotency_key: str | None = None
+    ) -> builtins.list[Entry]:
+        """Append a batch atomically: `NewEntry` objects, ``(type, data[, meta[, surface]])`` tuples
+        or mappings. All or nothing."""
+        return await self._write(entries, idempotency_key=idempotency_key)
+
+    async def mark(self, type: str, data: Any, meta: Any = None) -> builtins.list[Entry]:
+        """Append a mark (never sent to the model). Message and cut types are refused."""
+        kind = kind_of(type)
+        if kind != "mark":
+            raise InvalidEntryError(f"mark() takes mark types only; {type!r} is a {kind}")
+        return await self._write([NewEntry(type, data, meta)])
+
+    async def commit(self, message: Mapping[str, Any] | NewEntry, meta: Any = None) -> builtins.list[Entry]:
+        """Append the assistant's message and clear the draft.
+
+        `message` is ``assistant/message`` data (``{content, …}``), a chat message with
+        ``role: "assistant"`` (stored as type ``message``), or a `NewEntry` of one of those.
+        """
+        if isinstance(message, NewEntry):
+            entry = message if meta is None else msgspec.structs.replace(message, meta=meta)
+        elif isinstance(message, Mapping):
+            entry = NewEntry("message" if "role" in message else "assistant/message", dict(message), meta)
+        else:
+            raise InvalidEntryError(f"commit() takes a message mapping or a NewEntry, got {type(message).__name__}")
+        role_ok = entry.type == "assistant/message" or (
+            entry.type == "message" and isinstance(entry.data, Mapping) and entry.data.get("role") == "assistant"
+        )
+        if not role_ok:
+            raise InvalidEntryError("commit() takes assistant messages only")
+        stored = await self._write([entry])
+        try:
+            await self._store.set_draft(self.id, None)
+        except (StoreUnavailableError, SessionNotFoundError) as e:  # the message landed; a stale draft is cosmetic
+            log.warning("clearing the draft of %r failed: %s", self.id, e)
+        return stored
+
+    async def compact(
+        self,
+        before: int,
+        summary: Sequence[Mapping[str, Any] | Message],
+        reason: str,
+        native: Any = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> builtins.list[Entry]:
+        """Write a `cut`: from now on the projection is `summary` (or a usable `native`) followed by
+        the messages of entries with n >= `before`. Entries before it stay in the log.
+
+        `summary` holds chat messages (``{role, content, …}``) or projected `Message` objects.
+        """
+        items: builtins.list[Any] = []
+        for m in summary:
+            items.extend(to_openai([m]) if isinstance(m, Message) else [dict(m)])
+        data: dict[str, Any] = {"before": before, "summary": items, "reason": reason}
+        if native is not None:
+            data["native"] = native
+        if meta is not None:
+            data["meta"] = dict(meta)
+        return await self._write([NewEntry(CUT, data)])
+
+    async def enqueue(self, type: str, data: Any, meta: Any = None) -> builtins.list[Entry]:
+        """Append at the end of the log *whatever its n* (no conflict, no retry): for entries that
+        do not depend on what came before, like an enqueued user input or a mark (DESIGN §4).
+
+        The handle then stands after the new entry; entries other writers put before it are
+        folded into its projection when it has one loaded (one read, only in that case).
+        """
+        return await self._write([NewEntry(type, data, meta)], expected=False)
+
+    async def transact(
+        self,
+        fn: Callable[[Session], Awaitable[T]],
+        *,
+        retries: int = 8,
+        base_delay: float = 0.005,
+        max_delay: float = 0.5,
+    ) -> T:
+        """Run ``await fn(self)``; on `SessionConflictError`, sleep (full jitter, doubling from
+        `base_delay` up to `max_delay`), `refresh()` and run it again, at most `retries` more times.
+
+        `fn` must rebuild whatever it writes from the refreshed handle (``s.n``, ``await
+        s.messages()``…). The handle's write lock is held for the whole call, so other tasks
+        sharing this handle wait instead of writing in between; `fn` should write from the calling
+        task (a task it spawns that writes to this handle would wait for the lock forever).
+        """
+        _check_int(retries, "retries")
+        async with self._lock:
+            attempt = 0
+            while True:
+                try:
+                    return await fn(self)
+                except SessionConflictError:
+                    if attempt >= retries:
+                        raise
+                cap = min(max_delay, base_delay * (2**attempt))
+                attempt += 1
+                await anyio.sleep(random.uniform(0, cap))
+                await self.refresh()
+
+    async def _write(
+        self,
+        items: Iterable[NewEntryLike],
+        *,
+        expected: bool = True,
+        idempotency_key: str | None = None,
+    ) -> builtins.list[Entry]:
+        if isinstance(items, (str, bytes, Mapping)):
+            raise InvalidEntryError("entries must be a sequence of entries")
+        batch = [as_new_entry(item, i) for i, item in enumerate(items)]
+        async with self._lock:
+            if self._lease is not None:
+                self._lease.check()
+            first = self._n
+            if expected and any(e.surface is not None for e in batch):
+                # A surface op is only sound against the surface it was written for: check it
+                # against this handle's state at `first`; expected_n makes the put fail if the log
+                # has moved since, so the check cannot go stale.
+                encoded = encode_batch(
+                    batch,
+                    self._store.vocabulary,
+                    first_n=first,
+                    max_entry_bytes=getattr(self._store, "max_entry_bytes", DEFAULT_MAX_ENTRY_BYTES),
+                    max_batch=getattr(self._store, "max_batch", DEFAULT_MAX_BATCH),
+                )
+                check_surface(await self._load_state(), encoded, first)
+            stored = await self._store.put(self.id, first if expected else None, batch, idempotency_key=idempotency_key)
+            await self._advance(stored)
+            return stored
+
+    async def _advance(self, stored: Sequence[Entry]) -> None:
+        """Move the handle past `stored` (called with the lock held, after a successful put)."""
+        if not stored:
+            return
+        first, last = stored[0].n, stored[-1].n
+        if first > self._n:
+            # An `enqueue` landed after entries this handle has not seen.
+            gap: builtins.list[Entry] = []
+            if self._state is not None:
+                try:
+                    gap = await _read_range(self._store, self.id, self._n, first)
+                    self._state.extend(gap)
+                except Exception:  # the write landed; only the cached projection is lost
+                    self._state = None
+                    gap = []
+            self._see(gap)
+            self._n = first
+        if first == self._n:
+            if self._state is not None:
+                try:
+                    self._state.extend(stored)
+                except ValueError:
+                    self._state = None
+            self._see(stored)
+            self._n = last + 1
+        elif last >= self._n:  # an idempotent retry overlapping what we saw: reload lazily
+            self._state = None
+            self._see(stored)
+            self._n = last + 1
+
+    def _see(self, entries: Iterable[Entry]) -> None:
+        for e in entries:
+            if e.type == CUT:
+                self._last_cut = e.n
+
+    # ------------------------------------------------------------------ reads
+
+    async def _load_state(self) -> ProjectionState:
+        """The projection state at this handle's n (lock held by the caller)."""
+        state = self._state
+        if state is None or state.n != self._n:
+            head = SessionHead(header=self._header, n=self._n, updated_at=0, last_cut=self._last_cut)
+            state = self._state = await load_projection(self._store, head)
+        return state
+
+    async def messages(self) -> builtins.list[Message]:
+        """The projection at this handle's n (what the model sees), as `Message` objects."""
+        async with self._lock:
+            return (await self._load_state()).messages()
+
+    async def history(
+        self,
+        max_messages: int | None = None,
+        max_tokens: int | None = None,
+        *,
+        estimator: Callable[[Message], int] | None = None,
+    ) -> builtins.list[Message]:
+        """The longest legal suffix of `messages()` within the caps (see `projection.history`)."""
+        return history(await self.messages(), max_messages, max_tokens, estimator=estimator)
+
+    async def read(self, start: int = 0, stop: int | None = None) -> builtins.list[Entry]:
+        """Entries [start, stop), stitched for branches; `stop` defaults to this handle's n."""
+        _check_int(start, "start")
+        if stop is not None:
+            _check_int(stop, "stop")
+        return await _read_range(self._store, self.id, start, self._n if stop is None else stop)
+
+    async def reconstruct_request(self, at: int) -> ReconstructedRequest:
+        """What was sent to the model at entry `at` (0 ≤ at ≤ n): header and messages."""
+        _check_int(at, "at")
+        if at > self._n:
+            raise ValueError(f"at={at} is beyond this handle's n={self._n}")
+        return reconstruct_request(await self.read(0, at), at)
+
+    async def check_invariants(self) -> builtins.list[Problem]:
+        """Every broken log invariant of entries [0, n) (reports, never repairs)."""
+        return check_invariants(await self.read())
+
+    def tail(self, start: int | None = None) -> AsyncIterator[Entry]:
+        """``async for e in s.tail():`` entries from `start` (default: this handle's n at the time
+        of the call), then each new one as it lands; ends when the session is deleted. Does not
+        move the handle (`refresh()` does)."""
+        return self._store.tail(self.id, self._n if start is None else start)
+
+    async def refresh(self) -> int:
+        """Catch up with other writers: re-read the head and fold the new entries into the loaded
+        projection (if any). Returns the new n."""
+        async with self._lock:
+            head = await self._store.head(self.id)
+            if head is None:
+                raise SessionNotFoundError(self.id)
+            try:
+                if head.header.created_at != self._header.created_at or head.n < self._n:
+                    self._state = None  # the id now names another session (deleted, re-created)
+                elif self._state is not None and head.n > self._n:
+                    await _fold_into(self._store, self.id, self._state, head.n)
+            except BaseException:
+                self._state = None
+                raise
+            self._header, self._n, self._last_cut = head.header, head.n, head.last_cut
+            return self._n
+
+    async def draft(self) -> dict[str, Any] | None:
+        """The streaming assistant draft other readers can see (None when there is none)."""
+        return await self._store.get_draft(self.id)
+
+    async def set_draft(self, draft: Mapping[str, Any] | None) -> None:
+        """Publish (or with None, clear) the streaming draft; `commit` clears it."""
+        await self._store.set_draft(self.id, None if draft is None else dict(draft))
+
+    # ------------------------------------------------------------------ lease, repair, branches
+
+    def lease(self, ttl: float = DEFAULT_LEASE_TTL) -> SessionLease:
+        """``async with s.lease(ttl=30):`` — hold the session's writer lease (see `SessionLease`)."""
+        return SessionLease(self, ttl)
+
+    @property
+    def lease_held(self) -> bool:
+        return self._lease is not None and self._lease.held
+
+    async def repair(self, *, lease_ttl: float = DEFAULT_LEASE_TTL) -> builtins.list[Entry]:
+        """Close a turn a crashed writer left open (dsh ``interruptedTurnClosers``): synthetic
+        error results for unanswered tool calls, ``step/end``, ``turn/end {interrupted}``.
+
+        Returns the entries appended ([] when no turn is open). When this handle holds the lease
+        the open turn is its own (a restarted writer) and it closes it; otherwise it takes the
+        lease for the repair, raising `LeaseHeldError` when a live writer holds it. The append
+        uses expected_n, so it never races a writer: on a conflict it re-reads and decides again.
+        """
+        last_conflict: SessionConflictError | None = None
+        for _ in range(3):
+            await self.refresh()
+            closers = interrupted_turn_closers(await self.read())
+            if not closers:
+                return []
+            try:
+                if self.lease_held:
+                    return await self._write(closers)
+                token = uuid.uuid4().hex
+                if not await self._store.acquire_lease(self.id, token, _ttl_ms(lease_ttl)):
+                    raise LeaseHeldError(f"session {self.id!r} has a live writer (its lease is held): not repairing")
+                try:
+                    return await self._write(closers)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self._store.release_lease(self.id, token)
+            except SessionConflictError as e:
+                last_conflict = e
+        assert last_conflict is not None
+        raise last_conflict
+
+    async def branch(
+        self,
+        at: int,
+        *,
+        branch_id: str | None = None,
+        delegation_depth: int | None = None,
+        title: str | None = None,
+        origin: Any = None,
+    ) -> Session:
+        """`Sessions.branch` of this session."""
+        return await self._sessions.branch(
+            self.id, at, branch_id=branch_id, delegation_depth=delegation_depth, title=title, origin=origin
+        )
+
+    async def fork(self, boundary: int | None = None, *, fork_id: str | None = None) -> Session:
+        """`Sessions.fork` of this session."""
+        return await self._sessions.fork(self.id, boundary, fork_id=fork_id)
+
+
+# --------------------------------------------------------------------------- Sessions
+
+
+class Sessions:
+    """The session service (ChatLuna ``ctx.sessions``) over one `SessionStore`.
+
+    >>> sessions = Sessions(MemorySessionStore())     # or: await redis_session.connect(url)
+    >>> s = await sessions.open("chat-1")
+    """
+
+    def __init__(self, store: SessionStore | None = None, *, ephemeral_ttl: float = DEFAULT_EPHEMERAL_TTL) -> None:
+        self.store: SessionStore = store if store is not None else MemorySessionStore()
+        self.ephemeral_ttl = ephemeral_ttl
+
+    async def aclose(self) -> None:
+        await self.store.aclose()
+
+    async def __aenter__(self) -> Sessions:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(
+        self,
+        session_id: str,
+        *,
+        ephemeral: bool = False,
+        ttl: float | None = None,
+        title: str | None = None,
+        origin: Any = None,
+        delegation_depth: int | None = None,
+    ) -> Session:
+        """A new, independent handle on `session_id`, creating the session if it does not exist.
+
+        The keyword arguments only apply when this call creates it: ``ephemeral=True`` (or a
+        `ttl` in seconds) makes every key of the session expire together `ttl` seconds after its
+        last write (default `ephemeral_ttl`). Reads the head only.
+        """
+        validate_session_id(session_id)
+        head = await self.store.head(session_id)
+        if head is None:
+            if ephemeral and ttl is None:
+                ttl = self.ephemeral_ttl
+            try:
+                return await self.create(
+                    session_id, title=title, origin=origin, delegation_depth=delegation_depth, ttl=ttl
+                )
+            except SessionAlreadyExistsError:
+                head = await self.store.head(session_id)  # another pod created it first
+                if head is None:
+                    raise
+        return Session(self, head)
+
+    async def create(
+        self,
+        session_id: str | None = None,
+        *,
+        title: str | None = None,
+        origin: Any = None,
+        delegation_depth: int | None = None,
+        ttl: float | None = None,
+        entries: Sequence[NewEntryLike] = (),
+    ) -> Session:
+        """Create a session (id default ``session-<uuid hex>``), optionally with seed `entries`.
+        `ttl` (seconds) makes it ephemeral. `SessionAlreadyExistsError` if the id is taken."""
+        header = SessionHeader(
+            id=_new_session_id() if session_id is None else session_id,
+            title=title,
+            origin=origin,
+            delegation_depth=0 if delegation_depth is None else delegation_depth,
+        )
+        head = await self.store.create(header, entries, ttl_ms=None if ttl is None else _ttl_ms(ttl))
+        return Session(self, head)
+
+    async def branch(
+        self,
+        session_id: str,
+        at: int,
+        *,
+        branch_id: str | None = None,
+        delegation_depth: int | None = None,
+        title: str | None = None,
+        origin: Any = None,
+    ) -> Session:
+        """A new session holding entries [0, at) of `session_id` (0 ≤ at ≤ its n), then its own.
+
+        Nothing is copied: the child's header names the parent and `at`, and reads stitch, so
+        branching a 100 000-entry session costs what branching a 10-entry one does. The child's
+        `delegation_depth` is the parent's unless given. Default id ``<parent>:branch:<8 hex>``
+        (an `InvalidSessionIdError` asks for an explicit `branch_id` when that would be too long).
+        Publishes ``session-branch {parent, session, at}`` (pub/sub and change feed, never a log entry).
+        """
+        validate_session_id(session_id)
+        _check_int(at, "at")
+        parent = await self.store.head(session_id)
+        if parent is None:
+            raise SessionNotFoundError(session_id)
+        if at > parent.n:
+            raise InvalidEntryError(f"branch point at={at} is beyond the parent's n={parent.n}")
+        if branch_id == session_id:
+            raise SessionAlreadyExistsError(branch_id, "it is the parent's id")
+        depth = parent.header.delegation_depth if delegation_depth is None else delegation_depth
+        for attempt in range(3):
+            child_id = _default_branch_id(session_id) if branch_id is None else branch_id
+            header = SessionHeader(
+                id=child_id, parent=session_id, at=at, delegation_depth=depth, title=title, origin=origin
+            )
+            try:
+                head = await self.store.create(header)
+                break
+            except SessionAlreadyExistsError:
+                if branch_id is not None or attempt == 2:
+                    raise  # 8 random hex digits colliding three times is not luck
+        try:
+            await self.store.publish(BRANCH_EVENT, {"parent": session_id, "session": head.id, "at": at})
+        except StoreUnavailableError as e:  # the branch exists; a lost notification must not hide that
+            log.warning("publishing %s for %r failed: %s", BRANCH_EVENT, head.id, e)
+        return Session(self, head)
+
+    async def fork(self, session_id: str, boundary: int | None = None, *, fork_id: str | None = None) -> Session:
+        """dsh fork: a child holding the source's entries [0, boundary] (inclusive), where the
+        boundary entry must be a ``turn/end`` (default: the last entry; an empty source gives an
+        empty child). A branch at boundary + 1 underneath, as cheap as any branch.
+
+        Raises `SessionForkError` with `code` SESSION_NOT_FOUND, SESSION_ALREADY_EXISTS (checked
+        before the boundary), INVALID_BOUNDARY (explicit boundary on an empty source, a negative,
+        non-integer or bool boundary, or one ≥ n) or OPEN_TURN (the boundary is not a turn/end).
+        No child is created on any error.
+        """
+        validate_session_id(session_id)
+        head = await self.store.head(session_id)
+        if head is None:
+            raise SessionForkError(f"session {session_id!r} not found", "SESSION_NOT_FOUND")
+        if fork_id is not None and await self.store.head(validate_session_id(fork_id)) is not None:
+            raise SessionForkError(f"session {fork_id!r} already exists", "SESSION_ALREADY_EXISTS")
+        n = head.n
+        last = "none" if n == 0 else str(n - 1)
+        if boundary is None:
+            at = 0 if n == 0 else n  # empty source: an empty child (dsh)
+            check: int | None = None if n == 0 else n - 1
+        else:
+            if isinstance(boundary, bool) or not isinstance(boundary, int):
+                raise SessionForkError(
+                    f"invalid fork boundary {boundary!r}: an integer entry n is required (last seq: {last})",
+                    "INVALID_BOUNDARY",
+                )
+            if not 0 <= boundary < n:
+                raise SessionForkError(f"invalid fork boundary {boundary} (last seq: {last})", "INVALID_BOUNDARY")
+            at, check = boundary + 1, boundary
+        if check is not None:
+            got = await self.store.read(session_id, check, check + 1)
+            kind = got[0].type if got else "nothing"
+            if kind != "turn/end":
+                raise SessionForkError(f"fork boundary {check} must be turn/end, got {kind}", "OPEN_TURN")
+        try:
+            return await self.branch(session_id, at, branch_id=fork_id)
+        except SessionAlreadyExistsError as e:
+            raise SessionForkError(str(e), "SESSION_ALREADY_EXISTS") from e
+        except SessionNotFoundError as e:  # deleted under us
+            raise SessionForkError(str(e), "SESSION_NOT_FOUND") from e
+
+    async def fork_before_user(self, session_id: str, k: int, *, fork_id: str | None = None) -> Session | None:
+        """nanobot edit-and-retry: a child holding everything before the `k`-th user message
+        (counted from 0 over ``user/message`` entries and ``message`` entries with role user);
+        `k` may equal the number of user messages (the child then holds the whole log).
+
+        Returns None, creating nothing, for a negative or non-int `k`, a missing source, or `k`
+        above the number of user messages. A taken `fork_id` raises `SessionAlreadyExistsError`.
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            return None
+        head = await self.store.head(validate_session_id(session_id))
+        if head is None:
+            return None
+        entries = await _read_range(self.store, session_id, 0, head.n)
+        users = [e.n for e in entries if _is_user_message(e)]
+        if k > len(users):
+            return None
+        at = users[k] if k < len(users) else head.n
+        try:
+            return await self.branch(session_id, at, branch_id=fork_id)
+        except SessionNotFoundError:
+            return None
+
+    async def list(self, parent: str | None = None, limit: int = 100, cursor: str | None = None) -> Page[SessionHeader]:
+        """Session headers, newest first (only `parent`'s branches when given); page on with `cursor`."""
+        return await self.store.list(parent=parent, limit=limit, cursor=cursor)
+
+    async def head(self, session_id: str) -> SessionHead | None:
+        """The header and n of a session without loading its log (None when absent)."""
+        return await self.store.head(session_id)
+
+    async def delete(self, session_id: str) -> bool:
+        """Delete a session (its live branches keep reading their prefix). False when absent."""
+        return await self.store.delete(session_id)
+
+    def define(self, type: str, schema: Any = None) -> None:
+        """Register an entry type's schema (a msgspec Struct, TypedDict, dataclass … or None for
+        any JSON object) on the store's vocabulary; later writes are validated against it."""
+        self.store.vocabulary.define(type, schema)
+
+    # ------------------------------------------------------------------ reads and repair
+
+    async def messages(self, session_id: str) -> builtins.list[Message]:
+        """The projection of `session_id` at its current n, from the projector's snapshot plus the
+        entries after it (a full fold when there is no usable snapshot) — never the log blindly."""
+        head = await self.store.head(session_id)
+        if head is None:
+            raise SessionNotFoundError(session_id)
+        return (await load_projection(self.store, head)).messages()
+
+    async def repair(self, session_id: str, *, lease_ttl: float = DEFAULT_LEASE_TTL) -> builtins.list[Entry]:
+        """Close a turn a crashed writer left open; see `Session.repair`. Returns what was appended."""
+        head = await self.store.head(session_id)
+        if head is None:
+            raise SessionNotFoundError(session_id)
+        return await Session(self, head).repair(lease_ttl=lease_ttl)
+
+    async def doctor(self, session_id: str) -> DoctorReport:
+        return await doctor(self.store, session_id)
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+class DoctorReport(Struct, frozen=True):
+    """What `doctor` found: the log's invariant problems and the storage problems, in n order."""
+
+    session_id: str
+    n: int
+    problems: builtins.list[Problem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+_DOCTOR_PAGE = 10_000
+
+
+async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
+    """Check one session: `check_invariants` on its log, plus storage checks.
+
+    Storage codes: ``header`` (the header does not parse), ``stream-id`` (an ID not of the form
+    ``<n>-1``), ``stream-gap`` (IDs skip entries), ``stream-order`` (an ID at or below the previous
+    one, or below the branch point), ``stream-ahead`` / ``stream-behind`` (header n ≠ last ID + 1,
+    or ≠ `at` for an empty branch), ``decode`` (an entry does not decode), ``schema`` (an entry's
+    data fails its type's schema), ``last-cut`` (the header's last_cut is not the last cut entry).
+    On a `RedisSessionStore` the stream itself is inspected; on other stores the same is checked
+    through `read`. Raises `SessionNotFoundError` for a missing session.
+    """
+    validate_session_id(session_id)
+    problems: builtins.list[Problem] = []
+
+    def add(n: int | None, code: str, message: str) -> None:
+        problems.append(Problem(n, code, message))
+
+    try:
+        head = await store.head(session_id)
+    except (ValueError, TypeError, msgspec.DecodeError) as e:
+        add(None, "header", f"the header does not parse: {e}")
+        return DoctorReport(session_id, -1, problems)
+    if head is None:
+        raise SessionNotFoundError(session_id)
+    n, at = head.n, head.header.at or 0
+
+    from .redis_store import RedisSessionStore
+
+    redis = isinstance(store, RedisSessionStore)
+    own: builtins.list[Entry] = await _redis_stream_problems(store, session_id, n, at, add) if redis else []
+    try:
+        entries = await _read_range(store, session_id, 0, n)
+    except SessionError as e:
+        add(None, "decode", f"the log cannot be read: {e}")
+        entries = []
+        complete = False
+    else:
+        complete = True
+        if not redis:  # other stores: check the same shape through read()
+            _sequence_problems([e.n for e in entries], 0, n, add)
+            own = [e for e in entries if e.n >= at]
+    for entry in own:
+        try:
+            store.vocabulary.check(entry.type, msgspec.json.encode(entry.data), None)
+        except InvalidEntryError as err:
+            add(entry.n, "schema", str(err))
+    own_cuts = [e.n for e in own if e.type == CUT]
+    if own_cuts:
+        if head.last_cut != own_cuts[-1]:
+            add(head.last_cut, "last-cut", f"header last_cut={head.last_cut}, the last cut entry is n={own_cuts[-1]}")
+    elif head.last_cut is not None and head.last_cut >= at:
+        add(head.last_cut, "last-cut", f"header last_cut={head.last_cut}, but the session has no cut there")
+    elif head.last_cut is not None and complete:
+        inherited = entries[head.last_cut] if head.last_cut < len(entries) else None
+        if inherited is None or inherited.type != CUT:
+            add(head.last_cut, "last-cut", f"header last_cut={head.last_cut} is not a cut entry")
+    if complete and len(entries) == n and all(e.n == i for i, e in enumerate(entries)):
+        problems.extend(check_invariants(entries))
+    problems.sort(key=lambda p: -1 if p.n is None else p.n)
+    return DoctorReport(session_id, n, problems)
+
+
+def _sequence_problems(ids: Sequence[int], at: int, n: int, add: Callable[[int | None, str, str], None]) -> None:
+    expected = at
+    for k in ids:
+        if k > expected:
+            add(expected, "stream-gap", f"entries {expected}..{k - 1} are missing")
+        elif k < expected:
+            add(k, "stream-order", f"entry n={k} appears where n={expected} was expected")
+            continue
+        expected = k + 1
+    if expected > n:
+        add(n, "stream-ahead", f"the log holds entries up to n={expected - 1}, but the header says n={n}")
+    elif expected < n:
+        add(expected, "stream-behind", f"the header says n={n}, but the log ends at n={expected}")
+
+
+async def _redis_stream_problems(
+    store: Any, session_id: str, n: int, at: int, add: Callable[[int | None, str, str], None]
+) -> builtins.list[Entry]:
+    """Walk the session's own stream: IDs, contiguity against the header, decoding."""
+    from .redis_store import rows_to_entries
+
+    key = store.keys.log(session_id)
+    ids: builtins.list[int] = []
+    own: builtins.list[Entry] = []
+    lo = b"-"
+    while True:
+        rows = await store.client.execute_command("XRANGE", key, lo, "+", "COUNT", _DOCTOR_PAGE, NEVER_DECODE=True)
+        good = []
+        for row in rows:
+            rid = row[0] if isinstance(row[0], bytes) else str(row[0]).encode()
+            k, sep, seq = rid.partition(b"-")
+            if not (k.isdigit() and sep and seq == b"1"):
+                add(None, "stream-id", f"stream ID {rid.decode(errors='replace')!r} is not of the form <n>-1")
+                continue
+            ids.append(int(k))
+            good.append(row)
+        try:
+            own.extend(rows_to_entries(good))
+        except SessionError:
+            for row in good:
+                try:
+                    own.extend(rows_to_entries([row]))
+                except SessionError as e:
+                    add(int(row[0].partition(b"-")[0]), "decode", str(e))
+        if len(rows) < _DOCTOR_PAGE:
+            break
+        lo = b"(" + rows[-1][0]
+    if ids and ids[0] < at:
+        add(ids[0], "stream-order", f"the stream holds n={ids[0]}, below the branch point at={at}")
+    _sequence_problems([k for k in ids if k >= at], at, n, add)
+    return own
+
+
+__all__ = [
+    "BRANCH_EVENT",
+    "DoctorReport",
+    "LeaseLostError",
+    "Session",
+    "SessionLease",
+    "Sessions",
+    "doctor",
+    "load_projection",
+]
