@@ -400,7 +400,7 @@ def up_cmd(
         try:
             out.print(f"[bold]redis-session up[/bold]: viewer on http://{host}:{port}/  (Ctrl-C to stop)")
             async with anyio.create_task_group() as tg:
-                tg.start_soon(Projector(store).run_forever)
+                tg.start_soon(Projector(store).run)
                 await serve(store, host=host, port=port)
                 tg.cancel_scope.cancel()
         finally:

@@ -4,7 +4,8 @@ All keys of one session share the hash tag ``{<id>}`` so each script touches one
 
     {prefix}:{<id>}:hdr     HASH    header fields, n, last_cut, updated_at
     {prefix}:{<id>}:log     STREAM  entry n at stream ID "<n>-1"
-    {prefix}:{<id>}:proj    STRING  the projector's snapshot (JSON)
+    {prefix}:{<id>}:proj    HASH    the projector's snapshot: n, state (JSON), updated_at
+    {prefix}:{<id>}:plock   STRING  a projector's short fold lock (SET NX PX)
     {prefix}:{<id>}:idem    ZSET    idempotency key -> first n of its batch (last 1024 kept)
     {prefix}:{<id>}:kids    ZSET    live branches of this session (list index, lexicographic)
     {prefix}:{<id>}:draft   STRING  the streaming assistant draft (JSON)
@@ -15,6 +16,7 @@ Cross-session keys (never needed for an append's correctness)::
     {prefix}:sessions       ZSET    list index, newest first (lexicographic members)
     {prefix}:feed:{<k>}     STREAM  change feed shard k: "session S reached n"
     {prefix}:events         PUBSUB  session-branch notifications
+    {prefix}:projector:{<group>}:stats  HASH  projector counters summed over workers
 """
 
 from __future__ import annotations

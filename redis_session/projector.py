@@ -1,0 +1,1005 @@
+"""Projector workers: keep every session's projection snapshot fresh from the change feed.
+
+A pod loads the model context of a long session from a snapshot plus the few entries after it,
+instead of replaying the log (DESIGN §6). This module holds both sides of that cache:
+
+- `Projector`, the worker. Each append script XADDs ``{s: session, n: new n}`` to a change-feed
+  shard (``{prefix}:feed:{k}``; `RedisSessionStore.publish` adds ``{s, ev}`` for a branch). Workers
+  read the shards in one consumer group, coalesce a batch per session, fold each session's new
+  entries onto its snapshot and write it with the forward-only ``put_projection``; then XACK.
+- `load_messages`, the reader: snapshot + the tail after it, or a fold from the last cut / from 0
+  when the snapshot is missing, damaged or implausible. It never answers anything but what
+  ``project(store.read(id))`` answers: the cache costs speed when it is wrong, never correctness.
+  `SnapshotCache` spares a reader the decode of a snapshot it has met before (same bytes).
+- `status`, for ``redis-session projector --status``, and `main`, the CLI entry.
+
+Design choices (the why):
+
+- **Groups start at id 0** (``XGROUP CREATE … 0 MKSTREAM``). A projector deployed onto an existing
+  database, or a group recreated by an operator, then catches up on every session still named in
+  the retained feed (MAXLEN ~100 000 per shard). ``$`` would silently skip them until their next
+  append. Replaying old hints is cheap: each session is folded once per batch, to its head, and a
+  hint at or under the stored snapshot's n is acked after one ``HGET``, without a fold.
+- **The feed is a hint.** A session is folded to its *current* head n, never to the n in the feed
+  entry, so lost or coalesced entries only delay a snapshot.
+- **Locking.** Correctness rests on ``put_projection`` alone (proj.lua: a snapshot is written only
+  when its n is greater than the stored one, so workers never move it backwards or apply a batch
+  twice). On top of that a short per-session lock ``{prefix}:{id}:plock`` (``SET NX PX``) keeps two
+  workers from folding one hot session at the same time (wasted reads, and worse, a rebuild done
+  three times). A worker that finds the lock taken keeps the session's feed entries unacked and
+  retries it on its next loop, so no update is lost behind another worker's older fold. The lock
+  is released with a plain DEL: if it had expired and another worker holds it now, the worst case
+  is one more concurrent fold, which the forward-only write makes harmless. A dead worker's lock
+  lapses after ``lock_ms``.
+- **Cuts and replaces.** `ProjectionState` folds both incrementally, so the snapshot never has to
+  be replayed from 0. A cut is still used to *compact* the snapshot: when the tail to fold holds a
+  cut whose window ``[before, cut)`` is small (≤ ``cut_window``), the state is rebuilt from that cut
+  (`ProjectionState.from_cut`: the cut, its window and the entries after it), which drops the
+  history the cut hides, so snapshots stay as small as what the model sees. A missing or damaged
+  snapshot is rebuilt the same way from the header's ``last_cut``; when ``from_cut`` cannot decide
+  (a replace in the window naming older history) it is a full fold from 0. A new branch without
+  a cut of its own starts from its parent's snapshot when that one is not past the branch point.
+- **Acks.** Per session, after its snapshot is written (or found current, or the session deleted),
+  in one round trip with the lock release and the cluster-wide counters in
+  ``{prefix}:projector:{group}:stats`` (what `status` reports). A worker killed
+  mid-batch leaves only its unfinished sessions pending; another worker reclaims them with
+  XAUTOCLAIM once they are idle for ``claim_idle_ms``. A fold that fails (Redis down, a corrupt log)
+  is not acked either, so it is retried after ``claim_idle_ms``.
+- **Incarnations.** proj.lua checks n, not which life of an id it writes to: a session deleted and
+  re-created while a worker read it would receive the old log's projection. The worker compares
+  the header's ``created_at`` after writing (in the ack round trip) and deletes such a snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from .errors import InvalidSessionIdError, SessionError, SessionNotFoundError, StoreUnavailableError
+from .keys import validate_prefix, validate_session_id
+from .model import CUT, Entry, SessionHead
+from .projection import ProjectionState
+from .redis_store import RedisSessionStore
+from .store import MAX_READ_RANGE, SessionStore
+
+log = logging.getLogger("redis_session.projector")
+
+DEFAULT_GROUP = "projector"
+
+# The outcomes of one session's fold.
+WRITTEN = "written"  # a newer snapshot was written
+CURRENT = "current"  # the stored snapshot already covers the head (or another worker's does now)
+DELETED = "deleted"  # the session is gone: skipped, its feed entries acked
+BUSY = "busy"  # another worker holds the session's lock: retried on the next loop
+FAILED = "failed"  # an error: left pending, reclaimed after claim_idle_ms
+
+_RAW = {"NEVER_DECODE": True}
+_FEED_COMMANDS = ("XREADGROUP", "XAUTOCLAIM", "XINFO GROUPS", "XINFO CONSUMERS", "XRANGE", "HGETALL")
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def lock_key(prefix: str, session_id: str) -> str:
+    """``{prefix}:{<id>}:plock``: the per-session fold lock (same slot as the session)."""
+    return f"{prefix}:{{{session_id}}}:plock"
+
+
+def stats_key(prefix: str, group: str) -> str:
+    """``{prefix}:projector:{group}:stats``: HASH of counters summed over every worker of a group."""
+    return f"{prefix}:projector:{group}:stats"
+
+
+def _validate_group(group: str) -> str:
+    validate_prefix(group)  # same alphabet: no braces, whitespace or control characters
+    return group
+
+
+# --------------------------------------------------------------------------- reply parsing
+
+
+def _str(b: Any) -> str:
+    return b.decode() if isinstance(b, bytes | bytearray) else str(b)
+
+
+def _as_map(raw: Any) -> dict[str, Any]:
+    """A RESP2 flat list or a RESP3 map as a dict with str keys."""
+    if isinstance(raw, dict):
+        return {_str(k): v for k, v in raw.items()}
+    if not raw:
+        return {}
+    return {_str(k): v for k, v in zip(raw[::2], raw[1::2], strict=False)}
+
+
+def _stream_rows(raw: Any) -> builtins.list[tuple[str, str, dict[str, str] | None]]:
+    """``(stream key, entry id, fields or None)`` from an XREADGROUP reply (RESP2 or RESP3)."""
+    if not raw:
+        return []
+    pairs = raw.items() if isinstance(raw, dict) else ((p[0], p[1]) for p in raw)
+    out: builtins.list[tuple[str, str, dict[str, str] | None]] = []
+    for key, rows in pairs:
+        k = _str(key)
+        for rid, fields in _entry_rows(rows):
+            out.append((k, rid, fields))
+    return out
+
+
+def _entry_rows(rows: Any) -> builtins.list[tuple[str, dict[str, str] | None]]:
+    if not rows:
+        return []
+    if isinstance(rows, dict):  # RESP3 attribute-free map form (some servers)
+        rows = builtins.list(rows.items())
+    out: builtins.list[tuple[str, dict[str, str] | None]] = []
+    for row in rows:
+        rid, fields = row[0], row[1]
+        out.append((_str(rid), None if fields is None else {k: _str(v) for k, v in _as_map(fields).items()}))
+    return out
+
+
+# --------------------------------------------------------------------------- reading (any store)
+
+
+async def _read_chunks(
+    store: SessionStore, session_id: str, lo: int, hi: int, chunk: int
+) -> AsyncIterator[builtins.list[Entry]]:
+    chunk = max(1, min(chunk, MAX_READ_RANGE))
+    while lo < hi:
+        part = await store.read(session_id, lo, min(hi, lo + chunk))
+        if not part:
+            raise SessionError(f"session {session_id!r}: entries [{lo}, {hi}) are missing from the log")
+        yield part
+        lo = part[-1].n + 1
+
+
+async def _fold_range(store: SessionStore, session_id: str, state: ProjectionState, hi: int, chunk: int) -> None:
+    """Fold entries [state.n, hi) into `state` (ValueError from the fold propagates)."""
+    async for part in _read_chunks(store, session_id, state.n, hi, chunk):
+        state.extend(part)
+
+
+async def _fold_from_cut(
+    store: SessionStore, session_id: str, cut: int | Entry, target: int, chunk: int
+) -> ProjectionState:
+    """The state at `target` rebuilt from `cut` (an entry, or its n): reads [before, target) only.
+
+    ValueError when the entry is not a cut or `from_cut` cannot decide (fold from 0 then)."""
+    if isinstance(cut, int):
+        got = await store.read(session_id, cut, cut + 1)
+        if len(got) != 1:
+            raise ValueError(f"entry {cut} is missing")
+        cut = got[0]
+    before = cut.data.get("before")
+    if cut.type != CUT or not isinstance(before, int) or isinstance(before, bool) or not 0 <= before <= cut.n:
+        raise ValueError(f"entry {cut.n} is not a cut with a valid before")
+    window: builtins.list[Entry] = []
+    async for part in _read_chunks(store, session_id, before, cut.n, chunk):
+        window.extend(part)
+    state = ProjectionState.from_cut(cut, window)
+    await _fold_range(store, session_id, state, target, chunk)
+    return state
+
+
+async def _rebuild(
+    store: SessionStore, session_id: str, head: SessionHead, target: int, chunk: int
+) -> tuple[ProjectionState, str]:
+    """The state at `target` without a snapshot of its own, and where it came from: the
+    session's last cut (``"cut"``), the parent's snapshot for a branch (``"parent"``: the branch's
+    first `at` entries are the parent's), else a fold from 0 (``"full"``)."""
+    if head.last_cut is not None and head.last_cut < target:
+        try:
+            return await _fold_from_cut(store, session_id, head.last_cut, target, chunk), "cut"
+        except ValueError:
+            pass
+    parent, at = head.header.parent, head.header.at
+    if parent is not None and at:
+        state = await _parent_state(store, parent, at, head.header.created_at)
+        if state is not None:
+            try:
+                await _fold_range(store, session_id, state, target, chunk)  # stitched reads
+                return state, "parent"
+            except ValueError:
+                pass
+    state = ProjectionState()
+    await _fold_range(store, session_id, state, target, chunk)
+    return state, "full"
+
+
+async def _parent_state(store: SessionStore, parent: str, at: int, born: int) -> ProjectionState | None:
+    """The parent's snapshot when it covers no more than the branch point (else None)."""
+    snap = await store.get_projection(parent)
+    if snap is None or snap[0] > at:
+        return None
+    parent_head = await store.head(parent)
+    if parent_head is None or parent_head.header.created_at > born:
+        # A hidden parent keeps its log for its branches, not its snapshot; a parent id younger
+        # than the branch is another session that took the id: its log is not the prefix.
+        return None
+    try:
+        state = ProjectionState.from_bytes(snap[1])
+    except ValueError:
+        return None
+    return state if _plausible(state, snap[0], parent_head) else None
+
+
+def _plausible(state: ProjectionState, n_s: int, head: SessionHead) -> bool:
+    """Cheap checks that a decoded snapshot belongs to this session's log.
+
+    proj.lua never writes past the header's n, and a re-created session starts without a
+    snapshot, so these fail only for a snapshot written around the API (or a racing
+    delete + re-create): then the reader folds the log rather than trust it."""
+    if state.n != n_s or n_s > head.n:
+        return False
+    own_cut = head.last_cut  # the n of the session's own last cut (a branch's prefix not included)
+    if own_cut is not None and own_cut < n_s:
+        return state.last_cut == own_cut
+    if own_cut is None:
+        return state.last_cut is None or state.last_cut < (head.header.at or 0)
+    return True
+
+
+class SnapshotCache:
+    """Decoded snapshots kept in-process, keyed by their exact bytes.
+
+    Decoding is most of a snapshot load (a 5 000-message snapshot is ~2 MB of JSON). A reader that
+    meets the *same bytes* again — the same session loaded twice before the projector rewrote
+    it — takes a copy of the decoded state instead. Equal bytes decode to equal states, so a hit
+    can never answer something a decode would not; a changed snapshot is simply a miss.
+
+    >>> cache = SnapshotCache(max_bytes=64 << 20)
+    >>> state, n = await load_messages(store, "chat-1", cache=cache)
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[bytes, ProjectionState]] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, session_id: str, blob: bytes) -> ProjectionState | None:
+        """A private copy of the state decoded from exactly `blob`, or None."""
+        got = self._items.get(session_id)
+        if got is None or got[0] != blob:
+            self.misses += 1
+            return None
+        self._items.move_to_end(session_id)
+        self.hits += 1
+        return got[1].copy()
+
+    def put(self, session_id: str, blob: bytes, state: ProjectionState) -> None:
+        """Keep a copy of `state` (decoded from `blob`); the least recently used go first."""
+        if len(blob) > self.max_bytes:
+            return
+        old = self._items.pop(session_id, None)
+        if old is not None:
+            self._bytes -= len(old[0])
+        self._items[session_id] = (blob, state.copy())
+        self._bytes += len(blob)
+        while self._bytes > self.max_bytes:
+            _, (b, _) = self._items.popitem(last=False)
+            self._bytes -= len(b)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+async def load_messages(
+    store: SessionStore, session_id: str, *, cache: SnapshotCache | None = None, chunk: int = 20_000
+) -> tuple[ProjectionState, int]:
+    """The projection of `session_id` at its head: ``(state, n)`` with ``state.n == n``.
+
+    Reads the projector's snapshot (n_s), then the head (n), and folds entries [n_s, n) onto it.
+    Without a usable snapshot — absent, undecodable, inconsistent with the header, or ahead of the
+    head — it rebuilds from the header's last cut, else folds the whole log. Whatever the cache
+    holds, ``state.messages()`` equals ``project(await store.read(session_id, 0, n))``. The state
+    is the caller's own (extend it with later entries). With a `SnapshotCache`, a snapshot met
+    again is not decoded again.
+
+    Works on any `SessionStore` (the memory store has the same snapshot slot). Raises
+    `SessionNotFoundError` when the session does not exist.
+
+    >>> state, n = await load_messages(store, "chat-1")
+    >>> state.messages()[-1].text
+    """
+    validate_session_id(session_id)
+    # The snapshot first, the head second: the head's n is then >= any honest snapshot's n.
+    snap = await store.get_projection(session_id)
+    head = await store.head(session_id)
+    if head is None:
+        raise SessionNotFoundError(session_id)
+    n = head.n
+    if snap is not None:
+        n_s, blob = snap
+        if n_s <= n:
+            state = None if cache is None else cache.get(session_id, blob)
+            if state is None:
+                try:
+                    state = ProjectionState.from_bytes(blob)
+                except ValueError:
+                    state = None
+                if state is not None and cache is not None and _plausible(state, n_s, head):
+                    cache.put(session_id, blob, state)
+            if state is not None and _plausible(state, n_s, head):
+                try:
+                    await _fold_range(store, session_id, state, n, chunk)
+                    return state, n
+                except ValueError:
+                    pass  # the tail needs history the snapshot dropped (a cut reaching back): rebuild
+    state, _ = await _rebuild(store, session_id, head, n, chunk)
+    return state, n
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class ProjectorMetrics:
+    """The worker's Prometheus metrics, in their own registry (``metrics.registry``)."""
+
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        p = "redis_session_projector"
+        self.processed = Counter(f"{p}_processed", "Feed entries handled and acked", registry=r)
+        self.reclaimed = Counter(f"{p}_reclaimed", "Feed entries reclaimed from idle consumers", registry=r)
+        self.folds = Counter(f"{p}_folds", "Session folds by outcome", ["outcome"], registry=r)
+        self.entries = Counter(f"{p}_entries_folded", "Log entries folded into snapshots", registry=r)
+        self.rebuilds = Counter(
+            f"{p}_rebuilds", "Snapshots rebuilt instead of extended, by source", ["source"], registry=r
+        )
+        self.lag = Gauge(f"{p}_lag", "Feed entries not yet delivered to the group", ["shard"], registry=r)
+        self.pending = Gauge(f"{p}_pending", "Feed entries delivered but not acked", ["shard"], registry=r)
+        self.batch_seconds = Histogram(f"{p}_batch_seconds", "Time to handle one batch", registry=r)
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's current value (0 when absent), e.g. ``value("processed_total")``."""
+        got = self.registry.get_sample_value(f"redis_session_projector_{name}", labels or None)
+        return 0.0 if got is None else float(got)
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+@dataclass
+class _Work:
+    """The feed entries of one session in this batch (coalesced: one fold for all)."""
+
+    session_id: str
+    hint: int = -1  # the largest n the entries name
+    event: bool = False  # an entry without n (a branch event): always fold
+    ids: dict[str, set[str]] = field(default_factory=dict)  # feed key -> entry ids
+
+    def add(self, key: str, rid: str, n: int | None) -> None:
+        self.ids.setdefault(key, set()).add(rid)
+        if n is None:
+            self.event = True
+        else:
+            self.hint = max(self.hint, n)
+
+    @property
+    def count(self) -> int:
+        return sum(len(v) for v in self.ids.values())
+
+
+SessionHook = Callable[[str], Awaitable[None]]
+
+
+class Projector:
+    """One projector worker (a consumer of the change-feed group).
+
+    >>> p = Projector(store, consumer="pod-a", metrics_port=9108)
+    >>> await p.run_forever()          # until SIGTERM/SIGINT; the batch in hand is finished
+
+    Several workers (processes or tasks) share the work of one `group`. `run()` until `stop()`;
+    `run_once()` handles one batch (tests, cron-style use); `fold(id)` brings one session's snapshot
+    to its head now.
+
+    Parameters: `batch` feed entries per shard per read; `claim_idle_ms` how long another
+    consumer's entry stays pending before this worker reclaims it; `lock_ms` the per-session lock's
+    expiry (``0`` disables the lock); `cut_window` the largest cut window worth a compacting rebuild;
+    `concurrency` sessions folded at once; `block_ms` how long an idle read blocks; `on_session`
+    an async hook called with each session id as its fold begins (tests use it to pause).
+    """
+
+    def __init__(
+        self,
+        store: RedisSessionStore,
+        *,
+        consumer: str | None = None,
+        group: str = DEFAULT_GROUP,
+        batch: int = 200,
+        claim_idle_ms: int = 30_000,
+        metrics_port: int | None = None,
+        metrics_addr: str = "0.0.0.0",
+        block_ms: int = 2_000,
+        lock_ms: int = 10_000,
+        concurrency: int = 8,
+        cut_window: int = 20_000,
+        chunk: int = 20_000,
+        stats_interval: float = 5.0,
+        consumer_ttl_ms: int = 3_600_000,
+        registry: Any = None,
+        on_session: SessionHook | None = None,
+    ) -> None:
+        if batch < 1 or claim_idle_ms < 1 or concurrency < 1 or block_ms < 1 or lock_ms < 0:
+            raise ValueError("batch, claim_idle_ms, concurrency and block_ms must be >= 1; lock_ms >= 0")
+        self.store = store
+        self.group = _validate_group(group)
+        self.consumer = _validate_group(consumer or _default_consumer())
+        self.batch = batch
+        self.claim_idle_ms = claim_idle_ms
+        self.metrics_port = metrics_port
+        self.metrics_addr = metrics_addr
+        self.block_ms = block_ms
+        self.lock_ms = lock_ms
+        self.concurrency = concurrency
+        self.cut_window = cut_window
+        self.chunk = chunk
+        self.stats_interval = stats_interval
+        self.consumer_ttl_ms = consumer_ttl_ms
+        self.on_session = on_session
+        self.metrics = ProjectorMetrics(registry)
+        self.feeds = store.keys.all_feeds()
+        self._r = _feed_client(store)
+        self._stats_key = stats_key(store.prefix, self.group)
+        self._stopping = False
+        self._idle_scope: anyio.CancelScope | None = None
+        self._deferred: dict[str, _Work] = {}
+        # Our own pending entries (a restart under the same name) are read once, from id 0 on,
+        # before new ones; the cursor advances so entries left pending are not re-read forever.
+        self._backlog: dict[str, str] | None = dict.fromkeys(self.feeds, "0")
+        self._claim_cursor = {k: "0-0" for k in self.feeds}
+        self._next_claim = 0.0
+        self._next_stats = 0.0
+        self._groups_ready = False
+        self._http: Any = None
+        self.batches = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Ask `run()` to return: an idle read is interrupted, a batch in hand is finished first."""
+        self._stopping = True
+        if self._idle_scope is not None:
+            self._idle_scope.cancel()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def deferred(self) -> int:
+        """Sessions this worker holds back for a busy lock (their feed entries are still pending)."""
+        return len(self._deferred)
+
+    async def run(self) -> None:
+        """Consume the feed until `stop()` (a `stop()` before `run()` makes it return at once)."""
+        await self.ensure_groups()
+        self._start_http()
+        try:
+            while not self._stopping:
+                try:
+                    await self.run_once(block=True)
+                except (StoreUnavailableError, RedisError, OSError) as e:
+                    if self._stopping:
+                        break
+                    if "NOGROUP" in str(e):  # the group (or a feed key) was deleted: recreate it
+                        self._groups_ready = False
+                    log.warning("projector %s: %s; retrying in 1 s", self.consumer, e)
+                    with anyio.move_on_after(1.0) as scope:
+                        self._idle_scope = scope
+                        await anyio.sleep_forever()
+                    self._idle_scope = None
+        finally:
+            self._stop_http()
+            self._stopping = False
+
+    async def run_forever(self) -> None:
+        """`run()` with SIGTERM/SIGINT handled: a signal stops it after the batch in hand."""
+        import signal
+
+        async with anyio.create_task_group() as tg:
+
+            async def _signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("projector %s: signal %s, finishing the batch in hand", self.consumer, signum)
+                        self.stop()
+                        return
+
+            tg.start_soon(_signals)
+            await self.run()
+            tg.cancel_scope.cancel()
+
+    async def ensure_groups(self) -> None:
+        """Create the group on every feed shard (from id 0, MKSTREAM); existing groups are kept."""
+        if self._groups_ready:
+            return
+        for key in self.feeds:
+            try:
+                await self._r.execute_command("XGROUP", "CREATE", key, self.group, "0", "MKSTREAM")
+            except RedisError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+        self._groups_ready = True
+
+    def _start_http(self) -> None:
+        if self.metrics_port is None or self._http is not None:
+            return
+        from prometheus_client import start_http_server
+
+        self._http = start_http_server(self.metrics_port, addr=self.metrics_addr, registry=self.metrics.registry)
+
+    def _stop_http(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+            self._http = None
+
+    # ------------------------------------------------------------------ one batch
+
+    async def run_once(self, *, block: bool = False) -> int:
+        """Read one batch (reclaimed, own pending, or new entries) and fold it; returns the number
+        of feed entries acked. With `block`, an empty feed is waited on for up to ``block_ms``
+        (interrupted by `stop()`)."""
+        await self.ensure_groups()
+        now = time.monotonic()
+        if now >= self._next_stats:
+            self._next_stats = now + self.stats_interval
+            await self.refresh_gauges()
+        rows: builtins.list[tuple[str, str, dict[str, str] | None]] = []
+        if now >= self._next_claim:
+            self._next_claim = now + max(self.claim_idle_ms / 2000, 0.05)
+            rows = await self._autoclaim()
+        if not rows and self._backlog is not None:
+            rows = await self._read(self._backlog, None)
+            for key, rid, _ in rows:
+                self._backlog[key] = rid
+            if not rows:
+                self._backlog = None
+        if not rows and not (block and self._stopping):
+            wait = None if not block else (50 if self._deferred else self.block_ms)
+            with anyio.CancelScope() as scope:
+                self._idle_scope = scope
+                rows = await self._read(dict.fromkeys(self.feeds, ">"), wait)
+            self._idle_scope = None
+            if scope.cancelled_caught:
+                rows = []
+        works, garbage = self._coalesce(rows)
+        if not works and not garbage:
+            return 0
+        return await self._handle(works, garbage)
+
+    async def _read(
+        self, start: dict[str, str], block_ms: int | None
+    ) -> builtins.list[tuple[str, str, dict[str, str] | None]]:
+        """XREADGROUP from `start` (per feed key: ``>`` for new entries, an id for our own)."""
+        group, consumer, count = self.group, self.consumer, self.batch
+        if not self.store.cluster:
+            args: builtins.list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
+            if block_ms is not None:
+                args += ["BLOCK", block_ms]
+            args += ["STREAMS", *start.keys(), *start.values()]
+            return _stream_rows(await self._r.execute_command(*args, **_RAW))
+        # A cluster puts the shards in different slots: one read per shard, then a short poll.
+        out: builtins.list[tuple[str, str, dict[str, str] | None]] = []
+        for key, from_id in start.items():
+            raw = await self._r.execute_command(
+                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, from_id, **_RAW
+            )
+            out.extend(_stream_rows(raw))
+        if not out and block_ms:
+            await anyio.sleep(min(block_ms, 100) / 1000)
+        return out
+
+    async def _autoclaim(self) -> builtins.list[tuple[str, str, dict[str, str] | None]]:
+        out: builtins.list[tuple[str, str, dict[str, str] | None]] = []
+        for key in self.feeds:
+            raw = await self._r.execute_command(
+                "XAUTOCLAIM", key, self.group, self.consumer, self.claim_idle_ms,
+                self._claim_cursor[key], "COUNT", self.batch, **_RAW,
+            )  # fmt: skip
+            self._claim_cursor[key] = _str(raw[0])
+            for rid, fields in _entry_rows(raw[1]):
+                out.append((key, rid, fields))
+        # Entries this worker deferred (a busy lock) idle in its own list too: not a reclaim.
+        mine = {(k, rid) for w in self._deferred.values() for k, rids in w.ids.items() for rid in rids}
+        fresh = sum(1 for key, rid, _ in out if (key, rid) not in mine)
+        if fresh:
+            self.metrics.reclaimed.inc(fresh)
+            with contextlib.suppress(RedisError, OSError):
+                await self._r.execute_command("HINCRBY", self._stats_key, "reclaimed", fresh)
+            log.info("projector %s: reclaimed %d idle feed entries", self.consumer, fresh)
+        return out
+
+    def _coalesce(
+        self, rows: Sequence[tuple[str, str, dict[str, str] | None]]
+    ) -> tuple[dict[str, _Work], dict[str, set[str]]]:
+        works = self._deferred
+        self._deferred = {}
+        garbage: dict[str, set[str]] = {}
+        for key, rid, fields in rows:
+            sid = (fields or {}).get("s")
+            try:
+                validate_session_id(sid)
+                n_raw = (fields or {}).get("n")
+                n = int(n_raw) if n_raw is not None else None
+            except (InvalidSessionIdError, ValueError):
+                garbage.setdefault(key, set()).add(rid)  # trimmed while pending, or not ours
+                continue
+            assert sid is not None
+            w = works.get(sid)
+            if w is None:
+                w = works[sid] = _Work(sid)
+            w.add(key, rid, n)
+        return works, garbage
+
+    async def _handle(self, works: dict[str, _Work], garbage: dict[str, set[str]]) -> int:
+        t0 = time.perf_counter()
+        acked = 0
+        if garbage:  # entries trimmed while pending, or not written by a store: nothing to fold
+            pipe = self._r.pipeline(transaction=False)
+            for key, rids in garbage.items():
+                pipe.execute_command("XACK", key, self.group, *sorted(rids))
+            await pipe.execute()
+            acked += sum(len(v) for v in garbage.values())
+            self.metrics.processed.inc(acked)
+        limiter = anyio.Semaphore(self.concurrency)
+
+        async def one(w: _Work) -> None:
+            nonlocal acked
+            async with limiter:
+                outcome, count = await self._work(w)
+            if outcome == BUSY:
+                self._deferred[w.session_id] = w
+            acked += count
+
+        async with anyio.create_task_group() as tg:
+            for w in works.values():
+                tg.start_soon(one, w)
+        self.batches += 1
+        self.metrics.batch_seconds.observe(time.perf_counter() - t0)
+        return acked
+
+    async def _work(self, w: _Work) -> tuple[str, int]:
+        """Fold one session for its feed entries; returns (outcome, feed entries acked).
+
+        Round trips: the lock and the snapshot's n together; then the fold (snapshot, head, the
+        tail, the write); then the lock release, the acks, the counters and the incarnation check
+        together."""
+        sid = w.session_id
+        keys = self.store.keys
+        lock = lock_key(self.store.prefix, sid)
+        locked = False
+        created: int | None = None  # the header's created_at when a snapshot was written
+        counters: dict[str, int] = {}
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            if self.lock_ms:
+                pipe.execute_command("SET", lock, self.consumer, "NX", "PX", self.lock_ms)
+            pipe.execute_command("HGET", keys.proj(sid), "n", **_RAW)
+            res = await pipe.execute()
+            locked = bool(self.lock_ms and res[0])
+            stored_n = _int_or_none(res[-1])
+            if res[-1] is not None and stored_n is None and (locked or not self.lock_ms):
+                # An n that is not a number: proj.lua could not compare against it. Drop it.
+                await self._r.execute_command("DEL", keys.proj(sid))
+                counters["corrupt"] = 1
+            if not w.event and stored_n is not None and stored_n >= w.hint:
+                outcome = CURRENT  # another fold already covers every entry named here
+            elif self.lock_ms and not locked:
+                outcome = BUSY
+            else:
+                outcome, created = await self._fold_locked(sid, counters)
+        except SessionNotFoundError:
+            outcome = DELETED  # deleted while we read it
+        except (StoreUnavailableError, RedisError, OSError) as e:
+            log.warning("projector %s: fold of %r failed: %s", self.consumer, sid, e)
+            outcome = FAILED
+        except Exception:
+            log.exception("projector %s: fold of %r failed", self.consumer, sid)
+            outcome = FAILED
+        self.metrics.folds.labels(outcome).inc()
+        if outcome == BUSY:
+            return outcome, 0  # kept pending: retried on the next loop (or reclaimed)
+        ack = outcome != FAILED  # a failed fold stays pending and is retried once reclaimed
+        count = w.count if ack else 0
+        name = outcome if ack else "errors"
+        counters[name] = counters.get(name, 0) + 1
+        try:
+            with anyio.CancelScope(shield=True):
+                pipe = self._r.pipeline(transaction=False)
+                if locked:
+                    pipe.execute_command("DEL", lock)
+                if count:
+                    for key, rids in w.ids.items():
+                        pipe.execute_command("XACK", key, self.group, *sorted(rids))
+                    counters["processed"] = count
+                for name, value in counters.items():
+                    pipe.execute_command("HINCRBY", self._stats_key, name, value)
+                if created is not None:
+                    pipe.execute_command("HGET", keys.hdr(sid), "created_at", **_RAW)
+                res = await pipe.execute()
+                if created is not None and _int_or_none(res[-1]) != created:
+                    # proj.lua checks n, not which incarnation of the id it writes to: a session
+                    # deleted and re-created while we read it got the old log's projection.
+                    await self._r.execute_command("DEL", keys.proj(sid))
+                    outcome = DELETED
+        except (RedisError, OSError) as e:
+            log.warning("projector %s: ack of %r failed: %s", self.consumer, sid, e)
+            return outcome, 0
+        self.metrics.processed.inc(count)
+        return outcome, count
+
+    # ------------------------------------------------------------------ one session
+
+    async def fold(self, session_id: str) -> str:
+        """Bring `session_id`'s snapshot to its head now (no feed entry needed); returns WRITTEN,
+        CURRENT, DELETED, BUSY (another worker is folding it) or FAILED."""
+        validate_session_id(session_id)
+        outcome, _ = await self._work(_Work(session_id, event=True))
+        return outcome
+
+    async def _fold_locked(self, session_id: str, counters: dict[str, int]) -> tuple[str, int | None]:
+        """The fold itself: (outcome, the header's created_at when a snapshot was written)."""
+        store, chunk = self.store, self.chunk
+        if self.on_session is not None:
+            await self.on_session(session_id)
+        snap = await store.get_projection(session_id)  # before the head: see load_messages
+        head = await store.head(session_id)
+        if head is None:
+            return DELETED, None
+        target = head.n
+        state: ProjectionState | None = None
+        if snap is not None:
+            n_s, blob = snap
+            if n_s == target:
+                return CURRENT, None
+            if n_s > target:
+                # Never written by proj.lua (it caps n at the header's): a foreign value that the
+                # forward-only write could not replace. Drop it and rebuild.
+                await self._r.execute_command("DEL", store.keys.proj(session_id))
+            else:
+                try:
+                    state = ProjectionState.from_bytes(blob)
+                except ValueError:
+                    state = None
+                if state is not None and not _plausible(state, n_s, head):
+                    state = None
+            if state is None:
+                counters["corrupt"] = 1
+        start = 0 if state is None else state.n
+        source = ""
+        last_cut = head.last_cut
+        if last_cut is not None and start <= last_cut < target:
+            # The tail holds the session's last cut: rebuild from it when its window is small,
+            # which drops the hidden history from the snapshot (compaction).
+            try:
+                rebuilt = await self._from_cut_if_small(session_id, last_cut, target)
+            except ValueError:
+                rebuilt = None
+            if rebuilt is not None:
+                state, source = rebuilt, "cut"
+        if not source and state is not None:
+            try:
+                await _fold_range(store, session_id, state, target, chunk)
+                source = "snapshot"
+            except ValueError:
+                state = None  # a cut reaching under the snapshot's floor: rebuild
+        if state is None or not source:
+            state, source = await _rebuild(store, session_id, head, target, chunk)
+        if source != "snapshot":
+            self.metrics.rebuilds.labels(source).inc()
+            counters[f"rebuild_{source}"] = 1
+        self.metrics.entries.inc(target - start if source == "snapshot" else target)
+        if not await store.put_projection(session_id, target, state.to_bytes()):
+            return CURRENT, None  # another worker wrote one at >= target meanwhile
+        return WRITTEN, head.header.created_at
+
+    async def _from_cut_if_small(self, session_id: str, cut_n: int, target: int) -> ProjectionState | None:
+        got = await self.store.read(session_id, cut_n, cut_n + 1)
+        if len(got) != 1 or got[0].type != CUT:
+            return None
+        before = got[0].data.get("before")
+        if not isinstance(before, int) or cut_n - before > self.cut_window:
+            return None
+        return await _fold_from_cut(self.store, session_id, got[0], target, self.chunk)
+
+    # ------------------------------------------------------------------ health
+
+    async def refresh_gauges(self) -> dict[str, Any]:
+        """Update the lag/pending gauges from the server and forget consumers that have been gone
+        for ``consumer_ttl_ms`` with nothing pending (every restart names a new one); returns
+        `status()`."""
+        st = await status(self.store, group=self.group)
+        for sh in st["shards"]:
+            self.metrics.lag.labels(str(sh["shard"])).set(sh["lag"] or 0)
+            self.metrics.pending.labels(str(sh["shard"])).set(sh["pending"])
+            for c in sh["consumers"]:
+                if c["pending"] == 0 and c["idle_ms"] >= self.consumer_ttl_ms and c["name"] != self.consumer:
+                    await self._r.execute_command("XGROUP", "DELCONSUMER", sh["key"], self.group, c["name"])
+        return st
+
+
+def _int_or_none(raw: Any) -> int | None:
+    try:
+        return None if raw is None else int(raw)
+    except ValueError:
+        return None
+
+
+def _default_consumer() -> str:
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def _feed_client(store: RedisSessionStore) -> Any:
+    """A client for the feed commands whose replies skip redis-py's parsing (we parse both RESP
+    versions ourselves). Standalone: a wrapper around the store's pool; a cluster client is used
+    as it is (its parsed replies are understood too)."""
+    client = store.client
+    if not isinstance(client, aioredis.Redis):
+        return client
+    raw = aioredis.Redis(connection_pool=client.connection_pool)
+    for cmd in _FEED_COMMANDS:
+        raw.response_callbacks.pop(cmd, None)
+    return raw
+
+
+# --------------------------------------------------------------------------- status
+
+
+async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dict[str, Any]:
+    """The group's health, read from the server: per shard the feed length, lag (entries not yet
+    delivered), pending (delivered, not acked) and consumers; the totals; and the counters every
+    worker of the group adds to (``processed``, ``reclaimed``, ``written``, ``current``,
+    ``deleted``, ``errors``, ``rebuild_cut``, ``rebuild_full``, ``corrupt``)."""
+    _validate_group(group)
+    r = _feed_client(store)
+    shards: builtins.list[dict[str, Any]] = []
+    for shard, key in enumerate(store.keys.all_feeds()):
+        length = int(await r.execute_command("XLEN", key, **_RAW))
+        info: dict[str, Any] | None = None
+        consumers: builtins.list[dict[str, Any]] = []
+        with contextlib.suppress(RedisError):  # no such key yet
+            for g in await r.execute_command("XINFO", "GROUPS", key, **_RAW) or []:
+                m = _as_map(g)
+                if _str(m.get("name")) == group:
+                    info = m
+        if info is not None:
+            for c in await r.execute_command("XINFO", "CONSUMERS", key, group, **_RAW) or []:
+                m = _as_map(c)
+                consumers.append(
+                    {
+                        "name": _str(m.get("name")),
+                        "pending": int(m.get("pending") or 0),
+                        "idle_ms": int(m.get("idle") or 0),
+                    }
+                )
+        lag: int | None
+        if info is None:
+            lag, pending, last = length, 0, None
+        else:
+            pending = int(info.get("pending") or 0)
+            last = _str(info.get("last-delivered-id"))
+            raw_lag = info.get("lag")
+            lag = int(raw_lag) if raw_lag is not None else await _count_after(r, key, last)
+        shards.append(
+            {
+                "shard": shard,
+                "key": key,
+                "length": length,
+                "group": info is not None,
+                "lag": lag,
+                "pending": pending,
+                "last_delivered_id": last,
+                "consumers": consumers,
+            }
+        )
+    raw_stats = await r.execute_command("HGETALL", stats_key(store.prefix, group), **_RAW)
+    counters = {k: int(v) for k, v in _as_map(raw_stats).items()}
+    return {
+        "group": group,
+        "prefix": store.prefix,
+        "lag": sum(s["lag"] or 0 for s in shards),
+        "pending": sum(s["pending"] for s in shards),
+        "length": sum(s["length"] for s in shards),
+        "shards": shards,
+        "counters": counters,
+    }
+
+
+async def _count_after(r: Any, key: str, last: str | None) -> int:
+    """Lag when XINFO cannot tell it (entries deleted mid-stream): count what follows `last`."""
+    start = "-" if not last or last == "0-0" else f"({last}"
+    rows = await r.execute_command("XRANGE", key, start, "+", "COUNT", 100_000, **_RAW)
+    return len(rows or [])
+
+
+async def quiescent(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> bool:
+    """True when every feed entry has been delivered and acked (lag 0, nothing pending)."""
+    st = await status(store, group=group)
+    return bool(st["lag"] == 0 and st["pending"] == 0 and all(s["group"] for s in st["shards"]))
+
+
+# --------------------------------------------------------------------------- CLI entry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="redis-session projector",
+        description="Run a projector worker (keeps projection snapshots fresh from the change feed).",
+    )
+    p.add_argument("--url", default=None, help="Redis URL (default: $REDIS_URL, else the embedded server)")
+    p.add_argument("--cluster", action="store_true", help="the URL is a Redis Cluster node")
+    p.add_argument("--prefix", default="rs", help="key prefix (default: rs)")
+    p.add_argument("--feed-shards", type=int, default=4, help="change-feed shards (as the writers use)")
+    p.add_argument("--group", default=DEFAULT_GROUP, help="consumer group (default: projector)")
+    p.add_argument("--consumer", default=None, help="consumer name (default: <host>-<pid>-<random>)")
+    p.add_argument("--batch", type=int, default=200, help="feed entries per shard per read")
+    p.add_argument("--claim-idle-ms", type=int, default=30_000, help="reclaim others' entries idle this long")
+    p.add_argument("--lock-ms", type=int, default=10_000, help="per-session fold lock expiry (0: no lock)")
+    p.add_argument("--concurrency", type=int, default=8, help="sessions folded at once")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-addr", default="0.0.0.0", help="address of the metrics server")
+    p.add_argument("--status", action="store_true", help="print the group's health as JSON and exit")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``redis-session projector [options]``: run a worker until SIGTERM, or ``--status``."""
+    args = build_parser().parse_args(argv)
+    if not args.status:
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import resolve_url
+
+    url = resolve_url(args.url)
+
+    async def _main() -> int:
+        store = RedisSessionStore.from_url(url, prefix=args.prefix, cluster=args.cluster, feed_shards=args.feed_shards)
+        try:
+            if args.status:
+                print(json.dumps(await status(store, group=args.group), indent=2))
+                return 0
+            worker = Projector(
+                store,
+                consumer=args.consumer,
+                group=args.group,
+                batch=args.batch,
+                claim_idle_ms=args.claim_idle_ms,
+                lock_ms=args.lock_ms,
+                concurrency=args.concurrency,
+                metrics_port=args.metrics_port,
+                metrics_addr=args.metrics_addr,
+            )
+            log.info("projector %s: group %r on %d feed shards", worker.consumer, worker.group, len(worker.feeds))
+            await worker.run_forever()
+            return 0
+        finally:
+            await store.aclose()
+
+    return anyio.run(_main)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
