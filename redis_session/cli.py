@@ -123,7 +123,7 @@ def show_cmd(
             if head is None:
                 raise SessionNotFoundError(session)
             if messages:
-                from .projector import load_messages
+                from .snapshots import load_messages
 
                 state, _ = await load_messages(store, session)
                 msgs = state.messages()

@@ -69,6 +69,7 @@ from .model import (
 )
 from .projection import Message, ProjectionState, check_surface, history, to_openai
 from .request import ReconstructedRequest, reconstruct_request
+from .snapshots import load_state
 from .store import MemorySessionStore, SessionStore
 
 log = logging.getLogger(__name__)
@@ -147,74 +148,16 @@ async def _fold_into(store: SessionStore, session_id: str, state: ProjectionStat
         state.extend(batch)
 
 
-async def _snapshot_state(store: SessionStore, session_id: str, limit: int) -> ProjectionState | None:
-    """The projector's snapshot of `session_id` if it is sound and covers at most `limit` entries."""
-    try:
-        got = await store.get_projection(session_id)
-    except SessionNotFoundError:
-        return None
-    if got is None or got[0] > limit:
-        return None
-    try:
-        state = ProjectionState.from_bytes(got[1])
-    except ValueError:
-        return None  # damaged or foreign: fold from the log instead
-    return state if state.n == got[0] else None
-
-
-async def _from_cut(store: SessionStore, session_id: str, cut_n: int, stop: int, start: int) -> ProjectionState | None:
-    """The state at `stop` rebuilt from the cut at `cut_n`, when that reads fewer entries than
-    folding from `start`; None when it does not pay off or cannot be done."""
-    got = await store.read(session_id, cut_n, cut_n + 1)
-    if len(got) != 1 or got[0].type != CUT:
-        return None  # `last_cut` is a hint: it must point at a cut to be used
-    cut = got[0]
-    before = cut.data.get("before")
-    if not isinstance(before, int) or isinstance(before, bool) or not start < before <= cut_n:
-        return None
-    window = await _read_range(store, session_id, before, cut_n)
-    try:
-        state = ProjectionState.from_cut(cut, window)
-        await _fold_into(store, session_id, state, stop)
-    except ValueError:
-        return None  # a replace in the window needs older history: fold from further back
-    return state
-
-
 async def load_projection(store: SessionStore, head: SessionHead) -> ProjectionState:
-    """The projection state of `head`'s session at ``head.n``, reading as little as it can.
-
-    Start points, cheapest first: the projector's snapshot at n_s ≤ n (for a branch without one,
-    its parent's snapshot when it covers only the shared prefix), or a rebuild from the last cut.
-    Entries [start, n) are then folded here, so a lagging, dead or wrong-version projector costs
-    speed, never correctness. Anything unusable (absent, damaged, ahead of n, needing history it
-    does not hold) falls back to the next start point, and finally to a full fold from 0.
-    """
-    sid, n, header = head.header.id, head.n, head.header
-    state = await _snapshot_state(store, sid, n)
-    if state is None and header.parent is not None and header.at is not None:
-        # The branch shares [0, at) with its parent. The guard on created_at keeps a parent id
-        # that was re-created after this branch (a different log) from lending its snapshot.
-        parent = await store.head(header.parent)
-        if parent is not None and parent.header.created_at < header.created_at:
-            state = await _snapshot_state(store, header.parent, min(n, header.at))
-    start = 0 if state is None else state.n
-    if head.last_cut is not None and start <= head.last_cut < n:
-        rebuilt = await _from_cut(store, sid, head.last_cut, n, start)
-        if rebuilt is not None:
-            return rebuilt
-    if state is not None:
-        try:
-            await _fold_into(store, sid, state, n)
-            return state
-        except ValueError:
-            pass  # e.g. a cut that shows entries older than the snapshot's floor
-    state = ProjectionState()
+    """The projection state of `head`'s session at ``head.n``, reading as little as it can: the
+    projector's snapshot plus the entries after it, else a rebuild from the last cut or a branch's
+    parent snapshot, else a full fold (`redis_session.snapshots`). Never anything but what a fold
+    from scratch gives."""
     try:
-        await _fold_into(store, sid, state, n)
+        return await load_state(store, head, chunk=READ_PAGE)
     except ValueError as e:
+        sid = head.header.id
         raise SessionError(f"session {sid!r} cannot be folded: {e}; run `redis-session doctor {sid}`") from e
-    return state
 
 
 class _TaskLock:

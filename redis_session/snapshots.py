@@ -1,0 +1,235 @@
+"""Reading a session's projection: the projector's snapshot plus the entries after it.
+
+One reader for every caller (the `Session` handle, `Sessions.messages`, the gateway, the CLI and
+the projector itself), so they cannot disagree. Whatever the cache holds, the answer equals
+``project(await store.read(session_id, 0, n))``: a lagging, dead or wrong projector costs speed,
+never correctness.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from .errors import SessionError, SessionNotFoundError
+from .keys import validate_session_id
+from .model import CUT, Entry, SessionHead
+from .projection import ProjectionState
+from .store import MAX_READ_RANGE, SessionStore
+
+
+async def _read_chunks(
+    store: SessionStore, session_id: str, lo: int, hi: int, chunk: int
+) -> AsyncIterator[builtins.list[Entry]]:
+    chunk = max(1, min(chunk, MAX_READ_RANGE))
+    while lo < hi:
+        part = await store.read(session_id, lo, min(hi, lo + chunk))
+        if not part:
+            raise SessionError(f"session {session_id!r}: entries [{lo}, {hi}) are missing from the log")
+        yield part
+        lo = part[-1].n + 1
+
+
+async def _fold_range(store: SessionStore, session_id: str, state: ProjectionState, hi: int, chunk: int) -> None:
+    """Fold entries [state.n, hi) into `state` (ValueError from the fold propagates)."""
+    async for part in _read_chunks(store, session_id, state.n, hi, chunk):
+        state.extend(part)
+
+
+async def _fold_from_cut(
+    store: SessionStore, session_id: str, cut: int | Entry, target: int, chunk: int
+) -> ProjectionState:
+    """The state at `target` rebuilt from `cut` (an entry, or its n): reads [before, target) only.
+
+    ValueError when the entry is not a cut or `from_cut` cannot decide (fold from 0 then)."""
+    if isinstance(cut, int):
+        got = await store.read(session_id, cut, cut + 1)
+        if len(got) != 1:
+            raise ValueError(f"entry {cut} is missing")
+        cut = got[0]
+    before = cut.data.get("before")
+    if cut.type != CUT or not isinstance(before, int) or isinstance(before, bool) or not 0 <= before <= cut.n:
+        raise ValueError(f"entry {cut.n} is not a cut with a valid before")
+    window: builtins.list[Entry] = []
+    async for part in _read_chunks(store, session_id, before, cut.n, chunk):
+        window.extend(part)
+    state = ProjectionState.from_cut(cut, window)
+    await _fold_range(store, session_id, state, target, chunk)
+    return state
+
+
+async def _rebuild(
+    store: SessionStore, session_id: str, head: SessionHead, target: int, chunk: int
+) -> tuple[ProjectionState, str]:
+    """The state at `target` without a snapshot of its own, and where it came from: the
+    session's last cut (``"cut"``), the parent's snapshot for a branch (``"parent"``: the branch's
+    first `at` entries are the parent's), else a fold from 0 (``"full"``)."""
+    if head.last_cut is not None and head.last_cut < target:
+        try:
+            return await _fold_from_cut(store, session_id, head.last_cut, target, chunk), "cut"
+        except ValueError:
+            pass
+    parent, at = head.header.parent, head.header.at
+    if parent is not None and at:
+        state = await _parent_state(store, parent, at, head.header.created_at)
+        if state is not None:
+            try:
+                await _fold_range(store, session_id, state, target, chunk)  # stitched reads
+                return state, "parent"
+            except ValueError:
+                pass
+    state = ProjectionState()
+    await _fold_range(store, session_id, state, target, chunk)
+    return state, "full"
+
+
+async def _parent_state(store: SessionStore, parent: str, at: int, born: int) -> ProjectionState | None:
+    """The parent's snapshot when it covers no more than the branch point (else None)."""
+    snap = await store.get_projection(parent)
+    if snap is None or snap[0] > at:
+        return None
+    parent_head = await store.head(parent)
+    if parent_head is None or parent_head.header.created_at > born:
+        # A hidden parent keeps its log for its branches, not its snapshot; a parent id younger
+        # than the branch is another session that took the id: its log is not the prefix.
+        return None
+    try:
+        state = ProjectionState.from_bytes(snap[1])
+    except ValueError:
+        return None
+    return state if _plausible(state, snap[0], parent_head) else None
+
+
+def _plausible(state: ProjectionState, n_s: int, head: SessionHead) -> bool:
+    """Cheap checks that a decoded snapshot belongs to this session's log.
+
+    proj.lua never writes past the header's n, and a re-created session starts without a
+    snapshot, so these fail only for a snapshot written around the API (or a racing
+    delete + re-create): then the reader folds the log rather than trust it."""
+    if state.n != n_s or n_s > head.n:
+        return False
+    own_cut = head.last_cut  # the n of the session's own last cut (a branch's prefix not included)
+    if own_cut is not None and own_cut < n_s:
+        return state.last_cut == own_cut
+    if own_cut is None:
+        return state.last_cut is None or state.last_cut < (head.header.at or 0)
+    return True
+
+
+class SnapshotCache:
+    """Decoded snapshots kept in-process, keyed by their exact bytes.
+
+    Decoding is most of a snapshot load (a 5 000-message snapshot is ~2 MB of JSON). A reader that
+    meets the *same bytes* again — the same session loaded twice before the projector rewrote
+    it — takes a copy of the decoded state instead. Equal bytes decode to equal states, so a hit
+    can never answer something a decode would not; a changed snapshot is simply a miss.
+
+    >>> cache = SnapshotCache(max_bytes=64 << 20)
+    >>> state, n = await load_messages(store, "chat-1", cache=cache)
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[bytes, ProjectionState]] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, session_id: str, blob: bytes) -> ProjectionState | None:
+        """A private copy of the state decoded from exactly `blob`, or None."""
+        got = self._items.get(session_id)
+        if got is None or got[0] != blob:
+            self.misses += 1
+            return None
+        self._items.move_to_end(session_id)
+        self.hits += 1
+        return got[1].copy()
+
+    def put(self, session_id: str, blob: bytes, state: ProjectionState) -> None:
+        """Keep a copy of `state` (decoded from `blob`); the least recently used go first."""
+        if len(blob) > self.max_bytes:
+            return
+        old = self._items.pop(session_id, None)
+        if old is not None:
+            self._bytes -= len(old[0])
+        self._items[session_id] = (blob, state.copy())
+        self._bytes += len(blob)
+        while self._bytes > self.max_bytes:
+            _, (b, _) = self._items.popitem(last=False)
+            self._bytes -= len(b)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+async def load_messages(
+    store: SessionStore, session_id: str, *, cache: SnapshotCache | None = None, chunk: int = 20_000
+) -> tuple[ProjectionState, int]:
+    """The projection of `session_id` at its head: ``(state, n)`` with ``state.n == n``.
+
+    Reads the projector's snapshot (n_s), then the head (n), and folds entries [n_s, n) onto it.
+    Without a usable snapshot — absent, undecodable, inconsistent with the header, or ahead of the
+    head — it rebuilds from the header's last cut, else folds the whole log. Whatever the cache
+    holds, ``state.messages()`` equals ``project(await store.read(session_id, 0, n))``. The state
+    is the caller's own (extend it with later entries). With a `SnapshotCache`, a snapshot met
+    again is not decoded again.
+
+    Works on any `SessionStore` (the memory store has the same snapshot slot). Raises
+    `SessionNotFoundError` when the session does not exist.
+
+    >>> state, n = await load_messages(store, "chat-1")
+    >>> state.messages()[-1].text
+    """
+    validate_session_id(session_id)
+    # The snapshot first, the head second: the head's n is then >= any honest snapshot's n.
+    snap = await store.get_projection(session_id)
+    head = await store.head(session_id)
+    if head is None:
+        raise SessionNotFoundError(session_id)
+    n = head.n
+    if snap is not None:
+        n_s, blob = snap
+        if n_s <= n:
+            state = None if cache is None else cache.get(session_id, blob)
+            if state is None:
+                try:
+                    state = ProjectionState.from_bytes(blob)
+                except ValueError:
+                    state = None
+                if state is not None and cache is not None and _plausible(state, n_s, head):
+                    cache.put(session_id, blob, state)
+            if state is not None and _plausible(state, n_s, head):
+                try:
+                    await _fold_range(store, session_id, state, n, chunk)
+                    return state, n
+                except ValueError:
+                    pass  # the tail needs history the snapshot dropped (a cut reaching back): rebuild
+    state, _ = await _rebuild(store, session_id, head, n, chunk)
+    return state, n
+
+
+async def load_state(
+    store: SessionStore, head: SessionHead, *, cache: SnapshotCache | None = None, chunk: int = 20_000
+) -> ProjectionState:
+    """The projection state of `head`'s session at exactly ``head.n`` (a handle's own view).
+
+    Same sources as `load_messages`; a snapshot newer than ``head.n`` is not used."""
+    sid, n = head.header.id, head.n
+    snap = await store.get_projection(sid)
+    if snap is not None and snap[0] <= n:
+        n_s, blob = snap
+        state = None if cache is None else cache.get(sid, blob)
+        if state is None:
+            try:
+                state = ProjectionState.from_bytes(blob)
+            except ValueError:
+                state = None
+        if state is not None and _plausible(state, n_s, head):
+            try:
+                await _fold_range(store, sid, state, n, chunk)
+                return state
+            except ValueError:
+                pass
+    state, _ = await _rebuild(store, sid, head, n, chunk)
+    return state

@@ -1,0 +1,387 @@
+"""Follow a session live: `follow` (a `SessionStore.tail` that survives dropped connections) and
+`run_tail`, the terminal view behind ``redis-session tail``.
+
+`follow` is what every live reader here uses (the terminal tail and the gateway's SSE streams):
+when the connection to the store drops it waits (exponential backoff with jitter) and resumes at
+the last delivered n + 1, so a reader never loses or repeats an entry.
+
+>>> await run_tail(store, "chat-1", start=0)            # prints entries as they land; Ctrl-C stops
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import anyio
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .errors import SessionNotFoundError
+from .model import Entry
+from .store import SessionStore
+
+# StoreUnavailableError is an OSError (ConnectionError); redis-py's own errors are listed for
+# stores that let one through (a cluster client's MOVED storm, a pool at its limit).
+RETRYABLE: tuple[type[BaseException], ...] = (OSError, RedisConnectionError, RedisTimeoutError)
+
+T = TypeVar("T")
+
+RetryHook = Callable[[BaseException, float, int], None]
+"""Called before each wait: (the error, seconds it will wait, the n it will resume at)."""
+
+
+@contextlib.asynccontextmanager
+async def _closing(it: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T], None]:
+    """`contextlib.aclosing` for any async iterator (the store protocol promises no `aclose`)."""
+    try:
+        yield it
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def follow(
+    store: SessionStore,
+    session_id: str,
+    start: int = 0,
+    *,
+    on_retry: RetryHook | None = None,
+    min_backoff: float = 0.05,
+    max_backoff: float = 5.0,
+) -> AsyncGenerator[Entry, None]:
+    """Every entry with n >= `start`, then each new one as it lands, across connection drops.
+
+    Ends when the session is deleted. Raises `SessionNotFoundError` when it does not exist at the
+    start. Delivery is exactly once and in order: after a drop the tail resumes at the last
+    delivered n + 1, and a gap (never expected from a store) is filled by a read.
+
+    >>> async with contextlib.aclosing(follow(store, "chat-1")) as entries:
+    ...     async for e in entries:
+    ...         print(e.n, e.type)
+    """
+    nxt = start
+    delay = min_backoff
+    dropped = False
+    while True:
+        try:
+            async with _closing(store.tail(session_id, nxt)) as entries:
+                async for e in entries:
+                    if e.n < nxt:
+                        continue
+                    if e.n > nxt:
+                        for missing in await store.read(session_id, nxt, e.n):
+                            yield missing
+                            nxt = missing.n + 1
+                    yield e
+                    nxt = e.n + 1
+                    delay = min_backoff
+            return
+        except SessionNotFoundError:
+            if dropped:  # deleted while we were away: the same end as a tail that sees it go
+                return
+            raise
+        except RETRYABLE as exc:
+            dropped = True
+            wait = delay * (0.5 + random.random())  # jitter: many readers must not reconnect in step
+            if on_retry is not None:
+                on_retry(exc, wait, nxt)
+            await anyio.sleep(wait)
+            delay = min(delay * 2, max_backoff)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def chunk_text(data: dict[str, Any]) -> tuple[str, bool] | None:
+    """The text an ``assistant/chunk`` adds, and whether it is reasoning; None for a chunk without
+    text (a tool-call delta, a finish marker).
+
+    Runtimes write chunks in several shapes; all of these are understood: ``{"chunk": "text"}``,
+    ``{"chunk": {"type": "text-delta", "text"|"delta"|"textDelta": …}}`` (dsh / AI SDK),
+    ``{"delta": {"content": …}}`` (OpenAI-style), ``{"chunk": {"choices": [{"delta": …}]}}``,
+    ``{"text": …}`` and ``{"content": …}``.
+    """
+    c: Any = data.get("chunk", data)
+    if isinstance(c, str):
+        return c, False
+    if not isinstance(c, dict):
+        return None
+    reasoning = "reasoning" in str(c.get("type", ""))
+    choices = c.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        c = choices[0]
+    for key in ("text", "textDelta", "delta", "content"):
+        v = c.get(key)
+        if isinstance(v, str):
+            return v, reasoning
+        if isinstance(v, dict):
+            for sub, is_reasoning in (("content", False), ("text", False), ("reasoning_content", True)):
+                s = v.get(sub)
+                if isinstance(s, str) and s:
+                    return s, reasoning or is_reasoning
+    return None
+
+
+def content_text(content: Any) -> str:
+    """A one-glance rendering of message content (a string or dsh/OpenAI blocks)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        return _compact(content)
+    parts: list[str] = []
+    for b in content:
+        if not isinstance(b, dict):
+            parts.append(_compact(b))
+            continue
+        t = b.get("type")
+        if t == "text":
+            parts.append(str(b.get("text", "")))
+        elif t == "reasoning":
+            parts.append(f"[reasoning: {b.get('text', '')}]")
+        elif t == "tool-call":
+            parts.append(f"→ {b.get('name')}({b.get('arguments', '')})")
+        elif t == "tool-result":
+            parts.append(f"← {content_text(b.get('content'))}")
+        elif t in ("image", "image_url"):
+            parts.append("[image]")
+        elif isinstance(b.get("text"), str):
+            parts.append(b["text"])
+        else:
+            parts.append(_compact(b))
+    return " ".join(p for p in parts if p)
+
+
+def _compact(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def entry_summary(e: Entry) -> str:
+    """The body of an entry's line: the message text for messages, compact JSON for the rest."""
+    d = e.data
+    if e.type == "message":
+        text = content_text(d.get("content"))
+        calls = d.get("tool_calls") or []
+        for c in calls if isinstance(calls, list) else []:
+            fn = c.get("function", {}) if isinstance(c, dict) else {}
+            text += f" → {fn.get('name')}({fn.get('arguments', '')})"
+        role = d.get("role", "?")
+        return f"{role}: {text}".rstrip()
+    if e.type in ("user/message", "assistant/message", "context/message", "steering/message"):
+        return content_text(d.get("content"))
+    if e.type == "tool/result":
+        err = " (error)" if d.get("isError") else ""
+        return f"{d.get('callId')}{err}: {content_text(d.get('content'))}"
+    if e.type == "tool/call":
+        return f"{d.get('name')}({d.get('arguments', '')})  [{d.get('callId')}]"
+    if e.type == "cut":
+        summary = d.get("summary") or []
+        return f"before={d.get('before')} reason={d.get('reason')} summary={len(summary)} message(s)"
+    return _compact(d)
+
+
+_TYPE_STYLE = {
+    "user/message": "bold green",
+    "context/message": "green",
+    "steering/message": "green",
+    "assistant/message": "bold cyan",
+    "assistant/chunk": "cyan",
+    "tool/call": "yellow",
+    "tool/result": "yellow",
+    "cut": "bold magenta",
+    "turn/start": "blue",
+    "turn/end": "blue",
+    "step/start": "dim blue",
+    "step/end": "dim blue",
+    "prompt/blocked": "red",
+}
+_ROLE_STYLE = {"user": "bold green", "assistant": "bold cyan", "tool": "yellow", "system": "magenta"}
+
+
+def type_style(e: Entry) -> str:
+    if e.type == "message":
+        return _ROLE_STYLE.get(str(e.data.get("role")), "white")
+    if e.type == "tool/result" and e.data.get("isError"):
+        return "bold red"
+    if e.type == "turn/end" and e.data.get("reason") not in (None, "completed"):
+        return "bold red"
+    return _TYPE_STYLE.get(e.type, "dim")
+
+
+def _clock(ms: int) -> str:
+    return dt.datetime.fromtimestamp(ms / 1000).strftime("%H:%M:%S.%f")[:-3]
+
+
+class TailRenderer:
+    """Turns entries into console lines; chunks of one step stream inline on one growing line.
+
+    `messages=True` shows the conversation instead of the raw log: message entries as the
+    messages they derive (role and text), cuts as a rule, chunks still streaming inline, other
+    marks hidden.
+    """
+
+    MAX_BODY = 4000  # characters of a message's body; the rest is elided
+    MAX_MARK_BODY = 400  # of any other entry's
+    TYPE_WIDTH = 18
+
+    def __init__(self, console: Console, *, messages: bool = False) -> None:
+        self.console = console
+        self.messages = messages
+        self._stream_key: tuple[Any, Any] | None = None  # (turn, step) of the open chunk line
+        self._streamed: list[str] = []
+
+    # -- chunk line
+    def _open_stream(self, e: Entry) -> None:
+        key = (e.data.get("turn"), e.data.get("step"))
+        if self._stream_key == key:
+            return
+        self.close_stream()
+        self._stream_key = key
+        self._streamed = []
+        label = Text()
+        if not self.messages:
+            label.append(f"{e.n:>6} ", style="dim")
+            label.append(_clock(e.time) + " ", style="dim")
+        label.append("assistant ▸ ", style="bold cyan")
+        self.console.print(label, end="", soft_wrap=True)
+
+    def close_stream(self) -> None:
+        """End the open chunk line, if any (before any other output)."""
+        if self._stream_key is not None:
+            self.console.print(soft_wrap=True)
+            self._stream_key = None
+
+    # -- entries
+    def render(self, e: Entry) -> None:
+        if e.type == "assistant/chunk":
+            piece = chunk_text(e.data)
+            if piece is None or not piece[0]:
+                return
+            self._open_stream(e)
+            self.console.print(Text(piece[0], style="dim italic" if piece[1] else ""), end="", soft_wrap=True)
+            self._streamed.append(piece[0])
+            return
+        streamed = "".join(self._streamed) if self._stream_key is not None else None
+        self.close_stream()
+        self._streamed = []
+        if self.messages:
+            self._render_message(e, streamed)
+        else:
+            self._render_entry(e, streamed)
+
+    def _render_entry(self, e: Entry, streamed: str | None) -> None:
+        body = entry_summary(e)
+        if e.type == "assistant/message" and streamed is not None and body.startswith(streamed.strip()):
+            rest = body[len(streamed.strip()) :].strip()
+            body = f"✓ {len(streamed)} chars streamed" + (f" {rest}" if rest else "")
+        limit = self.MAX_BODY if e.kind == "message" else self.MAX_MARK_BODY
+        if len(body) > limit:
+            body = body[:limit] + f"… (+{len(body) - limit} chars)"
+        # fixed column widths, so that the lines of successive entries align
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(justify="right", style="dim", width=6, no_wrap=True)
+        grid.add_column(style="dim", width=12, no_wrap=True)
+        grid.add_column(width=self.TYPE_WIDTH, no_wrap=True, overflow="ellipsis")
+        grid.add_column(overflow="fold")
+        style = type_style(e)
+        grid.add_row(str(e.n), _clock(e.time), Text(e.type, style=style), Text(body, style=_body_style(e)))
+        self.console.print(grid)
+
+    def _render_message(self, e: Entry, streamed: str | None) -> None:
+        from .projection import cut_messages, derive_message
+
+        if e.type == "cut":
+            before = e.data.get("before")
+            self.console.rule(
+                Text(f"compacted at n={e.n}: the model now sees the summary and n ≥ {before}", style="magenta")
+            )
+            found = cut_messages(e)
+        elif e.kind == "message":
+            m = derive_message(e)
+            found = () if m is None else (m,)
+        else:
+            return
+        for m in found:
+            text = content_text(list(m.content))
+            if m.role == "assistant" and streamed is not None and text.startswith(streamed.strip()):
+                text = text[len(streamed.strip()) :].strip()
+                if not text:
+                    continue  # its text just streamed in full
+            if len(text) > self.MAX_BODY:
+                text = text[: self.MAX_BODY] + f"… (+{len(text) - self.MAX_BODY} chars)"
+            line = Text()
+            line.append(f"{m.role:>9} ", style=_ROLE_STYLE.get(m.role, "white"))
+            line.append(text)
+            self.console.print(line)
+
+    def note(self, message: str, style: str = "dim") -> None:
+        self.close_stream()
+        self.console.print(Text(message, style=style))
+
+
+def _body_style(e: Entry) -> str:
+    if e.kind == "message":
+        return ""
+    if e.type == "cut":
+        return "magenta"
+    return "dim"
+
+
+async def run_tail(
+    store: SessionStore,
+    session_id: str,
+    start: int | None = None,
+    messages: bool = False,
+    console: Console | None = None,
+    stop_after: int | None = None,
+    *,
+    max_backoff: float = 5.0,
+) -> int:
+    """Print a session live until it is deleted (or `stop_after` entries were shown).
+
+    `start` is the first n to show (default: the end, so only new entries). Chunks of one step
+    form the assistant's text inline. A dropped connection is reported and retried with backoff,
+    resuming at the last shown n + 1: nothing is lost or shown twice. Returns the n to resume at.
+    Raises `SessionNotFoundError` when the session does not exist.
+    """
+    console = console if console is not None else Console()
+    view = TailRenderer(console, messages=messages)
+    head = await store.head(session_id)
+    if head is None:
+        raise SessionNotFoundError(session_id)
+    nxt = head.n if start is None else start
+    title = f" — {head.header.title}" if head.header.title else ""
+    branch = f" (branch of {head.header.parent} at {head.header.at})" if head.header.parent else ""
+    view.note(f"following {session_id}{title}{branch}: n={head.n}, from {nxt}", style="bold")
+
+    def on_retry(exc: BaseException, wait: float, at: int) -> None:
+        view.note(f"connection lost ({exc}); reconnecting in {wait:.1f}s, resuming at n={at}", "yellow")
+
+    shown = 0
+    try:
+        async with contextlib.aclosing(
+            follow(store, session_id, nxt, on_retry=on_retry, max_backoff=max_backoff)
+        ) as entries:
+            async for e in entries:
+                view.render(e)
+                nxt = e.n + 1
+                shown += 1
+                if stop_after is not None and shown >= stop_after:
+                    return nxt
+        view.note(f"session {session_id} was deleted", "bold red")
+        return nxt
+    finally:
+        view.close_stream()

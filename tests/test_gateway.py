@@ -1,0 +1,450 @@
+"""The gateway on a real uvicorn server and a real Redis: SSE delivery, resume, fan-out to many
+clients, auth on every route, and bad input answered as JSON 4xx, never a 500."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import quote
+
+import anyio
+import httpx
+import pytest
+
+from redis_session import MemorySessionStore, RedisSessionStore, SessionHeader
+from redis_session.gateway import create_app, openapi, serve
+from redis_session.projection import project, to_anthropic, to_openai
+
+pytestmark = pytest.mark.anyio
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(store: Any, **options: Any) -> AsyncIterator[str]:
+    """The gateway on a free port of 127.0.0.1, for the duration of the block; yields its base URL."""
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(lambda task_status: serve(store, "127.0.0.1", 0, task_status=task_status, **options))
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()
+
+
+def path(session_id: str, sub: str = "") -> str:
+    return "/sessions/" + quote(session_id, safe="") + (f"/{sub}" if sub else "")
+
+
+async def sse(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """Parse an event stream: one dict per event ({id, event, data} or {comment})."""
+    ev: dict[str, Any] = {}
+    async for line in response.aiter_lines():
+        if line == "":
+            if ev:
+                yield ev
+            ev = {}
+        elif line.startswith(":"):
+            ev["comment"] = line[1:].strip()
+        else:
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "data":
+                ev["data"] = json.loads(value)
+            else:
+                ev[field] = value
+
+
+async def collect_entries(
+    client: httpx.AsyncClient, url: str, until_n: int, headers: dict[str, str] | None = None
+) -> list[int]:
+    """The n of every entry event, until `until_n` has arrived."""
+    got: list[int] = []
+    async with client.stream("GET", url, headers=headers) as r:
+        assert r.status_code == 200, r.text
+        async for ev in sse(r):
+            if "id" in ev:
+                assert int(ev["id"]) == ev["data"]["n"]
+                got.append(ev["data"]["n"])
+                if got[-1] >= until_n:
+                    return got
+    return got
+
+
+async def mk(store: Any, sid: str, k: int = 0, **hdr: Any) -> None:
+    await store.create(SessionHeader(id=sid, **hdr), [("user/message", {"content": f"m{i}"}) for i in range(k)])
+
+
+async def write_marks(store: Any, sid: str, count: int, batch: int = 1, pause: float = 0.0) -> None:
+    for i in range(0, count, batch):
+        await store.put(sid, None, [("test/mark", {"i": i + j}) for j in range(min(batch, count - i))])
+        if pause:
+            await anyio.sleep(pause)
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+async def test_sse_delivers_every_entry_in_order_while_a_writer_appends(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "live", 5)
+    total = 5 + 300
+    with anyio.fail_after(20):
+        async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
+            got: list[int] = []
+
+            async def read() -> None:
+                got.extend(await collect_entries(client, path("live", "events"), total - 1))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await anyio.sleep(0.05)
+                await write_marks(redis_store, "live", 300, batch=3, pause=0.001)
+    assert got == list(range(total))
+
+
+async def test_sse_resumes_with_last_event_id_without_gap_or_repeat(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "r", 10)
+    with anyio.fail_after(20):
+        async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
+            first = await collect_entries(client, path("r", "events"), 6)  # hang up after n=6
+            assert first == list(range(7))
+            await write_marks(redis_store, "r", 20, batch=4)  # written while disconnected
+            # a browser reconnects to the same URL (here with ?start=0) and sends Last-Event-ID
+            rest = await collect_entries(client, path("r", "events") + "?start=0", 29, {"Last-Event-ID": "6"})
+            assert first + rest == list(range(30))
+            # without Last-Event-ID, ?start= decides
+            assert await collect_entries(client, path("r", "events") + "?start=25", 29) == [25, 26, 27, 28, 29]
+            # resuming at the very end waits for the next entry
+            got: list[int] = []
+
+            async def late() -> None:
+                got.extend(await collect_entries(client, path("r", "events"), 30, {"Last-Event-ID": "29"}))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(late)
+                await anyio.sleep(0.2)
+                await write_marks(redis_store, "r", 1)
+            assert got == [30]
+
+
+async def test_fifty_concurrent_clients_all_get_everything(redis_store: RedisSessionStore) -> None:
+    """One XREAD BLOCK connection per SSE client: 50 of them fit the pool with room to spare."""
+    await mk(redis_store, "fan", 3)
+    clients, total = 50, 3 + 120
+    results: list[list[int]] = []
+    limits = httpx.Limits(max_connections=clients + 10)
+    with anyio.fail_after(40):
+        async with (
+            running_gateway(redis_store, heartbeat=1.0) as base,
+            httpx.AsyncClient(base_url=base, limits=limits, timeout=30) as client,
+        ):
+
+            async def one() -> None:
+                results.append(await collect_entries(client, path("fan", "events"), total - 1))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(clients):
+                    tg.start_soon(one)
+                await anyio.sleep(0.3)  # most are connected and blocked in XREAD by now
+                await write_marks(redis_store, "fan", 120, batch=2, pause=0.002)
+    assert len(results) == clients
+    assert all(r == list(range(total)) for r in results)
+
+
+async def test_sse_sends_the_draft_heartbeats_and_the_end(redis_store: RedisSessionStore) -> None:
+    redis_store.block_ms = 200  # how soon an idle tail notices the deletion
+    await mk(redis_store, "d", 1)
+    with anyio.fail_after(20):
+        async with (
+            running_gateway(redis_store, heartbeat=0.3) as base,
+            httpx.AsyncClient(base_url=base) as client,
+            client.stream("GET", path("d", "events")) as r,
+        ):
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["cache-control"] == "no-cache"
+            seen: list[dict[str, Any]] = []
+            events = sse(r)
+            async for ev in events:  # the backlog, then silence: a heartbeat
+                seen.append(ev)
+                if ev.get("comment") == "ping":
+                    break
+            assert [e["data"]["n"] for e in seen if "id" in e] == [0]
+            await redis_store.set_draft("d", {"content": "Hel"})
+            ev = await anext(x async for x in events if x.get("event") == "draft")
+            assert ev["data"] == {"draft": {"content": "Hel"}}
+            await redis_store.set_draft("d", None)
+            ev = await anext(x async for x in events if x.get("event") == "draft")
+            assert ev["data"] == {"draft": None}
+            assert "id" not in ev  # a draft never moves Last-Event-ID
+            await redis_store.delete("d")
+            ev = await anext(x async for x in events if "comment" not in x)
+            assert ev["event"] == "end"
+            assert [x async for x in events if "comment" not in x] == []  # and the response ends
+
+
+async def test_server_shutdown_ends_open_streams_at_once(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "s", 1)
+    with anyio.fail_after(10):
+        async with httpx.AsyncClient() as client, anyio.create_task_group() as tg:
+            port = await tg.start(lambda task_status: serve(redis_store, "127.0.0.1", 0, task_status=task_status))
+            async with client.stream("GET", f"http://127.0.0.1:{port}{path('s', 'events')}") as r:
+                events = sse(r)
+                await anext(x async for x in events if "id" in x)
+                t0 = anyio.current_time()
+                tg.cancel_scope.cancel()
+                assert [x async for x in events if "id" in x] == []
+            assert anyio.current_time() - t0 < 2.5
+        async with httpx.AsyncClient() as late:
+            with pytest.raises(httpx.ConnectError):  # and the port is closed
+                await late.get(f"http://127.0.0.1:{port}/sessions")
+
+
+async def test_a_busy_port_is_an_oserror(redis_store: RedisSessionStore) -> None:
+    async with running_gateway(redis_store) as base:
+        port = int(base.rsplit(":", 1)[1])
+        with pytest.raises(OSError, match="could not listen"):
+            await serve(redis_store, "127.0.0.1", port, log_level="critical")
+
+
+async def test_stream_limit_answers_503(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "cap", 1)
+    with anyio.fail_after(10):
+        async with (
+            running_gateway(redis_store, max_streams=1) as base,
+            httpx.AsyncClient(base_url=base) as client,
+            client.stream("GET", path("cap", "events")) as r1,
+        ):
+            events = sse(r1)  # held: a dropped parser would close the response when collected
+            await anext(x async for x in events if "id" in x)
+            r2 = await client.get(path("cap", "events"))
+            assert r2.status_code == 503 and r2.json()["error"] == "busy"
+            assert r2.headers["retry-after"]
+
+
+async def test_default_stream_limit_follows_the_pool(redis_url: str) -> None:
+    store = RedisSessionStore.from_url(redis_url, prefix="unused", client_options={"max_connections": 100})
+    assert create_app(store).state.streams.limit == 90
+    await store.aclose()
+    assert create_app(MemorySessionStore()).state.streams.limit is None
+
+
+# --------------------------------------------------------------------------- read routes
+
+
+async def test_read_routes(redis_store: RedisSessionStore) -> None:
+    sid = "user/42:ü-日本"  # `/`, `:` and unicode travel percent-encoded
+    await mk(redis_store, sid, 0, title="hello")
+    await redis_store.put(
+        sid,
+        0,
+        [
+            ("user/message", {"content": "what is 1+1?"}),
+            ("assistant/chunk", {"chunk": "2"}),
+            ("assistant/message", {"content": [{"type": "text", "text": "2"}]}),
+            ("test/mark", {"x": 1}),
+        ],
+    )
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
+        head = (await client.get(path(sid))).json()
+        assert head["id"] == sid and head["n"] == 4 and head["header"]["title"] == "hello"
+        assert head["header"]["parent"] is None and head["last_cut"] is None
+
+        r = (await client.get(path(sid, "entries"))).json()
+        assert [e["n"] for e in r["entries"]] == [0, 1, 2, 3] and r["n"] == 4 and r["next"] is None
+        r = (await client.get(path(sid, "entries"), params={"start": 1, "stop": 3})).json()
+        assert [e["type"] for e in r["entries"]] == ["assistant/chunk", "assistant/message"]
+        r = (await client.get(path(sid, "entries"), params={"start": 1, "limit": 2})).json()
+        assert [e["n"] for e in r["entries"]] == [1, 2] and r["next"] == 3
+        r = (await client.get(path(sid, "entries"), params={"start": 9})).json()
+        assert r["entries"] == [] and r["next"] is None
+
+        entries = await redis_store.read(sid)
+        msgs = project(entries)
+        r = (await client.get(path(sid, "messages"))).json()
+        assert r == {"session": sid, "format": "openai", "messages": to_openai(msgs)}
+        r = (await client.get(path(sid, "messages"), params={"format": "anthropic"})).json()
+        assert r["messages"] == to_anthropic(msgs)
+        r = (await client.get(path(sid, "messages"), params={"format": "neutral"})).json()
+        assert [(m["role"], m["source"]) for m in r["messages"]] == [("user", [0]), ("assistant", [2])]
+
+
+async def test_list_pages_and_branches(redis_store: RedisSessionStore) -> None:
+    for i in range(5):
+        await mk(redis_store, f"p{i}", 2, created_at=1_700_000_000_000 + i)
+    await mk(redis_store, "p0:branch:a", parent="p0", at=1)
+    await mk(redis_store, "p0:branch:b", parent="p0", at=2)
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
+        seen: list[str] = []
+        cursor = None
+        while True:
+            page = (await client.get("/sessions", params={"limit": 2, **({"cursor": cursor} if cursor else {})})).json()
+            seen += [h["id"] for h in page["items"]]
+            cursor = page["cursor"]
+            if cursor is None:
+                break
+        assert sorted(seen) == sorted(["p0", "p1", "p2", "p3", "p4", "p0:branch:a", "p0:branch:b"])
+        kids = (await client.get("/sessions", params={"parent": "p0"})).json()
+        assert {(h["id"], h["at"]) for h in kids["items"]} == {("p0:branch:a", 1), ("p0:branch:b", 2)}
+        # a branch reads through its parent
+        r = (await client.get(path("p0:branch:b", "entries"))).json()
+        assert [e["data"]["content"] for e in r["entries"]] == ["m0", "m1"]
+
+
+async def test_memory_store_works_too() -> None:
+    store = MemorySessionStore()
+    await mk(store, "m", 2)
+    with anyio.fail_after(10):
+        async with running_gateway(store) as base, httpx.AsyncClient(base_url=base) as client:
+            assert (await client.get(path("m"))).json()["n"] == 2
+
+            async def write() -> None:
+                await anyio.sleep(0.1)
+                await write_marks(store, "m", 5)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write)
+                assert await collect_entries(client, path("m", "events"), 6) == list(range(7))
+
+
+# --------------------------------------------------------------------------- auth
+
+
+def every_route(sid: str) -> list[str]:
+    return [
+        "/",
+        "/openapi.json",
+        "/sessions",
+        path(sid),
+        path(sid, "entries"),
+        path(sid, "messages"),
+        path(sid, "events"),
+    ]
+
+
+async def status_of(client: httpx.AsyncClient, url: str, **kw: Any) -> int:
+    # an event stream answers 200 and stays open: read the status line and hang up
+    async with client.stream("GET", url, **kw) as r:
+        return r.status_code
+
+
+async def test_token_guards_every_route(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "sec", 1)
+    token = "t0ken/with+chars"
+    with anyio.fail_after(20):
+        async with running_gateway(redis_store, token=token) as base, httpx.AsyncClient(base_url=base) as client:
+            for url in every_route("sec"):
+                r = await client.get(url)
+                assert r.status_code == 401, url
+                assert r.headers["www-authenticate"] == "Bearer"
+                assert await status_of(client, url, headers={"Authorization": "Bearer nope"}) == 401, url
+                assert await status_of(client, url, params={"token": "nope"}) == 401, url
+                assert await status_of(client, url, headers={"Authorization": f"Bearer {token}"}) == 200, url
+                assert await status_of(client, url, headers={"Authorization": f"bearer {token}"}) == 200, url
+                assert await status_of(client, url, params={"token": token}) == 200, url
+            assert (await client.get("/sessions?token=%C3%BC%00")).status_code == 401  # odd bytes: still a 401
+            # a person opening the viewer gets a form asking for the token, still a 401
+            r = await client.get("/", headers={"Accept": "text/html"})
+            assert r.status_code == 401 and "name=token" in r.text
+            doc = (await client.get("/openapi.json", params={"token": token})).json()
+            assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+
+
+async def test_without_a_token_every_route_is_open(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "open", 1)
+    with anyio.fail_after(20):
+        async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
+            for url in every_route("open"):
+                assert await status_of(client, url) == 200, url
+
+
+# --------------------------------------------------------------------------- bad input
+
+HOSTILE_IDS = [
+    "%7Bslot%7D",  # {slot}: would move the hash slot
+    "a%7Bb",
+    "a%20b",  # whitespace
+    "a%0Ab",  # newline
+    "%00",  # NUL
+    "%FF%FE",  # not UTF-8
+    "x" * 257,  # too long
+    "",  # empty
+]
+
+
+async def test_bad_input_is_a_json_4xx_never_a_500(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "ok", 3)
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
+
+        async def expect(status: int, url: str, **kw: Any) -> None:
+            r = await client.get(url, **kw)
+            assert r.status_code == status, (url, kw, r.status_code, r.text)
+            assert r.headers["content-type"] == "application/json", url
+            body = r.json()
+            assert set(body) == {"error", "message"} and "Traceback" not in body["message"]
+
+        for sub in ["", "/entries", "/messages", "/events"]:
+            await expect(404, f"/sessions/nope{sub}")
+            await expect(404, f"/sessions/a%2Fb{sub}")
+            for bad in HOSTILE_IDS:
+                await expect(400, f"/sessions/{bad}{sub}")
+        await expect(404, "/sessions/ok/nothing-here")
+        await expect(404, "/sessions/ok/entries/more")
+        await expect(404, "/nowhere")
+        for q in [
+            "start=-1",
+            "start=x",
+            "start=1.5",
+            "start=1e3",
+            "stop=-2",
+            "start=3&stop=1",
+            "limit=0",
+            "limit=10001",
+        ]:
+            await expect(400, f"/sessions/ok/entries?{q}")
+        await expect(400, "/sessions/ok/events?start=-1")
+        await expect(400, "/sessions/ok/events?start=abc")
+        await expect(400, "/sessions/ok/events", headers={"Last-Event-ID": "abc"})
+        await expect(400, "/sessions/ok/events", headers={"Last-Event-ID": "-5"})
+        await expect(400, "/sessions/ok/messages?format=xml")
+        for q in ["limit=0", "limit=1001", "limit=ten", "parent=%7Bx%7D", "parent=a%20b", "cursor=" + "c" * 500]:
+            await expect(400, f"/sessions?{q}")
+        r = await client.post("/sessions/ok/entries")
+        assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
+        r = await client.delete("/sessions/ok")
+        assert r.status_code == 405
+        assert (await redis_store.head("ok")) is not None  # read-only, whatever was asked
+
+
+# --------------------------------------------------------------------------- OpenAPI
+
+
+async def test_openapi_describes_every_route(redis_store: RedisSessionStore) -> None:
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
+        doc = (await client.get("/openapi.json")).json()
+    assert doc["openapi"].startswith("3.")
+    assert set(doc["paths"]) == {
+        "/healthz",
+        "/",
+        "/openapi.json",
+        "/sessions",
+        "/sessions/{session_id}",
+        "/sessions/{session_id}/entries",
+        "/sessions/{session_id}/messages",
+        "/sessions/{session_id}/events",
+    }
+    for p, item in doc["paths"].items():
+        assert set(item) == {"get"}, p
+        assert "200" in item["get"]["responses"], p
+    assert "security" not in doc and "security" in openapi(auth=True)
+    assert doc["paths"]["/healthz"]["get"]["security"] == []  # probes need no token
+    refs = {m for m in json.dumps(doc).split('"') if m.startswith("#/components/schemas/")}
+    assert {r.rsplit("/", 1)[1] for r in refs} <= set(doc["components"]["schemas"])
+
+
+async def test_healthz_needs_no_token_and_reports_the_store(redis_store: RedisSessionStore) -> None:
+    async with running_gateway(redis_store, token="s3cret") as base, httpx.AsyncClient(base_url=base) as client:
+        r = await client.get("/healthz")
+        assert r.status_code == 200 and r.json() == {"ok": True}
+        assert (await client.get("/sessions")).status_code == 401
