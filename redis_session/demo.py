@@ -41,6 +41,7 @@ class Stats:
     conflicts_retried: int = 0
     branches: int = 0
     cuts: int = 0
+    current: dict[int, str] = field(default_factory=dict)  # pod -> the session it writes now
 
 
 async def _turn(s: Any, turn: int, rng: random.Random, stats: Stats, pace: float) -> None:
@@ -149,9 +150,12 @@ async def _pod(
         sid = f"{run_id}-pod{pod}-s{k}"
         s = await sessions.create(sid, title=f"pod {pod} · chat {k}", origin={"pod": pod})
         stats.sessions.append(sid)
+        stats.current[pod] = sid
         turns = rng.randint(2, 4)
+        last_turn = 0
         for turn in range(1, turns + 1):
             await _turn(s, turn, rng, stats, pace)
+            last_turn = turn
             await _report(sessions, shared_id, pod, f"{sid} finished turn {turn}", stats)
             if time.monotonic() >= deadline:
                 break
@@ -170,27 +174,45 @@ async def _pod(
             b = await sessions.branch(sid, s.n)
             stats.branches += 1
             stats.sessions.append(b.id)
-            await _turn(b, turns + 1, rng, stats, pace)
+            await _turn(b, last_turn + 1, rng, stats, pace)
         k += 1
 
 
-async def _watch(store: Any, session_id: str, console: Console, deadline: float) -> None:
-    """A small live tail in the terminal: one line per entry, chunks forming the answer inline."""
+async def _watch(store: Any, stats: Stats, console: Console, deadline: float) -> None:
+    """A small live tail in the terminal of whatever pod 0 writes now: one line per entry, the
+    streamed chunks forming the answer inline."""
     with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-        while await store.head(session_id) is None:  # noqa: ASYNC110 - polling another process's write
-            await anyio.sleep(0.05)
-        streaming = False
-        async for e in store.tail(session_id, 0):
-            if e.type == "assistant/chunk":
-                chunk = e.data.get("chunk") or {}
-                console.print(chunk.get("text", ""), end="", style="green", highlight=False)
-                streaming = True
+        while True:
+            sid = stats.current.get(0)
+            if sid is None:
+                await anyio.sleep(0.05)
                 continue
-            if streaming:
-                console.print()
-                streaming = False
-            console.print(f"[dim]{session_id} #{e.n:<4}[/dim] [bold]{e.type}[/bold] {_brief(e.data)}", highlight=False)
+            async with anyio.create_task_group() as tg:
+
+                async def follow_switch(sid: str = sid) -> None:
+                    while stats.current.get(0) == sid:  # noqa: ASYNC110 - another task's progress
+                        await anyio.sleep(0.05)
+                    await anyio.sleep(0.3)  # let the last entries of the old session print
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(follow_switch)
+                await _print_tail(store, sid, console)
     console.print()
+
+
+async def _print_tail(store: Any, session_id: str, console: Console) -> None:
+    console.rule(f"[dim]{session_id}[/dim]", style="dim")
+    streaming = False
+    async for e in store.tail(session_id, 0):
+        if e.type == "assistant/chunk":
+            chunk = e.data.get("chunk") or {}
+            console.print(chunk.get("text", ""), end="", style="green", highlight=False)
+            streaming = True
+            continue
+        if streaming:
+            console.print()
+            streaming = False
+        console.print(f"[dim]#{e.n:<4}[/dim] [bold]{e.type}[/bold] {_brief(e.data)}", highlight=False)
 
 
 def _brief(data: dict[str, Any]) -> str:
@@ -251,7 +273,7 @@ async def run_demo(
                 for p in range(pods):
                     tg.start_soon(_pod, sessions, run_id, p, deadline, stats, shared_id, pace)
                 if not quiet:
-                    tg.start_soon(_watch, store, f"{run_id}-pod0-s0", console, deadline)
+                    tg.start_soon(_watch, store, stats, console, deadline)
             # let the projector catch up before reporting its lag
             lag: Any = None
             with anyio.move_on_after(10):
@@ -283,7 +305,7 @@ async def run_demo(
                 f"doctor                {'clean' if problems == 0 else f'{problems} session(s) with problems'}"
             )
             if viewer:
-                console.print(f"viewer                {viewer}")
+                console.print(f"viewer                {viewer} (browse on with `redis-session up --prefix {prefix}`)")
             services.cancel_scope.cancel()
         return 0 if problems == 0 else 1
     finally:
