@@ -519,3 +519,7 @@ def _leaf(e: BaseException) -> BaseException:
     while isinstance(e, BaseExceptionGroup) and e.exceptions:
         e = e.exceptions[0]
     return e
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The `redis-session` CLI, run as a real subprocess against a real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from redis_session import NewEntry, RedisSessionStore, SessionHeader
+
+pytestmark = pytest.mark.anyio
+
+
+def cli(*args: str, url: str | None = None, prefix: str | None = None, timeout: float = 120, cwd: Any = None) -> Any:
+    cmd = [sys.executable, "-m", "redis_session.cli", *args]
+    if url is not None:
+        cmd += ["--url", url]
+    if prefix is not None:
+        cmd += ["--prefix", prefix]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["COLUMNS"] = "200"
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+async def seed(store: RedisSessionStore) -> None:
+    await store.create(
+        SessionHeader(id="chat-1", title="hello"),
+        [
+            NewEntry("turn/start", {"turn": 1}),
+            NewEntry("user/message", {"content": "What is on my calendar?"}),
+            NewEntry("step/start", {"turn": 1, "step": 1}),
+            NewEntry("assistant/chunk", {"turn": 1, "step": 1, "chunk": {"text": "Two"}}),
+            NewEntry("assistant/message", {"turn": 1, "step": 1, "content": "Two meetings."}),
+            NewEntry("step/end", {"turn": 1, "step": 1}),
+            NewEntry("turn/end", {"turn": 1, "reason": {"kind": "completed"}}),
+        ],
+    )
+
+
+def test_main_module_is_the_console_script() -> None:
+    r = cli("--help")
+    assert r.returncode == 0
+    for cmd in (
+        "demo",
+        "up",
+        "server",
+        "ls",
+        "show",
+        "tail",
+        "doctor",
+        "branch",
+        "export",
+        "import",
+        "projector",
+        "gateway",
+    ):
+        assert cmd in r.stdout
+
+
+async def test_ls_show_doctor_branch(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
+    await seed(redis_store)
+    r = cli("ls", url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stderr
+    assert "chat-1" in r.stdout and "hello" in r.stdout
+
+    r = cli("show", "chat-1", url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stderr
+    assert "user/message" in r.stdout and "turn/end" in r.stdout
+
+    r = cli("show", "chat-1", "--messages", "--format", "openai", url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stderr
+    msgs = json.loads(r.stdout)
+    assert [m["role"] for m in msgs] == ["user", "assistant"]
+    assert msgs[1]["content"] == "Two meetings."
+
+    r = cli("doctor", "chat-1", url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 with problems" in r.stdout
+
+    r = cli("branch", "chat-1", "--at", "2", "--id", "chat-1-alt", url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "chat-1-alt"
+    assert [e.n for e in await redis_store.read("chat-1-alt")] == [0, 1]
+
+
+async def test_doctor_reports_a_broken_log(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
+    await redis_store.create(
+        SessionHeader(id="bad"), [NewEntry("turn/start", {"turn": 1}), NewEntry("turn/start", {"turn": 2})]
+    )
+    r = cli("doctor", "--all", url=redis_url, prefix=prefix)
+    assert r.returncode == 1
+    assert "bad" in r.stdout and "1 with problems" in r.stdout
+
+
+async def test_export_import_round_trip(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    await seed(redis_store)
+    out = tmp_path / "chat.jsonl"
+    r = cli("export", "chat-1", "-o", str(out), url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stderr
+    lines = out.read_text().splitlines()
+    assert len(lines) == 8  # header + 7 entries
+    other = prefix + "x"
+    r = cli("import", str(out), url=redis_url, prefix=other)
+    assert r.returncode == 0, r.stderr
+    copy = RedisSessionStore.from_url(redis_url, prefix=other)
+    try:
+        assert await copy.read("chat-1") == await redis_store.read("chat-1")
+        await copy.delete("chat-1")
+    finally:
+        await copy.aclose()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("show", "ghost"), "not found"),
+        (("show", "bad{id}"), "braces"),
+        (("branch", "ghost", "--at", "0"), "not found"),
+        (("doctor",), "SESSION or --all"),
+        (("show", "x", "--format", "yaml"), "--format"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(redis_url: str, prefix: str, args: tuple[str, ...], needle: str) -> None:
+    r = cli(*args, url=redis_url, prefix=prefix)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2  # one line (rich may wrap a long one)
+
+
+def test_unreachable_server_is_one_line(prefix: str) -> None:
+    r = cli("ls", url="redis://127.0.0.1:1/0", prefix=prefix, timeout=60)
+    assert r.returncode == 1
+    assert "unreachable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_malformed_import_file_names_the_line(redis_url: str, prefix: str, tmp_path: Path) -> None:
+    f = tmp_path / "broken.jsonl"
+    f.write_text('{"_type":"metadata","key":"tg:1","metadata":{}}\n{"role":"user","content":"hi"}\n{not json\n')
+    r = cli("import", str(f), url=redis_url, prefix=prefix)
+    assert r.returncode == 1
+    assert "broken.jsonl:3" in r.stderr and "Traceback" not in r.stderr
+    r = cli("ls", url=redis_url, prefix=prefix)
+    assert "tg:1" not in r.stdout
+
+
+def test_server_start_status_stop(tmp_path: Path) -> None:
+    d = tmp_path / "data"
+    r = cli("server", "status", "--data-dir", str(d))
+    assert r.returncode == 1 and "not running" in r.stdout
+    r = cli("server", "start", "--data-dir", str(d))
+    assert r.returncode == 0, r.stderr
+    url = r.stdout.strip()
+    assert url.startswith("redis://127.0.0.1:")
+    try:
+        again = cli("server", "start", "--data-dir", str(d))
+        assert again.stdout.strip() == url  # attaches, never a second server
+        r = cli("server", "status", "--data-dir", str(d))
+        assert r.returncode == 0 and url in r.stdout
+    finally:
+        r = cli("server", "stop", "--data-dir", str(d))
+    assert r.returncode == 0
+    assert cli("server", "status", "--data-dir", str(d)).returncode == 1
+
+
+def test_demo_runs_on_the_embedded_server_and_leaves_consistent_sessions(tmp_path: Path) -> None:
+    """The quick start's main job, on a fresh embedded server in an empty folder."""
+    try:
+        r = cli("demo", "--duration", "3", "--pods", "2", "--port", "0", "--quiet", cwd=tmp_path, timeout=180)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "doctor                clean" in r.stdout
+        assert "conflicts retried" in r.stdout
+        assert (tmp_path / ".redis-session" / "server.json").exists()
+        r = cli("doctor", "--all", "--prefix", "demo", cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        checked = int(r.stdout.strip().splitlines()[-1].split()[0])
+        assert checked >= 5
+    finally:
+        cli("server", "stop", "--data-dir", str(tmp_path / ".redis-session"))
