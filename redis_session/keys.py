@@ -43,9 +43,7 @@ def validate_session_id(session_id: object) -> str:
     if not session_id:
         raise InvalidSessionIdError("session id must not be empty")
     if len(session_id) > MAX_ID_LENGTH:
-        raise InvalidSessionIdError(
-            f"session id is {len(session_id)} characters; the limit is {MAX_ID_LENGTH}"
-        )
+        raise InvalidSessionIdError(f"session id is {len(session_id)} characters; the limit is {MAX_ID_LENGTH}")
     bad = _BAD_ID.search(session_id)
     if bad:
         raise InvalidSessionIdError(

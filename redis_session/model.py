@@ -248,9 +248,7 @@ class CutData(_Schema):
     meta: dict[str, Any] | None = None
 
 
-TURN_END_REASONS = frozenset(
-    {"completed", "aborted", "error", "disposed", "max-tokens", "rejected", "interrupted"}
-)
+TURN_END_REASONS = frozenset({"completed", "aborted", "error", "disposed", "max-tokens", "rejected", "interrupted"})
 
 
 class TurnStartData(_Schema):
@@ -527,9 +525,7 @@ def _surface(value: Any, index: int) -> tuple[Surface | None, bytes | None]:
     if seqs is not None and len(set(seqs)) != len(seqs):
         raise InvalidEntryError("surface sourceEventSeqs has duplicates", index=index)
     if surface.is_replace and not seqs:
-        raise InvalidEntryError(
-            "a surface replace must list the replaced nodes in sourceEventSeqs", index=index
-        )
+        raise InvalidEntryError("a surface replace must list the replaced nodes in sourceEventSeqs", index=index)
     return surface, _encoder.encode(surface)
 
 
@@ -558,9 +554,7 @@ def encode_entry(
         raise InvalidEntryError(
             f"{entry_type!r} is not surface-eligible and cannot carry surface metadata", index=index
         )
-    if e.time is not None and (
-        not isinstance(e.time, int) or isinstance(e.time, bool) or not 0 <= e.time < 1 << 53
-    ):
+    if e.time is not None and (not isinstance(e.time, int) or isinstance(e.time, bool) or not 0 <= e.time < 1 << 53):
         raise InvalidEntryError(f"time must be a non-negative int (ms), got {e.time!r}", index=index)
     cut_before = data["before"] if entry_type == CUT else None
     enc = EncodedEntry(
@@ -610,9 +604,7 @@ def encode_batch(
 
 def check_against_n(enc: EncodedEntry, own_n: int, index: int) -> None:
     if enc.cut_before is not None and enc.cut_before > own_n:
-        raise InvalidEntryError(
-            f"cut.before={enc.cut_before} is outside [0, {own_n}] (the cut's own n)", index=index
-        )
+        raise InvalidEntryError(f"cut.before={enc.cut_before} is outside [0, {own_n}] (the cut's own n)", index=index)
     seqs = enc.surface.source_event_seqs if enc.surface is not None else None
     if seqs and max(seqs) >= own_n:
         raise InvalidEntryError(f"surface sourceEventSeqs must name earlier entries (< {own_n})", index=index)

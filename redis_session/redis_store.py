@@ -2,13 +2,19 @@
 
 Every write is one Lua script (``lua/*.lua``) in one hash slot; reads are one round trip
 (a pipelined ``HMGET`` + ``XRANGE``) decoded straight into `Entry` Structs by msgspec.
+
+Hot paths skip redis-py's command layer on a standalone server: commands are packed to RESP here
+(one `bytes.join`, keys cached per session) and sent on a connection of the client's own pool,
+and replies come back from hiredis undecoded. Writes are never retried behind the caller's back:
+a script whose reply was lost may have run, so that surfaces as `StoreUnavailableError` (retry
+with the same ``idempotency_key`` to make it safe). Redis Cluster goes through redis-py.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, cast
@@ -75,7 +81,7 @@ def lua_source(name: str) -> str:
 
 
 class _Script:
-    __slots__ = ("name", "sha", "source")
+    __slots__ = ("name", "sha", "sha_bulk", "source", "source_bulk")
 
     def __init__(self, name: str) -> None:
         import hashlib
@@ -83,9 +89,19 @@ class _Script:
         self.name = name
         self.source = lua_source(name)
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+        self.sha_bulk = b"$40\r\n%b\r\n" % self.sha.encode()
+        source = self.source.encode()
+        self.source_bulk = b"$%d\r\n%b\r\n" % (len(source), source)
 
 
 _SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj")}
+
+
+_IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+def _unavailable(e: BaseException) -> StoreUnavailableError:
+    return StoreUnavailableError(f"Redis is unreachable: {e}")
 
 
 @contextlib.contextmanager
@@ -93,8 +109,8 @@ def _io() -> Iterator[None]:
     """Map the client's connection failures to one typed error."""
     try:
         yield
-    except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-        raise StoreUnavailableError(f"Redis is unreachable: {e}") from e
+    except _IO_ERRORS as e:
+        raise _unavailable(e) from e
 
 
 def _s(b: bytes | str | None) -> str | None:
@@ -114,34 +130,93 @@ def rows_to_entries(rows: Sequence[Any]) -> builtins.list[Entry]:
     validated against a safe alphabet, `time` is digits), so each row is spliced into one JSON
     object without re-encoding, and the whole list is decoded at C speed.
     """
-    if not rows:
-        return []
-    parts: builtins.list[bytes] = []
+    return _decode_entries(_splice_rows(rows)) if rows else []
+
+
+def _splice_rows(rows: Sequence[Any]) -> bytes:
+    """Raw XRANGE rows as one JSON array of entries. The splice appends slices to one list and
+    joins once: no per-row formatting, no intermediate bytes."""
+    parts: builtins.list[bytes] = [b"["]
+    extend = parts.extend
     for rid, f in rows:
-        n = rid.partition(b"-")[0]
-        if len(f) == 6 and f[0] == b"type" and f[2] == b"time" and f[4] == b"data":
-            parts.append(b'{"n":%b,"type":"%b","time":%b,"data":%b}' % (n, f[1], f[3], f[5]))
+        # ID "<n>-1": rid[:-2] is n (any other ID fails to decode, it is never mis-numbered)
+        if len(f) == 6 and f[4] == b"data" and f[0] == b"type" and f[2] == b"time":
+            extend((b'{"n":', rid[:-2], b',"type":"', f[1], b'","time":', f[3], b',"data":', f[5], b"},"))
         else:
-            d = dict(zip(f[::2], f[1::2], strict=False))
-            extra = b""
-            if b"meta" in d:
-                extra += b',"meta":' + d[b"meta"]
-            if b"surface" in d:
-                extra += b',"surface":' + d[b"surface"]
-            parts.append(
-                b'{"n":%b,"type":%b,"time":%b,"data":%b%b}'
-                % (
-                    n,
-                    _json.encode(d.get(b"type", b"").decode()),
-                    d.get(b"time", b"0"),
-                    d.get(b"data", b"{}"),
-                    extra,
-                )
-            )
+            extend(_odd_row(rid, f))
+    parts[-1] = b"}]"  # the last row's "}," closes the array instead
+    return b"".join(parts)
+
+
+def _decode_entries(blob: bytes) -> builtins.list[Entry]:
     try:
-        return ENTRY_LIST_DECODER.decode(b"[" + b",".join(parts) + b"]")
+        return ENTRY_LIST_DECODER.decode(blob)
     except msgspec.DecodeError as e:
         raise SessionError(f"stored entries are corrupt (edited outside redis-session?): {e}") from None
+
+
+def _odd_row(rid: bytes, f: Any) -> tuple[bytes, ...]:
+    """A row with `meta`/`surface` (or fields in another order): the same splice, by name."""
+    d = f if isinstance(f, dict) else dict(zip(f[::2], f[1::2], strict=False))
+    out: tuple[bytes, ...] = (
+        b'{"n":', rid.partition(b"-")[0],
+        b',"type":', _json.encode(d.get(b"type", b"").decode()),
+        b',"time":', d.get(b"time", b"0"),
+        b',"data":', d.get(b"data", b"{}"),
+    )  # fmt: skip
+    if b"meta" in d:
+        out += (b',"meta":', d[b"meta"])
+    if b"surface" in d:
+        out += (b',"surface":', d[b"surface"])
+    return (*out, b"},")
+
+
+# --------------------------------------------------------------------------- RESP, packed here
+
+_EVALSHA = b"$7\r\nEVALSHA\r\n"
+_EVAL = b"$4\r\nEVAL\r\n"
+_ENTRY_RESP = b"$%d\r\n%b\r\n" * 6
+
+
+def _b(a: bytes | str | int) -> bytes:
+    if isinstance(a, bytes):
+        return a
+    if isinstance(a, str):
+        return a.encode()
+    if isinstance(a, int):
+        return b"%d" % a
+    return bytes(a)
+
+
+def _bulks(args: Iterable[bytes | str | int]) -> bytes:
+    """RESP bulk strings without the array header: ``$<len> CRLF <bytes> CRLF`` each."""
+    return b"".join([b"$%d\r\n%b\r\n" % (len(a), a) for a in map(_b, args)])
+
+
+def _pack(args: Sequence[bytes | str | int]) -> bytes:
+    """One command as a RESP array."""
+    return b"*%d\r\n%b" % (len(args), _bulks(args))
+
+
+def _entry_fields(e: EncodedEntry) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
+    """The six ARGV values of one entry in ``lua/append.lua``."""
+    return (
+        e.type.encode(),
+        b"" if e.time is None else b"%d" % e.time,
+        e.data_raw,
+        e.meta_raw or b"",
+        e.surface_raw or b"",
+        b"" if e.cut_before is None else b"%d" % e.cut_before,
+    )
+
+
+def _pack_entries(batch: Sequence[EncodedEntry]) -> bytes:
+    """Every entry's six ARGV values as RESP: one format operation per entry."""
+    out = []
+    for e in batch:
+        t, tm, d, m, s, c = _entry_fields(e)
+        out.append(_ENTRY_RESP % (len(t), t, len(tm), tm, len(d), d, len(m), m, len(s), s, len(c), c))
+    return b"".join(out)
 
 
 def _xread_rows(resp: Any) -> builtins.list[Any]:
@@ -207,18 +282,22 @@ def _header_fields(header: SessionHeader, segments: Sequence[Segment]) -> builti
     return f
 
 
-def _entry_args(batch: Sequence[EncodedEntry]) -> builtins.list[str | bytes]:
-    args: builtins.list[str | bytes] = []
-    for e in batch:
-        args += [
-            e.type,
-            "" if e.time is None else str(e.time),
-            e.data_raw,
-            e.meta_raw or b"",
-            e.surface_raw or b"",
-            "" if e.cut_before is None else str(e.cut_before),
-        ]
-    return args
+def _entry_args(batch: Sequence[EncodedEntry]) -> builtins.list[bytes]:
+    return [v for e in batch for v in _entry_fields(e)]
+
+
+# put's EVALSHA body: keys, "append", expected_n, idempotency key, count, the cached tail, entries
+_PUT_BODY = b"%b$6\r\nappend\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b"
+
+
+class _SessionWire(msgspec.Struct, frozen=True, gc=False):
+    """One session's keys as the fast path sends them (bytes only: no reference cycles)."""
+
+    keys: bytes  # numkeys and the append script's KEYS, as RESP bulks
+    nkeys: int  # how many bulks `keys` holds
+    hdr: bytes
+    log: bytes
+    put_tail: bytes  # append's constant ARGV[5..8]: feed_maxlen, session id, ttl "", nhdr "0"
 
 
 class RedisSessionStore:
@@ -255,11 +334,13 @@ class RedisSessionStore:
         self.feed_maxlen = feed_maxlen
         self.block_ms = block_ms
         self._owns_client = owns_client
+        # The fast path: the pool of a standalone client (None on a cluster: redis-py routes).
+        self._pool = None if isinstance(self.client, RedisCluster) else self.client.connection_pool
+        self._connection = _connection_getter(self._pool) if self._pool is not None else None
+        self._packed_keys: dict[str, _SessionWire] = {}  # caches keys, feed and feed_maxlen: fixed
 
     @classmethod
-    def from_url(
-        cls, url: str, prefix: str = "rs", cluster: bool = False, **kwargs: Any
-    ) -> RedisSessionStore:
+    def from_url(cls, url: str, prefix: str = "rs", cluster: bool = False, **kwargs: Any) -> RedisSessionStore:
         """Connect to ``redis://``, ``rediss://`` or ``unix://``; `cluster=True` for Redis Cluster."""
         opts: dict[str, Any] = {
             "socket_connect_timeout": 5,
@@ -280,15 +361,82 @@ class RedisSessionStore:
 
     # ------------------------------------------------------------------ plumbing
 
+    async def _send(self, packed: bytes, count: int) -> builtins.list[Any]:
+        """Write `count` packed commands at once on one pooled connection; their raw replies.
+
+        Every reply is read even when one is an error, so the connection goes back to the pool
+        in step; the first error is raised after. No retry (see the module docstring)."""
+        assert self._pool is not None and self._connection is not None
+        pool = self._pool
+        conn = await self._connection()
+        try:
+            await conn.send_packed_command(packed)
+            replies: builtins.list[Any] = []
+            error: ResponseError | None = None
+            for _ in range(count):
+                try:
+                    replies.append(await conn.read_response(disable_decoding=True))
+                except ResponseError as e:
+                    replies.append(e)
+                    error = error or e
+        finally:
+            await pool.release(conn)
+        if error is not None:
+            raise error
+        return replies
+
     async def _raw(self, *args: Any) -> Any:
-        return await self.client.execute_command(*args, **_RAW)
+        if self._pool is None:
+            return await self.client.execute_command(*args, **_RAW)
+        return (await self._send(_pack(args), 1))[0]
+
+    async def _pipeline(self, *commands: Sequence[Any]) -> builtins.list[Any]:
+        """Several commands in one round trip (not a transaction); their raw replies."""
+        if self._pool is None:
+            pipe = self.client.pipeline(transaction=False)
+            for c in commands:
+                pipe.execute_command(*c, **_RAW)
+            replies: builtins.list[Any] = await pipe.execute()
+            return replies
+        return await self._send(b"".join([_pack(c) for c in commands]), len(commands))
 
     async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         script = _SCRIPTS[name]
+        if self._pool is not None:
+            return await self._eval_packed(script, 1 + len(keys) + len(args), _bulks([len(keys), *keys, *args]))
         try:
             return await self._raw("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await self._raw("EVAL", script.source, len(keys), *keys, *args)
+
+    async def _eval_packed(self, script: _Script, count: int, body: bytes) -> Any:
+        """EVALSHA with `body` (numkeys, keys and ARGV: `count` packed bulks); EVAL if unknown."""
+        try:
+            return (await self._send(b"*%d\r\n%b%b%b" % (count + 2, _EVALSHA, script.sha_bulk, body), 1))[0]
+        except NoScriptError:
+            return (await self._send(b"*%d\r\n%b%b%b" % (count + 2, _EVAL, script.source_bulk, body), 1))[0]
+
+    def _keys_of(self, session_id: str) -> _SessionWire:
+        """The session's keys, packed once; validates the id the first time it is seen."""
+        try:
+            return self._packed_keys[session_id]
+        except (KeyError, TypeError):  # TypeError: an unhashable "id", rejected just below
+            pass
+        validate_session_id(session_id)
+        keys = self.keys.session_keys(session_id)
+        if self.feed and not self.cluster:
+            keys.append(self.keys.feed(self.keys.feed_shard(session_id)))
+        wire = _SessionWire(
+            keys=_bulks([len(keys), *keys]),
+            nkeys=1 + len(keys),
+            hdr=keys[0].encode(),
+            log=keys[1].encode(),
+            put_tail=_bulks([self.feed_maxlen, session_id, b"", b"0"]),
+        )
+        if len(self._packed_keys) >= 4096:  # a bound, not an LRU: hot sessions come right back
+            self._packed_keys.clear()
+        self._packed_keys[session_id] = wire
+        return wire
 
     async def _hdr(self, session_id: str) -> _Hdr | None:
         raw = await self._raw("HGETALL", self.keys.hdr(session_id))
@@ -319,18 +467,19 @@ class RedisSessionStore:
             raise ValueError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
         with _io():
             # One round trip in the common case: the header check and the own-stream range together.
-            pipe = self.client.pipeline(transaction=False)
-            pipe.execute_command("HMGET", self.keys.hdr(session_id), "n", "deleted", "at", "segments", **_RAW)
-            pipe.execute_command(
-                "XRANGE",
-                self.keys.log(session_id),
-                f"{start}-1",
-                "+" if stop is None else f"{max(stop - 1, 0)}-1",
-                "COUNT",
-                MAX_READ_RANGE,
-                **_RAW,
+            k = self._keys_of(session_id)
+            hdr_key, log_key = k.hdr, k.log
+            (n_raw, deleted, at_raw, seg_raw), rows = await self._pipeline(
+                ("HMGET", hdr_key, b"n", b"deleted", b"at", b"segments"),
+                (
+                    "XRANGE",
+                    log_key,
+                    b"%d-1" % start,
+                    b"+" if stop is None else b"%d-1" % max(stop - 1, 0),
+                    b"COUNT",
+                    MAX_READ_RANGE,
+                ),
             )
-            (n_raw, deleted, at_raw, seg_raw), rows = await pipe.execute()
             if n_raw is None or deleted is not None:
                 raise SessionNotFoundError(session_id)
             n = int(n_raw)
@@ -339,13 +488,16 @@ class RedisSessionStore:
             if stop is None and len(rows) == MAX_READ_RANGE:  # a long log: page on, no giant reply
                 rows = builtins.list(rows)
                 while True:
-                    more = await self._raw(
-                        "XRANGE", self.keys.log(session_id), b"(" + rows[-1][0], "+", "COUNT", MAX_READ_RANGE
-                    )
+                    more = await self._raw("XRANGE", log_key, b"(" + rows[-1][0], b"+", b"COUNT", MAX_READ_RANGE)
                     rows.extend(more)
                     if len(more) < MAX_READ_RANGE:
                         break
-            own = rows_to_entries(rows)
+            # The reply's ~9 objects per row are dropped before the decode, so the collector
+            # passes that the new entries trigger do not walk them.
+            blob = _splice_rows(rows) if rows else b""
+            del rows
+            own = _decode_entries(blob) if blob else []
+            del blob
             if stop is not None and own and own[-1].n >= stop:
                 own = [e for e in own if e.n < stop]
             if own and own[-1].n >= n:  # written after our HMGET: not part of this snapshot
@@ -369,7 +521,7 @@ class RedisSessionStore:
         *,
         idempotency_key: str | None = None,
     ) -> builtins.list[Entry]:
-        validate_session_id(session_id)
+        k = self._keys_of(session_id)  # validates the id the first time it is seen
         check_expected_n(expected_n)
         check_idempotency_key(idempotency_key)
         batch = encode_batch(
@@ -379,22 +531,20 @@ class RedisSessionStore:
             max_entry_bytes=self.max_entry_bytes,
             max_batch=self.max_batch,
         )
-        keys = self.keys.session_keys(session_id)
-        if self.feed and not self.cluster:
-            keys.append(self.keys.feed(self.keys.feed_shard(session_id)))
-        args: builtins.list[Any] = [
-            "append",
-            "" if expected_n is None else str(expected_n),
-            idempotency_key or "",
-            str(len(batch)),
-            str(self.feed_maxlen),
-            session_id,
-            "",
-            "0",
-            *_entry_args(batch),
-        ]
-        with _io():
-            res = await self._eval("append", keys, args)
+        expected = b"" if expected_n is None else b"%d" % expected_n
+        idem = b"" if idempotency_key is None else idempotency_key.encode()
+        count = b"%d" % len(batch)
+        try:
+            if self._pool is not None:
+                # The whole EVALSHA body in one format: keys and the per-session ARGV are cached.
+                body = _PUT_BODY % (
+                    k.keys, len(expected), expected, len(idem), idem, len(count), count, k.put_tail,
+                    _pack_entries(batch),
+                )  # fmt: skip
+                res = await self._eval_packed(_SCRIPTS["append"], k.nkeys + 8 + 6 * len(batch), body)
+            else:
+                argv = (b"append", expected, idem, count, b"%d" % self.feed_maxlen, session_id, b"", b"0")
+                res = await self._append_script(session_id, argv, batch)
             code = int(res[0])
             if code == 0:
                 first, now = int(res[1]), int(res[2])
@@ -404,8 +554,21 @@ class RedisSessionStore:
             if code == 1:
                 first = int(res[1])
                 return await self.read(session_id, first, first + len(batch))
+        except _IO_ERRORS as e:
+            raise _unavailable(e) from e
         self._raise(code, res, session_id, expected_n)
         raise AssertionError("unreachable")
+
+    async def _append_script(
+        self, session_id: str, argv: Sequence[bytes | str | int], batch: Sequence[EncodedEntry]
+    ) -> Any:
+        """Run ``lua/append.lua`` on `session_id` with the fixed `argv` followed by the entries."""
+        if self._pool is None:
+            keys = self.keys.session_keys(session_id)  # a cluster: the feed is written apart
+            return await self._eval("append", keys, [*argv, *_entry_args(batch)])
+        k = self._keys_of(session_id)
+        body = b"%b%b%b" % (k.keys, _bulks(argv), _pack_entries(batch))
+        return await self._eval_packed(_SCRIPTS["append"], k.nkeys + len(argv) + 6 * len(batch), body)
 
     async def _feed_cluster(self, session_id: str, n: int) -> None:
         # On a cluster the feed shard lives in another slot than the session, so it cannot be
@@ -423,9 +586,7 @@ class RedisSessionStore:
         if code == 3:
             raise SessionNotFoundError(session_id)
         if code == 4:
-            raise InvalidEntryError(
-                f"cut.before is outside [0, {int(res[2])}] (the cut's own n)", index=int(res[1])
-            )
+            raise InvalidEntryError(f"cut.before is outside [0, {int(res[2])}] (the cut's own n)", index=int(res[1]))
         if code == 5:
             raise SessionAlreadyExistsError(session_id)
         if code == 6:
@@ -464,18 +625,13 @@ class RedisSessionStore:
                 if int(res[0]) == 3:
                     raise SessionNotFoundError(header.parent)
                 if int(res[0]) == 4:
-                    raise InvalidEntryError(
-                        f"branch point at={header.at} is beyond the parent's n={int(res[1])}"
-                    )
+                    raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={int(res[1])}")
                 linked = int(res[1]) == 1
                 parent_at = _i(res[2] or None)
                 parent_segments = _segments_decoder.decode(res[3]) if res[3] else []
                 segments = lineage_for(header.parent, parent_at, parent_segments, header.at)
-            keys = self.keys.session_keys(sid)
-            if self.feed and not self.cluster:
-                keys.append(self.keys.feed(self.keys.feed_shard(sid)))
             hdr_fields = _header_fields(header, segments)
-            args: builtins.list[Any] = [
+            argv: builtins.list[Any] = [
                 "create",
                 "",
                 "",
@@ -485,10 +641,9 @@ class RedisSessionStore:
                 "" if ttl_ms is None else str(ttl_ms),
                 str(len(hdr_fields) // 2),
                 *hdr_fields,
-                *_entry_args(batch),
             ]
             try:
-                res = await self._eval("append", keys, args)
+                res = await self._append_script(sid, argv, batch)
             except BaseException:
                 if linked:
                     await self._unlink(header.parent or "", member)
@@ -529,16 +684,11 @@ class RedisSessionStore:
         with _io():
             while True:
                 lo = "-" if cursor is None else "(" + cursor
-                members = [
-                    _s(m) or ""
-                    for m in await self._raw("ZRANGE", key, lo, "+", "BYLEX", "LIMIT", 0, limit + 1)
-                ]
+                members = [_s(m) or "" for m in await self._raw("ZRANGE", key, lo, "+", "BYLEX", "LIMIT", 0, limit + 1)]
                 more = len(members) > limit
                 members = members[:limit]
-                pipe = self.client.pipeline(transaction=False)
-                for m in members:
-                    pipe.execute_command("HGETALL", self.keys.hdr(id_from_index_member(m)), **_RAW)
-                raws = await pipe.execute() if members else []
+                hgets = [("HGETALL", self.keys.hdr(id_from_index_member(m))) for m in members]
+                raws = await self._pipeline(*hgets) if hgets else []
                 stale = []
                 for m, raw in zip(members, raws, strict=True):
                     h = _parse_hdr(_as_dict(raw))
@@ -585,9 +735,7 @@ class RedisSessionStore:
         last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
         while True:
             with _io():
-                resp = await self._raw(
-                    "XREAD", "COUNT", 1000, "BLOCK", self.block_ms, "STREAMS", key, last_id
-                )
+                resp = await self._raw("XREAD", "COUNT", 1000, "BLOCK", self.block_ms, "STREAMS", key, last_id)
             rows = _xread_rows(resp)
             if rows:
                 for e in rows_to_entries(rows):
@@ -602,10 +750,9 @@ class RedisSessionStore:
     async def get_draft(self, session_id: str) -> dict[str, Any] | None:
         validate_session_id(session_id)
         with _io():
-            pipe = self.client.pipeline(transaction=False)
-            pipe.execute_command("HMGET", self.keys.hdr(session_id), "n", "deleted", **_RAW)
-            pipe.execute_command("GET", self.keys.draft(session_id), **_RAW)
-            (n_raw, deleted), raw = await pipe.execute()
+            (n_raw, deleted), raw = await self._pipeline(
+                ("HMGET", self.keys.hdr(session_id), "n", "deleted"), ("GET", self.keys.draft(session_id))
+            )
         if n_raw is None or deleted is not None:
             raise SessionNotFoundError(session_id)
         return None if raw is None else _draft_decoder.decode(raw)
@@ -652,9 +799,7 @@ class RedisSessionStore:
     async def put_projection(self, session_id: str, n: int, state: bytes) -> bool:
         validate_session_id(session_id)
         with _io():
-            res = int(
-                await self._eval("proj", [self.keys.hdr(session_id), self.keys.proj(session_id)], [n, state])
-            )
+            res = int(await self._eval("proj", [self.keys.hdr(session_id), self.keys.proj(session_id)], [n, state]))
         if res == -1:
             raise SessionNotFoundError(session_id)
         if res == -2:
@@ -691,6 +836,19 @@ def _raw_client(client: aioredis.Redis | RedisCluster) -> aioredis.Redis | Redis
     for cmd in _RAW_COMMANDS:
         raw.response_callbacks.pop(cmd, None)
     return raw
+
+
+def _connection_getter(pool: Any) -> Callable[[], Any]:
+    """`pool.get_connection` as a no-argument call (redis-py < 5.3 wants a command name)."""
+    import inspect
+
+    try:
+        param = inspect.signature(pool.get_connection).parameters.get("command_name")
+    except (TypeError, ValueError):  # pragma: no cover - an exotic pool
+        param = None
+    if param is not None and param.default is inspect.Parameter.empty:
+        return lambda: pool.get_connection("_")
+    return cast(Callable[[], Any], pool.get_connection)
 
 
 def _as_dict(raw: Any) -> dict[bytes, bytes]:

@@ -103,9 +103,7 @@ def check_read_range(start: int, stop: int | None) -> None:
 
 
 def check_expected_n(expected_n: object) -> None:
-    if expected_n is not None and (
-        not isinstance(expected_n, int) or isinstance(expected_n, bool) or expected_n < 0
-    ):
+    if expected_n is not None and (not isinstance(expected_n, int) or isinstance(expected_n, bool) or expected_n < 0):
         raise InvalidEntryError(f"expected_n must be None or an int >= 0, got {expected_n!r}")
 
 
@@ -139,9 +137,7 @@ def check_header(header: SessionHeader) -> None:
 Segment = tuple[str, int, int]  # (ancestor id, lo, hi): entries [lo, hi) come from that ancestor's log
 
 
-def lineage_for(
-    parent_id: str, parent_at: int | None, parent_segments: Sequence[Segment], at: int
-) -> list[Segment]:
+def lineage_for(parent_id: str, parent_at: int | None, parent_segments: Sequence[Segment], at: int) -> list[Segment]:
     """Where a branch at `at` of `parent` reads its prefix [0, at) from.
 
     A branch stores these few segments instead of a copy: reads stitch them, so a branch of a
@@ -158,9 +154,7 @@ def lineage_for(
     return out
 
 
-def plan_read(
-    segments: Sequence[Segment], own_start: int, n: int, start: int, stop: int | None
-) -> list[Segment]:
+def plan_read(segments: Sequence[Segment], own_start: int, n: int, start: int, stop: int | None) -> list[Segment]:
     """Which (session, lo, hi) ranges make up entries [start, stop) of a session, in order."""
     stop = n if stop is None else min(stop, n)
     out: list[Segment] = []
@@ -364,9 +358,7 @@ class MemorySessionStore:
                     raise SessionNotFoundError(header.parent)
                 assert header.at is not None
                 if header.at > parent.n:
-                    raise InvalidEntryError(
-                        f"branch point at={header.at} is beyond the parent's n={parent.n}"
-                    )
+                    raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={parent.n}")
                 segments = lineage_for(parent.header.id, parent.header.at, parent.segments, header.at)
             if header.created_at == 0:
                 header = msgspec.structs.replace(header, created_at=now_ms())

@@ -1,0 +1,157 @@
+"""Shared helpers of the bench scripts: a server to measure on, timing, percentiles, a table.
+
+Typical use::
+
+    from _common import bench_args, server, Timer, interleave, print_table
+
+    args = bench_args("what this bench measures").parse_args()
+    with server(args.url) as url:        # --url, else a private valkey-server (no AOF) in a tmpdir
+        ...
+        results = anyio.run(main, url)
+
+A bench is not a test: it prints numbers, it asserts nothing. Run each from the repository root
+(``python bench/append.py``); the scripts put their own folder on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from redis_session.embedded import start_server
+
+
+def bench_args(description: str, *, seconds: float = 6.0) -> argparse.ArgumentParser:
+    """An argument parser with the options every bench shares: ``--url`` and ``--seconds``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--url", default=None, help="server to measure on (default: a private valkey-server)")
+    p.add_argument("--seconds", type=float, default=seconds, help="time budget per scenario, both sides together")
+    return p
+
+
+@contextlib.contextmanager
+def server(url: str | None) -> Iterator[str]:
+    """`url` as given, else a private valkey-server in a temporary directory (AOF off), stopped
+    on exit. Never $REDIS_URL implicitly: a bench must say where it runs."""
+    if url:
+        yield url
+        return
+    with tempfile.TemporaryDirectory(prefix="rs-bench-") as d:
+        proc = start_server(d, appendonly=False)
+        try:
+            yield proc.url
+        finally:
+            proc.stop()
+
+
+def unique_prefix() -> str:
+    """A key prefix of its own, so a bench on a shared server touches only its own keys."""
+    return f"bench{uuid.uuid4().hex[:8]}"
+
+
+async def drop_prefix(url: str, prefix: str) -> None:
+    """Delete every key under `prefix` (never FLUSHDB: the server may be shared)."""
+    r = aioredis.Redis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+        for i in range(0, len(keys), 500):
+            await r.delete(*keys[i : i + 500])
+    finally:
+        await r.aclose()
+
+
+def settle_gc() -> None:
+    """Collect once and freeze what start-up allocated, so the collector's passes over long-lived
+    objects (modules, clients, fixtures) do not land in whichever side happens to trigger them."""
+    gc.collect()
+    gc.freeze()
+
+
+def percentile(samples: Sequence[float], p: float) -> float:
+    """The p-th percentile (0-100) by nearest rank; 0.0 for no samples."""
+    if not samples:
+        return 0.0
+    s = sorted(samples)
+    k = max(0, min(len(s) - 1, round(p / 100 * len(s) + 0.5) - 1))
+    return s[k]
+
+
+@dataclass
+class Timer:
+    """Latencies of one side of a comparison (seconds per op) and how many items each op moved."""
+
+    name: str
+    items_per_op: int = 1
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def busy(self) -> float:
+        return sum(self.samples)
+
+    @property
+    def ops_per_s(self) -> float:
+        return len(self.samples) / self.busy if self.samples else 0.0
+
+    @property
+    def items_per_s(self) -> float:
+        return self.ops_per_s * self.items_per_op
+
+    def p(self, pct: float) -> float:
+        """Percentile latency in milliseconds."""
+        return percentile(self.samples, pct) * 1000
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples) * 1000 if self.samples else 0.0
+
+
+async def interleave(
+    sides: Sequence[tuple[Timer, Callable[[], Awaitable[object]]]],
+    seconds: float,
+    *,
+    round_s: float = 0.2,
+    warmup_ops: int = 20,
+) -> None:
+    """Run each side's op in alternating rounds of ~`round_s` for `seconds` in all, recording
+    each op's latency, so drift in the machine's load hits every side alike."""
+    for _, op in sides:
+        for _ in range(warmup_ops):
+            await op()
+    clock = time.perf_counter
+    end = clock() + seconds
+    while clock() < end:
+        for timer, op in sides:
+            round_end = clock() + round_s / len(sides)
+            while True:
+                t0 = clock()
+                await op()
+                t1 = clock()
+                timer.samples.append(t1 - t0)
+                if t1 >= round_end:
+                    break
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain, aligned text table (floats with 2 decimals, or 0 for big numbers)."""
+
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=True)))
+    print(line)
+    print("-" * len(line))
+    for r in cells:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))

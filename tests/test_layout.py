@@ -1,0 +1,139 @@
+"""What an operator sees with `redis-cli`: the key layout the README documents, exactly.
+
+`HGETALL {prefix}:{chat-1}:hdr` and `XRANGE {prefix}:{chat-1}:log 5 9` are read through a raw
+client (and, when `redis-cli`/`valkey-cli` is installed, through that very tool).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+
+from redis_session import NewEntry, RedisSessionStore, SessionHeader
+
+pytestmark = pytest.mark.anyio
+
+REPLACE = {"surfaceOp": {"op": "replace", "start": 6, "end": 6}, "sourceEventSeqs": [6]}
+BASE_FIELDS = {"id", "format_version", "created_at", "delegation_depth", "n", "updated_at"}
+
+
+def um(text: str) -> NewEntry:
+    return NewEntry("user/message", {"content": text})
+
+
+async def fill_chat(store: RedisSessionStore) -> float:
+    """chat-1: 12 entries; 6 carries meta, 7 a surface (replacing 6), 8 is a plain chat `message`."""
+    t0 = time.time() * 1000
+    await store.create(SessionHeader(id="chat-1"))
+    await store.put("chat-1", 0, [um(f"m{i}") for i in range(6)])
+    await store.put("chat-1", 6, [NewEntry("assistant/message", {"content": "a6"}, {"turn": 1, "step": 1})])
+    await store.put(
+        "chat-1",
+        7,
+        [NewEntry("assistant/message", {"content": "a7"}, None, REPLACE)],
+    )
+    await store.put("chat-1", 8, [NewEntry("message", {"role": "user", "content": "plain"})])
+    await store.put("chat-1", None, [um(f"m{i}") for i in range(9, 12)])
+    return t0
+
+
+def check_hdr(hdr: dict[str, str], *, n: int, since_ms: float) -> None:
+    assert set(hdr) == BASE_FIELDS
+    assert hdr["id"] == "chat-1"
+    assert hdr["format_version"] == "1"
+    assert hdr["delegation_depth"] == "0"
+    assert hdr["n"] == str(n)
+    created, updated = int(hdr["created_at"]), int(hdr["updated_at"])
+    assert since_ms - 5_000 <= created <= updated <= time.time() * 1000 + 5_000
+
+
+def check_rows(rows: list[tuple[str, dict[str, str]]]) -> None:
+    assert [rid for rid, _ in rows] == ["5-1", "6-1", "7-1", "8-1", "9-1"]
+    by_id = dict(rows)
+    for rid, fields in rows:
+        assert list(fields)[:3] == ["type", "time", "data"], rid  # in this order: readable
+        assert fields["time"].isdigit()
+        json.loads(fields["data"])
+    assert set(by_id["5-1"]) == {"type", "time", "data"}
+    assert by_id["5-1"]["type"] == "user/message"
+    assert json.loads(by_id["5-1"]["data"]) == {"content": "m5"}
+    assert set(by_id["6-1"]) == {"type", "time", "data", "meta"}
+    assert json.loads(by_id["6-1"]["meta"]) == {"turn": 1, "step": 1}
+    assert set(by_id["7-1"]) == {"type", "time", "data", "surface"}
+    assert json.loads(by_id["7-1"]["surface"]) == REPLACE
+    assert by_id["8-1"]["type"] == "message"
+    assert json.loads(by_id["8-1"]["data"]) == {"role": "user", "content": "plain"}
+    assert json.loads(by_id["9-1"]["data"]) == {"content": "m9"}
+
+
+async def test_layout_through_a_raw_client(
+    redis_store: RedisSessionStore, raw_redis: aioredis.Redis, prefix: str
+) -> None:
+    t0 = await fill_chat(redis_store)
+    hdr = await raw_redis.hgetall(f"{prefix}:{{chat-1}}:hdr")
+    check_hdr(hdr, n=12, since_ms=t0)
+    rows = await raw_redis.xrange(f"{prefix}:{{chat-1}}:log", "5", "9")
+    check_rows([(rid, fields) for rid, fields in rows])
+    # the sequence lives in the header; the stream holds exactly the entries
+    assert await raw_redis.xlen(f"{prefix}:{{chat-1}}:log") == 12
+    first = await raw_redis.xrange(f"{prefix}:{{chat-1}}:log", "-", "+", count=1)
+    assert first[0][0] == "0-1"
+    # and what the store reads back is what redis-cli shows
+    entries = await redis_store.read("chat-1", 5, 10)
+    assert [e.n for e in entries] == [5, 6, 7, 8, 9]
+    assert [str(e.time) for e in entries] == [f["time"] for _, f in rows]
+
+
+async def test_optional_header_fields(redis_store: RedisSessionStore, raw_redis: aioredis.Redis, prefix: str) -> None:
+    origin = {"platform": "qq", "guild": 42, "tags": ["a", "b"]}
+    await redis_store.create(SessionHeader(id="p", title="Trip planning", origin=origin), [um("a"), um("b"), um("c")])
+    await redis_store.put(
+        "p", 3, [NewEntry("cut", {"before": 2, "summary": [{"role": "user", "content": "s"}], "reason": "budget"})]
+    )
+    hdr = await raw_redis.hgetall(f"{prefix}:{{p}}:hdr")
+    assert set(hdr) == BASE_FIELDS | {"title", "origin", "last_cut"}
+    assert hdr["title"] == "Trip planning"
+    assert json.loads(hdr["origin"]) == origin
+    assert hdr["last_cut"] == "3" and hdr["n"] == "4"
+
+    await redis_store.create(SessionHeader(id="child", parent="p", at=2, delegation_depth=1))
+    child = await raw_redis.hgetall(f"{prefix}:{{child}}:hdr")
+    assert set(child) == BASE_FIELDS | {"parent", "at", "segments"}
+    assert child["parent"] == "p" and child["at"] == "2" and child["n"] == "2"
+    assert child["delegation_depth"] == "1"
+    assert json.loads(child["segments"]) == [["p", 0, 2]]
+    # a branch's own stream starts empty: its prefix is stitched from the parent on read
+    assert await raw_redis.exists(f"{prefix}:{{child}}:log") == 0
+
+
+def _cli() -> str | None:
+    return shutil.which("redis-cli") or shutil.which("valkey-cli")
+
+
+def _run_cli(cli: str, url: str, *args: str) -> list[str]:
+    out = subprocess.run([cli, "-u", url, *args], capture_output=True, text=True, timeout=20, check=True)
+    return out.stdout.splitlines()  # not a tty: one value per line, unquoted
+
+
+async def test_layout_through_redis_cli(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
+    cli = _cli()
+    if cli is None:
+        pytest.skip("neither redis-cli nor valkey-cli is on PATH")
+    t0 = await fill_chat(redis_store)
+    lines = await anyio.to_thread.run_sync(_run_cli, cli, redis_url, "HGETALL", f"{prefix}:{{chat-1}}:hdr")
+    check_hdr(dict(zip(lines[::2], lines[1::2], strict=True)), n=12, since_ms=t0)
+
+    lines = await anyio.to_thread.run_sync(_run_cli, cli, redis_url, "XRANGE", f"{prefix}:{{chat-1}}:log", "5", "9")
+    rows: list[tuple[str, list[str]]] = []
+    for line in lines:  # flattened: an ID, then its field/value pairs
+        if (rows and len(rows[-1][1]) % 2 == 1) or not (line.endswith("-1") and line[:-2].isdigit()):
+            rows[-1][1].append(line)
+        else:
+            rows.append((line, []))
+    check_rows([(rid, dict(zip(f[::2], f[1::2], strict=True))) for rid, f in rows])
