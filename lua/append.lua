@@ -65,13 +65,6 @@ else
     if first then return {1, tonumber(first)} end
   end
   if expected ~= '' and tonumber(expected) ~= n then return {2, n} end
-  if count > 0 then
-    local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
-    if last then
-      local last_n = tonumber(string.match(last[1], '^(%d+)-'))
-      if last_n == nil or last_n >= n then return {6, last[1]} end
-    end
-  end
 end
 
 for i = 0, count - 1 do
@@ -87,7 +80,17 @@ for i = 0, count - 1 do
   local f = {'type', typ, 'time', tm, 'data', ARGV[p + 2]}
   if ARGV[p + 3] ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[p + 3] end
   if ARGV[p + 4] ~= '' then f[#f + 1] = 'surface'; f[#f + 1] = ARGV[p + 4] end
-  redis.call('XADD', log, string.format('%d-1', n + i), unpack(f))
+  if i == 0 then
+    -- The first XADD is the consistency check: XADD refuses an ID at or below the stream's last
+    -- one, which only happens when the stream is ahead of the header. Nothing is written then.
+    local ok = redis.pcall('XADD', log, string.format('%d-1', n), unpack(f))
+    if type(ok) == 'table' and ok.err then
+      local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+      return {6, last and last[1] or ok.err}
+    end
+  else
+    redis.call('XADD', log, string.format('%d-1', n + i), unpack(f))
+  end
   if typ == 'cut' then last_cut = n + i end
 end
 
@@ -114,8 +117,10 @@ if idem_key ~= '' and count > 0 then
   redis.call('ZREMRANGEBYRANK', idem, 0, -1025)
 end
 
-if ttl ~= '' then
-  for k = 1, 7 do redis.call('PEXPIRE', KEYS[k], ttl) end
+-- An ephemeral session's keys expire together; every write restarts the clock. The lease keeps
+-- its own (shorter) expiry, and a session with live branches is kept for them (see link.lua).
+if ttl ~= '' and redis.call('ZCARD', KEYS[6]) == 0 then
+  for k = 1, 6 do redis.call('PEXPIRE', KEYS[k], ttl) end
 end
 
 if KEYS[8] and count > 0 then

@@ -3,14 +3,19 @@
 --
 -- KEYS[1] hdr   {prefix}:{parent}:hdr
 -- KEYS[2] kids  {prefix}:{parent}:kids
+-- KEYS[3..6] log, idem, proj, draft of the parent: an ephemeral parent stops expiring while it
+--            has branches (they read its entries); unlink.lua restores its TTL after the last one
 -- ARGV[1] at    the branch point (0 <= at <= parent n)
 -- ARGV[2] the child's kids member ("<inverted created_at>:<child id>")
 --
 -- Returns {0, added (1|0), parent_at or "", segments or "", delegation_depth}   linked
 --         {3}                       parent not found (or deleted)
 --         {4, n}                    at is beyond the parent's n
-local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'at', 'segments', 'delegation_depth')
+local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'at', 'segments', 'delegation_depth', 'ttl_ms')
 if not h[1] or h[2] then return {3} end
 if tonumber(ARGV[1]) > tonumber(h[1]) then return {4, tonumber(h[1])} end
 local added = redis.call('ZADD', KEYS[2], 0, ARGV[2])
+if h[6] then
+  for k = 1, #KEYS do redis.call('PERSIST', KEYS[k]) end
+end
 return {0, added, h[3] or '', h[4] or '', h[5] or '0'}

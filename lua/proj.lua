@@ -11,8 +11,10 @@ local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'ttl_ms')
 if not h[1] or h[2] then return -1 end
 local n = tonumber(ARGV[1])
 if n > tonumber(h[1]) then return -2 end
-local cur = redis.call('HGET', KEYS[2], 'n')
-if cur and tonumber(cur) >= n then return 0 end
+-- A stored n that is not a number, or beyond the header (written around the API), is no
+-- snapshot: it must never block the next honest write.
+local cur = tonumber(redis.call('HGET', KEYS[2], 'n'))
+if cur and cur >= n and cur <= tonumber(h[1]) then return 0 end
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[2], 'n', ARGV[1], 'state', ARGV[2],
            'updated_at', string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))

@@ -7,9 +7,14 @@
 -- Returns {0}                        parent kept
 --         {1, grandparent or ""}     parent purged (its own parent must be unlinked in turn)
 redis.call('ZREM', KEYS[6], ARGV[1])
-local h = redis.call('HMGET', KEYS[1], 'deleted', 'parent', 'created_at')
-if h[1] and redis.call('ZCARD', KEYS[6]) == 0 then
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
-  return {1, h[2] or '', h[3] or '0'}
+local h = redis.call('HMGET', KEYS[1], 'deleted', 'parent', 'created_at', 'ttl_ms')
+if redis.call('ZCARD', KEYS[6]) == 0 then
+  if h[1] then
+    redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+    return {1, h[2] or '', h[3] or '0'}
+  end
+  if h[4] then  -- an ephemeral parent kept for its branches expires again
+    for k = 1, 5 do redis.call('PEXPIRE', KEYS[k], h[4]) end
+  end
 end
 return {0}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class SessionError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -63,3 +65,20 @@ class LeaseHeldError(SessionError):
 
 class StoreUnavailableError(SessionError, ConnectionError):
     """The server could not be reached or did not answer in time."""
+
+
+class DurabilityError(SessionError):
+    """The entries landed on the primary, but the store's durability wait (WAIT for a replica,
+    or WAITAOF for the AOF fsync) was not satisfied within its timeout.
+
+    They may be lost if the primary fails now. Retrying the put with the same idempotency key
+    returns the same entries (nothing is written twice) and waits again."""
+
+    def __init__(self, session_id: str, entries: Sequence[object], durability: str, timeout_ms: int) -> None:
+        super().__init__(
+            f"session {session_id!r}: {len(entries)} entries landed on the primary, but durability={durability!r} "
+            f"was not confirmed within {timeout_ms} ms"
+        )
+        self.session_id = session_id
+        self.entries = list(entries)
+        self.durability = durability

@@ -90,6 +90,18 @@ class LocalCluster:
     replicas: list[ServerProcess]
     base_dir: Path
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+    node_args: list[str] = field(default_factory=list)
+    appendonly: bool = False
+
+    def restart(self, node: ServerProcess) -> ServerProcess:
+        """Start a stopped or killed node again on its port and folder: it rejoins the cluster
+        from its nodes.conf (a failed-over master comes back as a replica of its successor)."""
+        new = start_server(node.data_dir, port=node.port, appendonly=self.appendonly, extra_args=self.node_args)
+        for group in (self.masters, self.replicas):
+            for i, n in enumerate(group):
+                if n is node:
+                    group[i] = new
+        return new
 
     @property
     def nodes(self) -> list[ServerProcess]:
@@ -161,6 +173,13 @@ def start_cluster(
     else:
         base = Path(base_dir)
     started: list[ServerProcess] = []
+    node_args = [
+        "--cluster-enabled", "yes",
+        "--cluster-config-file", "nodes.conf",
+        "--cluster-node-timeout", str(node_timeout_ms),
+        "--cluster-require-full-coverage", "no",
+        "--cluster-allow-replica-migration", "no",
+    ]  # fmt: skip
     try:
         for i in range(masters * (1 + replicas_per_master)):
             started.append(
@@ -168,18 +187,7 @@ def start_cluster(
                     base / f"node{i}",
                     appendonly=appendonly,
                     port=cluster_port(),
-                    extra_args=[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-node-timeout",
-                        str(node_timeout_ms),
-                        "--cluster-require-full-coverage",
-                        "no",
-                        "--cluster-allow-replica-migration",
-                        "no",
-                    ],
+                    extra_args=node_args,
                 )
             )
         ms, rs = started[:masters], started[masters:]
@@ -190,7 +198,9 @@ def start_cluster(
             _expect_ok(_cmd(node.port, "CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)))
         for node in started[1:]:
             _expect_ok(_cmd(node.port, "CLUSTER", "MEET", "127.0.0.1", str(ms[0].port)))
-        cluster = LocalCluster(masters=ms, replicas=rs, base_dir=base, _tmp=tmp)
+        cluster = LocalCluster(
+            masters=ms, replicas=rs, base_dir=base, _tmp=tmp, node_args=node_args, appendonly=appendonly
+        )
         _wait_known(started)
         for j, replica in enumerate(rs):
             master = ms[j % masters]

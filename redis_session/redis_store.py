@@ -7,7 +7,16 @@ Hot paths skip redis-py's command layer on a standalone server: commands are pac
 (one `bytes.join`, keys cached per session) and sent on a connection of the client's own pool,
 and replies come back from hiredis undecoded. Writes are never retried behind the caller's back:
 a script whose reply was lost may have run, so that surfaces as `StoreUnavailableError` (retry
-with the same ``idempotency_key`` to make it safe). Redis Cluster goes through redis-py.
+with the same ``idempotency_key`` to make it safe). On Redis Cluster, reads go through redis-py's
+routing, and scripts are sent by this module to the node that owns the session's slot: a MOVED,
+ASK, TRYAGAIN or CLUSTERDOWN reply (the script did not run) is followed after refreshing the
+topology; a lost connection is never re-sent.
+
+Durability (``durability=``): ``"none"`` acknowledges once the primary ran the script (with AOF
+``appendfsync everysec`` at most a second of writes can be lost on a crash); ``"aof"`` also waits
+(WAITAOF) until the primary fsynced it to its AOF; ``"replica"`` waits (WAIT) until at least one
+replica has it, so a failover keeps it. The wait runs on the same connection right after the
+script, in the same round trip.
 """
 
 from __future__ import annotations
@@ -19,14 +28,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, cast
 
+import anyio
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import (
+    DurabilityError,
     InvalidEntryError,
     SessionAlreadyExistsError,
     SessionConflictError,
@@ -320,8 +331,21 @@ class RedisSessionStore:
         feed_shards: int = 4,
         feed_maxlen: int = 100_000,
         block_ms: int = 5_000,
+        durability: str = "none",
+        wait_timeout_ms: int = 2_000,
         owns_client: bool = False,
     ) -> None:
+        if durability not in ("none", "aof", "replica"):
+            raise ValueError("durability must be 'none', 'aof' or 'replica'")
+        self.durability = durability
+        self.wait_timeout_ms = wait_timeout_ms
+        self._durable = {
+            "none": b"",
+            "aof": _pack(("WAITAOF", 1, 0, wait_timeout_ms)),
+            "replica": _pack(("WAIT", 1, wait_timeout_ms)),
+        }[durability]
+        self._cluster_init = anyio.Lock()
+        self._cluster_stale = True
         self.cluster = isinstance(client, RedisCluster)
         self._user_client = client
         self.client = _raw_client(client)
@@ -338,6 +362,7 @@ class RedisSessionStore:
         self._pool = None if isinstance(self.client, RedisCluster) else self.client.connection_pool
         self._connection = _connection_getter(self._pool) if self._pool is not None else None
         self._packed_keys: dict[str, _SessionWire] = {}  # caches keys, feed and feed_maxlen: fixed
+        self._last_acks: Any = None
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "rs", cluster: bool = False, **kwargs: Any) -> RedisSessionStore:
@@ -387,12 +412,14 @@ class RedisSessionStore:
 
     async def _raw(self, *args: Any) -> Any:
         if self._pool is None:
+            await self._cluster_ready()
             return await self.client.execute_command(*args, **_RAW)
         return (await self._send(_pack(args), 1))[0]
 
     async def _pipeline(self, *commands: Sequence[Any]) -> builtins.list[Any]:
         """Several commands in one round trip (not a transaction); their raw replies."""
         if self._pool is None:
+            await self._cluster_ready()
             pipe = self.client.pipeline(transaction=False)
             for c in commands:
                 pipe.execute_command(*c, **_RAW)
@@ -402,19 +429,97 @@ class RedisSessionStore:
 
     async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         script = _SCRIPTS[name]
-        if self._pool is not None:
-            return await self._eval_packed(script, 1 + len(keys) + len(args), _bulks([len(keys), *keys, *args]))
-        try:
-            return await self._raw("EVALSHA", script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self._raw("EVAL", script.source, len(keys), *keys, *args)
+        return await self._eval_packed(script, 1 + len(keys) + len(args), _bulks([len(keys), *keys, *args]), keys[0])
 
-    async def _eval_packed(self, script: _Script, count: int, body: bytes) -> Any:
-        """EVALSHA with `body` (numkeys, keys and ARGV: `count` packed bulks); EVAL if unknown."""
+    async def _eval_packed(
+        self, script: _Script, count: int, body: bytes, route: str | bytes, durable: bool = False
+    ) -> Any:
+        """EVALSHA with `body` (numkeys, keys and ARGV: `count` packed bulks); EVAL if unknown.
+
+        `route` is a key of the script (its slot picks the node on a cluster). With `durable`, the
+        store's WAIT/WAITAOF follows in the same round trip; a shortfall raises `DurabilityError`
+        once the caller has seen the script's own reply (see `_check_durable`)."""
+        wait = self._durable if durable else b""
         try:
-            return (await self._send(b"*%d\r\n%b%b%b" % (count + 2, _EVALSHA, script.sha_bulk, body), 1))[0]
+            packed = b"*%d\r\n%b%b%b" % (count + 2, _EVALSHA, script.sha_bulk, body)
+            replies = await self._send_write(route, packed + wait, 2 if wait else 1)
         except NoScriptError:
-            return (await self._send(b"*%d\r\n%b%b%b" % (count + 2, _EVAL, script.source_bulk, body), 1))[0]
+            packed = b"*%d\r\n%b%b%b" % (count + 2, _EVAL, script.source_bulk, body)
+            replies = await self._send_write(route, packed + wait, 2 if wait else 1)
+        self._last_acks = replies[1] if wait else None
+        return replies[0]
+
+    async def _send_write(self, route: str | bytes, packed: bytes, count: int) -> builtins.list[Any]:
+        if self._pool is not None:
+            return await self._send(packed, count)
+        return await self._cluster_send(route, packed, count)
+
+    def _check_durable(self, session_id: str, entries: builtins.list[Entry]) -> builtins.list[Entry]:
+        acks = self._last_acks
+        if acks is None:
+            return entries
+        if isinstance(acks, builtins.list):  # WAITAOF: [local fsynced, replicas fsynced]
+            ok = int(acks[0]) >= 1
+        else:
+            ok = int(acks) >= 1
+        if not ok:
+            raise DurabilityError(session_id, entries, self.durability, self.wait_timeout_ms)
+        return entries
+
+    async def _cluster_ready(self) -> None:
+        """Load the cluster topology once (and again after a node was lost), under a lock: redis-py
+        fails when many first commands race to initialise a fresh cluster client."""
+        if not self._cluster_stale:
+            return
+        async with self._cluster_init:
+            if self._cluster_stale:
+                await cast(RedisCluster, self.client).initialize()
+                self._cluster_stale = False
+
+    async def _cluster_send(self, route: str | bytes, packed: bytes, count: int) -> builtins.list[Any]:
+        """Send packed commands to the node owning `route`'s slot, on one of its connections."""
+        client = cast(RedisCluster, self.client)
+        key = route.decode() if isinstance(route, bytes) else route
+        for attempt in range(8):
+            await self._cluster_ready()
+            node = client.get_node_from_key(key)
+            if node is None:  # no primary known for the slot (mid-failover): reload and wait
+                self._cluster_stale = True
+                await anyio.sleep(min(0.05 * 2**attempt, 1.0))
+                continue
+            conn = node.acquire_connection()
+            replies: builtins.list[Any] = []
+            error: ResponseError | None = None
+            try:
+                # no health-check PING first: on a node that just died it leaves the connection
+                # closed and redis-py then writes to nothing; a dead socket fails the write itself
+                await conn.send_packed_command(packed, check_health=False)
+                for _ in range(count):
+                    try:
+                        replies.append(await conn.read_response(disable_decoding=True))
+                    except ResponseError as e:
+                        replies.append(e)
+                        error = error or e
+            except BaseException as e:
+                # The reply may be lost after the script ran: never re-sent here (the caller
+                # retries with its idempotency key). The topology is reloaded before the next use.
+                self._cluster_stale = True
+                with contextlib.suppress(Exception):
+                    await conn.disconnect()
+                if isinstance(e, AttributeError):
+                    # a topology reload in another task closed this node's connections under us
+                    raise RedisConnectionError(f"connection to {node.name} closed during the call") from e
+                raise
+            finally:
+                node.release(conn)
+            if isinstance(error, MovedError | AskError | TryAgainError | ClusterDownError):
+                self._cluster_stale = True  # the script did not run: follow the cluster
+                await anyio.sleep(min(0.05 * 2**attempt, 1.0))
+                continue
+            if error is not None:
+                raise error
+            return replies
+        raise StoreUnavailableError("the cluster kept redirecting this session's slot")
 
     def _keys_of(self, session_id: str) -> _SessionWire:
         """The session's keys, packed once; validates the id the first time it is seen."""
@@ -535,40 +640,43 @@ class RedisSessionStore:
         idem = b"" if idempotency_key is None else idempotency_key.encode()
         count = b"%d" % len(batch)
         try:
-            if self._pool is not None:
-                # The whole EVALSHA body in one format: keys and the per-session ARGV are cached.
-                body = _PUT_BODY % (
-                    k.keys, len(expected), expected, len(idem), idem, len(count), count, k.put_tail,
-                    _pack_entries(batch),
-                )  # fmt: skip
-                res = await self._eval_packed(_SCRIPTS["append"], k.nkeys + 8 + 6 * len(batch), body)
-            else:
-                argv = (b"append", expected, idem, count, b"%d" % self.feed_maxlen, session_id, b"", b"0")
-                res = await self._append_script(session_id, argv, batch)
+            # The whole EVALSHA body in one format: keys and the per-session ARGV are cached.
+            body = _PUT_BODY % (
+                k.keys, len(expected), expected, len(idem), idem, len(count), count, k.put_tail,
+                _pack_entries(batch),
+            )  # fmt: skip
+            res = await self._eval_packed(
+                _SCRIPTS["append"], k.nkeys + 8 + 6 * len(batch), body, k.hdr, bool(self._durable)
+            )
             code = int(res[0])
             if code == 0:
                 first, now = int(res[1]), int(res[2])
                 if self.feed and self.cluster and batch:
                     await self._feed_cluster(session_id, first + len(batch))
-                return [enc.stored(first + i, now) for i, enc in enumerate(batch)]
+                return self._check_durable(session_id, [enc.stored(first + i, now) for i, enc in enumerate(batch)])
             if code == 1:
                 first = int(res[1])
-                return await self.read(session_id, first, first + len(batch))
+                acks = self._last_acks
+                landed = await self.read(session_id, first, first + len(batch))
+                self._last_acks = acks
+                return self._check_durable(session_id, landed)
         except _IO_ERRORS as e:
             raise _unavailable(e) from e
         self._raise(code, res, session_id, expected_n)
         raise AssertionError("unreachable")
 
     async def _append_script(
-        self, session_id: str, argv: Sequence[bytes | str | int], batch: Sequence[EncodedEntry]
+        self,
+        session_id: str,
+        argv: Sequence[bytes | str | int],
+        batch: Sequence[EncodedEntry],
+        *,
+        durable: bool = False,
     ) -> Any:
         """Run ``lua/append.lua`` on `session_id` with the fixed `argv` followed by the entries."""
-        if self._pool is None:
-            keys = self.keys.session_keys(session_id)  # a cluster: the feed is written apart
-            return await self._eval("append", keys, [*argv, *_entry_args(batch)])
         k = self._keys_of(session_id)
         body = b"%b%b%b" % (k.keys, _bulks(argv), _pack_entries(batch))
-        return await self._eval_packed(_SCRIPTS["append"], k.nkeys + len(argv) + 6 * len(batch), body)
+        return await self._eval_packed(_SCRIPTS["append"], k.nkeys + len(argv) + 6 * len(batch), body, k.hdr, durable)
 
     async def _feed_cluster(self, session_id: str, n: int) -> None:
         # On a cluster the feed shard lives in another slot than the session, so it cannot be
@@ -619,8 +727,18 @@ class RedisSessionStore:
         with _io():
             if header.parent is not None:
                 assert header.at is not None
+                p = header.parent
                 res = await self._eval(
-                    "link", [self.keys.hdr(header.parent), self.keys.kids(header.parent)], [header.at, member]
+                    "link",
+                    [
+                        self.keys.hdr(p),
+                        self.keys.kids(p),
+                        self.keys.log(p),
+                        self.keys.idem(p),
+                        self.keys.proj(p),
+                        self.keys.draft(p),
+                    ],
+                    [header.at, member],
                 )
                 if int(res[0]) == 3:
                     raise SessionNotFoundError(header.parent)
@@ -643,7 +761,7 @@ class RedisSessionStore:
                 *hdr_fields,
             ]
             try:
-                res = await self._append_script(sid, argv, batch)
+                res = await self._append_script(sid, argv, batch, durable=bool(self._durable))
             except BaseException:
                 if linked:
                     await self._unlink(header.parent or "", member)
@@ -655,6 +773,8 @@ class RedisSessionStore:
                 self._raise(code, res, sid, None)
             now = int(res[2])
             await self._raw("ZADD", self.keys.sessions, "0", member)
+            if self.feed and self.cluster and batch:
+                await self._feed_cluster(sid, first_n + len(batch))
         n = first_n + len(batch)
         last_cut = None
         for i, enc in enumerate(batch):

@@ -624,8 +624,7 @@ async def test_worker_on_a_cluster(cluster_url: str, prefix: str) -> None:
     try:
         sids = [f"cl{i}" for i in range(6)]
         for sid in sids:
-            # (a create with entries puts no hint on a cluster's feed: the put after it does)
-            await s.create(SessionHeader(id=sid), turn(1))
+            await s.create(SessionHeader(id=sid), turn(1))  # a create with entries puts a hint too
             await s.put(sid, None, [cut(2, "x"), *turn(2)])
         await s.create(SessionHeader(id="clb", parent="cl0", at=5))
         await s.publish("session-branch", {"parent": "cl0", "session": "clb", "at": 5})
@@ -633,7 +632,7 @@ async def test_worker_on_a_cluster(cluster_url: str, prefix: str) -> None:
         await drain(s, p)
         await assert_converged(s, [*sids, "clb"])
         st = await status(s)
-        assert st["counters"]["processed"] == 7 and st["pending"] == 0
+        assert st["counters"]["processed"] == 13 and st["pending"] == 0  # 6 creates, 6 puts, 1 branch
     finally:
         await s.aclose()
 
