@@ -2,7 +2,7 @@
 --
 -- KEYS[1] hdr    HASH    {prefix}:{id}:hdr   header fields, n, updated_at, last_cut
 -- KEYS[2] log    STREAM  {prefix}:{id}:log   entry n at ID "<n>-1"
--- KEYS[3] idem   ZSET    {prefix}:{id}:idem  idempotency key -> first n of its batch
+-- KEYS[3] idem   ZSET    {prefix}:{id}:idem  idempotency key -> first_n * 65536 + batch length
 -- KEYS[4..7]     proj, draft, kids, lease    (only touched to refresh a session TTL)
 -- KEYS[8] feed   STREAM  optional change-feed shard (standalone servers only: another slot)
 --
@@ -19,7 +19,7 @@
 --                            cut_before ("" unless type is cut)
 --
 -- Returns {0, first_n, now_ms}             written
---         {1, first_n}                      idempotent retry: that batch already landed at first_n
+--         {1, first_n, count}               idempotent retry: that batch (count entries) already landed
 --         {2, actual_n}                     conflict: header n ~= expected_n
 --         {3}                               session not found (or deleted)
 --         {4, index, own_n}                 a cut's `before` is beyond its own n
@@ -62,7 +62,10 @@ else
   base = 9
   if idem_key ~= '' then
     local first = redis.call('ZSCORE', idem, idem_key)
-    if first then return {1, tonumber(first)} end
+    if first then
+      first = tonumber(first)
+      return {1, math.floor(first / 65536), first % 65536}
+    end
   end
   if expected ~= '' and tonumber(expected) ~= n then return {2, n} end
 end
@@ -113,7 +116,7 @@ else
 end
 
 if idem_key ~= '' and count > 0 then
-  redis.call('ZADD', idem, n, idem_key)
+  redis.call('ZADD', idem, n * 65536 + count, idem_key)
   redis.call('ZREMRANGEBYRANK', idem, 0, -1025)
 end
 

@@ -186,8 +186,8 @@ def _lines(path: Path) -> Iterator[tuple[int, Any]]:
                 continue
             try:
                 obj = _decode_json.decode(raw)
-            except msgspec.DecodeError as e:
-                raise ImportFormatError(path, lineno, f"invalid JSON: {e}") from None
+            except (msgspec.DecodeError, RecursionError) as e:
+                raise ImportFormatError(path, lineno, f"invalid JSON: {e or 'nested too deeply'}") from None
             if not isinstance(obj, dict):
                 raise ImportFormatError(path, lineno, f"expected a JSON object, got {_tname(obj)}")
             yield lineno, obj

@@ -44,6 +44,10 @@ def validate_session_id(session_id: object) -> str:
         raise InvalidSessionIdError("session id must not be empty")
     if len(session_id) > MAX_ID_LENGTH:
         raise InvalidSessionIdError(f"session id is {len(session_id)} characters; the limit is {MAX_ID_LENGTH}")
+    try:
+        session_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidSessionIdError("session id is not valid unicode (a lone surrogate)") from None
     bad = _BAD_ID.search(session_id)
     if bad:
         raise InvalidSessionIdError(

@@ -114,7 +114,7 @@ def kind_of(entry_type: str) -> Literal["message", "cut", "mark"]:
     return "mark"
 
 
-class Entry(Struct, frozen=True, omit_defaults=True):
+class Entry(Struct, frozen=True, omit_defaults=True, gc=False):
     """One stored entry. `n` is 0-based and contiguous; `time` is ms since the epoch."""
 
     n: int
@@ -447,6 +447,12 @@ def lossless_json(value: Any, what: str, index: int | None = None) -> bytes:
     NaN, Infinity, bytes, sets, tuples, non-string keys, arbitrary objects and cycles are
     all rejected: the encoded form must decode back equal to the input.
     """
+    return _lossless(value, what, index)[0]
+
+
+def _lossless(value: Any, what: str, index: int | None = None) -> tuple[bytes, Any]:
+    """`lossless_json`, also returning the decoded twin it compared: a snapshot of `value` that
+    later changes by the caller cannot reach."""
     if isinstance(value, Struct):
         value = msgspec.to_builtins(value)
     try:
@@ -454,15 +460,15 @@ def lossless_json(value: Any, what: str, index: int | None = None) -> bytes:
     except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError) as e:
         raise InvalidEntryError(f"{what} is not JSON-serializable: {e}", index=index) from None
     try:
-        same = _decode_any.decode(raw) == value
+        back = _decode_any.decode(raw)
     except (msgspec.DecodeError, RecursionError) as e:
         raise InvalidEntryError(f"{what} is not JSON-serializable: {e}", index=index) from None
-    if not same:
+    if back != value:
         raise InvalidEntryError(
             f"{what} is not lossless JSON (NaN/Infinity, bytes, sets, tuples or non-string keys)",
             index=index,
         )
-    return raw
+    return raw, back
 
 
 class EncodedEntry(Struct, frozen=True):
@@ -538,15 +544,13 @@ def encode_entry(
 ) -> EncodedEntry:
     e = as_new_entry(item, index)
     entry_type = validate_type_name(e.type)
-    data_raw = lossless_json(e.data, "data", index)
-    data = _decode_any.decode(data_raw)
+    data_raw, data = _lossless(e.data, "data", index)
     if not isinstance(data, dict):
         raise InvalidEntryError(f"data must be a JSON object, got {type(e.data).__name__}", index=index)
     vocabulary.check(entry_type, data_raw, index)
     meta_raw = meta = None
     if e.meta is not None:
-        meta_raw = lossless_json(e.meta, "meta", index)
-        meta = _decode_any.decode(meta_raw)
+        meta_raw, meta = _lossless(e.meta, "meta", index)
         if not isinstance(meta, dict):
             raise InvalidEntryError("meta must be a JSON object", index=index)
     surface, surface_raw = _surface(e.surface, index)

@@ -32,7 +32,15 @@ import anyio
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, ResponseError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -108,7 +116,8 @@ class _Script:
 _SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj")}
 
 
-_IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# RedisClusterException: redis-py's "Redis Cluster cannot be connected" when no node answers.
+_IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException)
 
 
 def _unavailable(e: BaseException) -> StoreUnavailableError:
@@ -344,6 +353,8 @@ class RedisSessionStore:
             "aof": _pack(("WAITAOF", 1, 0, wait_timeout_ms)),
             "replica": _pack(("WAIT", 1, wait_timeout_ms)),
         }[durability]
+        if not 1 <= max_batch <= 65_535:
+            raise ValueError("max_batch must be in [1, 65535] (append.lua packs the batch length in 16 bits)")
         self._cluster_init = anyio.Lock()
         self._cluster_stale = True
         self.cluster = isinstance(client, RedisCluster)
@@ -363,13 +374,17 @@ class RedisSessionStore:
         self._connection = _connection_getter(self._pool) if self._pool is not None else None
         self._packed_keys: dict[str, _SessionWire] = {}  # caches keys, feed and feed_maxlen: fixed
         self._last_acks: Any = None
+        # A blocked XREAD must return before the socket timeout, or an idle tail on a healthy
+        # server would look like a dead one.
+        timeout = _socket_timeout(client)
+        self._tail_block_ms = block_ms if timeout is None else max(100, min(block_ms, int(timeout * 1000) - 1000))
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "rs", cluster: bool = False, **kwargs: Any) -> RedisSessionStore:
         """Connect to ``redis://``, ``rediss://`` or ``unix://``; `cluster=True` for Redis Cluster."""
         opts: dict[str, Any] = {
             "socket_connect_timeout": 5,
-            "socket_timeout": 30,
+            "socket_timeout": 10,
             "health_check_interval": 30,
         }
         opts.update(kwargs.pop("client_options", {}))
@@ -386,35 +401,48 @@ class RedisSessionStore:
 
     # ------------------------------------------------------------------ plumbing
 
-    async def _send(self, packed: bytes, count: int) -> builtins.list[Any]:
+    async def _send(self, packed: bytes, count: int, *, retry: bool = False) -> builtins.list[Any]:
         """Write `count` packed commands at once on one pooled connection; their raw replies.
 
         Every reply is read even when one is an error, so the connection goes back to the pool
-        in step; the first error is raised after. No retry (see the module docstring)."""
+        in step; the first error is raised after. Scripts are never re-sent (see the module
+        docstring); with `retry` (commands that are safe to repeat: reads, index upkeep), a
+        connection the server closed while it sat idle in the pool (a restart, CLIENT KILL, an
+        idle timeout) costs one retry on a fresh connection instead of an error."""
         assert self._pool is not None and self._connection is not None
         pool = self._pool
-        conn = await self._connection()
-        try:
-            await conn.send_packed_command(packed)
-            replies: builtins.list[Any] = []
-            error: ResponseError | None = None
-            for _ in range(count):
-                try:
-                    replies.append(await conn.read_response(disable_decoding=True))
-                except ResponseError as e:
-                    replies.append(e)
-                    error = error or e
-        finally:
+        for attempt in (0, 1):
+            conn = await self._connection()
+            try:
+                await conn.send_packed_command(packed)
+                replies: builtins.list[Any] = []
+                error: ResponseError | None = None
+                for _ in range(count):
+                    try:
+                        replies.append(await conn.read_response(disable_decoding=True))
+                    except ResponseError as e:
+                        replies.append(e)
+                        error = error or e
+            except RedisConnectionError:
+                if not retry or attempt:
+                    raise
+                await pool.release(conn)
+                await pool.disconnect(inuse_connections=False)  # the other idle ones are stale too
+                continue
+            except BaseException:
+                await pool.release(conn)
+                raise
             await pool.release(conn)
-        if error is not None:
-            raise error
-        return replies
+            if error is not None:
+                raise error
+            return replies
+        raise AssertionError("unreachable")
 
     async def _raw(self, *args: Any) -> Any:
         if self._pool is None:
             await self._cluster_ready()
             return await self.client.execute_command(*args, **_RAW)
-        return (await self._send(_pack(args), 1))[0]
+        return (await self._send(_pack(args), 1, retry=True))[0]
 
     async def _pipeline(self, *commands: Sequence[Any]) -> builtins.list[Any]:
         """Several commands in one round trip (not a transaction); their raw replies."""
@@ -425,7 +453,7 @@ class RedisSessionStore:
                 pipe.execute_command(*c, **_RAW)
             replies: builtins.list[Any] = await pipe.execute()
             return replies
-        return await self._send(b"".join([_pack(c) for c in commands]), len(commands))
+        return await self._send(b"".join([_pack(c) for c in commands]), len(commands), retry=True)
 
     async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         script = _SCRIPTS[name]
@@ -655,9 +683,9 @@ class RedisSessionStore:
                     await self._feed_cluster(session_id, first + len(batch))
                 return self._check_durable(session_id, [enc.stored(first + i, now) for i, enc in enumerate(batch)])
             if code == 1:
-                first = int(res[1])
+                first, landed_count = int(res[1]), int(res[2])
                 acks = self._last_acks
-                landed = await self.read(session_id, first, first + len(batch))
+                landed = await self.read(session_id, first, first + landed_count)
                 self._last_acks = acks
                 return self._check_durable(session_id, landed)
         except _IO_ERRORS as e:
@@ -727,6 +755,9 @@ class RedisSessionStore:
         with _io():
             if header.parent is not None:
                 assert header.at is not None
+                # The id first, as the memory store and dsh do: a taken id wins over a bad parent.
+                if await self._raw("EXISTS", self.keys.hdr(sid)):
+                    raise SessionAlreadyExistsError(sid)
                 p = header.parent
                 res = await self._eval(
                     "link",
@@ -855,7 +886,7 @@ class RedisSessionStore:
         last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
         while True:
             with _io():
-                resp = await self._raw("XREAD", "COUNT", 1000, "BLOCK", self.block_ms, "STREAMS", key, last_id)
+                resp = await self._raw("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, last_id)
             rows = _xread_rows(resp)
             if rows:
                 for e in rows_to_entries(rows):
@@ -969,6 +1000,19 @@ def _connection_getter(pool: Any) -> Callable[[], Any]:
     if param is not None and param.default is inspect.Parameter.empty:
         return lambda: pool.get_connection("_")
     return cast(Callable[[], Any], pool.get_connection)
+
+
+def _socket_timeout(client: aioredis.Redis | RedisCluster) -> float | None:
+    """The client's socket timeout in seconds (None: no timeout)."""
+    try:
+        if isinstance(client, RedisCluster):
+            kwargs = client.nodes_manager.connection_kwargs
+        else:
+            kwargs = client.connection_pool.connection_kwargs
+        value = kwargs.get("socket_timeout")
+        return None if value is None else float(value)
+    except (AttributeError, TypeError, ValueError):  # pragma: no cover - an exotic client
+        return None
 
 
 def _as_dict(raw: Any) -> dict[bytes, bytes]:

@@ -112,19 +112,27 @@ def check_idempotency_key(key: object) -> None:
         raise InvalidEntryError("idempotency_key must be a str of 1-256 characters")
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def check_header(header: SessionHeader) -> None:
-    validate_session_id(header.id)
     if not isinstance(header, SessionHeader):
         raise TypeError("header must be a SessionHeader")
+    validate_session_id(header.id)
+    if not _is_int(header.created_at) or not 0 <= header.created_at < 10**13:
+        raise InvalidEntryError(f"created_at must be ms since the epoch (an int), got {header.created_at!r}")
+    if not _is_int(header.format_version) or header.format_version < 1:
+        raise InvalidEntryError(f"format_version must be an int >= 1, got {header.format_version!r}")
     if (header.parent is None) != (header.at is None):
         raise InvalidEntryError("a branch header needs both `parent` and `at`")
-    if header.at is not None and (not isinstance(header.at, int) or header.at < 0):
+    if header.at is not None and (not _is_int(header.at) or header.at < 0):
         raise InvalidEntryError(f"at must be an int >= 0, got {header.at!r}")
     if header.parent is not None:
         validate_session_id(header.parent)
         if header.parent == header.id:
             raise InvalidEntryError("a session cannot be its own parent")
-    if not isinstance(header.delegation_depth, int) or header.delegation_depth < 0:
+    if not _is_int(header.delegation_depth) or header.delegation_depth < 0:
         raise InvalidEntryError("delegation_depth must be an int >= 0")
     if header.title is not None and not isinstance(header.title, str):
         raise InvalidEntryError("title must be a str")
@@ -274,6 +282,8 @@ class MemorySessionStore:
     async def read(self, session_id: str, start: int = 0, stop: int | None = None) -> builtins.list[Entry]:
         validate_session_id(session_id)
         check_read_range(start, stop)
+        if stop is not None and stop - start > MAX_READ_RANGE:
+            raise ValueError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
         s = self._get(session_id)
         if s is None:
             raise SessionNotFoundError(session_id)
@@ -325,7 +335,7 @@ class MemorySessionStore:
             s.entries[e.n] = e
             if e.type == CUT:
                 s.last_cut = e.n
-        if idempotency_key is not None:
+        if idempotency_key is not None and stored:
             s.idem[idempotency_key] = (s.n, len(stored))
             while len(s.idem) > IDEMPOTENCY_WINDOW:
                 del s.idem[next(iter(s.idem))]
@@ -442,7 +452,10 @@ class MemorySessionStore:
         if draft is not None:
             from .model import lossless_json
 
-            draft = msgspec.json.decode(lossless_json(draft, "draft"))
+            raw = lossless_json(draft, "draft")
+            if len(raw) > self.max_entry_bytes:
+                raise InvalidEntryError(f"draft is {len(raw)} bytes; the limit is {self.max_entry_bytes}")
+            draft = msgspec.json.decode(raw)
         s.draft = draft
         self._touch(s)
 

@@ -130,7 +130,8 @@ async def test_resumes_after_killed_connections_without_gap_or_repeat(
         await tail_store.aclose()
     text = out.export_text()
     assert kills >= 4
-    assert "connection lost" in text
+    # each drop is absorbed either by the store's one retry on a fresh connection or by the
+    # tail's own reconnect ("connection lost"): either way nothing is lost or repeated
     marks_in_order(text, total)
 
 
