@@ -74,10 +74,12 @@ class DurabilityError(SessionError):
     They may be lost if the primary fails now. Retrying the put with the same idempotency key
     returns the same entries (nothing is written twice) and waits again."""
 
-    def __init__(self, session_id: str, entries: Sequence[object], durability: str, timeout_ms: int) -> None:
+    def __init__(
+        self, session_id: str, entries: Sequence[object], durability: str, timeout_ms: int, detail: str = ""
+    ) -> None:
+        why = f"the server refused the wait: {detail}" if detail else f"was not confirmed within {timeout_ms} ms"
         super().__init__(
-            f"session {session_id!r}: {len(entries)} entries landed on the primary, but durability={durability!r} "
-            f"was not confirmed within {timeout_ms} ms"
+            f"session {session_id!r}: {len(entries)} entries landed on the primary, but durability={durability!r} {why}"
         )
         self.session_id = session_id
         self.entries = list(entries)

@@ -136,6 +136,15 @@ class LocalCluster:
                 raise EmbeddedServerError("local cluster did not reach cluster_state:ok")
             time.sleep(0.1)
 
+    def wait_replicas_synced(self, timeout: float = 30.0) -> None:
+        """Until every replica's link to its master is up (WAIT can count it)."""
+        deadline = time.monotonic() + timeout
+        for r in self.replicas:
+            while "master_link_status:up" not in _bulk_text(_cmd(r.port, "INFO", "replication")):
+                if time.monotonic() > deadline:
+                    raise EmbeddedServerError(f"replica on port {r.port} did not sync")
+                time.sleep(0.05)
+
     def master_of_slot(self, slot: int) -> ServerProcess:
         """The node that serves `slot` now (after failovers too)."""
         for node in self.nodes:
@@ -179,6 +188,7 @@ def start_cluster(
         "--cluster-node-timeout", str(node_timeout_ms),
         "--cluster-require-full-coverage", "no",
         "--cluster-allow-replica-migration", "no",
+        "--repl-diskless-sync-delay", "0",  # a replica syncs at once, not after 5 s
     ]  # fmt: skip
     try:
         for i in range(masters * (1 + replicas_per_master)):
@@ -214,6 +224,7 @@ def start_cluster(
                     raise EmbeddedServerError(f"CLUSTER REPLICATE failed: {reply!r}")
                 time.sleep(0.1)
         cluster.wait_ok()
+        cluster.wait_replicas_synced()
         return cluster
     except BaseException:
         for node in started:

@@ -401,14 +401,18 @@ class RedisSessionStore:
 
     # ------------------------------------------------------------------ plumbing
 
-    async def _send(self, packed: bytes, count: int, *, retry: bool = False) -> builtins.list[Any]:
+    async def _send(
+        self, packed: bytes, count: int, *, retry: bool = False, soft_tail: bool = False
+    ) -> builtins.list[Any]:
         """Write `count` packed commands at once on one pooled connection; their raw replies.
 
         Every reply is read even when one is an error, so the connection goes back to the pool
         in step; the first error is raised after. Scripts are never re-sent (see the module
         docstring); with `retry` (commands that are safe to repeat: reads, index upkeep), a
         connection the server closed while it sat idle in the pool (a restart, CLIENT KILL, an
-        idle timeout) costs one retry on a fresh connection instead of an error."""
+        idle timeout) costs one retry on a fresh connection instead of an error. With `soft_tail`
+        an error reply of the last command is returned in place (a durability wait's failure must
+        not hide the script's own reply)."""
         assert self._pool is not None and self._connection is not None
         pool = self._pool
         for attempt in (0, 1):
@@ -417,12 +421,13 @@ class RedisSessionStore:
                 await conn.send_packed_command(packed)
                 replies: builtins.list[Any] = []
                 error: ResponseError | None = None
-                for _ in range(count):
+                for i in range(count):
                     try:
                         replies.append(await conn.read_response(disable_decoding=True))
                     except ResponseError as e:
                         replies.append(e)
-                        error = error or e
+                        if not (soft_tail and i == count - 1):
+                            error = error or e
             except RedisConnectionError:
                 if not retry or attempt:
                     raise
@@ -470,22 +475,25 @@ class RedisSessionStore:
         wait = self._durable if durable else b""
         try:
             packed = b"*%d\r\n%b%b%b" % (count + 2, _EVALSHA, script.sha_bulk, body)
-            replies = await self._send_write(route, packed + wait, 2 if wait else 1)
+            replies = await self._send_write(route, packed + wait, 2 if wait else 1, bool(wait))
         except NoScriptError:
             packed = b"*%d\r\n%b%b%b" % (count + 2, _EVAL, script.source_bulk, body)
-            replies = await self._send_write(route, packed + wait, 2 if wait else 1)
+            replies = await self._send_write(route, packed + wait, 2 if wait else 1, bool(wait))
         self._last_acks = replies[1] if wait else None
         return replies[0]
 
-    async def _send_write(self, route: str | bytes, packed: bytes, count: int) -> builtins.list[Any]:
+    async def _send_write(
+        self, route: str | bytes, packed: bytes, count: int, soft_tail: bool = False
+    ) -> builtins.list[Any]:
         if self._pool is not None:
-            return await self._send(packed, count)
-        return await self._cluster_send(route, packed, count)
+            return await self._send(packed, count, soft_tail=soft_tail)
+        return await self._cluster_send(route, packed, count, soft_tail=soft_tail)
 
-    def _check_durable(self, session_id: str, entries: builtins.list[Entry]) -> builtins.list[Entry]:
-        acks = self._last_acks
+    def _check_durable(self, session_id: str, entries: builtins.list[Entry], acks: Any) -> builtins.list[Entry]:
         if acks is None:
             return entries
+        if isinstance(acks, ResponseError):  # e.g. WAITAOF on a server without AOF
+            raise DurabilityError(session_id, entries, self.durability, self.wait_timeout_ms, str(acks))
         if isinstance(acks, builtins.list):  # WAITAOF: [local fsynced, replicas fsynced]
             ok = int(acks[0]) >= 1
         else:
@@ -504,7 +512,9 @@ class RedisSessionStore:
                 await cast(RedisCluster, self.client).initialize()
                 self._cluster_stale = False
 
-    async def _cluster_send(self, route: str | bytes, packed: bytes, count: int) -> builtins.list[Any]:
+    async def _cluster_send(
+        self, route: str | bytes, packed: bytes, count: int, *, soft_tail: bool = False
+    ) -> builtins.list[Any]:
         """Send packed commands to the node owning `route`'s slot, on one of its connections."""
         client = cast(RedisCluster, self.client)
         key = route.decode() if isinstance(route, bytes) else route
@@ -522,12 +532,13 @@ class RedisSessionStore:
                 # no health-check PING first: on a node that just died it leaves the connection
                 # closed and redis-py then writes to nothing; a dead socket fails the write itself
                 await conn.send_packed_command(packed, check_health=False)
-                for _ in range(count):
+                for i in range(count):
                     try:
                         replies.append(await conn.read_response(disable_decoding=True))
                     except ResponseError as e:
                         replies.append(e)
-                        error = error or e
+                        if not (soft_tail and i == count - 1):
+                            error = error or e
             except BaseException as e:
                 # The reply may be lost after the script ran: never re-sent here (the caller
                 # retries with its idempotency key). The topology is reloaded before the next use.
@@ -676,18 +687,19 @@ class RedisSessionStore:
             res = await self._eval_packed(
                 _SCRIPTS["append"], k.nkeys + 8 + 6 * len(batch), body, k.hdr, bool(self._durable)
             )
+            acks = self._last_acks  # taken before any other await: other tasks share the store
             code = int(res[0])
             if code == 0:
                 first, now = int(res[1]), int(res[2])
                 if self.feed and self.cluster and batch:
                     await self._feed_cluster(session_id, first + len(batch))
-                return self._check_durable(session_id, [enc.stored(first + i, now) for i, enc in enumerate(batch)])
+                return self._check_durable(
+                    session_id, [enc.stored(first + i, now) for i, enc in enumerate(batch)], acks
+                )
             if code == 1:
                 first, landed_count = int(res[1]), int(res[2])
-                acks = self._last_acks
                 landed = await self.read(session_id, first, first + landed_count)
-                self._last_acks = acks
-                return self._check_durable(session_id, landed)
+                return self._check_durable(session_id, landed, acks)
         except _IO_ERRORS as e:
             raise _unavailable(e) from e
         self._raise(code, res, session_id, expected_n)
@@ -793,6 +805,7 @@ class RedisSessionStore:
             ]
             try:
                 res = await self._append_script(sid, argv, batch, durable=bool(self._durable))
+                acks = self._last_acks  # taken before any other await: other tasks share the store
             except BaseException:
                 if linked:
                     await self._unlink(header.parent or "", member)
@@ -806,6 +819,7 @@ class RedisSessionStore:
             await self._raw("ZADD", self.keys.sessions, "0", member)
             if self.feed and self.cluster and batch:
                 await self._feed_cluster(sid, first_n + len(batch))
+            self._check_durable(sid, [enc.stored(first_n + i, now) for i, enc in enumerate(batch)], acks)
         n = first_n + len(batch)
         last_cut = None
         for i, enc in enumerate(batch):
