@@ -187,26 +187,40 @@ async def load_messages(
     head = await store.head(session_id)
     if head is None:
         raise SessionNotFoundError(session_id)
-    n = head.n
-    if snap is not None:
-        n_s, blob = snap
-        if n_s <= n:
-            state = None if cache is None else cache.get(session_id, blob)
-            if state is None:
-                try:
-                    state = ProjectionState.from_bytes(blob)
-                except ValueError:
-                    state = None
-                if state is not None and cache is not None and _plausible(state, n_s, head):
-                    cache.put(session_id, blob, state)
-            if state is not None and _plausible(state, n_s, head):
-                try:
-                    await _fold_range(store, session_id, state, n, chunk)
-                    return state, n
-                except ValueError:
-                    pass  # the tail needs history the snapshot dropped (a cut reaching back): rebuild
-    state, _ = await _rebuild(store, session_id, head, n, chunk)
-    return state, n
+    state = await _extend_snapshot(store, head, snap, cache, chunk)
+    if state is None:
+        state, _ = await _rebuild(store, session_id, head, head.n, chunk)
+    return state, head.n
+
+
+async def _extend_snapshot(
+    store: SessionStore,
+    head: SessionHead,
+    snap: tuple[int, bytes] | None,
+    cache: SnapshotCache | None,
+    chunk: int,
+) -> ProjectionState | None:
+    """`snap` (read before `head`) decoded and extended to ``head.n``; None when unusable: absent,
+    undecodable, not plausibly this log's, newer than the head, or needing history it dropped."""
+    if snap is None or snap[0] > head.n:
+        return None
+    sid = head.header.id
+    n_s, blob = snap
+    state = None if cache is None else cache.get(sid, blob)
+    if state is None:
+        try:
+            state = ProjectionState.from_bytes(blob)
+        except ValueError:
+            return None
+        if cache is not None and _plausible(state, n_s, head):
+            cache.put(sid, blob, state)
+    if not _plausible(state, n_s, head):
+        return None
+    try:
+        await _fold_range(store, sid, state, head.n, chunk)
+    except ValueError:
+        return None  # the tail needs history the snapshot dropped (a cut reaching back): rebuild
+    return state
 
 
 async def load_state(
@@ -215,21 +229,8 @@ async def load_state(
     """The projection state of `head`'s session at exactly ``head.n`` (a handle's own view).
 
     Same sources as `load_messages`; a snapshot newer than ``head.n`` is not used."""
-    sid, n = head.header.id, head.n
-    snap = await store.get_projection(sid)
-    if snap is not None and snap[0] <= n:
-        n_s, blob = snap
-        state = None if cache is None else cache.get(sid, blob)
-        if state is None:
-            try:
-                state = ProjectionState.from_bytes(blob)
-            except ValueError:
-                state = None
-        if state is not None and _plausible(state, n_s, head):
-            try:
-                await _fold_range(store, sid, state, n, chunk)
-                return state
-            except ValueError:
-                pass
-    state, _ = await _rebuild(store, sid, head, n, chunk)
+    snap = await store.get_projection(head.header.id)
+    state = await _extend_snapshot(store, head, snap, cache, chunk)
+    if state is None:
+        state, _ = await _rebuild(store, head.header.id, head, head.n, chunk)
     return state
