@@ -6,8 +6,9 @@ Every command takes ``--url`` (default ``$REDIS_URL``, else the embedded server 
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -53,6 +54,16 @@ def _store(url: str | None, prefix: str) -> Any:
     return open_store(url, prefix=prefix)
 
 
+@contextlib.asynccontextmanager
+async def _opened(url: str | None, prefix: str) -> AsyncIterator[Any]:
+    """The store for one command, closed after it."""
+    store = _store(url, prefix)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
 def _sessions(url: str | None, prefix: str) -> Any:
     from .sessions import Sessions
 
@@ -73,12 +84,9 @@ def ls_cmd(
     """List sessions, newest first."""
 
     async def main() -> None:
-        store = _store(url, prefix)
-        try:
+        async with _opened(url, prefix) as store:
             page = await store.list(parent=parent, limit=limit, cursor=cursor)
             heads = [await store.head(h.id) for h in page.items]
-        finally:
-            await store.aclose()
         table = Table("id", "n", "title", "created", "parent@at", box=None)
         for h in heads:
             if h is None:
@@ -117,8 +125,7 @@ def show_cmd(
 
         from .errors import SessionNotFoundError
 
-        store = _store(url, prefix)
-        try:
+        async with _opened(url, prefix) as store:
             head = await store.head(session)
             if head is None:
                 raise SessionNotFoundError(session)
@@ -140,8 +147,6 @@ def show_cmd(
                 out.print_json(data=body)
                 return
             entries = await store.read(session, start, stop)
-        finally:
-            await store.aclose()
         hd = head.header
         out.print(
             f"[bold]{hd.id}[/bold]  n={head.n}  last_cut={head.last_cut}  "
@@ -170,11 +175,8 @@ def tail_cmd(
     async def main() -> None:
         from .tailview import run_tail
 
-        store = _store(url, prefix)
-        try:
+        async with _opened(url, prefix) as store:
             await run_tail(store, session, start=start, messages=messages, console=out)
-        finally:
-            await store.aclose()
 
     try:
         _run(main)
@@ -197,10 +199,9 @@ def doctor_cmd(
         from .errors import SessionNotFoundError
         from .sessions import doctor
 
-        store = _store(url, prefix)
         bad = 0
         checked = 0
-        try:
+        async with _opened(url, prefix) as store:
             ids: list[str] = []
             if all_:
                 cursor = None
@@ -226,8 +227,6 @@ def doctor_cmd(
                 bad += 1
                 for p in report.problems:
                     out.print(f"[red]{sid}[/red] n={p.n} {p.code}: {p.message}")
-        finally:
-            await store.aclose()
         style = "green" if bad == 0 else "red"
         out.print(f"[{style}]{checked} session(s) checked, {bad} with problems[/{style}]")
         return bad
@@ -272,13 +271,10 @@ def export_cmd(
     async def main() -> int:
         from .importers import export_session
 
-        store = _store(url, prefix)
-        try:
+        async with _opened(url, prefix) as store:
             if output is None:
                 return await export_session(store, session, sys.stdout)
             return await export_session(store, session, output)
-        finally:
-            await store.aclose()
 
     n = _run(main)
     if output is not None:
@@ -303,8 +299,7 @@ def import_cmd(
 
         from .importers import import_path
 
-        store = _store(url, prefix)
-        try:
+        async with _opened(url, prefix) as store:
             with Progress(console=err, transient=True) as progress:
                 task = progress.add_task(f"importing {path.name}", total=None)
 
@@ -321,8 +316,6 @@ def import_cmd(
                         on_exists=on_exists,
                     )
                 )
-        finally:
-            await store.aclose()
 
     for r in _run(main):
         out.print(_short(r, 200))
@@ -346,16 +339,13 @@ def projector_cmd(
     async def main() -> None:
         from . import projector as proj
 
-        store = _store(url, prefix)
-        try:
+        async with _opened(url, prefix) as store:
             if status:
                 out.print_json(data=await proj.status(store))
                 return
             worker = proj.Projector(store, consumer=consumer, metrics_port=metrics_port)
             err.print(f"projector {worker.consumer} running (Ctrl-C or SIGTERM to stop)")
             await worker.run_forever()
-        finally:
-            await store.aclose()
 
     _run(main)
 
@@ -373,12 +363,9 @@ def gateway_cmd(
     async def main() -> None:
         from .gateway import serve
 
-        store = _store(url, prefix)
-        try:
+        async with _opened(url, prefix) as store:
             err.print(f"gateway on http://{host}:{port}/")
             await serve(store, host=host, port=port, token=token)
-        finally:
-            await store.aclose()
 
     _run(main)
 
@@ -396,15 +383,12 @@ def up_cmd(
         from .gateway import serve
         from .projector import Projector
 
-        store = _store(url, prefix)
-        try:
+        async with _opened(url, prefix) as store:
             out.print(f"[bold]redis-session up[/bold]: viewer on http://{host}:{port}/  (Ctrl-C to stop)")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(Projector(store).run)
                 await serve(store, host=host, port=port)
                 tg.cancel_scope.cancel()
-        finally:
-            await store.aclose()
 
     try:
         _run(main)
