@@ -88,6 +88,7 @@ for i = 0, count - 1 do
     -- one, which only happens when the stream is ahead of the header. Nothing is written then.
     local ok = redis.pcall('XADD', log, string.format('%d-1', n), unpack(f))
     if type(ok) == 'table' and ok.err then
+      if not string.find(ok.err, 'equal or smaller', 1, true) then return ok end  -- e.g. an ACL refusal
       local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
       return {6, last and last[1] or ok.err}
     end

@@ -12,6 +12,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    AccessDeniedError,
+    DurabilityError,
     InvalidEntryError,
     InvalidSessionIdError,
     LeaseHeldError,
@@ -128,6 +130,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AccessDeniedError",
+    "DurabilityError",
     "Entry",
     "InvalidEntryError",
     "InvalidSessionIdError",

@@ -63,6 +63,10 @@ class LeaseHeldError(SessionError):
     """Another holder owns the session's lease."""
 
 
+class AccessDeniedError(SessionError):
+    """The Redis ACL user may not run this command or touch these keys; nothing was written."""
+
+
 class StoreUnavailableError(SessionError, ConnectionError):
     """The server could not be reached or did not answer in time."""
 

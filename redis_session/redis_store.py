@@ -34,8 +34,10 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
     ClusterDownError,
     MovedError,
+    NoPermissionError,
     NoScriptError,
     RedisClusterException,
     ResponseError,
@@ -45,6 +47,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import (
+    AccessDeniedError,
     DurabilityError,
     InvalidEntryError,
     SessionAlreadyExistsError,
@@ -121,7 +124,17 @@ _IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterExce
 
 
 def _unavailable(e: BaseException) -> StoreUnavailableError:
+    if isinstance(e, AuthenticationError):
+        return StoreUnavailableError(f"Redis refused the credentials: {e}")
     return StoreUnavailableError(f"Redis is unreachable: {e}")
+
+
+def _typed(error: ResponseError) -> Exception:
+    """An ACL refusal as `AccessDeniedError` (nothing was written); other replies as they are."""
+    text = str(error)
+    if isinstance(error, NoPermissionError) or text.startswith(("NOPERM", "ACL failure")) or "NOPERM" in text[:80]:
+        return AccessDeniedError(f"the Redis user may not do this: {text}")
+    return error
 
 
 @contextlib.contextmanager
@@ -429,9 +442,9 @@ class RedisSessionStore:
                         if not (soft_tail and i == count - 1):
                             error = error or e
             except RedisConnectionError:
+                await pool.release(conn)
                 if not retry or attempt:
                     raise
-                await pool.release(conn)
                 await pool.disconnect(inuse_connections=False)  # the other idle ones are stale too
                 continue
             except BaseException:
@@ -439,7 +452,7 @@ class RedisSessionStore:
                 raise
             await pool.release(conn)
             if error is not None:
-                raise error
+                raise _typed(error)
             return replies
         raise AssertionError("unreachable")
 
@@ -556,7 +569,7 @@ class RedisSessionStore:
                 await anyio.sleep(min(0.05 * 2**attempt, 1.0))
                 continue
             if error is not None:
-                raise error
+                raise _typed(error)
             return replies
         raise StoreUnavailableError("the cluster kept redirecting this session's slot")
 
@@ -721,7 +734,7 @@ class RedisSessionStore:
     async def _feed_cluster(self, session_id: str, n: int) -> None:
         # On a cluster the feed shard lives in another slot than the session, so it cannot be
         # written by the append script. It is a hint: losing it costs the projector speed only.
-        with contextlib.suppress(RedisConnectionError, RedisTimeoutError, ResponseError):
+        with contextlib.suppress(Exception):  # never turn an append that landed into an error
             await self._raw(
                 "XADD", self.keys.feed(self.keys.feed_shard(session_id)),
                 "MAXLEN", "~", str(self.feed_maxlen), "*", "s", session_id, "n", str(n),
