@@ -387,6 +387,8 @@ class RedisSessionStore:
         self._connection = _connection_getter(self._pool) if self._pool is not None else None
         self._packed_keys: dict[str, _SessionWire] = {}  # caches keys, feed and feed_maxlen: fixed
         self._last_acks: Any = None
+        self._hints: dict[str, int] = {}  # cluster feed hints waiting for the background flush
+        self._hint_task: Any = None
         # A blocked XREAD must return before the socket timeout, or an idle tail on a healthy
         # server would look like a dead one.
         timeout = _socket_timeout(client)
@@ -409,6 +411,9 @@ class RedisSessionStore:
         return cls(client, prefix=prefix, owns_client=True, **kwargs)
 
     async def aclose(self) -> None:
+        if self._hint_task is not None and not self._hint_task.done():
+            with anyio.move_on_after(5), contextlib.suppress(Exception):
+                await self._hint_task  # the queued feed hints go out before the client closes
         if self._owns_client:
             await self._user_client.aclose()
 
@@ -705,7 +710,7 @@ class RedisSessionStore:
             if code == 0:
                 first, now = int(res[1]), int(res[2])
                 if self.feed and self.cluster and batch:
-                    await self._feed_cluster(session_id, first + len(batch))
+                    self._feed_cluster(session_id, first + len(batch))
                 return self._check_durable(
                     session_id, [enc.stored(first + i, now) for i, enc in enumerate(batch)], acks
                 )
@@ -731,14 +736,31 @@ class RedisSessionStore:
         body = b"%b%b%b" % (k.keys, _bulks(argv), _pack_entries(batch))
         return await self._eval_packed(_SCRIPTS["append"], k.nkeys + len(argv) + 6 * len(batch), body, k.hdr, durable)
 
-    async def _feed_cluster(self, session_id: str, n: int) -> None:
-        # On a cluster the feed shard lives in another slot than the session, so it cannot be
-        # written by the append script. It is a hint: losing it costs the projector speed only.
-        with contextlib.suppress(Exception):  # never turn an append that landed into an error
-            await self._raw(
-                "XADD", self.keys.feed(self.keys.feed_shard(session_id)),
-                "MAXLEN", "~", str(self.feed_maxlen), "*", "s", session_id, "n", str(n),
-            )  # fmt: skip
+    def _feed_cluster(self, session_id: str, n: int) -> None:
+        """Queue the change-feed hint "session reached n" (a cluster only).
+
+        On a cluster the feed shard lives in another slot than the session, so the append script
+        cannot write it. Awaiting it would add a round trip to every append, so hints are queued,
+        coalesced per session and sent by one background task in a pipeline. A hint is not the
+        truth: one lost (a crash before the flush) costs the projector speed, never correctness."""
+        self._hints[session_id] = max(n, self._hints.get(session_id, 0))
+        if self._hint_task is None or self._hint_task.done():
+            import asyncio
+
+            self._hint_task = asyncio.get_running_loop().create_task(self._flush_hints())
+
+    async def _flush_hints(self) -> None:
+        while self._hints:
+            hints, self._hints = self._hints, {}
+            with contextlib.suppress(Exception):  # never turn an append that landed into an error
+                await self._cluster_ready()
+                pipe = self.client.pipeline(transaction=False)
+                for sid, n in hints.items():
+                    pipe.execute_command(
+                        "XADD", self.keys.feed(self.keys.feed_shard(sid)),
+                        "MAXLEN", "~", str(self.feed_maxlen), "*", "s", sid, "n", str(n),
+                    )  # fmt: skip
+                await pipe.execute(raise_on_error=False)
 
     @staticmethod
     def _raise(code: int, res: Any, session_id: str, expected_n: int | None) -> None:
@@ -831,7 +853,7 @@ class RedisSessionStore:
             now = int(res[2])
             await self._raw("ZADD", self.keys.sessions, "0", member)
             if self.feed and self.cluster and batch:
-                await self._feed_cluster(sid, first_n + len(batch))
+                self._feed_cluster(sid, first_n + len(batch))
             self._check_durable(sid, [enc.stored(first_n + i, now) for i, enc in enumerate(batch)], acks)
         n = first_n + len(batch)
         last_cut = None

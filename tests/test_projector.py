@@ -632,7 +632,9 @@ async def test_worker_on_a_cluster(cluster_url: str, prefix: str) -> None:
         await drain(s, p)
         await assert_converged(s, [*sids, "clb"])
         st = await status(s)
-        assert st["counters"]["processed"] == 13 and st["pending"] == 0  # 6 creates, 6 puts, 1 branch
+        # one hint per create, put and branch, but a cluster's hints are coalesced per session
+        # while they wait to be sent: between 7 (all coalesced) and 13
+        assert 7 <= st["counters"]["processed"] <= 13 and st["pending"] == 0
     finally:
         await s.aclose()
 
