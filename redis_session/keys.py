@@ -13,7 +13,8 @@ All keys of one session share the hash tag ``{<id>}`` so each script touches one
 
 Cross-session keys (never needed for an append's correctness)::
 
-    {prefix}:sessions       ZSET    list index, newest first (lexicographic members)
+    {prefix}:sessions:{<k>} ZSET    list index shard k (crc32(id) % index_shards): members
+                                    "<inverted created_at>:<id>", newest first; list() merges them
     {prefix}:feed:{<k>}     STREAM  change feed shard k: "session S reached n"
     {prefix}:events         PUBSUB  session-branch notifications
     {prefix}:projector:{<group>}:stats  HASH  projector counters summed over workers
@@ -66,11 +67,14 @@ def validate_prefix(prefix: str) -> str:
 class Keys:
     """Key names for one prefix."""
 
-    __slots__ = ("feed_shards", "prefix")
+    __slots__ = ("feed_shards", "index_shards", "prefix")
 
-    def __init__(self, prefix: str = "rs", feed_shards: int = 4) -> None:
+    def __init__(self, prefix: str = "rs", feed_shards: int = 4, index_shards: int = 4) -> None:
         self.prefix = validate_prefix(prefix)
+        if not 1 <= feed_shards <= 1024 or not 1 <= index_shards <= 1024:
+            raise ValueError("feed_shards and index_shards must be in [1, 1024]")
         self.feed_shards = feed_shards
+        self.index_shards = index_shards
 
     def _k(self, session_id: str, part: str) -> str:
         return f"{self.prefix}:{{{session_id}}}:{part}"
@@ -108,9 +112,12 @@ class Keys:
             self.lease(session_id),
         ]
 
-    @property
-    def sessions(self) -> str:
-        return f"{self.prefix}:sessions"
+    def sessions(self, session_id: str) -> str:
+        """The list-index shard that holds `session_id` (each shard in its own slot)."""
+        return f"{self.prefix}:sessions:{{{zlib.crc32(session_id.encode()) % self.index_shards}}}"
+
+    def all_sessions(self) -> list[str]:
+        return [f"{self.prefix}:sessions:{{{k}}}" for k in range(self.index_shards)]
 
     @property
     def events(self) -> str:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import heapq
+import itertools
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
@@ -351,6 +353,7 @@ class RedisSessionStore:
         max_batch: int = DEFAULT_MAX_BATCH,
         feed: bool = True,
         feed_shards: int = 4,
+        index_shards: int = 4,
         feed_maxlen: int = 100_000,
         block_ms: int = 5_000,
         durability: str = "none",
@@ -373,7 +376,7 @@ class RedisSessionStore:
         self.cluster = isinstance(client, RedisCluster)
         self._user_client = client
         self.client = _raw_client(client)
-        self.keys = Keys(prefix, feed_shards)
+        self.keys = Keys(prefix, feed_shards, index_shards)
         self.prefix = prefix
         self.vocabulary = vocabulary if vocabulary is not None else Vocabulary()
         self.max_entry_bytes = max_entry_bytes
@@ -851,7 +854,7 @@ class RedisSessionStore:
                     await self._unlink(header.parent or "", member)
                 self._raise(code, res, sid, None)
             now = int(res[2])
-            await self._raw("ZADD", self.keys.sessions, "0", member)
+            await self._raw("ZADD", self.keys.sessions(sid), "0", member)
             if self.feed and self.cluster and batch:
                 self._feed_cluster(sid, first_n + len(batch))
             self._check_durable(sid, [enc.stored(first_n + i, now) for i, enc in enumerate(batch)], acks)
@@ -879,12 +882,16 @@ class RedisSessionStore:
             raise ValueError("limit must be an int in [1, 1000]")
         if cursor is not None and (not isinstance(cursor, str) or len(cursor) > 400):
             raise ValueError("invalid cursor")
-        key = self.keys.sessions if parent is None else self.keys.kids(validate_session_id(parent))
+        # The list index is sharded (no single key takes every create); a page is the k-way merge
+        # of the shards' pages. A parent's branches are one key in the parent's slot.
+        keys = self.keys.all_sessions() if parent is None else [self.keys.kids(validate_session_id(parent))]
         items: builtins.list[SessionHeader] = []
         with _io():
             while True:
                 lo = "-" if cursor is None else "(" + cursor
-                members = [_s(m) or "" for m in await self._raw("ZRANGE", key, lo, "+", "BYLEX", "LIMIT", 0, limit + 1)]
+                pages = await self._pipeline(*[("ZRANGE", k, lo, "+", "BYLEX", "LIMIT", 0, limit + 1) for k in keys])
+                merged = heapq.merge(*[[bytes(m) for m in page] for page in pages])
+                members = [m.decode() for m in itertools.islice(merged, limit + 1)]
                 more = len(members) > limit
                 members = members[:limit]
                 hgets = [("HGETALL", self.keys.hdr(id_from_index_member(m))) for m in members]
@@ -897,7 +904,7 @@ class RedisSessionStore:
                     elif not h.deleted:
                         items.append(h.header)
                 if stale and parent is None:
-                    await self._raw("ZREM", key, *stale)
+                    await self._pipeline(*[("ZREM", self.keys.sessions(id_from_index_member(m)), m) for m in stale])
                 cursor = members[-1] if more and members else None
                 if cursor is None or len(items) >= limit:
                     return Page(items=items[:limit], cursor=cursor)
@@ -910,7 +917,7 @@ class RedisSessionStore:
             if code == 0:
                 return False
             member = index_member(int(res[1]), session_id)
-            await self._raw("ZREM", self.keys.sessions, member)
+            await self._raw("ZREM", self.keys.sessions(session_id), member)
             if code == 2 and res[2]:
                 await self._unlink(_s(res[2]) or "", member)
             return True
