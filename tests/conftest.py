@@ -44,7 +44,11 @@ def _docker_redis() -> tuple[str, Any] | None:
     try:
         import docker  # type: ignore[import-untyped]
 
-        docker.from_env(timeout=2).ping()
+        client = docker.from_env(timeout=2)
+        try:
+            client.ping()
+        finally:
+            client.close()
     except Exception:
         return None
     from testcontainers.redis import RedisContainer  # type: ignore[import-untyped]
