@@ -87,7 +87,13 @@ def ls_cmd(
         async with _opened(url, prefix) as store:
             page = await store.list(parent=parent, limit=limit, cursor=cursor)
             heads = [await store.head(h.id) for h in page.items]
-        table = Table("id", "n", "title", "created", "parent@at", box=None)
+        table = Table(box=None)
+        widest = max((len(h.header.id) for h in heads if h is not None), default=2)
+        table.add_column("id", no_wrap=True, min_width=widest)  # ids are copied from here: whole
+        table.add_column("n", no_wrap=True, justify="right")
+        table.add_column("title", overflow="fold")
+        table.add_column("created", no_wrap=True)
+        table.add_column("parent@at", overflow="fold")
         for h in heads:
             if h is None:
                 continue
