@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeAlias
 
 import msgspec
 from msgspec import Struct
@@ -101,10 +101,6 @@ def _thaw(value: Any) -> Any:
     return value
 
 
-def _is_frozen(content: Any) -> bool:
-    return type(content) is tuple and all(type(b) is _FrozenDict for b in content)
-
-
 # --------------------------------------------------------------------------- Message
 
 
@@ -127,9 +123,18 @@ class Message(Struct, frozen=True, omit_defaults=True):
     name: str | None = None
 
     def __post_init__(self) -> None:
-        # Runs on construction and on decode, so no Message ever holds mutable content.
-        if not _is_frozen(self.content):
-            msgspec.structs.force_setattr(self, "content", _freeze(_blocks(self.content)))
+        # Runs on construction and on decode, so no Message ever holds mutable content. Content
+        # already frozen is checked in a plain loop (no call, no generator): snapshot loads build
+        # thousands of messages.
+        content = self.content
+        frozen = type(content) is tuple
+        if frozen:
+            for b in content:
+                if type(b) is not _FrozenDict:
+                    frozen = False
+                    break
+        if not frozen:
+            msgspec.structs.force_setattr(self, "content", _freeze(_blocks(content)))
         if type(self.source) is not tuple:
             msgspec.structs.force_setattr(self, "source", tuple(self.source))
 
@@ -314,55 +319,137 @@ def needs_rebuild(entry: Entry | EncodedEntry) -> bool:
 # --------------------------------------------------------------------------- the fold
 
 
-class _Snapshot(Struct, forbid_unknown_fields=True):
-    v: int
-    n: int
-    floor: int
-    nodes: list[int]
-    msgs: list[Message | None]
-    cut: int | None
-    before: int
-    summary: list[Message]
-    generation: int
+_Atom: TypeAlias = str | int | float | bool | None
 
 
-class _StoredMessage(Struct, frozen=True, forbid_unknown_fields=True):
-    """A Message as a snapshot holds it; its blocks are frozen by the decoder itself (see
-    `_decode_block`), which is twice as fast as freezing them in ``Message.__post_init__``."""
+class _StoredResult(Struct, forbid_unknown_fields=True, gc=False):
+    """A tool-result block as `_tool_result` builds it, its content blocks all flat: every tool
+    result folded from a ``tool/result`` entry or a ``tool`` chat message with plain content."""
+
+    toolCallId: str | None
+    content: tuple[dict[str, _Atom], ...]
+    isError: bool
+
+
+class _StoredMessage(Struct, omit_defaults=True, forbid_unknown_fields=True, gc=False):
+    """A Message as a snapshot holds it (format v2), shaped so that loading it is one typed
+    decode plus a `_FrozenDict` per block: the decoder itself proves which blocks need no deep
+    freeze. A row holds one of:
+
+    - `content`: blocks whose values are all JSON atoms (text, reasoning, tool-call, image: nearly
+      every message);
+    - `result`: one tool-result block with flat content blocks (a tool message);
+    - `nested`: any other blocks, in order, deep-frozen on load (a provider part holding objects;
+      even a block that is no object, which only a cut's unchecked `native` can bring).
+
+    `source` is not stored: a surface node's message comes from that node, a summary message from
+    the cut.
+    """
 
     role: Role
-    content: tuple[_FrozenDict, ...] = ()
-    source: tuple[int, ...] = ()
+    content: tuple[dict[str, _Atom], ...] = ()
+    result: _StoredResult | None = None
+    nested: tuple[Any, ...] = ()
     name: str | None = None
 
 
-class _LoadedSnapshot(Struct, forbid_unknown_fields=True):
+class _Snapshot(Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True, gc=False):
+    """The snapshot layout, scalars first so redis-cli shows them on the first line. `crc` is only
+    read: `to_bytes` encodes the rest and puts the CRC in front."""
+
+    crc: str = ""
     v: int
     n: int
     floor: int
-    nodes: list[int]
-    msgs: list[_StoredMessage | None]
     cut: int | None
     before: int
-    summary: list[_StoredMessage]
     generation: int
+    nodes: list[int]
+    summary: list[_StoredMessage]
+    msgs: list[_StoredMessage | None]
 
 
-def _decode_block(type_: type, obj: Any) -> Any:
-    if type_ is _FrozenDict and isinstance(obj, dict):
-        return _freeze(obj)
-    raise TypeError(f"expected a content block object, got {type(obj).__name__}")
+_RESULT_KEYS = ["type", "toolCallId", "content", "isError"]
 
 
-def _loaded(m: _StoredMessage) -> Message:
-    return Message(m.role, m.content, m.source, m.name)
+def _stored(m: Message) -> _StoredMessage:
+    """The row of `m`: `content` when every block is flat, else `result` or `nested`."""
+    blocks: Any = m.content
+    atoms = _ATOMS
+    for b in blocks:
+        if type(b) is not _FrozenDict or not atoms.issuperset(map(type, b.values())):
+            break
+    else:
+        return _StoredMessage(m.role, blocks, None, (), m.name)
+    if len(blocks) == 1 and type(b) is _FrozenDict and list(b) == _RESULT_KEYS and b["type"] == "tool-result":
+        call_id, inner, is_error = b["toolCallId"], b["content"], b["isError"]
+        if (
+            (call_id is None or type(call_id) is str)
+            and type(is_error) is bool
+            and type(inner) is tuple
+            and all(type(x) is _FrozenDict and atoms.issuperset(map(type, x.values())) for x in inner)
+        ):
+            return _StoredMessage(m.role, (), _StoredResult(call_id, inner, is_error), (), m.name)
+    return _StoredMessage(m.role, (), None, blocks, m.name)
 
 
-_SNAPSHOT_VERSION = 1
+def _stored_as(m: Message, result: bool) -> _StoredMessage:
+    """The row of `m`, known to be a `result` row (True) or a `nested` one (False)."""
+    blocks: Any = m.content
+    if not result:
+        return _StoredMessage(m.role, (), None, blocks, m.name)
+    b = blocks[0]
+    return _StoredMessage(m.role, (), _StoredResult(b["toolCallId"], b["content"], b["isError"]), (), m.name)
+
+
+def _special(r: _StoredMessage) -> tuple[_FrozenDict, ...]:
+    """The blocks of a `result` or `nested` row."""
+    res = r.result
+    if r.content or (res is not None and r.nested):
+        raise ValueError("inconsistent projection snapshot: a message row with more than one kind of blocks")
+    if res is None:
+        blocks: tuple[_FrozenDict, ...] = _freeze(r.nested)
+        return blocks
+    frozen = _FrozenDict
+    inner = res.content
+    content = (frozen(inner[0]),) if len(inner) == 1 else tuple(map(frozen, inner))
+    return (frozen(type="tool-result", toolCallId=res.toolCallId, content=content, isError=res.isError),)
+
+
+def _loaded(
+    rows: Iterable[_StoredMessage | None], nodes: Iterable[int], special: dict[int, bool]
+) -> list[Message | None]:
+    """Messages from stored rows, each from its node (one loop, inlined: it runs per message);
+    `special` maps the nodes of `result` rows to True, of `nested` rows to False."""
+    frozen, message = _FrozenDict, Message
+    out: list[Message | None] = []
+    append = out.append
+    for r, k in zip(rows, nodes, strict=True):
+        if r is None:
+            append(None)
+            continue
+        if r.result is not None or r.nested:
+            blocks = _special(r)
+            special[k] = r.result is not None
+        elif len(c := r.content) == 1:
+            blocks = (frozen(c[0]),)
+        else:
+            blocks = tuple(map(frozen, c))
+        append(message(r.role, blocks, (k,), r.name))
+    return out
+
+
+class _Version(Struct):
+    v: Any = None
+
+
+_SNAPSHOT_VERSION = 2
 _SNAPSHOT_ENCODER = msgspec.json.Encoder()
-_SNAPSHOT_DECODER = msgspec.json.Decoder(_LoadedSnapshot, dec_hook=_decode_block)
+_SNAPSHOT_DECODER = msgspec.json.Decoder(_Snapshot)
 _CRC_HEAD = b'{"crc":"'
 _CRC_LEN = len(_CRC_HEAD) + 8 + 2  # 8 hex digits, then '",'
+_BODY_AT = _CRC_LEN - 1  # the state's own JSON object, its "{" turned into the "," above
+_CRC_SEED = zlib.crc32(b"{")  # the CRC covers the rest with its leading "{" restored
 
 
 class ProjectionState:
@@ -399,6 +486,7 @@ class ProjectionState:
 
     __slots__ = (
         "_before",
+        "_classified",
         "_cut",
         "_floor",
         "_generation",
@@ -406,6 +494,7 @@ class ProjectionState:
         "_n",
         "_nodes",
         "_open_floor",
+        "_special",
         "_summary",
         "_view",
     )
@@ -421,6 +510,12 @@ class ProjectionState:
         self._summary: tuple[Message, ...] = ()
         self._view: list[Message] | None = []
         self._generation = 0
+        # What `to_bytes` knows of its rows (see `_stored`): a node under `_classified` holds a
+        # message of flat blocks unless `_special` maps it to True (a `result` row) or False
+        # (`nested`). A snapshot load fills both for free, so the projector's load, extend, store
+        # only classifies the messages folded in between.
+        self._classified = 0
+        self._special: dict[int, bool] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -494,6 +589,7 @@ class ProjectionState:
                 msgs = self._msgs
                 for old in self._nodes[i : j + 1]:
                     del msgs[old]
+                    self._special.pop(old, None)
                 self._nodes[i : j + 1] = [n]
                 msgs[n] = msg
                 self._view = None
@@ -604,27 +700,55 @@ class ProjectionState:
         new._summary = self._summary
         new._view = None if self._view is None else self._view.copy()
         new._generation = self._generation
+        new._classified = self._classified
+        new._special = self._special.copy()
         return new
 
     def to_bytes(self) -> bytes:
         """The state as JSON (readable in redis-cli), headed by a CRC of the rest."""
+        msgs = self._msgs
+        known, special = self._classified, self._special
+        rows: list[_StoredMessage | None] = []
+        append = rows.append
+        for k in self._nodes:
+            m = msgs[k]
+            if m is None:
+                append(None)
+            elif k >= known:
+                append(row := _stored(m))
+                if row.result is not None or row.nested:
+                    special[k] = row.result is not None
+            elif (kind := special.get(k)) is None:
+                append(_StoredMessage(m.role, m.content, None, (), m.name))  # type: ignore[arg-type]
+            else:
+                append(_stored_as(m, kind))
+        self._classified = self._n
         snap = _Snapshot(
             v=_SNAPSHOT_VERSION,
             n=self._n,
             floor=self._floor,
-            nodes=self._nodes,
-            msgs=[self._msgs[k] for k in self._nodes],
             cut=self._cut,
             before=self._before,
-            summary=list(self._summary),
             generation=self._generation,
+            nodes=self._nodes,
+            summary=[_stored(m) for m in self._summary],
+            msgs=rows,
         )
-        body = _SNAPSHOT_ENCODER.encode(snap)
-        return b'{"crc":"%08x",' % zlib.crc32(body) + body[1:]
+        # Encoded straight after a placeholder CRC member, then patched in place: no copy of the
+        # (megabytes of) body but the final bytes(). The CRC covers the body as encoded, "{" first;
+        # that "{" then becomes the "," after the CRC member.
+        buf = bytearray(_CRC_HEAD + b"00000000" + b'"')
+        _SNAPSHOT_ENCODER.encode_into(snap, buf, _BODY_AT)
+        crc = zlib.crc32(memoryview(buf)[_BODY_AT:])
+        buf[_BODY_AT] = ord(",")
+        buf[len(_CRC_HEAD) : len(_CRC_HEAD) + 8] = b"%08x" % crc
+        return bytes(buf)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> ProjectionState:
-        """Load a `to_bytes` snapshot; anything damaged, foreign or inconsistent raises ValueError."""
+        """Load a `to_bytes` snapshot; anything damaged, foreign or inconsistent raises ValueError.
+
+        Older snapshot formats are refused too (readers then fold from the log)."""
         try:
             blob = bytes(blob)
         except TypeError as e:
@@ -635,25 +759,43 @@ class ProjectionState:
             crc = int(blob[len(_CRC_HEAD) : _CRC_LEN - 2], 16)
         except ValueError:
             raise ValueError("projection snapshot: bad CRC header") from None
-        body = b"{" + blob[_CRC_LEN:]
-        if zlib.crc32(body) != crc:
+        if zlib.crc32(memoryview(blob)[_CRC_LEN:], _CRC_SEED) != crc:
             raise ValueError("projection snapshot is damaged (CRC mismatch)")
+        # The CRC proves these are the bytes `to_bytes` wrote (or a writer as careful): the typed
+        # decode and the structural checks below catch the rest. No per-block walk is needed.
         try:
-            snap = _SNAPSHOT_DECODER.decode(body)
+            snap = _SNAPSHOT_DECODER.decode(blob)
         except msgspec.DecodeError as e:
+            _check_version(blob)
             raise ValueError(f"projection snapshot does not decode: {e}") from None
         _check_snapshot(snap)
+        nodes = snap.nodes
+        special: dict[int, bool] = {}
+        msgs = _loaded(snap.msgs, nodes, special)
+        summary = snap.summary  # empty without a cut (checked)
         state = cls.__new__(cls)
         state._n = snap.n
         state._floor = snap.floor
         state._open_floor = False
-        state._nodes = snap.nodes
-        state._msgs = {k: None if m is None else _loaded(m) for k, m in zip(snap.nodes, snap.msgs, strict=True)}
+        state._nodes = nodes
+        state._msgs = dict(zip(nodes, msgs, strict=True))
+        if len(state._msgs) != len(nodes):
+            raise ValueError("inconsistent projection snapshot: a surface node listed twice")
         state._cut = snap.cut
         state._before = snap.before
-        state._summary = tuple(_loaded(m) for m in snap.summary)
-        state._view = None
+        state._summary = tuple(m for m in _loaded(summary, [snap.cut or 0] * len(summary), {}) if m is not None)
+        # The view now, at list speed: nearly every load reads messages() next.
+        before = snap.before
+        if not nodes or min(nodes) >= before:  # no hidden node (a state rebuilt from its cut)
+            state._view = [*state._summary, *[m for m in msgs if m is not None]]
+        else:
+            state._view = [
+                *state._summary,
+                *[m for k, m in zip(nodes, msgs, strict=True) if k >= before and m is not None],
+            ]
         state._generation = snap.generation
+        state._classified = snap.n
+        state._special = special
         return state
 
     @classmethod
@@ -686,7 +828,17 @@ class ProjectionState:
         return state
 
 
-def _check_snapshot(s: _LoadedSnapshot) -> None:
+def _check_version(blob: bytes) -> None:
+    """A clearer error than the decoder's for a snapshot of another format version."""
+    try:
+        v = msgspec.json.decode(blob, type=_Version).v
+    except msgspec.DecodeError:
+        return
+    if v != _SNAPSHOT_VERSION:
+        raise ValueError(f"projection snapshot has format version {v!r}, expected {_SNAPSHOT_VERSION}")
+
+
+def _check_snapshot(s: _Snapshot) -> None:
     def bad(why: str) -> NoReturn:
         raise ValueError(f"inconsistent projection snapshot: {why}")
 
@@ -694,20 +846,16 @@ def _check_snapshot(s: _LoadedSnapshot) -> None:
         bad(f"format version {s.v}, expected {_SNAPSHOT_VERSION}")
     if not 0 <= s.floor <= s.n or s.generation < 0:
         bad("n/floor/generation out of range")
-    if len(s.nodes) != len(s.msgs) or len(set(s.nodes)) != len(s.nodes):
+    nodes = s.nodes
+    if len(nodes) != len(s.msgs):  # (`from_bytes` checks that they are distinct)
         bad("surface nodes do not match their messages")
-    if any(not s.floor <= k < s.n for k in s.nodes):
+    if nodes and (min(nodes) < s.floor or max(nodes) >= s.n):
         bad("a surface node outside [floor, n)")
     if s.cut is None:
         if s.before != 0 or s.summary or s.floor != 0:
             bad("a cut front without a cut")
     elif not s.floor <= s.before <= s.cut < s.n:
         bad("cut/before out of range")
-    for k, m in zip(s.nodes, s.msgs, strict=True):
-        if m is not None and m.source != (k,):
-            bad(f"message of node {k} has source {m.source}")
-    if any(m.source != (s.cut,) for m in s.summary):
-        bad("a summary message that is not from the cut")
 
 
 def project(entries: Iterable[Entry]) -> list[Message]:

@@ -505,7 +505,8 @@ def test_from_bytes_rejects_every_damaged_byte() -> None:
 @pytest.mark.parametrize(
     "change",
     [
-        {"v": 2},
+        {"v": 1},
+        {"v": 3},
         {"n": 1},
         {"nodes": [0, 0]},
         {"msgs": [None]},
@@ -548,6 +549,7 @@ def test_from_bytes_checks_message_content(content: Any) -> None:
 
 
 def test_from_bytes_rejects_a_message_from_another_node() -> None:
+    # A snapshot stores no source: a node's message comes from its node. A row naming one is foreign.
     state = ProjectionState()
     state.extend([um(0, "a"), am(1, "b")])
     body = json.loads(state.to_bytes())
@@ -555,6 +557,141 @@ def test_from_bytes_rejects_a_message_from_another_node() -> None:
     body["msgs"][0]["source"] = [1]
     with pytest.raises(ValueError, match="source"):
         ProjectionState.from_bytes(_recrc(json.dumps(body).encode()))
+
+
+def _nested_log() -> list[Entry]:
+    """Messages with flat blocks, nested blocks (tool results, a provider part) and a cut summary."""
+    part = {"type": "x-part", "meta": {"k": [1, {"deep": True}]}}
+    return [
+        um(0, "q"),
+        E(1, "assistant/message", {"content": [text("a"), {"type": "reasoning", "text": "r", "signature": "s"}]}),
+        E(2, "tool/result", {"callId": "c1", "content": [text("out"), text("more")], "isError": False}),
+        E(3, "user/message", {"content": [text("look"), part]}),
+        E(4, "message", {"role": "tool", "tool_call_id": "c2", "content": "plain", "name": "fn"}),
+        cut(5, 1, [{"role": "system", "content": "S"}]),
+        E(6, "tool/result", {"callId": "c3", "content": "x", "isError": True}),
+        am(7, "done"),
+    ]
+
+
+def test_snapshot_layout_is_readable_and_keeps_flat_blocks_apart() -> None:
+    state = ProjectionState()
+    state.extend(_nested_log())
+    body = json.loads(state.to_bytes())
+    assert body["v"] == 2 and list(body)[:2] == ["crc", "v"]
+    rows = dict(zip(body["nodes"], body["msgs"], strict=True))
+    assert rows[0] == {"role": "user", "content": [text("q")]}
+    assert rows[2] == {
+        "role": "tool",
+        "result": {"toolCallId": "c1", "content": [text("out"), text("more")], "isError": False},
+    }
+    assert list(rows[3]) == ["role", "nested"] and rows[3]["nested"][1]["meta"] == {"k": [1, {"deep": True}]}
+    assert list(rows[4]) == ["role", "result", "name"] and rows[4]["result"]["content"] == [text("plain")]
+    assert body["summary"] == [{"role": "system", "content": [text("S")]}]
+
+
+def test_nested_blocks_round_trip_frozen() -> None:
+    log = _nested_log()
+    state = ProjectionState()
+    state.extend(log)
+    loaded = ProjectionState.from_bytes(state.to_bytes())
+    assert loaded.messages() == state.messages() == project(log)
+    assert [m.source for m in loaded.messages()] == [m.source for m in project(log)]
+    by_source = {m.source: m for m in loaded.messages()}
+    result = by_source[(2,)].content[0]
+    assert result["content"] == (text("out"), text("more"))
+    with pytest.raises(TypeError):
+        result["content"][0]["text"] = "y"
+    m3 = by_source[(3,)]
+    assert m3.content[1]["meta"]["k"] == (1, {"deep": True})
+    with pytest.raises(TypeError):
+        m3.content[1]["meta"]["k"][1]["deep"] = False
+    assert hash(m3) == hash(next(m for m in project(log) if m.source == (3,)))
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"role": "user", "content": [{"type": "x", "k": [1]}]},  # a nested value among flat blocks
+        {"role": "user", "content": [{"type": "x", "k": {"a": 1}}]},
+        {"role": "user", "content": [text("a")], "nested": [text("b")]},
+        {
+            "role": "tool",
+            "result": {"toolCallId": "c", "content": [text("a")], "isError": False},
+            "nested": [text("b")],
+        },
+        {
+            "role": "tool",
+            "result": {"toolCallId": "c", "content": [text("a")], "isError": False},
+            "content": [text("b")],
+        },
+        {"role": "tool", "result": {"toolCallId": "c", "content": [{"type": "x", "k": [1]}], "isError": False}},
+        {"role": "tool", "result": {"toolCallId": 1, "content": [], "isError": False}},
+        {"role": "tool", "result": {"toolCallId": "c", "content": []}},
+        {"role": "user", "nested": {"type": "text"}},
+        {"role": "robot", "content": [text("a")]},
+        {"role": "user", "content": [text("a")], "name": 3},
+    ],
+)
+def test_from_bytes_checks_stored_rows(row: dict[str, Any]) -> None:
+    state = ProjectionState()
+    state.extend([um(0, "a")])
+    body = json.loads(state.to_bytes())
+    del body["crc"]
+    body["msgs"][0] = row
+    with pytest.raises(ValueError):
+        ProjectionState.from_bytes(_recrc(json.dumps(body).encode()))
+
+
+def test_odd_blocks_from_a_native_cut_round_trip() -> None:
+    # `native` is not schema-checked: its content parts may be anything; the snapshot keeps them.
+    native = [{"role": "user", "content": [1, [2, {"a": 3}], "s", {"type": "x", "y": [4]}]}]
+    log = [um(0, "a"), cut(1, 1, native=native), am(2, "b")]
+    state = _fold(log)
+    assert state.messages()[0].content[:2] == (1, (2, {"a": 3}))
+    loaded = ProjectionState.from_bytes(state.to_bytes())
+    assert loaded.messages() == project(log) and loaded.to_bytes() == state.to_bytes()
+
+
+def test_from_bytes_refuses_the_old_format() -> None:
+    v1 = {
+        "v": 1,
+        "n": 1,
+        "floor": 0,
+        "nodes": [0],
+        "msgs": [{"role": "user", "content": [text("a")], "source": [0]}],
+        "cut": None,
+        "before": 0,
+        "summary": [],
+        "generation": 0,
+    }
+    with pytest.raises(ValueError, match="version 1"):
+        ProjectionState.from_bytes(_recrc(json.dumps(v1).encode()))
+
+
+def test_snapshot_after_load_extend_and_replace_matches_a_fresh_one() -> None:
+    # The state remembers which loaded rows were `result` or `nested`, so to_bytes classifies only
+    # new messages: whatever it remembers, the bytes are those of a fresh fold.
+    log = _nested_log()
+    more = [
+        E(8, "tool/result", {"callId": "c4", "content": [text("t")], "isError": False}),
+        am(9, "s", rep(6, 8, [6, 7, 8])),  # replaces tool results and a flat node with a flat one
+        E(10, "user/message", {"content": [{"type": "x", "v": [1]}]}, rep(9, 9, [9])),
+        E(11, "tool/result", {"callId": "c5", "content": [{"type": "x", "v": {"w": 1}}], "isError": False}),
+    ]
+    state = ProjectionState.from_bytes(_fold(log).to_bytes())
+    for e in more:
+        copy_ = state.copy()
+        state.apply(e)
+        assert state.to_bytes() == _fold(log + more[: e.n - 7]).to_bytes()
+        assert copy_.to_bytes() == _fold(log + more[: e.n - 8]).to_bytes()
+    assert ProjectionState.from_bytes(state.to_bytes()).messages() == project(log + more)
+
+
+def _fold(entries: list[Entry]) -> ProjectionState:
+    state = ProjectionState()
+    state.extend(entries)
+    return state
 
 
 # --------------------------------------------------------------------------- rebuilding from a cut
@@ -911,6 +1048,15 @@ def test_incremental_fold_equals_fold_from_scratch(entries: list[Entry], splits:
     for e in entries:
         one_by_one.apply(e)
         assert one_by_one.messages() == project(entries[: e.n + 1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(logs(), st.lists(st.integers(0, 30), max_size=5))
+def test_snapshot_bytes_do_not_depend_on_how_the_state_was_built(entries: list[Entry], splits: list[int]) -> None:
+    splits = [min(s, len(entries)) for s in splits]
+    fresh = ProjectionState()
+    fresh.extend(entries)
+    assert _fold_in_batches(entries, splits, roundtrip=True).to_bytes() == fresh.to_bytes()
 
 
 @settings(max_examples=200, deadline=None)
