@@ -109,6 +109,17 @@ async def read_side(url: str, seconds: float, total: int) -> list[list[Any]]:
             state, _ = await load_messages(store, "big", cache=cache)
             state.messages()
 
+        # a reader that holds the state from 10 entries ago (the projector has moved on since)
+        older = ProjectionState()
+        older.extend(await store.read("big", 0, total - 10))
+        created = (await store.head("big")).header.created_at  # type: ignore[union-attr]
+        behind = SnapshotCache()
+
+        async def loaded_behind() -> None:
+            behind.put("big", b"an older snapshot", older, created)
+            state, _ = await load_messages(store, "big", cache=behind)
+            state.messages()
+
         async def full() -> None:
             project(await store.read("big"))
 
@@ -123,17 +134,21 @@ async def read_side(url: str, seconds: float, total: int) -> list[list[Any]]:
         await interleave([(a, loaded), (b, full)], seconds, warmup_ops=2)
         a2, c, d = Timer("load_messages (fresh snapshot)"), Timer("HGET snapshot"), Timer("HGET + from_bytes")
         w = Timer("load_messages, SnapshotCache hit")
-        await interleave([(a2, loaded), (w, loaded_warm), (c, hget), (d, hget_decode)], seconds, warmup_ops=5)
+        bh = Timer("load_messages, cache 10 entries behind")
+        await interleave(
+            [(a2, loaded), (w, loaded_warm), (bh, loaded_behind), (c, hget), (d, hget_decode)], seconds, warmup_ops=5
+        )
         print(
             f"session: {total:,} entries, {len(want):,} messages after the cut; written in "
             f"{build_s:.2f} s; first fold (rebuilt from the cut) {fold_s * 1000:.0f} ms; "
             f"snapshot {snap_bytes / 1024:.0f} KiB\n"
         )
-        for t in (a, b, a2, w, c, d):
+        for t in (a, b, a2, w, bh, c, d):
             rows.append([t.name, t.median_ms, t.p(95), len(t.samples)])
         rows.append(["ratio full fold / load_messages (target >= 20)", b.median_ms / a.median_ms, "", ""])
         rows.append(["ratio load_messages / HGET (target <= 2)", a2.median_ms / c.median_ms, "", ""])
         rows.append(["ratio load_messages, cache hit / HGET", w.median_ms / c.median_ms, "", ""])
+        rows.append(["ratio load_messages, cache 10 behind / HGET", bh.median_ms / c.median_ms, "", ""])
         rows.append(["ratio load_messages / HGET+decode", a2.median_ms / d.median_ms, "", ""])
     finally:
         await store.aclose()

@@ -57,6 +57,7 @@ from .keys import validate_session_id
 from .model import Entry, SessionHead, SessionHeader
 from .projection import Message, to_anthropic, to_openai
 from .sessions import Sessions
+from .snapshots import SnapshotCache
 from .store import SessionStore
 from .tailview import RETRYABLE, follow
 
@@ -249,7 +250,10 @@ def create_app(
     if heartbeat <= 0 or draft_interval <= 0:
         raise ValueError("heartbeat and draft_interval must be > 0")
     # the projector's snapshot plus the entries after it: no full read of a long log per request
-    get_messages: MessagesFn = messages if messages is not None else Sessions(store).messages
+    # viewers reload the messages of the same sessions often: keep their decoded snapshots
+    get_messages: MessagesFn = (
+        messages if messages is not None else Sessions(store, snapshot_cache=SnapshotCache(64 << 20)).messages
+    )
     streams = _Streams(max_streams if max_streams is not None else _default_stream_limit(store))
     drafts = _Drafts()
 

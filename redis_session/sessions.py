@@ -69,7 +69,7 @@ from .model import (
 )
 from .projection import Message, ProjectionState, check_surface, history, to_openai
 from .request import ReconstructedRequest, reconstruct_request
-from .snapshots import load_state
+from .snapshots import SnapshotCache, load_state
 from .store import MemorySessionStore, SessionStore
 
 log = logging.getLogger(__name__)
@@ -148,13 +148,15 @@ async def _fold_into(store: SessionStore, session_id: str, state: ProjectionStat
         state.extend(batch)
 
 
-async def load_projection(store: SessionStore, head: SessionHead) -> ProjectionState:
+async def load_projection(
+    store: SessionStore, head: SessionHead, cache: SnapshotCache | None = None
+) -> ProjectionState:
     """The projection state of `head`'s session at ``head.n``, reading as little as it can: the
     projector's snapshot plus the entries after it, else a rebuild from the last cut or a branch's
     parent snapshot, else a full fold (`redis_session.snapshots`). Never anything but what a fold
     from scratch gives."""
     try:
-        return await load_state(store, head, chunk=READ_PAGE)
+        return await load_state(store, head, cache=cache, chunk=READ_PAGE)
     except ValueError as e:
         sid = head.header.id
         raise SessionError(f"session {sid!r} cannot be folded: {e}; run `redis-session doctor {sid}`") from e
@@ -655,9 +657,18 @@ class Sessions:
     >>> s = await sessions.open("chat-1")
     """
 
-    def __init__(self, store: SessionStore | None = None, *, ephemeral_ttl: float = DEFAULT_EPHEMERAL_TTL) -> None:
+    def __init__(
+        self,
+        store: SessionStore | None = None,
+        *,
+        ephemeral_ttl: float = DEFAULT_EPHEMERAL_TTL,
+        snapshot_cache: SnapshotCache | None = None,
+    ) -> None:
         self.store: SessionStore = store if store is not None else MemorySessionStore()
         self.ephemeral_ttl = ephemeral_ttl
+        # For readers that load the same sessions again and again (the gateway): decoded
+        # snapshots are kept and extended with the log's tail instead of decoded anew.
+        self.snapshot_cache = snapshot_cache
 
     async def aclose(self) -> None:
         await self.store.aclose()
@@ -857,7 +868,7 @@ class Sessions:
         head = await self.store.head(session_id)
         if head is None:
             raise SessionNotFoundError(session_id)
-        return (await load_projection(self.store, head)).messages()
+        return (await load_projection(self.store, head, self.snapshot_cache)).messages()
 
     async def repair(self, session_id: str, *, lease_ttl: float = DEFAULT_LEASE_TTL) -> builtins.list[Entry]:
         """Close a turn a crashed writer left open; see `Session.repair`. Returns what was appended."""

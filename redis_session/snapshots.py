@@ -118,23 +118,31 @@ def _plausible(state: ProjectionState, n_s: int, head: SessionHead) -> bool:
 
 
 class SnapshotCache:
-    """Decoded snapshots kept in-process, keyed by their exact bytes.
+    """Decoded snapshots kept in-process, so a reader that loads the same sessions again decodes
+    nothing.
 
-    Decoding is most of a snapshot load (a 5 000-message snapshot is ~2 MB of JSON). A reader that
-    meets the *same bytes* again — the same session loaded twice before the projector rewrote
-    it — takes a copy of the decoded state instead. Equal bytes decode to equal states, so a hit
-    can never answer something a decode would not; a changed snapshot is simply a miss.
+    Decoding is most of a snapshot load (a 5 000-message snapshot is ~2 MB of JSON). The cache
+    keeps, per session, the last state it produced and the snapshot bytes it came from:
+
+    - the *same bytes* again (the projector has not rewritten the snapshot): a copy of the state;
+    - other bytes (the projector moved on), and the cached state is at most `max_tail` entries
+      behind the head of the *same* session (same `created_at`): a copy of the state extended with
+      the log's entries after it — no decode. The fold is deterministic and the log below a
+      session's n never changes, so this answers exactly what a decode plus the tail would.
 
     >>> cache = SnapshotCache(max_bytes=64 << 20)
     >>> state, n = await load_messages(store, "chat-1", cache=cache)
     """
 
-    def __init__(self, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_bytes: int = 64 << 20, *, max_tail: int = 2_000) -> None:
         self.max_bytes = max_bytes
-        self._items: OrderedDict[str, tuple[bytes, ProjectionState]] = OrderedDict()
+        self.max_tail = max_tail
+        # session -> (bytes it was decoded from or None, state, the session's created_at, size)
+        self._items: OrderedDict[str, tuple[bytes | None, ProjectionState, int, int]] = OrderedDict()
         self._bytes = 0
         self.hits = 0
         self.misses = 0
+        self.extended = 0
 
     def get(self, session_id: str, blob: bytes) -> ProjectionState | None:
         """A private copy of the state decoded from exactly `blob`, or None."""
@@ -146,21 +154,55 @@ class SnapshotCache:
         self.hits += 1
         return got[1].copy()
 
-    def put(self, session_id: str, blob: bytes, state: ProjectionState) -> None:
-        """Keep a copy of `state` (decoded from `blob`); the least recently used go first."""
-        if len(blob) > self.max_bytes:
-            return
+    def base(self, head: SessionHead) -> ProjectionState | None:
+        """A private copy of the cached state of `head`'s session when it can be extended to
+        ``head.n`` by folding at most `max_tail` entries (same session incarnation), else None."""
+        got = self._items.get(head.header.id)
+        if got is None or got[2] != head.header.created_at:
+            return None
+        state = got[1]
+        if not state.n <= head.n <= state.n + self.max_tail:
+            return None
+        return state.copy()
+
+    def put(self, session_id: str, blob: bytes | None, state: ProjectionState, created_at: int = 0) -> None:
+        """Keep a copy of `state` (decoded from `blob`, or extended from the log when `blob` is
+        None); the least recently used go first."""
         old = self._items.pop(session_id, None)
+        size = len(blob) if blob is not None else (old[3] if old is not None else 0)
         if old is not None:
-            self._bytes -= len(old[0])
-        self._items[session_id] = (blob, state.copy())
-        self._bytes += len(blob)
+            self._bytes -= old[3]
+        if size > self.max_bytes or (blob is None and old is None):
+            return
+        self._items[session_id] = (blob, state.copy(), created_at, size)
+        self._bytes += size
         while self._bytes > self.max_bytes:
-            _, (b, _) = self._items.popitem(last=False)
-            self._bytes -= len(b)
+            _, (_, _, _, sz) = self._items.popitem(last=False)
+            self._bytes -= sz
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._items
+
+
+async def _from_cache(
+    store: SessionStore, head: SessionHead, cache: SnapshotCache | None, chunk: int
+) -> ProjectionState | None:
+    """The cached state of the session extended with the log's tail to ``head.n``, or None."""
+    if cache is None:
+        return None
+    state = cache.base(head)
+    if state is None:
+        return None
+    try:
+        await _fold_range(store, head.header.id, state, head.n, chunk)
+    except ValueError:
+        return None
+    cache.extended += 1
+    cache.put(head.header.id, None, state, head.header.created_at)
+    return state
 
 
 async def load_messages(
@@ -182,6 +224,14 @@ async def load_messages(
     >>> state.messages()[-1].text
     """
     validate_session_id(session_id)
+    if cache is not None and session_id in cache:
+        # A state we hold, a few entries behind: the head and the tail, no snapshot bytes at all.
+        head = await store.head(session_id)
+        if head is None:
+            raise SessionNotFoundError(session_id)
+        extended = await _from_cache(store, head, cache, chunk)
+        if extended is not None:
+            return extended, head.n
     # The snapshot first, the head second: the head's n is then >= any honest snapshot's n.
     snap = await store.get_projection(session_id)
     head = await store.head(session_id)
@@ -203,17 +253,20 @@ async def _extend_snapshot(
     """`snap` (read before `head`) decoded and extended to ``head.n``; None when unusable: absent,
     undecodable, not plausibly this log's, newer than the head, or needing history it dropped."""
     if snap is None or snap[0] > head.n:
-        return None
+        return await _from_cache(store, head, cache, chunk)
     sid = head.header.id
     n_s, blob = snap
     state = None if cache is None else cache.get(sid, blob)
     if state is None:
+        extended = await _from_cache(store, head, cache, chunk)
+        if extended is not None:
+            return extended  # the projector moved on: extend what we hold rather than decode
         try:
             state = ProjectionState.from_bytes(blob)
         except ValueError:
             return None
         if cache is not None and _plausible(state, n_s, head):
-            cache.put(sid, blob, state)
+            cache.put(sid, blob, state, head.header.created_at)
     if not _plausible(state, n_s, head):
         return None
     try:
