@@ -440,15 +440,7 @@ class RedisSessionStore:
             conn = await self._connection()
             try:
                 await conn.send_packed_command(packed)
-                replies: builtins.list[Any] = []
-                error: ResponseError | None = None
-                for i in range(count):
-                    try:
-                        replies.append(await conn.read_response(disable_decoding=True))
-                    except ResponseError as e:
-                        replies.append(e)
-                        if not (soft_tail and i == count - 1):
-                            error = error or e
+                replies, error = await _read_replies(conn, count, soft_tail)
             except RedisConnectionError:
                 await pool.release(conn)
                 if not retry or attempt:
@@ -547,19 +539,11 @@ class RedisSessionStore:
                 await anyio.sleep(min(0.05 * 2**attempt, 1.0))
                 continue
             conn = node.acquire_connection()
-            replies: builtins.list[Any] = []
-            error: ResponseError | None = None
             try:
                 # no health-check PING first: on a node that just died it leaves the connection
                 # closed and redis-py then writes to nothing; a dead socket fails the write itself
                 await conn.send_packed_command(packed, check_health=False)
-                for i in range(count):
-                    try:
-                        replies.append(await conn.read_response(disable_decoding=True))
-                    except ResponseError as e:
-                        replies.append(e)
-                        if not (soft_tail and i == count - 1):
-                            error = error or e
+                replies, error = await _read_replies(conn, count, soft_tail)
             except BaseException as e:
                 # The reply may be lost after the script ran: never re-sent here (the caller
                 # retries with its idempotency key). The topology is reloaded before the next use.
@@ -1056,6 +1040,23 @@ def _connection_getter(pool: Any) -> Callable[[], Any]:
     if param is not None and param.default is inspect.Parameter.empty:
         return lambda: pool.get_connection("_")
     return cast(Callable[[], Any], pool.get_connection)
+
+
+async def _read_replies(conn: Any, count: int, soft_tail: bool) -> tuple[builtins.list[Any], ResponseError | None]:
+    """Read `count` raw replies, even past an error reply, so the connection stays in step.
+
+    Returns the replies (error replies in place) and the first error to raise; with `soft_tail`
+    an error of the last command (a durability wait) is only returned in place."""
+    replies: builtins.list[Any] = []
+    error: ResponseError | None = None
+    for i in range(count):
+        try:
+            replies.append(await conn.read_response(disable_decoding=True))
+        except ResponseError as e:
+            replies.append(e)
+            if not (soft_tail and i == count - 1):
+                error = error or e
+    return replies, error
 
 
 def _socket_timeout(client: aioredis.Redis | RedisCluster) -> float | None:
