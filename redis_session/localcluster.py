@@ -16,44 +16,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from .embedded import EmbeddedServerError, ServerProcess, start_server
 
 SLOTS = 16384
 
 
-def _cmd(port: int, *args: str, timeout: float = 5.0) -> bytes:
-    """Send one command in RESP and return the raw reply (enough for the few we need)."""
-    payload = f"*{len(args)}\r\n".encode() + b"".join(
-        f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in args
-    )
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(payload)
-        chunks = []
-        s.settimeout(timeout)
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            data = b"".join(chunks)
-            if _complete(data):
-                return data
-    return b"".join(chunks)
-
-
-def _complete(data: bytes) -> bool:
-    if not data.endswith(b"\r\n"):
-        return False
-    head = data[:1]
-    if head in (b"+", b"-", b":"):
-        return True
-    if head == b"$":
-        size = int(data[1 : data.index(b"\r\n")])
-        return size < 0 or len(data) >= data.index(b"\r\n") + 2 + size + 2
-    if head == b"=":  # RESP3 verbatim string
-        size = int(data[1 : data.index(b"\r\n")])
-        return len(data) >= data.index(b"\r\n") + 2 + size + 2
-    return True
+def command(port: int, *args: str, timeout: float = 5.0) -> str:
+    """Run one command on the node at `port` (a fresh connection, redis-py's parser) and return
+    its reply as text; a CLUSTER or INFO reply is one string, ``OK`` for a status reply."""
+    client = redis.Redis(port=port, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client.response_callbacks.clear()  # the reply as the server sent it: INFO text, not a dict
+    try:
+        reply = client.execute_command(*args, NEVER_DECODE=True)  # type: ignore[no-untyped-call]
+    finally:
+        client.close()
+    if isinstance(reply, bytes):
+        return reply.decode(errors="replace")
+    return "OK" if reply is True else str(reply)
 
 
 def cluster_port() -> int:
@@ -73,13 +54,6 @@ def cluster_port() -> int:
         if ok:
             return port
     raise EmbeddedServerError("no free port pair for a cluster node")
-
-
-def _bulk_text(reply: bytes) -> str:
-    if reply[:1] in (b"$", b"="):
-        body = reply[reply.index(b"\r\n") + 2 : -2]
-        return body.decode(errors="replace")
-    return reply.decode(errors="replace")
 
 
 @dataclass
@@ -121,7 +95,7 @@ class LocalCluster:
             shutil.rmtree(self.base_dir, ignore_errors=True)
 
     def node_info(self, port: int) -> str:
-        return _bulk_text(_cmd(port, "CLUSTER", "INFO"))
+        return command(port, "CLUSTER", "INFO")
 
     def wait_ok(self, timeout: float = 30.0, ports: list[int] | None = None) -> None:
         deadline = time.monotonic() + timeout
@@ -130,7 +104,7 @@ class LocalCluster:
             try:
                 if all("cluster_state:ok" in self.node_info(p) for p in ports):
                     return
-            except OSError:
+            except (OSError, redis.RedisError):
                 pass
             if time.monotonic() > deadline:
                 raise EmbeddedServerError("local cluster did not reach cluster_state:ok")
@@ -140,7 +114,7 @@ class LocalCluster:
         """Until every replica's link to its master is up (WAIT can count it)."""
         deadline = time.monotonic() + timeout
         for r in self.replicas:
-            while "master_link_status:up" not in _bulk_text(_cmd(r.port, "INFO", "replication")):
+            while "master_link_status:up" not in command(r.port, "INFO", "replication"):
                 if time.monotonic() > deadline:
                     raise EmbeddedServerError(f"replica on port {r.port} did not sync")
                 time.sleep(0.05)
@@ -149,8 +123,8 @@ class LocalCluster:
         """The node that serves `slot` now (after failovers too)."""
         for node in self.nodes:
             try:
-                nodes = _bulk_text(_cmd(node.port, "CLUSTER", "NODES"))
-            except OSError:
+                nodes = command(node.port, "CLUSTER", "NODES")
+            except (OSError, redis.RedisError):
                 continue
             for line in nodes.splitlines():
                 parts = line.split()
@@ -205,23 +179,24 @@ def start_cluster(
         for i, node in enumerate(ms):
             lo = i * per
             hi = SLOTS - 1 if i == masters - 1 else (i + 1) * per - 1
-            _expect_ok(_cmd(node.port, "CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)))
+            _expect_ok(command(node.port, "CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)))
         for node in started[1:]:
-            _expect_ok(_cmd(node.port, "CLUSTER", "MEET", "127.0.0.1", str(ms[0].port)))
+            _expect_ok(command(node.port, "CLUSTER", "MEET", "127.0.0.1", str(ms[0].port)))
         cluster = LocalCluster(
             masters=ms, replicas=rs, base_dir=base, _tmp=tmp, node_args=node_args, appendonly=appendonly
         )
         _wait_known(started)
         for j, replica in enumerate(rs):
             master = ms[j % masters]
-            master_id = _bulk_text(_cmd(master.port, "CLUSTER", "MYID")).strip()
+            master_id = command(master.port, "CLUSTER", "MYID").strip()
             deadline = time.monotonic() + 15
             while True:
-                reply = _cmd(replica.port, "CLUSTER", "REPLICATE", master_id)
-                if reply.startswith(b"+OK"):
+                try:
+                    command(replica.port, "CLUSTER", "REPLICATE", master_id)
                     break
-                if time.monotonic() > deadline:
-                    raise EmbeddedServerError(f"CLUSTER REPLICATE failed: {reply!r}")
+                except redis.ResponseError as e:  # the replica does not know the master yet
+                    if time.monotonic() > deadline:
+                        raise EmbeddedServerError(f"CLUSTER REPLICATE failed: {e}") from e
                 time.sleep(0.1)
         cluster.wait_ok()
         cluster.wait_replicas_synced()
@@ -241,7 +216,7 @@ def _wait_known(nodes: list[ServerProcess], timeout: float = 15.0) -> None:
     while True:
         counts = []
         for n in nodes:
-            info = _bulk_text(_cmd(n.port, "CLUSTER", "INFO"))
+            info = command(n.port, "CLUSTER", "INFO")
             for line in info.splitlines():
                 if line.startswith("cluster_known_nodes:"):
                     counts.append(int(line.split(":")[1]))
@@ -252,8 +227,8 @@ def _wait_known(nodes: list[ServerProcess], timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def _expect_ok(reply: bytes) -> None:
-    if not reply.startswith(b"+OK"):
+def _expect_ok(reply: str) -> None:
+    if reply != "OK":
         raise EmbeddedServerError(f"cluster setup command failed: {reply!r}")
 
 

@@ -123,9 +123,9 @@ async def test_durability_replica_waits_for_a_replica(local_cluster: Any) -> Non
 
 
 def _replica_of(cluster: LocalCluster, port: int) -> int | None:
-    from redis_session.localcluster import _bulk_text, _cmd
+    from redis_session.localcluster import command
 
-    info = _bulk_text(_cmd(port, "INFO", "replication"))
+    info = command(port, "INFO", "replication")
     for line in info.splitlines():
         if line.startswith("master_port:"):
             return int(line.split(":")[1])
