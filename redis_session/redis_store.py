@@ -70,16 +70,13 @@ from .model import (
     SessionHead,
     SessionHeader,
     Vocabulary,
-    encode_batch,
     lossless_json,
     now_ms,
 )
 from .store import (
     MAX_READ_RANGE,
     Segment,
-    check_expected_n,
-    check_header,
-    check_idempotency_key,
+    StoreRules,
     check_read_range,
     lineage_for,
     plan_read,
@@ -335,7 +332,7 @@ class _SessionWire(msgspec.Struct, frozen=True, gc=False):
     put_tail: bytes  # append's constant ARGV[5..8]: feed_maxlen, session id, ttl "", nhdr "0"
 
 
-class RedisSessionStore:
+class RedisSessionStore(StoreRules):
     """Sessions on Redis Streams (see the README for the key layout).
 
     Build it with `RedisSessionStore.from_url("redis://localhost:6379/0")` or around an existing
@@ -671,15 +668,7 @@ class RedisSessionStore:
         idempotency_key: str | None = None,
     ) -> builtins.list[Entry]:
         k = self._keys_of(session_id)  # validates the id the first time it is seen
-        check_expected_n(expected_n)
-        check_idempotency_key(idempotency_key)
-        batch = encode_batch(
-            entries,
-            self.vocabulary,
-            first_n=expected_n,
-            max_entry_bytes=self.max_entry_bytes,
-            max_batch=self.max_batch,
-        )
+        batch = self._put_batch(expected_n, entries, idempotency_key)
         expected = b"" if expected_n is None else b"%d" % expected_n
         idem = b"" if idempotency_key is None else idempotency_key.encode()
         count = b"%d" % len(batch)
@@ -769,17 +758,8 @@ class RedisSessionStore:
     async def create(
         self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
     ) -> SessionHead:
-        check_header(header)
-        if ttl_ms is not None and (not isinstance(ttl_ms, int) or ttl_ms <= 0):
-            raise ValueError("ttl_ms must be a positive int")
+        batch = self._create_batch(header, entries, ttl_ms)
         first_n = header.at or 0
-        batch = encode_batch(
-            entries,
-            self.vocabulary,
-            first_n=first_n,
-            max_entry_bytes=self.max_entry_bytes,
-            max_batch=self.max_batch,
-        )
         if header.created_at == 0:
             header = msgspec.structs.replace(header, created_at=now_ms())
         member = index_member(header.created_at, header.id)

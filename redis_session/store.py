@@ -219,7 +219,40 @@ class _MemSession:
         return SessionHead(header=self.header, n=self.n, updated_at=self.updated_at, last_cut=self.last_cut)
 
 
-class MemorySessionStore:
+class StoreRules:
+    """The checks every store makes before a write, in one place, so that every backend rejects
+    exactly the same input (and nothing of a rejected batch is ever sent)."""
+
+    vocabulary: Vocabulary
+    max_entry_bytes: int
+    max_batch: int
+
+    def _encode(self, entries: Iterable[NewEntryLike], first_n: int | None) -> builtins.list[EncodedEntry]:
+        return encode_batch(
+            entries,
+            self.vocabulary,
+            first_n=first_n,
+            max_entry_bytes=self.max_entry_bytes,
+            max_batch=self.max_batch,
+        )
+
+    def _put_batch(
+        self, expected_n: int | None, entries: Iterable[NewEntryLike], idempotency_key: str | None
+    ) -> builtins.list[EncodedEntry]:
+        check_expected_n(expected_n)
+        check_idempotency_key(idempotency_key)
+        return self._encode(entries, expected_n)
+
+    def _create_batch(
+        self, header: SessionHeader, entries: Iterable[NewEntryLike], ttl_ms: int | None
+    ) -> builtins.list[EncodedEntry]:
+        check_header(header)
+        if ttl_ms is not None and (not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool) or ttl_ms <= 0):
+            raise ValueError("ttl_ms must be a positive int")
+        return self._encode(entries, header.at or 0)
+
+
+class MemorySessionStore(StoreRules):
     """An in-process `SessionStore` with exactly the Redis store's behaviour.
 
     >>> store = MemorySessionStore()
@@ -292,15 +325,6 @@ class MemorySessionStore:
             out.extend(self._entries_of(anc or session_id, lo, hi))
         return out
 
-    def _encode(self, entries: Iterable[NewEntryLike], first_n: int | None) -> builtins.list[EncodedEntry]:
-        return encode_batch(
-            entries,
-            self.vocabulary,
-            first_n=first_n,
-            max_entry_bytes=self.max_entry_bytes,
-            max_batch=self.max_batch,
-        )
-
     async def put(
         self,
         session_id: str,
@@ -310,9 +334,7 @@ class MemorySessionStore:
         idempotency_key: str | None = None,
     ) -> builtins.list[Entry]:
         validate_session_id(session_id)
-        check_expected_n(expected_n)
-        check_idempotency_key(idempotency_key)
-        batch = self._encode(entries, expected_n)
+        batch = self._put_batch(expected_n, entries, idempotency_key)
         async with self._lock:
             s = self._get(session_id)
             if s is None:
@@ -350,11 +372,7 @@ class MemorySessionStore:
     async def create(
         self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
     ) -> SessionHead:
-        check_header(header)
-        if ttl_ms is not None and (not isinstance(ttl_ms, int) or ttl_ms <= 0):
-            raise ValueError("ttl_ms must be a positive int")
-        first_n = header.at or 0
-        batch = self._encode(entries, first_n)
+        batch = self._create_batch(header, entries, ttl_ms)
         async with self._lock:
             existing = self._get(header.id, include_deleted=True)
             if existing is not None:
