@@ -23,15 +23,9 @@ from redis_session import (
 from redis_session.projection import project
 from redis_session.sessions import Session, Sessions
 
+from support import am, um
+
 pytestmark = pytest.mark.anyio
-
-
-def um(text: str) -> NewEntry:
-    return NewEntry("user/message", {"content": text})
-
-
-def am(text: str) -> NewEntry:
-    return NewEntry("assistant/message", {"content": text})
 
 
 def turn(k: int, q: str, a: str, reason: str = "completed") -> list[NewEntry]:

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -18,9 +18,11 @@ import anyio
 import pytest
 
 from redis_session import RedisSessionStore, SessionHeader
-from redis_session.gateway import serve
+
+from support import running_gateway
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+
 
 pytestmark = [
     pytest.mark.anyio,
@@ -158,16 +160,6 @@ def chromium() -> Iterator[Chromium]:
         browser.close()
 
 
-@contextlib.asynccontextmanager
-async def gateway(store: Any, **options: Any) -> AsyncIterator[str]:
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(lambda task_status: serve(store, "127.0.0.1", 0, task_status=task_status, **options))
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            tg.cancel_scope.cancel()
-
-
 ENTRY_TEXT = (
     "(n => { const e = document.querySelector('#entries [data-n=\"' + n + '\"]'); return e && e.textContent; })"
 )
@@ -181,7 +173,7 @@ async def test_viewer_shows_entries_as_they_are_appended(redis_store: RedisSessi
     )
     await redis_store.create(SessionHeader(id=f"{sid}:branch", parent=sid, at=1))
     with anyio.fail_after(45), chromium() as browser:
-        async with gateway(redis_store, token=token) as base:
+        async with running_gateway(redis_store, token=token) as base:
             query = f"?token={quote(token, safe='')}" if token else ""
             await browser.open(f"{base}/{query}#{quote(sid, safe='')}")
 

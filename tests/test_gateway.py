@@ -3,7 +3,6 @@ clients, auth on every route, and bad input answered as JSON 4xx, never a 500.""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,21 +16,12 @@ from redis_session import MemorySessionStore, RedisSessionStore, SessionHeader
 from redis_session.gateway import create_app, openapi, serve
 from redis_session.projection import project, to_anthropic, to_openai
 
+from support import running_gateway
+
 pytestmark = pytest.mark.anyio
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-@contextlib.asynccontextmanager
-async def running_gateway(store: Any, **options: Any) -> AsyncIterator[str]:
-    """The gateway on a free port of 127.0.0.1, for the duration of the block; yields its base URL."""
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(lambda task_status: serve(store, "127.0.0.1", 0, task_status=task_status, **options))
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            tg.cancel_scope.cancel()
 
 
 def path(session_id: str, sub: str = "") -> str:

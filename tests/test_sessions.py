@@ -29,15 +29,9 @@ from redis_session import (
 from redis_session.projection import ProjectionState, project
 from redis_session.sessions import Session, Sessions, doctor
 
+from support import am, um
+
 pytestmark = pytest.mark.anyio
-
-
-def um(text: str) -> NewEntry:
-    return NewEntry("user/message", {"content": text})
-
-
-def am(text: str) -> NewEntry:
-    return NewEntry("assistant/message", {"content": text})
 
 
 def chat(role: str, text: str) -> NewEntry:

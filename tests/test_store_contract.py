@@ -21,11 +21,9 @@ from redis_session import (
     SessionNotFoundError,
 )
 
+from support import um
+
 pytestmark = pytest.mark.anyio
-
-
-def um(text: str) -> NewEntry:
-    return NewEntry("user/message", {"content": text})
 
 
 async def make(store: Any, sid: str = "s1", k: int = 0, **hdr: Any) -> None:
