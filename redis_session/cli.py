@@ -48,16 +48,16 @@ def _run(fn: Callable[[], Awaitable[T]]) -> T:
     return anyio.run(fn)
 
 
-def _store(url: str | None, prefix: str) -> Any:
+def _store(url: str | None, prefix: str, **options: Any) -> Any:
     from . import open_store
 
-    return open_store(url, prefix=prefix)
+    return open_store(url, prefix=prefix, **options)
 
 
 @contextlib.asynccontextmanager
-async def _opened(url: str | None, prefix: str) -> AsyncIterator[Any]:
+async def _opened(url: str | None, prefix: str, **options: Any) -> AsyncIterator[Any]:
     """The store for one command, closed after it."""
-    store = _store(url, prefix)
+    store = _store(url, prefix, **options)
     try:
         yield store
     finally:
@@ -334,22 +334,42 @@ def import_cmd(
 def projector_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
-    status: Annotated[bool, typer.Option("--status", help="Print lag and counters, then exit.")] = False,
+    status: Annotated[bool, typer.Option("--status", help="Print lag and counters as JSON, then exit.")] = False,
     metrics_port: Annotated[
         int | None, typer.Option(envvar="REDIS_SESSION_METRICS_PORT", help="Serve Prometheus metrics on this port.")
     ] = None,
-    consumer: Annotated[str | None, typer.Option(help="Consumer name (default: host-pid).")] = None,
+    metrics_addr: Annotated[str, typer.Option(help="Address of the metrics server.")] = "0.0.0.0",
+    consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
+    group: Annotated[str, typer.Option(help="Consumer group.")] = "projector",
+    batch: Annotated[int, typer.Option(min=1, help="Feed entries per shard per read.")] = 200,
+    claim_idle_ms: Annotated[int, typer.Option(min=0, help="Reclaim others' feed entries idle this long.")] = 30_000,
+    lock_ms: Annotated[int, typer.Option(min=0, help="Per-session fold lock expiry (0: no lock).")] = 10_000,
+    concurrency: Annotated[int, typer.Option(min=1, help="Sessions folded at once.")] = 8,
+    feed_shards: Annotated[int, typer.Option(min=1, help="Change-feed shards (as the writers use).")] = 4,
 ) -> None:
     """Run a projector worker (keeps each session's derived messages cached), or show --status."""
 
     async def main() -> None:
+        import logging
+
         from . import projector as proj
 
-        async with _opened(url, prefix) as store:
+        async with _opened(url, prefix, feed_shards=feed_shards) as store:
             if status:
-                out.print_json(data=await proj.status(store))
+                out.print_json(data=await proj.status(store, group=group))
                 return
-            worker = proj.Projector(store, consumer=consumer, metrics_port=metrics_port)
+            logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            worker = proj.Projector(
+                store,
+                consumer=consumer,
+                group=group,
+                batch=batch,
+                claim_idle_ms=claim_idle_ms,
+                lock_ms=lock_ms,
+                concurrency=concurrency,
+                metrics_port=metrics_port,
+                metrics_addr=metrics_addr,
+            )
             err.print(f"projector {worker.consumer} running (Ctrl-C or SIGTERM to stop)")
             await worker.run_forever()
 

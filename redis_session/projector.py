@@ -52,10 +52,8 @@ Design choices (the why):
 
 from __future__ import annotations
 
-import argparse
 import builtins
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -752,61 +750,15 @@ async def quiescent(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> 
 # --------------------------------------------------------------------------- CLI entry
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="redis-session projector",
-        description="Run a projector worker (keeps projection snapshots fresh from the change feed).",
-    )
-    p.add_argument("--url", default=None, help="Redis URL (default: $REDIS_URL, else the embedded server)")
-    p.add_argument("--cluster", action="store_true", help="the URL is a Redis Cluster node")
-    p.add_argument("--prefix", default="rs", help="key prefix (default: rs)")
-    p.add_argument("--feed-shards", type=int, default=4, help="change-feed shards (as the writers use)")
-    p.add_argument("--group", default=DEFAULT_GROUP, help="consumer group (default: projector)")
-    p.add_argument("--consumer", default=None, help="consumer name (default: <host>-<pid>-<random>)")
-    p.add_argument("--batch", type=int, default=200, help="feed entries per shard per read")
-    p.add_argument("--claim-idle-ms", type=int, default=30_000, help="reclaim others' entries idle this long")
-    p.add_argument("--lock-ms", type=int, default=10_000, help="per-session fold lock expiry (0: no lock)")
-    p.add_argument("--concurrency", type=int, default=8, help="sessions folded at once")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-addr", default="0.0.0.0", help="address of the metrics server")
-    p.add_argument("--status", action="store_true", help="print the group's health as JSON and exit")
-    p.add_argument("--log-level", default="INFO")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``redis-session projector [options]``: run a worker until SIGTERM, or ``--status``."""
-    args = build_parser().parse_args(argv)
-    if not args.status:
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from . import resolve_url
+    """``python -m redis_session.projector [options]``: the same as ``redis-session projector``."""
+    from .cli import main as cli_main
 
-    url = resolve_url(args.url)
-
-    async def _main() -> int:
-        store = RedisSessionStore.from_url(url, prefix=args.prefix, cluster=args.cluster, feed_shards=args.feed_shards)
-        try:
-            if args.status:
-                print(json.dumps(await status(store, group=args.group), indent=2))
-                return 0
-            worker = Projector(
-                store,
-                consumer=args.consumer,
-                group=args.group,
-                batch=args.batch,
-                claim_idle_ms=args.claim_idle_ms,
-                lock_ms=args.lock_ms,
-                concurrency=args.concurrency,
-                metrics_port=args.metrics_port,
-                metrics_addr=args.metrics_addr,
-            )
-            log.info("projector %s: group %r on %d feed shards", worker.consumer, worker.group, len(worker.feeds))
-            await worker.run_forever()
-            return 0
-        finally:
-            await store.aclose()
-
-    return anyio.run(_main)
+    try:
+        cli_main(["projector", *(sys.argv[1:] if argv is None else argv)])
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
