@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from redis_session.embedded import start_server
+from redis_session.redis.embedded import start_server
 
 
 def bench_args(description: str, *, seconds: float = 6.0) -> argparse.ArgumentParser:

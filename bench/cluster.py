@@ -3,7 +3,7 @@
     python bench/cluster.py [--seconds 6] [--clients 32] [--sessions 600]
 
 Both servers are valkey-server processes started here (the cluster from the embedded binary, see
-`redis_session.localcluster`). Each client task appends one ~300-byte entry at a time with
+`redis_session.testing.localcluster`). Each client task appends one ~300-byte entry at a time with
 `expected_n=None` to sessions drawn round-robin from its own share; rounds alternate between the
 two targets so machine noise hits both. On a 2-core machine the client, not the servers, is the
 bottleneck, so expect the cluster to cost a little (routing) rather than scale: the point of the
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import unique_prefix
 
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
-from redis_session.embedded import start_server
-from redis_session.localcluster import start_cluster
+from redis_session.redis.embedded import start_server
+from redis_session.testing.localcluster import start_cluster
 
 ENTRY = NewEntry("user/message", {"content": "x" * 280})
 

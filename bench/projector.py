@@ -13,7 +13,7 @@ rounds on one server:
   (e) ``load_messages`` with a `SnapshotCache` that holds this snapshot (a reader loading the
       same session again before the projector rewrote it: no decode).
 Then worker throughput: 800 sessions x 500 entries (batches of 50; each with a cut in its middle)
-folded from scratch by 1 and by 2 worker processes (``python -m redis_session.projector``), timed
+folded from scratch by 1 and by 2 worker processes (``python -m redis_session.cli projector``), timed
 from the workers' first read until the group is drained (lag 0, nothing pending).
 """
 
@@ -160,7 +160,7 @@ def spawn(url: str, prefix: str, consumer: str) -> subprocess.Popen[bytes]:
     """A worker process, as `redis-session projector` runs it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     args = ["--url", url, "--prefix", prefix, "--consumer", consumer, "--log-level", "WARNING"]
-    return subprocess.Popen([sys.executable, "-m", "redis_session.projector", *args], env=env)
+    return subprocess.Popen([sys.executable, "-m", "redis_session.cli", "projector", *args], env=env)
 
 
 async def throughput(url: str, sessions: int, per: int, workers: int) -> list[Any]:

@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from _common import drop_prefix, percentile, print_table, server, settle_gc, unique_prefix
 
 from redis_session import RedisSessionStore, SessionHeader
-from redis_session.embedded import free_port
+from redis_session.redis.embedded import free_port
 
 GATEWAY = """
 import sys, anyio

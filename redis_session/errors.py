@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 
@@ -88,3 +89,25 @@ class DurabilityError(SessionError):
         self.session_id = session_id
         self.entries = list(entries)
         self.durability = durability
+
+
+class LeaseLostError(LeaseHeldError):
+    """This handle's lease expired or was taken over: its writes are refused until it leases again."""
+
+
+class ImportFormatError(SessionError, ValueError):
+    """A file (or one of its lines) cannot be imported; nothing of its session was written.
+
+    `path` is the file, `line` the 1-based line number (None when the problem is the file as a
+    whole), `message` what is wrong, `session_id` the session's id when it was known.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], line: int | None, message: str, *, session_id: str | None = None
+    ) -> None:
+        self.path = str(path)
+        self.line = line
+        self.message = message
+        self.session_id = session_id
+        where = self.path if line is None else f"{self.path}:{line}"
+        super().__init__(f"{where}: {message}")

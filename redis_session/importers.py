@@ -72,6 +72,7 @@ import anyio.to_thread
 import msgspec
 
 from .errors import (
+    ImportFormatError,
     InvalidEntryError,
     InvalidSessionIdError,
     SessionAlreadyExistsError,
@@ -91,8 +92,8 @@ from .model import (
     check_against_n,
     encode_entry,
 )
-from .projection import ProjectionState, check_surface
-from .store import SessionStore, check_header
+from .projection.fold import ProjectionState, check_surface
+from .store.memory import SessionStore, check_header
 
 Format = Literal["auto", "redis-session", "nanobot", "dsh", "tutorial"]
 OnExists = Literal["error", "skip", "replace"]
@@ -120,24 +121,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- results and errors
-
-
-class ImportFormatError(SessionError, ValueError):
-    """A file (or one of its lines) cannot be imported; nothing of its session was written.
-
-    `path` is the file, `line` the 1-based line number (None when the problem is the file as a
-    whole), `message` what is wrong, `session_id` the session's id when it was known.
-    """
-
-    def __init__(
-        self, path: str | os.PathLike[str], line: int | None, message: str, *, session_id: str | None = None
-    ) -> None:
-        self.path = str(path)
-        self.line = line
-        self.message = message
-        self.session_id = session_id
-        where = self.path if line is None else f"{self.path}:{line}"
-        super().__init__(f"{where}: {message}")
 
 
 @dataclass(frozen=True)

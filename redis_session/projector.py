@@ -58,7 +58,6 @@ import logging
 import os
 import secrets
 import socket
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,8 +70,8 @@ from redis.exceptions import RedisError
 from .errors import InvalidSessionIdError, SessionNotFoundError, StoreUnavailableError
 from .keys import validate_prefix, validate_session_id
 from .model import CUT
-from .projection import ProjectionState
-from .redis_store import RedisSessionStore
+from .projection.fold import ProjectionState
+from .redis.store import RedisSessionStore
 from .snapshots import SnapshotCache as SnapshotCache
 from .snapshots import _fold_from_cut, _fold_range, _plausible, _rebuild
 from .snapshots import load_messages as load_messages
@@ -745,21 +744,3 @@ async def quiescent(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> 
     """True when every feed entry has been delivered and acked (lag 0, nothing pending)."""
     st = await status(store, group=group)
     return bool(st["lag"] == 0 and st["pending"] == 0 and all(s["group"] for s in st["shards"]))
-
-
-# --------------------------------------------------------------------------- CLI entry
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m redis_session.projector [options]``: the same as ``redis-session projector``."""
-    from .cli import main as cli_main
-
-    try:
-        cli_main(["projector", *(sys.argv[1:] if argv is None else argv)])
-    except SystemExit as e:
-        return int(e.code or 0) if not isinstance(e.code, str) else 1
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

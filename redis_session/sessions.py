@@ -43,6 +43,7 @@ from .errors import (
     InvalidEntryError,
     InvalidSessionIdError,
     LeaseHeldError,
+    LeaseLostError,
     SessionAlreadyExistsError,
     SessionConflictError,
     SessionError,
@@ -50,7 +51,6 @@ from .errors import (
     SessionNotFoundError,
     StoreUnavailableError,
 )
-from .invariants import Problem, check_invariants, interrupted_turn_closers
 from .keys import MAX_ID_LENGTH, validate_session_id
 from .model import (
     CUT,
@@ -67,10 +67,11 @@ from .model import (
     encode_batch,
     kind_of,
 )
-from .projection import Message, ProjectionState, check_surface, history, to_openai
-from .request import ReconstructedRequest, reconstruct_request
+from .projection.fold import Message, ProjectionState, check_surface, history, to_openai
+from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
+from .projection.request import ReconstructedRequest, reconstruct_request
 from .snapshots import SnapshotCache, load_state
-from .store import MemorySessionStore, SessionStore
+from .store.memory import MemorySessionStore, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +82,6 @@ READ_PAGE = 50_000
 DEFAULT_LEASE_TTL = 30.0
 DEFAULT_EPHEMERAL_TTL = 3600.0
 BRANCH_EVENT = "session-branch"
-
-
-class LeaseLostError(LeaseHeldError):
-    """This handle's lease expired or was taken over: its writes are refused until it leases again."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -925,7 +922,7 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
         raise SessionNotFoundError(session_id)
     n, at = head.n, head.header.at or 0
 
-    from .redis_store import RedisSessionStore
+    from .redis.store import RedisSessionStore
 
     redis = isinstance(store, RedisSessionStore)
     own: builtins.list[Entry] = await _redis_stream_problems(store, session_id, n, at, add) if redis else []
@@ -980,7 +977,7 @@ async def _redis_stream_problems(
     store: Any, session_id: str, n: int, at: int, add: Callable[[int | None, str, str], None]
 ) -> builtins.list[Entry]:
     """Walk the session's own stream: IDs, contiguity against the header, decoding."""
-    from .redis_store import rows_to_entries
+    from .redis.store import rows_to_entries
 
     key = store.keys.log(session_id)
     ids: builtins.list[int] = []
@@ -1024,3 +1021,12 @@ __all__ = [
     "doctor",
     "load_projection",
 ]
+
+
+async def connect(
+    url: str | None = None, *, prefix: str = "rs", cluster: bool | None = None, **kwargs: Any
+) -> Sessions:
+    """The `Sessions` service on Redis: `url`, else ``$REDIS_URL``, else the embedded server."""
+    from .redis.connect import open_store
+
+    return Sessions(open_store(url, prefix=prefix, cluster=cluster, **kwargs))

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from .errors import SessionError, SessionNotFoundError
 from .keys import validate_session_id
 from .model import CUT, Entry, SessionHead
-from .projection import ProjectionState
-from .store import MAX_READ_RANGE, SessionStore
+from .projection.fold import ProjectionState
+from .store.memory import MAX_READ_RANGE, SessionStore
 
 
 async def _read_chunks(

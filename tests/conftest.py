@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from redis_session import MemorySessionStore, RedisSessionStore
-from redis_session.embedded import start_server
+from redis_session.redis.embedded import start_server
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -80,7 +80,7 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def local_cluster() -> Iterator[Any]:
     """A real 3-master + 3-replica cluster from the embedded valkey-server, for the whole run."""
-    from redis_session.localcluster import start_cluster
+    from redis_session.testing.localcluster import start_cluster
 
     cluster = start_cluster(masters=3, replicas_per_master=1)
     try:

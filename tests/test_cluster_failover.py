@@ -17,7 +17,7 @@ import pytest
 from redis.exceptions import RedisError
 
 from redis_session import NewEntry, RedisSessionStore, SessionError, SessionHeader
-from redis_session.localcluster import LocalCluster, start_cluster
+from redis_session.testing.localcluster import LocalCluster, start_cluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
 
@@ -123,7 +123,7 @@ async def test_durability_replica_waits_for_a_replica(local_cluster: Any) -> Non
 
 
 def _replica_of(cluster: LocalCluster, port: int) -> int | None:
-    from redis_session.localcluster import command
+    from redis_session.testing.localcluster import command
 
     info = command(port, "INFO", "replication")
     for line in info.splitlines():

@@ -30,7 +30,7 @@ from redis_session import (
     SessionHeader,
     StoreUnavailableError,
 )
-from redis_session.embedded import free_port
+from redis_session.redis.embedded import free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
-from redis_session.embedded import start_server
 from redis_session.errors import DurabilityError
+from redis_session.redis.embedded import start_server
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from redis_session import Entry, NewEntry, RedisSessionStore, SessionHead, SessionHeader
-from redis_session.embedded import (
+from redis_session.redis.embedded import (
     ServerProcess,
     _alive,
     ensure_server,
@@ -29,7 +29,7 @@ from redis_session.embedded import (
 
 _ENSURE = (
     "import json, sys\n"
-    "from redis_session.embedded import ensure_server\n"
+    "from redis_session.redis.embedded import ensure_server\n"
     "s = ensure_server(sys.argv[1])\n"
     "print(json.dumps([s.port, s.pid]))\n"
 )

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from redis_session.invariants import INTERRUPTED_TEXT, Problem, check_invariants, interrupted_turn_closers
 from redis_session.model import Entry, NewEntry, Surface, SurfaceReplace, Vocabulary, encode_batch
 from redis_session.projection import history, project
+from redis_session.projection.invariants import INTERRUPTED_TEXT, Problem, check_invariants, interrupted_turn_closers
 
 
 class Log:

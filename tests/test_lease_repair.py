@@ -13,8 +13,8 @@ import anyio
 import pytest
 
 from redis_session import LeaseHeldError, NewEntry, RedisSessionStore, SessionConflictError
-from redis_session.invariants import INTERRUPTED_TEXT
 from redis_session.projection import project
+from redis_session.projection.invariants import INTERRUPTED_TEXT
 from redis_session.sessions import LeaseLostError, Session, Sessions
 
 pytestmark = pytest.mark.anyio

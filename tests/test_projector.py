@@ -29,7 +29,6 @@ from redis_session import (
     Surface,
     SurfaceReplace,
 )
-from redis_session.embedded import free_port
 from redis_session.projection import ProjectionState, check_surface, project
 from redis_session.projector import (
     BUSY,
@@ -44,6 +43,7 @@ from redis_session.projector import (
     quiescent,
     status,
 )
+from redis_session.redis.embedded import free_port
 
 pytestmark = pytest.mark.anyio
 

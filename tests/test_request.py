@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from redis_session.errors import InvalidEntryError
 from redis_session.model import Entry
 from redis_session.projection import project
-from redis_session.request import (
+from redis_session.projection.request import (
     apply_header_delta,
     canonical_header,
     diff_header,

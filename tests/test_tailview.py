@@ -14,8 +14,8 @@ from redis.backoff import NoBackoff
 from rich.console import Console
 
 from redis_session import RedisSessionStore, SessionHeader, SessionNotFoundError
-from redis_session.embedded import start_server
-from redis_session.tailview import chunk_text, follow, run_tail
+from redis_session.cli.tailview import chunk_text, follow, run_tail
+from redis_session.redis.embedded import start_server
 
 pytestmark = pytest.mark.anyio
 

@@ -19,7 +19,7 @@ import anyio
 from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
 from ..keys import validate_session_id
 from ..model import DEFAULT_MAX_BATCH, Entry, NewEntry, SessionHeader
-from ..store import SessionStore
+from ..store.memory import SessionStore
 
 #: Attempts of one write under contention before the last conflict is raised.
 MAX_ATTEMPTS = 100

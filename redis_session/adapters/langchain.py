@@ -51,7 +51,7 @@ from langchain_core.messages import (
 )
 
 from ..model import CUT, Entry, NewEntry
-from ..projection import Message, ProjectionState, to_openai
+from ..projection.fold import Message, ProjectionState, to_openai
 from ._log import SessionLog, resolve_store
 
 CLEAR_REASON = "langchain:clear"

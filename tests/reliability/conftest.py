@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from redis_session.embedded import ServerProcess, start_server
+from redis_session.redis.embedded import ServerProcess, start_server
 
 
 @pytest.fixture

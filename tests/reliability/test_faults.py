@@ -34,7 +34,7 @@ from redis_session import (
     SessionNotFoundError,
     StoreUnavailableError,
 )
-from redis_session.embedded import ServerProcess, start_server
+from redis_session.redis.embedded import ServerProcess, start_server
 
 from ._proxy import FaultProxy
 from ._util import (

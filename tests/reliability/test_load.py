@@ -27,7 +27,7 @@ from redis_session import (
     SessionConflictError,
     SessionHeader,
 )
-from redis_session.embedded import ServerProcess
+from redis_session.redis.embedded import ServerProcess
 
 from ._util import assert_batches_whole, batch
 

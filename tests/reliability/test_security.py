@@ -33,7 +33,7 @@ from redis_session import (
     SessionHeader,
     StoreUnavailableError,
 )
-from redis_session.embedded import ServerProcess
+from redis_session.redis.embedded import ServerProcess
 
 from ._util import free_port, tls_capable_binary, wait_for_port
 
@@ -382,7 +382,7 @@ def _doc_aclfile() -> str:
 
 async def test_documented_aclfile_loads_and_matches_the_tested_rules(tmp_path: Path) -> None:
     """docs/security.md's aclfile starts a server, and its users behave like the ones tested above."""
-    from redis_session.embedded import server_binary
+    from redis_session.redis.embedded import server_binary
 
     acl = tmp_path / "users.acl"
     acl.write_text(_doc_aclfile())

@@ -29,8 +29,8 @@ from typing import Any, Literal, NoReturn, TypeAlias
 import msgspec
 from msgspec import Struct
 
-from .errors import InvalidEntryError
-from .model import CUT, MESSAGE_TYPES, EncodedEntry, Entry, SurfaceReplace
+from ..errors import InvalidEntryError
+from ..model import CUT, MESSAGE_TYPES, EncodedEntry, Entry, SurfaceReplace
 
 Role = Literal["system", "user", "assistant", "tool"]
 Block = Mapping[str, Any]

@@ -13,14 +13,14 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import msgspec
 
-from .errors import (
+from ..errors import (
     InvalidEntryError,
     SessionAlreadyExistsError,
     SessionConflictError,
     SessionNotFoundError,
 )
-from .keys import index_member, validate_session_id
-from .model import (
+from ..keys import index_member, validate_session_id
+from ..model import (
     CUT,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_ENTRY_BYTES,
@@ -137,7 +137,7 @@ def check_header(header: SessionHeader) -> None:
     if header.title is not None and not isinstance(header.title, str):
         raise InvalidEntryError("title must be a str")
     if header.origin is not None:
-        from .model import lossless_json
+        from ..model import lossless_json
 
         lossless_json(header.origin, "origin")
 
@@ -468,7 +468,7 @@ class MemorySessionStore(StoreRules):
         if s is None:
             raise SessionNotFoundError(session_id)
         if draft is not None:
-            from .model import lossless_json
+            from ..model import lossless_json
 
             raw = lossless_json(draft, "draft")
             if len(raw) > self.max_entry_bytes:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from .embedded import EmbeddedServerError, ServerProcess, start_server
+from ..redis.embedded import EmbeddedServerError, ServerProcess, start_server
 
 SLOTS = 16384
 

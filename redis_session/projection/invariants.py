@@ -11,9 +11,9 @@ from typing import Any
 
 from msgspec import Struct
 
-from .errors import InvalidEntryError
-from .model import CUT, MESSAGE_TYPES, Entry, NewEntry, Surface, lossless_json
-from .projection import ProjectionState
+from ..errors import InvalidEntryError
+from ..model import CUT, MESSAGE_TYPES, Entry, NewEntry, Surface, lossless_json
+from .fold import ProjectionState
 from .request import HEADER, HEADER_DELTA, apply_header_delta, canonical_header
 
 

@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .errors import SessionNotFoundError
-from .model import Entry
-from .store import SessionStore
+from ..errors import SessionNotFoundError
+from ..model import Entry
+from ..store.memory import SessionStore
 
 # StoreUnavailableError is an OSError (ConnectionError); redis-py's own errors are listed for
 # stores that let one through (a cluster client's MOVED storm, a pool at its limit).
@@ -301,7 +301,7 @@ class TailRenderer:
         self.console.print(grid)
 
     def _render_message(self, e: Entry, streamed: str | None) -> None:
-        from .projection import cut_messages, derive_message
+        from ..projection.fold import cut_messages, derive_message
 
         if e.type == "cut":
             before = e.data.get("before")

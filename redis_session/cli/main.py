@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import SessionError, StoreUnavailableError
+from ..errors import SessionError, StoreUnavailableError
 
 app = typer.Typer(
     name="redis-session",
@@ -49,7 +49,7 @@ def _run(fn: Callable[[], Awaitable[T]]) -> T:
 
 
 def _store(url: str | None, prefix: str, **options: Any) -> Any:
-    from . import open_store
+    from ..redis.connect import open_store
 
     return open_store(url, prefix=prefix, **options)
 
@@ -65,7 +65,7 @@ async def _opened(url: str | None, prefix: str, **options: Any) -> AsyncIterator
 
 
 def _sessions(url: str | None, prefix: str) -> Any:
-    from .sessions import Sessions
+    from ..sessions import Sessions
 
     return Sessions(_store(url, prefix))
 
@@ -129,23 +129,23 @@ def show_cmd(
     async def main() -> None:
         import msgspec
 
-        from .errors import SessionNotFoundError
+        from ..errors import SessionNotFoundError
 
         async with _opened(url, prefix) as store:
             head = await store.head(session)
             if head is None:
                 raise SessionNotFoundError(session)
             if messages:
-                from .snapshots import load_messages
+                from ..snapshots import load_messages
 
                 state, _ = await load_messages(store, session)
                 msgs = state.messages()
                 if fmt == "openai":
-                    from .projection import to_openai
+                    from ..projection.fold import to_openai
 
                     body: Any = to_openai(msgs)
                 elif fmt == "anthropic":
-                    from .projection import to_anthropic
+                    from ..projection.fold import to_anthropic
 
                     body = to_anthropic(msgs)
                 else:
@@ -202,8 +202,8 @@ def doctor_cmd(
         raise CliError("give a SESSION or --all")
 
     async def main() -> int:
-        from .errors import SessionNotFoundError
-        from .sessions import doctor
+        from ..errors import SessionNotFoundError
+        from ..sessions import doctor
 
         bad = 0
         checked = 0
@@ -275,7 +275,7 @@ def export_cmd(
     """Export a session as JSONL (header line, then one entry per line)."""
 
     async def main() -> int:
-        from .importers import export_session
+        from ..importers import export_session
 
         async with _opened(url, prefix) as store:
             if output is None:
@@ -303,7 +303,7 @@ def import_cmd(
     async def main() -> list[Any]:
         from rich.progress import Progress
 
-        from .importers import import_path
+        from ..importers import import_path
 
         async with _opened(url, prefix) as store:
             with Progress(console=err, transient=True) as progress:
@@ -352,7 +352,7 @@ def projector_cmd(
     async def main() -> None:
         import logging
 
-        from . import projector as proj
+        from .. import projector as proj
 
         async with _opened(url, prefix, feed_shards=feed_shards) as store:
             if status:
@@ -387,7 +387,7 @@ def gateway_cmd(
     """Serve the read-only HTTP/SSE gateway and the web viewer."""
 
     async def main() -> None:
-        from .gateway import serve
+        from ..gateway.app import serve
 
         async with _opened(url, prefix) as store:
             err.print(f"gateway on http://{host}:{port}/")
@@ -406,8 +406,8 @@ def up_cmd(
     """Server + projector + gateway in the foreground, for local development."""
 
     async def main() -> None:
-        from .gateway import serve
-        from .projector import Projector
+        from ..gateway.app import serve
+        from ..projector import Projector
 
         async with _opened(url, prefix) as store:
             out.print(f"[bold]redis-session up[/bold]: viewer on http://{host}:{port}/  (Ctrl-C to stop)")
@@ -450,7 +450,7 @@ def server_start(
     data_dir: Annotated[Path, typer.Option(help="Data folder.")] = Path(".redis-session"),
 ) -> None:
     """Start (or find) the embedded server and print its URL."""
-    from .embedded import ensure_server
+    from ..redis.embedded import ensure_server
 
     out.print(ensure_server(data_dir).url)
 
@@ -460,7 +460,7 @@ def server_stop(
     data_dir: Annotated[Path, typer.Option(help="Data folder.")] = Path(".redis-session"),
 ) -> None:
     """Stop the embedded server."""
-    from .embedded import stop_server
+    from ..redis.embedded import stop_server
 
     if not stop_server(data_dir):
         raise CliError(f"no embedded server is running for {data_dir}")
@@ -472,7 +472,7 @@ def server_status(
     data_dir: Annotated[Path, typer.Option(help="Data folder.")] = Path(".redis-session"),
 ) -> None:
     """Is the embedded server up? Exit 1 if not."""
-    from .embedded import running_server
+    from ..redis.embedded import running_server
 
     found = running_server(data_dir)
     if found is None:
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; turn every expected failure into one line and exit code 1."""
     from redis.exceptions import RedisError
 
-    from .embedded import EmbeddedServerError
+    from ..redis.embedded import EmbeddedServerError
 
     expected = (CliError, SessionError, EmbeddedServerError, StoreUnavailableError, OSError, ValueError, RedisError)
     try:

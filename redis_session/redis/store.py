@@ -48,7 +48,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .errors import (
+from ..errors import (
     AccessDeniedError,
     DurabilityError,
     InvalidEntryError,
@@ -58,8 +58,8 @@ from .errors import (
     SessionNotFoundError,
     StoreUnavailableError,
 )
-from .keys import Keys, id_from_index_member, index_member, validate_session_id
-from .model import (
+from ..keys import Keys, id_from_index_member, index_member, validate_session_id
+from ..model import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_ENTRY_BYTES,
     ENTRY_LIST_DECODER,
@@ -73,7 +73,7 @@ from .model import (
     lossless_json,
     now_ms,
 )
-from .store import (
+from ..store.memory import (
     MAX_READ_RANGE,
     Segment,
     StoreRules,
@@ -98,7 +98,7 @@ def lua_source(name: str) -> str:
             return res.read_text()
     except (FileNotFoundError, ModuleNotFoundError):  # pragma: no cover
         pass
-    return (Path(__file__).resolve().parent.parent / "lua" / f"{name}.lua").read_text()
+    return (Path(__file__).resolve().parents[2] / "lua" / f"{name}.lua").read_text()
 
 
 class _Script:

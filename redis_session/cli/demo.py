@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 from rich.console import Console
 
-from .errors import SessionConflictError
-from .model import NewEntry
+from ..errors import SessionConflictError
+from ..model import NewEntry
 
 WORDS = (
     "the session log is the single source of truth and every view of it is a projection "
@@ -241,10 +241,10 @@ async def run_demo(
     pace: float = 0.01,
 ) -> int:
     """Run the demo; returns 0 when every session it wrote passes the doctor, else 1."""
-    from . import open_store
-    from .projector import Projector
-    from .projector import status as projector_status
-    from .sessions import Sessions, doctor
+    from ..projector import Projector
+    from ..projector import status as projector_status
+    from ..redis.connect import open_store
+    from ..sessions import Sessions, doctor
 
     console = console or Console()
     store = open_store(url, prefix=prefix)
@@ -261,7 +261,7 @@ async def run_demo(
             services.start_soon(projector.run)
             viewer = None
             if port:
-                from .gateway import serve
+                from ..gateway.app import serve
 
                 services.start_soon(lambda: serve(store, host="127.0.0.1", port=port))
                 viewer = f"http://127.0.0.1:{port}/"

@@ -52,14 +52,14 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import InvalidSessionIdError, SessionError, SessionNotFoundError, StoreUnavailableError
-from .keys import validate_session_id
-from .model import Entry, SessionHead, SessionHeader
-from .projection import Message, to_anthropic, to_openai
-from .sessions import Sessions
-from .snapshots import SnapshotCache
-from .store import SessionStore
-from .tailview import RETRYABLE, follow
+from ..cli.tailview import RETRYABLE, follow
+from ..errors import InvalidSessionIdError, SessionError, SessionNotFoundError, StoreUnavailableError
+from ..keys import validate_session_id
+from ..model import Entry, SessionHead, SessionHeader
+from ..projection.fold import Message, to_anthropic, to_openai
+from ..sessions import Sessions
+from ..snapshots import SnapshotCache
+from ..store.memory import SessionStore
 
 log = logging.getLogger("redis_session.gateway")
 
@@ -634,7 +634,7 @@ class _SecurityHeaders:
 def _viewer() -> tuple[bytes, str]:
     """The viewer page, and a Content-Security-Policy that admits exactly its inline script and
     style (by hash) and connections to this origin."""
-    html = resources.files("redis_session").joinpath("static", "viewer.html").read_bytes()
+    html = resources.files("redis_session").joinpath("gateway", "static", "viewer.html").read_bytes()
     text = html.decode()
 
     def hashes(tag: str) -> str:

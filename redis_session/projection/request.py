@@ -22,9 +22,9 @@ from typing import Any
 
 from msgspec import Struct
 
-from .errors import InvalidEntryError
-from .model import Entry, NewEntry
-from .projection import Message, project
+from ..errors import InvalidEntryError
+from ..model import Entry, NewEntry
+from .fold import Message, project
 
 HEADER = "request/header"
 HEADER_DELTA = "request/header-delta"

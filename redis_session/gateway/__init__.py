@@ -1,0 +1,5 @@
+"""The HTTP gateway: REST + SSE over a store, the OpenAPI document and the web viewer."""
+
+from .app import create_app, openapi, serve
+
+__all__ = ["create_app", "openapi", "serve"]
