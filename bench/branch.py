@@ -1,4 +1,4 @@
-"""Branching costs the same for any parent length (DESIGN §5): nothing is copied.
+"""Branching costs the same for any parent length (docs/design.md §5): nothing is copied.
 
     python bench/branch.py [--url URL] [--seconds N] [--entries 100000]
 

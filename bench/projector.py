@@ -42,7 +42,8 @@ from _common import (
 
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
 from redis_session.projection import ProjectionState, project
-from redis_session.projector import Projector, SnapshotCache, load_messages, status
+from redis_session.projector import Projector, status
+from redis_session.snapshots import SnapshotCache, load_messages
 
 USER = "Please look at the failing test in the scheduler module and explain what goes wrong. " * 2
 ANSWER = "The scheduler drops the last tick because the window is computed before the lock. " * 5

@@ -1,4 +1,4 @@
-"""The `Sessions` service and the `Session` handle (ChatLuna ``ctx.sessions``, DESIGN §5).
+"""The `Sessions` service and the `Session` handle (ChatLuna ``ctx.sessions``, docs/design.md §5).
 
 `Sessions` opens, creates, branches, forks, lists and deletes sessions on any `SessionStore`;
 a `Session` is one writer's (or reader's) view of one session:
@@ -407,7 +407,7 @@ class Session:
 
     async def enqueue(self, type: str, data: Any, meta: Any = None) -> builtins.list[Entry]:
         """Append at the end of the log *whatever its n* (no conflict, no retry): for entries that
-        do not depend on what came before, like an enqueued user input or a mark (DESIGN §4).
+        do not depend on what came before, like an enqueued user input or a mark (docs/design.md §4).
 
         The handle then stands after the new entry; entries other writers put before it are
         folded into its projection when it has one loaded (one read, only in that case).

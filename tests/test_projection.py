@@ -908,7 +908,7 @@ CHAT_ROLES = ["system", "user", "assistant", "tool"]
 
 
 def _reference(entries: list[Entry]) -> list[Message]:
-    """An independent, naive fold: the rules of DESIGN §6 written as directly as possible."""
+    """An independent, naive fold: the rules of docs/design.md §6 written as directly as possible."""
     nodes: list[tuple[int, Message | None]] = []
     last_cut: Entry | None = None
     for e in entries:

@@ -29,6 +29,7 @@ from redis_session import (
     Surface,
     SurfaceReplace,
 )
+from redis_session.cli import main as cli_main
 from redis_session.projection import ProjectionState, check_surface, project
 from redis_session.projector import (
     BUSY,
@@ -36,14 +37,12 @@ from redis_session.projector import (
     DELETED,
     WRITTEN,
     Projector,
-    SnapshotCache,
-    load_messages,
     lock_key,
-    main,
     quiescent,
     status,
 )
 from redis_session.redis.embedded import free_port
+from redis_session.snapshots import SnapshotCache, load_messages
 
 pytestmark = pytest.mark.anyio
 
@@ -616,8 +615,16 @@ async def test_metrics_and_status(
     assert st["counters"]["processed"] == 3
     assert [sh["shard"] for sh in st["shards"]] == [0, 1, 2, 3]
     assert any(c["name"] == "metrics" for sh in st["shards"] for c in sh["consumers"])
+
     # the CLI's --status path (a sync entry that runs its own event loop)
-    rc = await anyio.to_thread.run_sync(lambda: main(["--url", redis_url, "--prefix", s.prefix, "--status"]))
+    def cli_status() -> int:
+        try:
+            cli_main(["projector", "--url", redis_url, "--prefix", s.prefix, "--status"])
+        except SystemExit as e:
+            return int(e.code or 0)
+        return 0
+
+    rc = await anyio.to_thread.run_sync(cli_status)
     assert rc == 0
     assert '"processed": 3' in capsys.readouterr().out
     assert await p.fold("h0") == CURRENT

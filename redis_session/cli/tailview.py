@@ -1,9 +1,4 @@
-"""Follow a session live: `follow` (a `SessionStore.tail` that survives dropped connections) and
-`run_tail`, the terminal view behind ``redis-session tail``.
-
-`follow` is what every live reader here uses (the terminal tail and the gateway's SSE streams):
-when the connection to the store drops it waits (exponential backoff with jitter) and resumes at
-the last delivered n + 1, so a reader never loses or repeats an entry.
+"""`run_tail`, the terminal view behind ``redis-session tail`` (on `redis_session.live.follow`).
 
 >>> await run_tail(store, "chat-1", start=0)            # prints entries as they land; Ctrl-C stops
 """
@@ -13,90 +8,16 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import random
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from ..errors import SessionNotFoundError
+from ..live import follow
 from ..model import Entry
 from ..store.memory import SessionStore
-
-# StoreUnavailableError is an OSError (ConnectionError); redis-py's own errors are listed for
-# stores that let one through (a cluster client's MOVED storm, a pool at its limit).
-RETRYABLE: tuple[type[BaseException], ...] = (OSError, RedisConnectionError, RedisTimeoutError)
-
-T = TypeVar("T")
-
-RetryHook = Callable[[BaseException, float, int], None]
-"""Called before each wait: (the error, seconds it will wait, the n it will resume at)."""
-
-
-@contextlib.asynccontextmanager
-async def _closing(it: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T], None]:
-    """`contextlib.aclosing` for any async iterator (the store protocol promises no `aclose`)."""
-    try:
-        yield it
-    finally:
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-async def follow(
-    store: SessionStore,
-    session_id: str,
-    start: int = 0,
-    *,
-    on_retry: RetryHook | None = None,
-    min_backoff: float = 0.05,
-    max_backoff: float = 5.0,
-) -> AsyncGenerator[Entry, None]:
-    """Every entry with n >= `start`, then each new one as it lands, across connection drops.
-
-    Ends when the session is deleted. Raises `SessionNotFoundError` when it does not exist at the
-    start. Delivery is exactly once and in order: after a drop the tail resumes at the last
-    delivered n + 1, and a gap (never expected from a store) is filled by a read.
-
-    >>> async with contextlib.aclosing(follow(store, "chat-1")) as entries:
-    ...     async for e in entries:
-    ...         print(e.n, e.type)
-    """
-    nxt = start
-    delay = min_backoff
-    dropped = False
-    while True:
-        try:
-            async with _closing(store.tail(session_id, nxt)) as entries:
-                async for e in entries:
-                    if e.n < nxt:
-                        continue
-                    if e.n > nxt:
-                        for missing in await store.read(session_id, nxt, e.n):
-                            yield missing
-                            nxt = missing.n + 1
-                    yield e
-                    nxt = e.n + 1
-                    delay = min_backoff
-            return
-        except SessionNotFoundError:
-            if dropped:  # deleted while we were away: the same end as a tail that sees it go
-                return
-            raise
-        except RETRYABLE as exc:
-            dropped = True
-            wait = delay * (0.5 + random.random())  # jitter: many readers must not reconnect in step
-            if on_retry is not None:
-                on_retry(exc, wait, nxt)
-            await anyio.sleep(wait)
-            delay = min(delay * 2, max_backoff)
-
 
 # --------------------------------------------------------------------------- rendering
 

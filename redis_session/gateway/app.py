@@ -52,9 +52,9 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..cli.tailview import RETRYABLE, follow
 from ..errors import InvalidSessionIdError, SessionError, SessionNotFoundError, StoreUnavailableError
 from ..keys import validate_session_id
+from ..live import RETRYABLE, follow
 from ..model import Entry, SessionHead, SessionHeader
 from ..projection.fold import Message, to_anthropic, to_openai
 from ..sessions import Sessions
@@ -229,7 +229,7 @@ def _default_stream_limit(store: SessionStore) -> int | None:
     return None
 
 
-def create_app(
+def create_app(  # noqa: C901 - to split
     store: SessionStore,
     *,
     token: str | None = None,

@@ -5,7 +5,7 @@
 neutral, dsh-shaped block format; `to_openai` and `to_anthropic` render them for a provider, and
 `history` cuts a legal suffix out of them.
 
-The rules (DESIGN §6):
+The rules (docs/design.md §6):
 
 - message entries become messages: ``user/message`` → user; ``assistant/message`` → assistant
   (skipped when its content is empty); ``tool/result`` → a ``tool`` message with one

@@ -64,7 +64,7 @@ class _Turns:
         self.step: int | None = None
         self.calls: set[Any] = set()  # tool/call ids of the current step
 
-    def see(self, e: Entry) -> None:
+    def see(self, e: Entry) -> None:  # noqa: C901 - to split
         t, d, n = e.type, e.data, e.n
         turn, step = _int(d.get("turn")), _int(d.get("step"))
         if t == "turn/start":
@@ -215,7 +215,7 @@ def _fold_header(header: dict[str, Any] | None, e: Entry, add: _Report) -> dict[
         return None
 
 
-def interrupted_turn_closers(entries: Sequence[Entry]) -> list[NewEntry]:
+def interrupted_turn_closers(entries: Sequence[Entry]) -> list[NewEntry]:  # noqa: C901 - to split
     """The entries that close a turn a crash left open (dsh ``interruptedTurnClosers``), to append
     after `entries`; [] when no turn is open.
 

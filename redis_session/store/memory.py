@@ -1,6 +1,6 @@
 """The `SessionStore` contract and `MemorySessionStore`, its in-process implementation.
 
-Every backend passes one contract suite (tests/contract.py). The memory store is the reference:
+Every backend passes one contract suite (tests/test_store_contract.py). The memory store is the reference:
 it is what the Redis store must behave like, and what tests and stateless runs use.
 """
 
@@ -42,7 +42,7 @@ MAX_READ_RANGE = 100_000
 
 @runtime_checkable
 class SessionStore(Protocol):
-    """Where sessions live. See DESIGN §4; `MemorySessionStore` is the reference behaviour."""
+    """Where sessions live. See docs/design.md §4; `MemorySessionStore` is the reference behaviour."""
 
     vocabulary: Vocabulary
 

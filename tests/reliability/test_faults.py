@@ -1,4 +1,4 @@
-"""Fault injection against real servers (issue 8.1).
+"""Fault injection against real servers.
 
 - connections killed in a loop (CLIENT KILL from another client) while appends run;
 - the server SIGKILLed and restarted on the same port and AOF dir (``appendfsync always``);

@@ -1,4 +1,4 @@
-"""Bad input (issue 8.4): a fuzz-style corpus against put, create, read and head on the memory
+"""Bad input: a fuzz-style corpus against put, create, read and head on the memory
 store, a Redis server and the Redis Cluster.
 
 The policy this asserts (what the package does, checked to be consistent across backends):

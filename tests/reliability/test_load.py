@@ -1,4 +1,4 @@
-"""Load (issue 8.2): many writers over many sessions, and writers contending on one session.
+"""Load: many writers over many sessions, and writers contending on one session.
 
 After a bounded run: no entry lost or duplicated, n contiguous everywhere, and every session's raw
 storage consistent (header n == XLEN, stream IDs ``<n>-1`` contiguous), checked with raw

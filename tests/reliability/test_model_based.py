@@ -1,4 +1,4 @@
-"""Model-based testing (issue 8.3): a hypothesis state machine drives `RedisSessionStore` (a real
+"""Model-based testing: a hypothesis state machine drives `RedisSessionStore` (a real
 server, and the real local cluster) and `MemorySessionStore` (the reference) with the same random
 operations, and checks that they never disagree: same entries (ignoring `time`), same heads, same
 listings, same error types; and that Redis's raw storage stays consistent after every step.

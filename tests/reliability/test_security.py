@@ -1,4 +1,4 @@
-"""Security (issue 8.5): the ACL users of docs/security.md, and TLS, on private servers.
+"""Security: the ACL users of docs/security.md, and TLS, on private servers.
 
 - `writer`: the agent pods. Scripts plus read/write on ``rs:*`` keys; no dangerous commands.
 - `reader`: the gateway and live tails. Read-only on ``rs:*``: head/read/list/tail work, every

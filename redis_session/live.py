@@ -1,0 +1,90 @@
+"""Following a session live: `follow`, a `SessionStore.tail` that survives dropped connections.
+
+Every live reader uses it (the terminal tail, the gateway's SSE streams, adapters): when the
+connection to the store drops it waits (exponential backoff with jitter) and resumes at the last
+delivered n + 1, so a reader never loses or repeats an entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TypeVar
+
+import anyio
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .errors import SessionNotFoundError
+from .model import Entry
+from .store import SessionStore
+
+# StoreUnavailableError is an OSError (ConnectionError); redis-py's own errors are listed for
+# stores that let one through (a cluster client's MOVED storm, a pool at its limit).
+RETRYABLE: tuple[type[BaseException], ...] = (OSError, RedisConnectionError, RedisTimeoutError)
+
+T = TypeVar("T")
+
+RetryHook = Callable[[BaseException, float, int], None]
+"""Called before each wait: (the error, seconds it will wait, the n it will resume at)."""
+
+
+@contextlib.asynccontextmanager
+async def _closing(it: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T], None]:
+    """`contextlib.aclosing` for any async iterator (the store protocol promises no `aclose`)."""
+    try:
+        yield it
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def follow(
+    store: SessionStore,
+    session_id: str,
+    start: int = 0,
+    *,
+    on_retry: RetryHook | None = None,
+    min_backoff: float = 0.05,
+    max_backoff: float = 5.0,
+) -> AsyncGenerator[Entry, None]:
+    """Every entry with n >= `start`, then each new one as it lands, across connection drops.
+
+    Ends when the session is deleted. Raises `SessionNotFoundError` when it does not exist at the
+    start. Delivery is exactly once and in order: after a drop the tail resumes at the last
+    delivered n + 1, and a gap (never expected from a store) is filled by a read.
+
+    >>> async with contextlib.aclosing(follow(store, "chat-1")) as entries:
+    ...     async for e in entries:
+    ...         print(e.n, e.type)
+    """
+    nxt = start
+    delay = min_backoff
+    dropped = False
+    while True:
+        try:
+            async with _closing(store.tail(session_id, nxt)) as entries:
+                async for e in entries:
+                    if e.n < nxt:
+                        continue
+                    if e.n > nxt:
+                        for missing in await store.read(session_id, nxt, e.n):
+                            yield missing
+                            nxt = missing.n + 1
+                    yield e
+                    nxt = e.n + 1
+                    delay = min_backoff
+            return
+        except SessionNotFoundError:
+            if dropped:  # deleted while we were away: the same end as a tail that sees it go
+                return
+            raise
+        except RETRYABLE as exc:
+            dropped = True
+            wait = delay * (0.5 + random.random())  # jitter: many readers must not reconnect in step
+            if on_retry is not None:
+                on_retry(exc, wait, nxt)
+            await anyio.sleep(wait)
+            delay = min(delay * 2, max_backoff)
