@@ -233,7 +233,7 @@ def _expect_ok(reply: str) -> None:
 
 
 def main() -> None:  # pragma: no cover - a manual helper
-    """`python -m redis_session.localcluster`: start a cluster and print its seed URL until Ctrl-C."""
+    """`python -m redis_session.testing.localcluster`: start a cluster and print its seed URL until Ctrl-C."""
     c = start_cluster()
     print(c.url, flush=True)
     try:
