@@ -64,54 +64,76 @@ class _Turns:
         self.step: int | None = None
         self.calls: set[Any] = set()  # tool/call ids of the current step
 
-    def see(self, e: Entry) -> None:  # noqa: C901 - to split
-        t, d, n = e.type, e.data, e.n
-        turn, step = _int(d.get("turn")), _int(d.get("step"))
+    def see(self, e: Entry) -> None:
+        t = e.type
         if t == "turn/start":
-            if self.turn is not None:
-                self.add(n, "turn-nested", f"turn/start {turn} while turn {self.turn} is open")
-            if turn is not None and turn != self.last_turn + 1:
-                self.add(n, "turn-number", f"expected turn {self.last_turn + 1}, got {turn}")
-            self.turn = turn if turn is not None else self.last_turn + 1
-            self.last_turn = self.turn
-            self.step, self.last_step = None, 0
-            self.calls.clear()
-            return
-        if t == "turn/end":
-            if self.turn is None:
-                self.add(n, "turn-unmatched", "turn/end outside any open turn")
-            else:
-                if turn != self.turn:
-                    self.add(n, "turn-unmatched", f"turn/end {turn} does not match the open turn {self.turn}")
-                if self.step is not None:
-                    self.add(n, "step-open", f"turn/end while step {self.step} is open")
-            self.turn = self.step = None
-            self.calls.clear()
-            return
-        if t not in TURN_SCOPED_TYPES and not (t == "steering/message" and self.turn is not None):
-            return
+            self._turn_start(e)
+        elif t == "turn/end":
+            self._turn_end(e)
+        elif t in TURN_SCOPED_TYPES or (t == "steering/message" and self.turn is not None):
+            self._in_turn(e)
+
+    def _turn_start(self, e: Entry) -> None:
+        turn = _int(e.data.get("turn"))
+        if self.turn is not None:
+            self.add(e.n, "turn-nested", f"turn/start {turn} while turn {self.turn} is open")
+        if turn is not None and turn != self.last_turn + 1:
+            self.add(e.n, "turn-number", f"expected turn {self.last_turn + 1}, got {turn}")
+        self.turn = turn if turn is not None else self.last_turn + 1
+        self.last_turn = self.turn
+        self.step, self.last_step = None, 0
+        self.calls.clear()
+
+    def _turn_end(self, e: Entry) -> None:
+        turn = _int(e.data.get("turn"))
+        if self.turn is None:
+            self.add(e.n, "turn-unmatched", "turn/end outside any open turn")
+        else:
+            if turn != self.turn:
+                self.add(e.n, "turn-unmatched", f"turn/end {turn} does not match the open turn {self.turn}")
+            if self.step is not None:
+                self.add(e.n, "step-open", f"turn/end while step {self.step} is open")
+        self.turn = self.step = None
+        self.calls.clear()
+
+    def _in_turn(self, e: Entry) -> None:
+        """An entry that must sit inside an open turn (and, for step-scoped ones, its step)."""
+        t, d, n = e.type, e.data, e.n
+        turn = _int(d.get("turn"))
         if self.turn is None:
             self.add(n, "outside-turn", f"{t} appended outside any open turn")
             return
         if turn is not None and turn != self.turn:
             self.add(n, "turn-mismatch", f"{t} names turn {turn}, but turn {self.turn} is open")
         if t == "step/start":
-            if self.step is not None:
-                self.add(n, "step-nested", f"step/start {step} while step {self.step} is open")
-            if step is not None and step != self.last_step + 1:
-                self.add(n, "step-number", f"expected step {self.last_step + 1}, got {step}")
-            self.step = step if step is not None else self.last_step + 1
-            self.last_step = self.step
-            self.calls.clear()
-            return
-        if t == "step/end":
-            if self.step is None:
-                self.add(n, "step-unmatched", "step/end with no open step")
-            elif step != self.step:
-                self.add(n, "step-mismatch", f"step/end {step} does not match the open step {self.step}")
-            self.step = None
-            self.calls.clear()
-            return
+            self._step_start(e)
+        elif t == "step/end":
+            self._step_end(e)
+        else:
+            self._in_step(e)
+
+    def _step_start(self, e: Entry) -> None:
+        step = _int(e.data.get("step"))
+        if self.step is not None:
+            self.add(e.n, "step-nested", f"step/start {step} while step {self.step} is open")
+        if step is not None and step != self.last_step + 1:
+            self.add(e.n, "step-number", f"expected step {self.last_step + 1}, got {step}")
+        self.step = step if step is not None else self.last_step + 1
+        self.last_step = self.step
+        self.calls.clear()
+
+    def _step_end(self, e: Entry) -> None:
+        step = _int(e.data.get("step"))
+        if self.step is None:
+            self.add(e.n, "step-unmatched", "step/end with no open step")
+        elif step != self.step:
+            self.add(e.n, "step-mismatch", f"step/end {step} does not match the open step {self.step}")
+        self.step = None
+        self.calls.clear()
+
+    def _in_step(self, e: Entry) -> None:
+        t, d, n = e.type, e.data, e.n
+        step = _int(d.get("step"))
         if step is not None and step != self.step:
             where = "no step is open" if self.step is None else f"step {self.step} is open"
             self.add(n, "step-mismatch", f"{t} names step {step}, but {where}")
@@ -215,7 +237,48 @@ def _fold_header(header: dict[str, Any] | None, e: Entry, add: _Report) -> dict[
         return None
 
 
-def interrupted_turn_closers(entries: Sequence[Entry]) -> list[NewEntry]:  # noqa: C901 - to split
+class _OpenTurn:
+    """What a crash left open, scanned in log order: the turn, its step, and unanswered calls."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.turn: int | None = None
+        self.step: int | None = None
+        self.pending: dict[Any, tuple[int | None, int | None]] = {}  # call id → (step, tool/call n)
+        self.logged: dict[Any, int] = {}  # tool/call ids of the current step → n
+
+    def _forget_calls(self) -> None:
+        self.pending.clear()
+        self.logged.clear()
+
+    def see(self, e: Entry) -> None:
+        t, d = e.type, e.data
+        if t in ("turn/start", "turn/end"):
+            self.open = t == "turn/start"
+            self.turn = _int(d.get("turn")) if self.open else None
+            self.step = None
+            self._forget_calls()
+        elif t == "step/start":
+            self.step = _int(d.get("step"))
+        elif t == "step/end":
+            self.step = None
+            self._forget_calls()
+        elif t == "assistant/message":
+            content = d.get("content")
+            for block in content if isinstance(content, list) else ():
+                if isinstance(block, dict) and block.get("type") == "tool-call":
+                    call_id = block.get("id")
+                    self.pending.setdefault(call_id, (_int(d.get("step")) or self.step, self.logged.get(call_id)))
+        elif t == "tool/call":
+            call_id = d.get("callId")
+            self.logged[call_id] = e.n
+            if call_id in self.pending:
+                self.pending[call_id] = (self.pending[call_id][0], e.n)
+        elif t == "tool/result":
+            self.pending.pop(d.get("callId"), None)
+
+
+def interrupted_turn_closers(entries: Sequence[Entry]) -> list[NewEntry]:
     """The entries that close a turn a crash left open (dsh ``interruptedTurnClosers``), to append
     after `entries`; [] when no turn is open.
 
@@ -225,45 +288,14 @@ def interrupted_turn_closers(entries: Sequence[Entry]) -> list[NewEntry]:  # noq
     ``step/end`` if a step is open, then ``turn/end {reason: {kind: "interrupted"}}``. Every closer
     takes the last entry's time, so the repair is deterministic.
     """
-    open_turn = False
-    turn: int | None = None
-    step: int | None = None
-    pending: dict[Any, tuple[int | None, int | None]] = {}  # call id → (step, tool/call n)
-    logged: dict[Any, int] = {}  # tool/call ids of the current step → n
+    scan = _OpenTurn()
     for e in entries:
-        t, d = e.type, e.data
-        if t == "turn/start":
-            open_turn, turn, step = True, _int(d.get("turn")), None
-            pending.clear()
-            logged.clear()
-        elif t == "turn/end":
-            open_turn, turn, step = False, None, None
-            pending.clear()
-            logged.clear()
-        elif t == "step/start":
-            step = _int(d.get("step"))
-        elif t == "step/end":
-            step = None
-            pending.clear()
-            logged.clear()
-        elif t == "assistant/message":
-            content = d.get("content")
-            for block in content if isinstance(content, list) else ():
-                if isinstance(block, dict) and block.get("type") == "tool-call":
-                    call_id = block.get("id")
-                    pending.setdefault(call_id, (_int(d.get("step")) or step, logged.get(call_id)))
-        elif t == "tool/call":
-            call_id = d.get("callId")
-            logged[call_id] = e.n
-            if call_id in pending:
-                pending[call_id] = (pending[call_id][0], e.n)
-        elif t == "tool/result":
-            pending.pop(d.get("callId"), None)
-    if not open_turn:
+        scan.see(e)
+    if not scan.open:
         return []
-    time = entries[-1].time
+    turn, time = scan.turn, entries[-1].time
     closers: list[NewEntry] = []
-    for call_id, (call_step, call_n) in pending.items():
+    for call_id, (call_step, call_n) in scan.pending.items():
         data: dict[str, Any] = {"turn": turn}
         if call_step is not None:
             data["step"] = call_step
@@ -273,8 +305,8 @@ def interrupted_turn_closers(entries: Sequence[Entry]) -> list[NewEntry]:  # noq
         data["error"] = {"name": "InterruptedError", "code": "interrupted"}
         seqs = None if call_n is None else [call_n]
         closers.append(NewEntry("tool/result", data, surface=Surface("append", seqs), time=time))
-    if step is not None:
-        closers.append(NewEntry("step/end", {"turn": turn, "step": step}, time=time))
+    if scan.step is not None:
+        closers.append(NewEntry("step/end", {"turn": turn, "step": scan.step}, time=time))
     closers.append(NewEntry("turn/end", {"turn": turn, "reason": {"kind": "interrupted"}}, time=time))
     return closers
 
