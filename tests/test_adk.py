@@ -382,6 +382,11 @@ async def test_delete_session(store: Any) -> None:
     # The id is free again, and the new session starts empty.
     again = await svc.create_session(app_name=APP, user_id="alice", session_id="s1")
     assert again.events == [] and again.state == {"user:u": 1}
+    # Its first event sits at the same n as the old one's did; its state deltas still land.
+    await svc.append_event(again, _event(**{"user:u": 2, "app:a": 3}))
+    assert await svc.get_user_state(app_name=APP, user_id="alice") == {"u": 2}
+    got = await svc.get_session(app_name=APP, user_id="alice", session_id="s1")
+    assert got is not None and got.state == {"user:u": 2, "app:a": 3} and len(got.events) == 1
     assert sorted(x.id for x in (await svc.list_sessions(app_name=APP)).sessions) == ["s1", "s2"]
 
 
@@ -537,6 +542,33 @@ async def test_any_adk_names_map_to_store_ids(store: Any) -> None:
         await svc.create_session(app_name=app, user_id=user, session_id="é" * 100)
     with pytest.raises(ValueError):
         RedisAdkSessionService(store, namespace="bad:ns")
+
+
+async def test_events_round_trip_field_for_field(store: Any) -> None:
+    """What ADK's database service stores of an event (`model_dump(mode="json", exclude_none=True)`)
+    comes back equal: bytes, function calls and responses, actions, custom metadata."""
+    svc = RedisAdkSessionService(store)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="s1")
+    rich = Event(
+        invocation_id="inv-9",
+        author="forecaster",
+        branch="root.forecaster",
+        content=types.Content(
+            role="model",
+            parts=[
+                types.Part(text="see"),
+                types.Part(inline_data=types.Blob(mime_type="image/png", data=b"\x89PNG\x00\xff")),
+                types.Part(function_call=types.FunctionCall(id="c1", name="f", args={"a": [1, {"b": None}]})),
+            ],
+        ),
+        actions=EventActions(state_delta={"k": {"nested": [1, 2]}}, transfer_to_agent="other", escalate=True),
+        custom_metadata={"trace": "t-1"},
+        turn_complete=True,
+    )
+    await svc.append_event(s, rich)
+    got = await svc.get_session(app_name=APP, user_id="alice", session_id="s1")
+    assert got is not None and got.events == [rich] and got.state == {"k": {"nested": [1, 2]}}
+    assert got.events[0].content.parts[1].inline_data.data == b"\x89PNG\x00\xff"
 
 
 def test_lazy_export() -> None:

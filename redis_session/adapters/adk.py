@@ -263,19 +263,23 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
                     pass
         await self.store.put(store_id, None, entries, idempotency_key=key)
 
-    async def _write_scoped(self, app_name: str, user_id: str, scoped: dict[str, dict[str, Any]], key: str) -> None:
+    async def _write_scoped(
+        self, app_name: str, user_id: str, scoped: dict[str, dict[str, Any]], key: str | None
+    ) -> None:
+        """Append the app and user parts of a delta to their logs. `key` (the event's idempotency
+        key) makes a retried write land once."""
         if scoped["app"]:
             await self._append_at_end(
                 self.app_state_store_id(app_name),
                 [NewEntry(STATE, {"delta": scoped["app"]})],
-                _digest(key, "app"),
+                None if key is None else _digest(key, "app"),
                 "app-state",
             )
         if scoped["user"]:
             await self._append_at_end(
                 self.user_state_store_id(app_name, user_id),
                 [NewEntry(STATE, {"delta": scoped["user"]})],
-                _digest(key, "user"),
+                None if key is None else _digest(key, "user"),
                 "user-state",
             )
 
@@ -340,7 +344,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             "time": platform_time.get_time(),
         }
         try:
-            await self.store.create(
+            created = await self.store.create(
                 SessionHeader(
                     id=store_id,
                     title=session_id,
@@ -350,17 +354,17 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             )
         except SessionAlreadyExistsError:
             raise AlreadyExistsError(f"Session with id {session_id} already exists.") from None
-        entries = await self.store.read(store_id, 0, 1)
-        await self._write_scoped(app_name, user_id, scoped, f"{store_id}#create")
-        folded = _Fold(entries)
+        await self._write_scoped(app_name, user_id, scoped, None)
         session = Session(
             id=session_id,
             app_name=app_name,
             user_id=user_id,
-            state=self._merge(folded.state, await self._app_state(app_name), await self._user_state(app_name, user_id)),
-            last_update_time=folded.last_update_time,
+            state=self._merge(
+                scoped["session"], await self._app_state(app_name), await self._user_state(app_name, user_id)
+            ),
+            last_update_time=head["time"],
         )
-        self._mark(session, folded.n)
+        self._mark(session, created.n)
         return session
 
     async def get_session(
@@ -472,7 +476,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             raise AdkSessionNotFoundError(f"Session {session.id} not found.") from None
         at = stored[0].n
         await self._write_scoped(
-            session.app_name, session.user_id, _scoped(event.actions.state_delta), f"{store_id}#{at}"
+            session.app_name, session.user_id, _scoped(event.actions.state_delta), f"{store_id}#{key}"
         )
         if at < expected:
             return event  # an equal event that already landed: nothing applied twice
