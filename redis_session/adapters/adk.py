@@ -336,12 +336,13 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             None,
             "index",
         )
-        head = {
+        now: float = platform_time.get_time()
+        head: dict[str, Any] = {
             "app_name": app_name,
             "user_id": user_id,
             "session_id": session_id,
             "state": scoped["session"],
-            "time": platform_time.get_time(),
+            "time": now,
         }
         try:
             created = await self.store.create(
@@ -362,7 +363,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             state=self._merge(
                 scoped["session"], await self._app_state(app_name), await self._user_state(app_name, user_id)
             ),
-            last_update_time=head["time"],
+            last_update_time=now,
         )
         self._mark(session, created.n)
         return session
