@@ -27,12 +27,18 @@ Re-delivering an event that already landed (an equal event: same id and fields) 
 in ADK's in-memory service (the store's idempotency key is a digest of the event).
 App and user state deltas are appended after the event, at the end of their logs (last writer
 wins per key, like the database service's row update), each with an idempotency key derived from
-the event's place in the log: retrying an ``append_event`` whose state write failed completes it
-without applying anything twice.
+the session and the event's digest: if the state write fails after the event landed (the call
+raises), retrying ``append_event`` with the same event completes it without applying anything
+twice. Until then the event is in the log and its app/user delta is not.
+
+Ids: a store id is at most 256 characters, so the escaped names must fit (a UUID session id with
+app and user names of ASCII letters leaves ~190 characters for them); a longer one is an
+`InvalidSessionIdError` (a ``ValueError``) that says so. `adk_names` maps a store id back.
 
 Costs: `get_session` reads the session's log once (events are validated only when returned);
 app, user and index logs are read incrementally (each service instance folds from where it last
-looked). `list_sessions` folds the state of every listed session from its log.
+looked). `list_sessions` folds the state of every listed session from its log. The index log
+of an app keeps one entry per create and delete (it is never compacted).
 """
 
 from __future__ import annotations
