@@ -4,6 +4,8 @@
   ``Session`` protocol; needs the ``openai-agents`` extra.
 - `RedisChatMessageHistory` (``redis_session.adapters.langchain``): a LangChain
   ``BaseChatMessageHistory``; needs the ``langchain`` extra.
+- `RedisAdkSessionService` (``redis_session.adapters.adk``): a Google ADK ``BaseSessionService``;
+  needs the ``adk`` extra.
 
 Each is imported on first use, so this package imports without either framework installed.
 """
@@ -13,10 +15,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .adk import RedisAdkSessionService
     from .langchain import RedisChatMessageHistory
     from .openai_agents import RedisEventSession
 
-__all__ = ["RedisChatMessageHistory", "RedisEventSession"]
+__all__ = ["RedisAdkSessionService", "RedisChatMessageHistory", "RedisEventSession"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,4 +31,8 @@ def __getattr__(name: str) -> Any:
         from .langchain import RedisChatMessageHistory
 
         return RedisChatMessageHistory
+    if name == "RedisAdkSessionService":
+        from .adk import RedisAdkSessionService
+
+        return RedisAdkSessionService
     raise AttributeError(name)
