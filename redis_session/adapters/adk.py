@@ -62,16 +62,9 @@ from google.adk.sessions import BaseSessionService, Session, _session_util
 from google.adk.sessions.base_session_service import GetSessionConfig, ListSessionsResponse
 from google.adk.sessions.state import State
 
-from .. import (
-    Entry,
-    InvalidSessionIdError,
-    NewEntry,
-    SessionAlreadyExistsError,
-    SessionConflictError,
-    SessionHeader,
-    SessionNotFoundError,
-    SessionStore,
-)
+from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
+from ..model import Entry, NewEntry, SessionHeader
+from ..store import SessionStore
 from ._log import SessionLog, resolve_store
 
 __all__ = ["RedisAdkSessionService", "StaleAdkSessionError", "adk_names", "escape", "unescape"]
