@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import builtins
 import logging
-import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -70,6 +69,7 @@ from .model import (
 from .projection.fold import Message, ProjectionState, check_surface, history, to_openai
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
+from .retry import conflict_backoff
 from .snapshots import SnapshotCache, load_state
 from .store.memory import MemorySessionStore, SessionStore
 
@@ -439,9 +439,8 @@ class Session:
                 except SessionConflictError:
                     if attempt >= retries:
                         raise
-                cap = min(max_delay, base_delay * (2**attempt))
+                await conflict_backoff(attempt, base=base_delay, cap=max_delay)
                 attempt += 1
-                await anyio.sleep(random.uniform(0, cap))
                 await self.refresh()
 
     async def _write(

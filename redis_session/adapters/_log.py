@@ -9,17 +9,15 @@ see an empty log and create nothing).
 
 from __future__ import annotations
 
-import random
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import anyio
-
 from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
 from ..keys import validate_session_id
 from ..model import DEFAULT_MAX_BATCH, Entry, NewEntry, SessionHeader
-from ..store.memory import SessionStore
+from ..retry import conflict_backoff
+from ..store import SessionStore
 
 #: Attempts of one write under contention before the last conflict is raised.
 MAX_ATTEMPTS = 100
@@ -118,8 +116,7 @@ class SessionLog:
                 if e.actual_n < self.n:
                     self._restart()  # a new session under the same id: our state is stale
                 await self.catch_up()
-                # Jittered backoff, so contending writers stop colliding in lockstep.
-                await anyio.sleep(random.uniform(0, min(0.05, 0.0005 * 2**attempt)))
+                await conflict_backoff(attempt, base=0.0005, cap=0.05)
                 continue
             except SessionNotFoundError as e:
                 # Deleted since we looked: start over on a new session.

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from ..errors import SessionConflictError
 from ..model import NewEntry
+from ..retry import conflict_backoff
 
 WORDS = (
     "the session log is the single source of truth and every view of it is a projection "
@@ -137,7 +138,7 @@ async def _report(sessions: Any, shared_id: str, pod: int, note: str, stats: Sta
             return
         except SessionConflictError:
             stats.conflicts_retried += 1
-            await anyio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+            await conflict_backoff(attempt, base=0.002, cap=0.1)
             await s.refresh()
 
 
