@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     AccessDeniedError,
     DurabilityError,
+    IdempotencyKeyReusedError,
     InvalidEntryError,
     InvalidSessionIdError,
     LeaseHeldError,
@@ -133,6 +134,7 @@ __all__ = [
     "AccessDeniedError",
     "DurabilityError",
     "Entry",
+    "IdempotencyKeyReusedError",
     "InvalidEntryError",
     "InvalidSessionIdError",
     "LeaseHeldError",
