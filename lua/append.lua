@@ -2,13 +2,15 @@
 --
 -- KEYS[1] hdr    HASH    {prefix}:{id}:hdr   header fields, n, updated_at, last_cut
 -- KEYS[2] log    STREAM  {prefix}:{id}:log   entry n at ID "<n>-1"
--- KEYS[3] idem   ZSET    {prefix}:{id}:idem  idempotency key -> first_n * 65536 + batch length
+-- KEYS[3] idem   ZSET    {prefix}:{id}:idem  idempotency key -> first_n * 65536 + batch length, and
+--                                            "<key>\0<digest>" at the same score (the batch it names)
 -- KEYS[4..7]     proj, draft, kids, lease    (only touched to refresh a session TTL)
 -- KEYS[8] feed   STREAM  optional change-feed shard (standalone servers only: another slot)
 --
 -- ARGV[1] mode         "append" | "create"
 -- ARGV[2] expected_n   "" = append at the end whatever n is
--- ARGV[3] idem_key     "" = none
+-- ARGV[3] idem         "" = none, else "<window>:<digest>:<key>": keep the last <window> keys;
+--                      <digest> (hex) identifies the batch, so a key reused for another one is refused
 -- ARGV[4] count        number of entries in the batch
 -- ARGV[5] feed_maxlen  approximate MAXLEN of the feed shard
 -- ARGV[6] session_id   written to the feed
@@ -16,18 +18,26 @@
 -- ARGV[8] nhdr         create only: number of header field/value pairs that follow
 -- ARGV[9 .. 8+2*nhdr]  create only: header fields ("created_at" "" = server time); "at" gives first n
 -- then per entry, 6 values: type, time ("" = server time), data, meta (""), surface (""),
---                            cut_before ("" unless type is cut)
+--                            bound ("" = none): the largest n the entry refers to, exclusive (a cut's
+--                            before; a surface's max(sourceEventSeqs) + 1 and a replace's end + 1);
+--                            it must not exceed the entry's own n
 --
 -- Returns {0, first_n, now_ms}             written
 --         {1, first_n, count}               idempotent retry: that batch (count entries) already landed
 --         {2, actual_n}                     conflict: header n ~= expected_n
 --         {3}                               session not found (or deleted)
---         {4, index, own_n}                 a cut's `before` is beyond its own n
+--         {4, index, own_n}                 entry `index` refers beyond its own n (its bound)
 --         {5}                               create: the session already exists
 --         {6, last_id}                      the stream is ahead of the header (corrupt; nothing written)
+--         {7}                               the idempotency key landed a different batch (nothing written)
 
 local hdr, log, idem = KEYS[1], KEYS[2], KEYS[3]
-local mode, expected, idem_key = ARGV[1], ARGV[2], ARGV[3]
+local mode, expected = ARGV[1], ARGV[2]
+local idem_key, digest, window = '', '', 0
+if ARGV[3] ~= '' then
+  local w, d, k = string.match(ARGV[3], '^(%d+):(%x+):(.*)$')
+  idem_key, digest, window = k, d, tonumber(w)
+end
 local count = tonumber(ARGV[4])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -63,6 +73,13 @@ else
   if idem_key ~= '' then
     local first = redis.call('ZSCORE', idem, idem_key)
     if first then
+      if not redis.call('ZSCORE', idem, idem_key .. '\0' .. digest) then
+        -- another digest at that score: the key was reused for another batch (a key written
+        -- before digests were kept has none and is taken as a retry)
+        for _, m in ipairs(redis.call('ZRANGEBYSCORE', idem, first, first)) do
+          if m ~= idem_key then return {7} end
+        end
+      end
       first = tonumber(first)
       return {1, math.floor(first / 65536), first % 65536}
     end
@@ -117,8 +134,9 @@ else
 end
 
 if idem_key ~= '' and count > 0 then
-  redis.call('ZADD', idem, n * 65536 + count, idem_key)
-  redis.call('ZREMRANGEBYRANK', idem, 0, -1025)
+  local score = n * 65536 + count
+  redis.call('ZADD', idem, score, idem_key, score, idem_key .. '\0' .. digest)
+  redis.call('ZREMRANGEBYRANK', idem, 0, -2 * window - 1)
 end
 
 -- An ephemeral session's keys expire together; every write restarts the clock. The lease keeps

@@ -8,7 +8,7 @@
 -- ARGV[1] at    the branch point (0 <= at <= parent n)
 -- ARGV[2] the child's kids member ("<inverted created_at>:<child id>")
 --
--- Returns {0, added (1|0), parent_at or "", segments or "", delegation_depth}   linked
+-- Returns {0, added (1|0), parent_at or "", segments or "", delegation_depth, ttl_ms or ""}   linked
 --         {3}                       parent not found (or deleted)
 --         {4, n}                    at is beyond the parent's n
 local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'at', 'segments', 'delegation_depth', 'ttl_ms')
@@ -18,4 +18,4 @@ local added = redis.call('ZADD', KEYS[2], 0, ARGV[2])
 if h[6] then
   for k = 1, #KEYS do redis.call('PERSIST', KEYS[k]) end
 end
-return {0, added, h[3] or '', h[4] or '', h[5] or '0'}
+return {0, added, h[3] or '', h[4] or '', h[5] or '0', h[6] or ''}

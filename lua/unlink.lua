@@ -4,11 +4,13 @@
 -- KEYS[1..7] hdr, log, idem, proj, draft, kids, lease of the PARENT  ({prefix}:{parent}:*)
 -- ARGV[1]    the child's kids member ("<inverted created_at>:<child id>")
 --
--- Returns {0}                        parent kept
+-- Returns {0, kids left, 1|0}        parent kept (1: it is hidden or ephemeral, so a stale link
+--                                    among those left would keep it for nothing)
 --         {1, grandparent or ""}     parent purged (its own parent must be unlinked in turn)
 redis.call('ZREM', KEYS[6], ARGV[1])
 local h = redis.call('HMGET', KEYS[1], 'deleted', 'parent', 'created_at', 'ttl_ms')
-if redis.call('ZCARD', KEYS[6]) == 0 then
+local left = redis.call('ZCARD', KEYS[6])
+if left == 0 then
   if h[1] then
     redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
     return {1, h[2] or '', h[3] or '0'}
@@ -17,4 +19,4 @@ if redis.call('ZCARD', KEYS[6]) == 0 then
     for k = 1, 5 do redis.call('PEXPIRE', KEYS[k], h[4]) end
   end
 end
-return {0}
+return {0, left, (h[1] or h[4]) and 1 or 0}

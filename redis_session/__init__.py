@@ -18,6 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from .errors import (
     AccessDeniedError,
     DurabilityError,
+    IdempotencyKeyReusedError,
     ImportFormatError,
     InvalidEntryError,
     InvalidSessionIdError,
@@ -57,6 +58,7 @@ __all__ = [
     "DoctorReport",
     "DurabilityError",
     "Entry",
+    "IdempotencyKeyReusedError",
     "ImportFormatError",
     "InvalidEntryError",
     "InvalidSessionIdError",

@@ -36,6 +36,20 @@ class SessionConflictError(SessionError):
         self.actual_n = actual_n
 
 
+class IdempotencyKeyReusedError(SessionError):
+    """An idempotency key that already landed one batch was sent with a different batch.
+
+    Nothing was written. The same batch retried with its key returns the entries it wrote; a new
+    batch needs a new key."""
+
+    def __init__(self, session_id: str, idempotency_key: str) -> None:
+        super().__init__(
+            f"session {session_id!r}: idempotency key {idempotency_key[:80]!r} already landed a different batch"
+        )
+        self.session_id = session_id
+        self.idempotency_key = idempotency_key
+
+
 class InvalidEntryError(SessionError, ValueError):
     """An entry (or a batch) was rejected before anything was written.
 

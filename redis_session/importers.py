@@ -745,8 +745,10 @@ async def write_session(
             return ImportResult(parsed.path, sid, parsed.format, "skipped")
         if on_exists == "error":
             raise SessionAlreadyExistsError(sid, "import with on_exists='skip' or 'replace'")
-        if (await store.list(parent=sid, limit=1)).items:
-            # Its id would stay taken by the deleted session until its branches go.
+        # Decided before anything is destroyed: a branch that reads its entries, listed or deleted
+        # but kept for its own branches, would keep the id taken by the deleted session.
+        live, _stale = await store.links(sid)  # stale links go with the delete
+        if live:
             raise SessionAlreadyExistsError(sid, "it has live branches, so it cannot be replaced")
         await store.delete(sid)
         status = "replaced"

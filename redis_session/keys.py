@@ -6,7 +6,8 @@ All keys of one session share the hash tag ``{<id>}`` so each script touches one
     {prefix}:{<id>}:log     STREAM  entry n at stream ID "<n>-1"
     {prefix}:{<id>}:proj    HASH    the projector's snapshot: n, state (JSON), updated_at
     {prefix}:{<id>}:plock   STRING  a projector's short fold lock (SET NX PX)
-    {prefix}:{<id>}:idem    ZSET    idempotency key -> first n of its batch (last 1024 kept)
+    {prefix}:{<id>}:idem    ZSET    idempotency key -> first n * 65536 + batch length, and at the same
+                                    score "<key>\0<digest>" (the batch's digest); last 1024 keys kept
     {prefix}:{<id>}:kids    ZSET    live branches of this session (list index, lexicographic)
     {prefix}:{<id>}:draft   STRING  the streaming assistant draft (JSON)
     {prefix}:{<id>}:lease   STRING  the writer lease token

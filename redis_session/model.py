@@ -7,6 +7,7 @@ pass (`ENTRY_LIST_DECODER`) without re-validation: the log only ever holds valid
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Generic, Literal, TypeVar
@@ -400,6 +401,8 @@ class Vocabulary:
         self._decoders: dict[str, msgspec.json.Decoder[Any] | None] = {}
         for name, schema in (DEFAULT_SCHEMAS if schemas is None else schemas).items():
             self.define(name, schema)
+        # `cut` is part of every vocabulary: the projection and the stores' bound checks depend on it.
+        self._decoders.setdefault(CUT, _CUT_DECODER)
 
     def define(self, entry_type: str, schema: Any = None) -> None:
         """Register `entry_type` with a schema: a msgspec Struct, any type msgspec can decode into
@@ -439,6 +442,7 @@ class Vocabulary:
 _encoder = msgspec.json.Encoder()
 _decode_any = msgspec.json.Decoder()
 _surface_decoder = msgspec.json.Decoder(Surface)
+_CUT_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(CutData)
 
 
 def lossless_json(value: Any, what: str, index: int | None = None) -> bytes:
@@ -482,7 +486,10 @@ class EncodedEntry(Struct, frozen=True):
     meta: dict[str, Any] | None = None
     surface_raw: bytes | None = None
     surface: Surface | None = None
-    cut_before: int | None = None
+    # The largest n this entry refers to, exclusive: a cut's `before`; a surface's max(sourceEventSeqs)
+    # + 1 (and a replace's end + 1). Valid only while it is <= the entry's own n; the stores check it
+    # once n is known (append.lua's 6th per-entry value).
+    bound: int | None = None
 
     @property
     def size(self) -> int:
@@ -560,7 +567,15 @@ def encode_entry(
         )
     if e.time is not None and (not isinstance(e.time, int) or isinstance(e.time, bool) or not 0 <= e.time < 1 << 53):
         raise InvalidEntryError(f"time must be a non-negative int (ms), got {e.time!r}", index=index)
-    cut_before = data["before"] if entry_type == CUT else None
+    bound: int | None = None
+    if entry_type == CUT:
+        # whatever the vocabulary says: a cut the projection cannot read never reaches the log
+        try:
+            bound = _CUT_DECODER.decode(data_raw).before
+        except msgspec.ValidationError as err:
+            raise InvalidEntryError(f"cut: {err}", index=index) from None
+    elif surface is not None:
+        bound = surface_bound(surface)
     enc = EncodedEntry(
         type=entry_type,
         time=e.time,
@@ -570,7 +585,7 @@ def encode_entry(
         meta=meta,
         surface_raw=surface_raw,
         surface=surface,
-        cut_before=cut_before,
+        bound=bound,
     )
     if enc.size > max_entry_bytes:
         raise InvalidEntryError(f"entry is {enc.size} bytes; the limit is {max_entry_bytes}", index=index)
@@ -606,12 +621,48 @@ def encode_batch(
     return out
 
 
-def check_against_n(enc: EncodedEntry, own_n: int, index: int) -> None:
-    if enc.cut_before is not None and enc.cut_before > own_n:
-        raise InvalidEntryError(f"cut.before={enc.cut_before} is outside [0, {own_n}] (the cut's own n)", index=index)
+def batch_digest(batch: Sequence[EncodedEntry]) -> bytes:
+    """A 64-bit digest of a batch (16 hex digits), stored with its idempotency key: a retry of the
+    same batch matches it, a key reused for another batch does not. Covers each entry's type, given
+    time, data, meta and surface (length-prefixed, so no two batches share an encoding)."""
+    parts: list[bytes] = []
+    for e in batch:
+        t = b"" if e.time is None else b"%d" % e.time
+        m = e.meta_raw or b""
+        sf = e.surface_raw or b""
+        parts.append(
+            b"%d:%b%d:%b%d:%b%d:%b%d:%b"
+            % (len(e.type), e.type.encode(), len(t), t, len(e.data_raw), e.data_raw, len(m), m, len(sf), sf)
+        )
+    return hashlib.blake2b(b"".join(parts), digest_size=8).hexdigest().encode()
+
+
+def surface_bound(surface: Surface) -> int | None:
+    """The largest n a surface refers to, plus one (None when it names none)."""
+    seqs = surface.source_event_seqs
+    hi = max(seqs) + 1 if seqs else None
+    if isinstance(surface.op, SurfaceReplace):
+        hi = max(hi or 0, surface.op.end + 1)
+    return hi
+
+
+def bound_error(enc: EncodedEntry, own_n: int, index: int) -> InvalidEntryError:
+    """The error for an entry whose `bound` is beyond its own n (one wording for every store)."""
+    if enc.type == CUT:
+        return InvalidEntryError(f"cut.before={enc.bound} is outside [0, {own_n}] (the cut's own n)", index=index)
     seqs = enc.surface.source_event_seqs if enc.surface is not None else None
-    if seqs and max(seqs) >= own_n:
-        raise InvalidEntryError(f"surface sourceEventSeqs must name earlier entries (< {own_n})", index=index)
+    if enc.surface is not None and isinstance(enc.surface.op, SurfaceReplace):
+        op = enc.surface.op
+        return InvalidEntryError(
+            f"surface replace {op.start}..{op.end} and sourceEventSeqs {seqs} must name earlier entries (< {own_n})",
+            index=index,
+        )
+    return InvalidEntryError(f"surface sourceEventSeqs {seqs} must name earlier entries (< {own_n})", index=index)
+
+
+def check_against_n(enc: EncodedEntry, own_n: int, index: int) -> None:
+    if enc.bound is not None and enc.bound > own_n:
+        raise bound_error(enc, own_n, index)
 
 
 # --------------------------------------------------------------------------- decoding

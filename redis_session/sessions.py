@@ -867,9 +867,14 @@ class Sessions:
         return (await load_projection(self.store, head, self.snapshot_cache)).messages()
 
     async def repair(self, session_id: str, *, lease_ttl: float = DEFAULT_LEASE_TTL) -> builtins.list[Entry]:
-        """Close a turn a crashed writer left open; see `Session.repair`. Returns what was appended."""
+        """Repair what a crashed writer left: stale child links (a branch cut short between its two
+        steps; see `SessionStore.repair_links`; a deleted session kept only by them is purged),
+        then an open turn (see `Session.repair`). Returns the entries appended."""
+        removed = await self.store.repair_links(session_id)
         head = await self.store.head(session_id)
         if head is None:
+            if removed:
+                return []
             raise SessionNotFoundError(session_id)
         return await Session(self, head).repair(lease_ttl=lease_ttl)
 
@@ -895,14 +900,16 @@ class DoctorReport(Struct, frozen=True):
 _DOCTOR_PAGE = 10_000
 
 
-async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
+async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa: C901 - to split
     """Check one session: `check_invariants` on its log, plus storage checks.
 
     Storage codes: ``header`` (the header does not parse), ``stream-id`` (an ID not of the form
     ``<n>-1``), ``stream-gap`` (IDs skip entries), ``stream-order`` (an ID at or below the previous
     one, or below the branch point), ``stream-ahead`` / ``stream-behind`` (header n ≠ last ID + 1,
     or ≠ `at` for an empty branch), ``decode`` (an entry does not decode), ``schema`` (an entry's
-    data fails its type's schema), ``last-cut`` (the header's last_cut is not the last cut entry).
+    data fails its type's schema), ``last-cut`` (the header's last_cut is not the last cut entry),
+    ``stale-link`` (a child link whose branch does not exist: it keeps the session's keys, and an
+    ephemeral one's TTL, for nothing; `Sessions.repair` / ``doctor --repair`` removes it).
     On a `RedisSessionStore` the stream itself is inspected; on other stores the same is checked
     through `read`. Raises `SessionNotFoundError` for a missing session.
     """
@@ -953,6 +960,8 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
             add(head.last_cut, "last-cut", f"header last_cut={head.last_cut} is not a cut entry")
     if complete and len(entries) == n and all(e.n == i for i, e in enumerate(entries)):
         problems.extend(check_invariants(entries))
+    for child in (await store.links(session_id))[1]:
+        add(None, "stale-link", f"branch {child!r} is linked but does not exist: `redis-session doctor --repair`")
     problems.sort(key=lambda p: -1 if p.n is None else p.n)
     return DoctorReport(session_id, n, problems)
 

@@ -342,3 +342,171 @@ async def test_fork_before_user_refusals_create_nothing(store: Any) -> None:
     with pytest.raises(SessionAlreadyExistsError):
         await sessions.fork_before_user("nb", 1, fork_id="nb")
     assert await all_ids(sessions) == before
+
+
+# --------------------------------------------------------------------------- a branch cut short (issue 12)
+
+
+async def test_ephemeral_parent_is_kept_for_its_branches_then_expires(store: Any) -> None:
+    from redis_session import SessionHeader
+
+    await store.create(SessionHeader(id="p"), [um("a"), um("b")], ttl_ms=300)
+    await store.create(SessionHeader(id="c", parent="p", at=2))
+    await anyio.sleep(0.6)
+    assert [e.data["content"] for e in await store.read("c")] == ["a", "b"]
+    assert await store.head("p") is not None  # a parent with a live branch does not expire
+    assert await store.delete("c") is True
+    assert await store.head("p") is not None  # its clock restarts when its last branch goes
+    await anyio.sleep(0.6)
+    assert await store.head("p") is None
+
+
+def _redis_only(store: Any) -> None:
+    from redis_session import RedisSessionStore
+
+    if not isinstance(store, RedisSessionStore):
+        pytest.skip("the two steps of a branch (link, create) exist on Redis only")
+
+
+async def _parent_keys(store: Any, pid: str) -> int:
+    keys = [*store.keys.session_keys(pid), f"{store.prefix}:{{{pid}}}:plock"]
+    return int(await store.client.execute_command("EXISTS", *keys))
+
+
+async def _pttl(store: Any, pid: str) -> int:
+    return int(await store.client.execute_command("PTTL", store.keys.hdr(pid)))
+
+
+@pytest.mark.parametrize("point", ["during-link", "after-link", "before-create", "after-create"])
+@pytest.mark.parametrize("ephemeral", [False, True])
+async def test_branch_cancelled_between_link_and_create_leaks_nothing(store: Any, point: str, ephemeral: bool) -> None:
+    """Cancellation injected at each await of a branch's two steps (link.lua in the parent's slot,
+    append.lua's create in the child's): the clean-up runs shielded, so the parent keeps no stale
+    link, an ephemeral parent gets its TTL back, and deleting it leaves no key."""
+    from redis_session import SessionHeader
+
+    _redis_only(store)
+    await store.create(SessionHeader(id="p"), [um("a")], ttl_ms=60_000 if ephemeral else None)
+    orig = store._eval_packed
+    fired = False
+
+    with anyio.CancelScope() as scope:
+
+        async def cancelling(script: Any, count: int, body: bytes, route: Any, durable: bool = False) -> Any:
+            nonlocal fired
+            create = script.name == "append" and b"$6\r\ncreate\r\n" in body
+            here = (script.name == "link" and point.endswith("link")) or (create and point.endswith("create"))
+            if fired or not here:
+                return await orig(script, count, body, route, durable)
+            fired = True
+            if point in ("during-link", "after-create"):  # the script runs; its reply is lost
+                res = await orig(script, count, body, route, durable)
+                scope.cancel()
+                await anyio.lowlevel.checkpoint()
+                return res
+            scope.cancel()
+            await anyio.lowlevel.checkpoint()
+            return await orig(script, count, body, route, durable)
+
+        store._eval_packed = cancelling
+        await store.create(SessionHeader(id="c", parent="p", at=1))
+    store._eval_packed = orig
+    assert fired and scope.cancelled_caught
+    live, stale = await store.links("p")
+    assert stale == []
+    if point == "after-create":  # the child landed: it is a whole branch (linked and listed)
+        assert live == ["c"] and [h.id for h in (await store.list(parent="p")).items] == ["c"]
+        assert [e.n for e in await store.read("c")] == [0]
+        await store.delete("c")
+    else:
+        assert live == [] and await store.head("c") is None
+    if ephemeral:
+        assert await _pttl(store, "p") > 0
+    assert await store.delete("p") is True
+    assert await _parent_keys(store, "p") == 0
+    await store.create(SessionHeader(id="p"))
+
+
+async def _crash_link(store: Any, parent: str, child: str, at: int = 1) -> None:
+    """What a process that dies between a branch's two steps leaves: link.lua ran, create never did."""
+    from redis_session.keys import index_member
+    from redis_session.model import now_ms
+
+    k = store.keys
+    res = await store._eval(
+        "link",
+        [k.hdr(parent), k.kids(parent), k.log(parent), k.idem(parent), k.proj(parent), k.draft(parent)],
+        [at, index_member(now_ms(), child)],
+    )
+    assert int(res[0]) == 0
+
+
+async def test_crash_between_link_and_create_is_repaired_by_delete(store: Any) -> None:
+    from redis_session import SessionHeader
+
+    _redis_only(store)
+    await store.create(SessionHeader(id="p"), [um("a")])
+    await store.create(SessionHeader(id="live", parent="p", at=1))
+    await _crash_link(store, "p", "p:branch:dead")
+    assert await store.links("p") == (["live"], ["p:branch:dead"])
+    assert await store.delete("p") is True  # hidden for its live branch, not for the dead link
+    assert await store.links("p") == (["live"], [])
+    assert await store.delete("live") is True
+    assert await _parent_keys(store, "p") == 0
+    # a hidden parent that only a stale link kept (left by a crash before this repair existed)
+    await store.create(SessionHeader(id="q"), [um("a")])
+    await store.create(SessionHeader(id="q:b", parent="q", at=1))
+    await _crash_link(store, "q", "q:branch:dead")
+    assert await store.delete("q") is True
+    await store.client.execute_command("ZADD", store.keys.kids("q"), 0, "9999999999999:q:branch:old")
+    assert await store.delete("q:b") is True
+    assert await _parent_keys(store, "q") == 0
+    await store.create(SessionHeader(id="q"))
+    await store.create(SessionHeader(id="p"))
+
+
+async def test_crash_link_on_ephemeral_parent_doctor_reports_and_repair_removes(store: Any) -> None:
+    from redis_session import SessionHeader
+    from redis_session.sessions import Sessions, doctor
+
+    _redis_only(store)
+    await store.create(SessionHeader(id="p"), [um("a")], ttl_ms=60_000)
+    await _crash_link(store, "p", "p:branch:dead")
+    assert await _pttl(store, "p") == -1  # the dead link holds it forever
+    report = await doctor(store, "p")
+    assert [p.code for p in report.problems] == ["stale-link"] and "p:branch:dead" in report.problems[0].message
+    assert await Sessions(store).repair("p") == []
+    assert await store.links("p") == ([], [])
+    assert await _pttl(store, "p") > 0
+    assert (await doctor(store, "p")).ok
+    # the next branch of an ephemeral parent repairs too
+    await _crash_link(store, "p", "p:branch:dead2")
+    b = await Sessions(store).branch("p", 1)
+    assert await store.links("p") == ([b.id], [])
+    await store.delete(b.id)
+    assert await _pttl(store, "p") > 0
+
+
+async def test_repair_racing_a_branch_keeps_its_link(store: Any) -> None:
+    """A repair that runs between a branch's link and create takes the in-flight link for stale;
+    the branch's check after its create links it again, so deleting the parent keeps its entries."""
+    from redis_session import SessionHeader
+
+    _redis_only(store)
+    await store.create(SessionHeader(id="p"), [um("a"), um("b")])
+    orig = store._eval_packed
+    raced: list[str] = []
+
+    async def racing(script: Any, count: int, body: bytes, route: Any, durable: bool = False) -> Any:
+        if script.name == "append" and b"$6\r\ncreate\r\n" in body and not raced:
+            raced.extend(await store.repair_links("p"))
+        return await orig(script, count, body, route, durable)
+
+    store._eval_packed = racing
+    await store.create(SessionHeader(id="c", parent="p", at=2))
+    store._eval_packed = orig
+    assert raced == ["c"]
+    assert await store.links("p") == (["c"], [])
+    assert await store.delete("p") is True
+    assert await store.head("p") is None
+    assert [e.data["content"] for e in await store.read("c")] == ["a", "b"]

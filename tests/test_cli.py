@@ -97,6 +97,27 @@ async def test_doctor_reports_a_broken_log(redis_store: RedisSessionStore, redis
     assert "bad" in r.stdout and "1 with problems" in r.stdout
 
 
+async def test_doctor_repair_removes_a_stale_branch_link(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    from redis_session.keys import index_member
+
+    await seed(redis_store)
+    k = redis_store.keys
+    # a branch whose process died between link.lua and its create
+    await redis_store._eval(
+        "link",
+        [k.hdr("chat-1"), k.kids("chat-1"), k.log("chat-1"), k.idem("chat-1"), k.proj("chat-1"), k.draft("chat-1")],
+        [2, index_member(1_700_000_000_000, "chat-1:branch:dead")],
+    )
+    r = cli("doctor", "chat-1", url=redis_url, prefix=prefix)
+    assert r.returncode == 1 and "stale-link" in r.stdout and "chat-1:branch:dead" in r.stdout
+    r = cli("doctor", "--repair", "chat-1", url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "removed the stale link" in r.stdout
+    assert await redis_store.links("chat-1") == ([], [])
+
+
 async def test_export_import_round_trip(
     redis_store: RedisSessionStore, redis_url: str, prefix: str, tmp_path: Path
 ) -> None:

@@ -723,3 +723,23 @@ async def test_failure_part_way_leaves_nothing(small_batch_store: Any, tmp_path:
     # and the same file imports cleanly afterwards
     [res] = await import_path(small_batch_store, path)
     assert res.entries == 230
+
+
+async def test_replace_refuses_a_session_kept_for_a_hidden_branch_and_leaves_it_whole(
+    store: Any, tmp_path: Path
+) -> None:
+    """X's deleted branch Y is kept (hidden) for its own branch Z: list(parent=X) shows nothing, yet
+    X cannot be replaced. The refusal comes before anything is destroyed."""
+    path = write_jsonl(tmp_path / "s.jsonl", nanobot_rows("cli:direct"))
+    await import_path(store, path)
+    await store.create(SessionHeader(id="y", parent="cli:direct", at=2))
+    await store.create(SessionHeader(id="z", parent="y", at=1))
+    assert await store.delete("y") is True
+    assert (await store.list(parent="cli:direct")).items == []
+    head = await store.head("cli:direct")
+    entries = await store.read("cli:direct")
+    with pytest.raises(SessionAlreadyExistsError, match="branches"):
+        await import_path(store, path, on_exists="replace")
+    assert await store.head("cli:direct") == head
+    assert await store.read("cli:direct") == entries
+    assert [e.n for e in await store.read("z")] == [0]

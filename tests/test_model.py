@@ -310,13 +310,24 @@ def test_entries_must_be_a_sequence_of_entries() -> None:
 
 def test_cut_before_is_checked_against_its_own_n() -> None:
     cut = NewEntry("cut", {"before": 5, "summary": [], "reason": "r"})
-    assert enc(cut, first_n=5)[0].cut_before == 5
+    assert enc(cut, first_n=5)[0].bound == 5
     with pytest.raises(InvalidEntryError, match="before"):
         enc(cut, first_n=4)
     # in a batch, each entry has its own n
-    assert enc(("user/message", {"content": "x"}), cut, first_n=4)[1].cut_before == 5
+    assert enc(("user/message", {"content": "x"}), cut, first_n=4)[1].bound == 5
     # without a first n (an append at the end) the store checks it later
-    assert enc(cut)[0].cut_before == 5
+    assert enc(cut)[0].bound == 5
+
+
+def test_bound_is_the_largest_n_an_entry_refers_to() -> None:
+    """append.lua's 6th per-entry value: what both stores check against the entry's own n."""
+    am = ("assistant/message", {"content": "x"})
+    assert enc(am)[0].bound is None
+    assert enc((*am, None, {"sourceEventSeqs": [3, 1]}))[0].bound == 4
+    replace = {"surfaceOp": {"op": "replace", "start": 2, "end": 6}, "sourceEventSeqs": [2]}
+    assert enc((*am, None, replace), first_n=7)[0].bound == 7
+    with pytest.raises(InvalidEntryError, match=r"replace 2\.\.6"):
+        enc((*am, None, replace), first_n=6)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "1", True, 1 << 53])

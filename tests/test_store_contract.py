@@ -507,3 +507,94 @@ async def test_projection_snapshot_only_moves_forward(store: Any) -> None:
         await store.put_projection("s1", 6, b"{}")
     with pytest.raises(SessionNotFoundError):
         await store.put_projection("ghost", 0, b"{}")
+
+
+# --------------------------------------------------------------------------- both stores, every input (issue 12)
+
+
+def _cut(before: Any, summary: Any = None) -> NewEntry:
+    return NewEntry("cut", {"before": before, "summary": [] if summary is None else summary, "reason": "t"})
+
+
+async def test_surface_source_seqs_checked_after_n_is_known(store: Any) -> None:
+    """Without expected_n the client cannot check sourceEventSeqs; the rule holds where n is known."""
+    await make(store, k=2)
+    before = await snapshot(store, "s1")
+    for surface in [
+        {"surfaceOp": "append", "sourceEventSeqs": [7]},  # a future entry
+        {"surfaceOp": "append", "sourceEventSeqs": [0, 2]},  # its own n
+    ]:
+        with pytest.raises(InvalidEntryError, match="sourceEventSeqs"):
+            await store.put("s1", None, [NewEntry("assistant/message", {"content": "x"}, None, surface)])
+        # in a batch: the second entry's own n is 3, so naming 3 is refused too
+        batch = [um("a"), NewEntry("assistant/message", {"content": "x"}, None, {"sourceEventSeqs": [3]})]
+        with pytest.raises(InvalidEntryError, match="entry 1"):
+            await store.put("s1", None, batch)
+        assert await snapshot(store, "s1") == before
+    [e] = await store.put("s1", None, [NewEntry("assistant/message", {"content": "x"}, None, {"sourceEventSeqs": [1]})])
+    assert e.n == 2 and e.surface is not None and e.surface.source_event_seqs == [1]
+
+
+async def test_surface_replace_range_must_name_earlier_entries(store: Any) -> None:
+    await make(store, k=2)
+    before = await snapshot(store, "s1")
+    bad = {"surfaceOp": {"op": "replace", "start": 0, "end": 4}, "sourceEventSeqs": [0]}
+    with pytest.raises(InvalidEntryError, match="replace"):
+        await store.put("s1", 2, [NewEntry("assistant/message", {"content": "x"}, None, bad)])
+    assert await snapshot(store, "s1") == before
+
+
+async def test_idempotency_key_reused_with_another_batch(store: Any) -> None:
+    from redis_session import IdempotencyKeyReusedError, SessionError
+
+    assert issubclass(IdempotencyKeyReusedError, SessionError)
+    await make(store)
+    first = await store.put("s1", 0, [um("a"), um("b")], idempotency_key="req-1")
+    before = await snapshot(store, "s1")
+    for other in (
+        [um("a"), um("c")],
+        [um("a")],
+        [um("a"), um("b"), um("c")],
+        [NewEntry("user/message", {"content": "a"}, {"x": 1}), um("b")],
+    ):
+        for expected in (0, 2, None):
+            with pytest.raises(IdempotencyKeyReusedError) as info:
+                await store.put("s1", expected, other, idempotency_key="req-1")
+            assert info.value.session_id == "s1" and info.value.idempotency_key == "req-1"
+    assert await snapshot(store, "s1") == before
+    # the same batch retried still returns what landed
+    assert await store.put("s1", 0, [um("a"), um("b")], idempotency_key="req-1") == first
+    assert await store.put("s1", None, [um("a"), um("b")], idempotency_key="req-1") == first
+
+
+@pytest.mark.parametrize("strict", [False, True])
+async def test_cut_rules_hold_whatever_the_vocabulary(store: Any, strict: bool) -> None:
+    from redis_session import Vocabulary
+
+    store.vocabulary = Vocabulary(strict=strict, schemas={"user/message": None})
+    await make(store, k=3)
+    before = await snapshot(store, "s1")
+    bad_cuts = [
+        _cut(-3),
+        _cut(9),  # beyond its own n
+        _cut("1"),
+        _cut(1.5),
+        _cut(True),
+        _cut(None),
+        NewEntry("cut", {"summary": [], "reason": "t"}),  # no before
+        _cut(1, summary="not a list"),
+        _cut(1, summary=[{"no": "role"}]),
+        NewEntry("cut", {"before": 1, "summary": []}),  # no reason
+    ]
+    for bad in bad_cuts:
+        for expected in (3, None):
+            with pytest.raises(InvalidEntryError):
+                await store.put("s1", expected, [bad])
+            with pytest.raises(InvalidEntryError):
+                await store.put("s1", expected, [um("x"), bad])
+    with pytest.raises(InvalidEntryError):
+        await store.create(SessionHeader(id="s2"), [um("a"), _cut(2)])
+    assert await store.head("s2") is None
+    assert await snapshot(store, "s1") == before
+    [e] = await store.put("s1", None, [_cut(3, [{"role": "user", "content": "sum"}])])
+    assert e.n == 3 and (await store.head("s1")).last_cut == 3

@@ -196,8 +196,12 @@ def doctor_cmd(
     all_: Annotated[bool, typer.Option("--all", help="Check every session.")] = False,
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
+    repair: Annotated[
+        bool, typer.Option("--repair", help="First remove stale branch links (a branch cut short by a crash).")
+    ] = False,
 ) -> None:
-    """Check log invariants and storage consistency. Reports; never repairs. Exit 1 on problems."""
+    """Check log invariants and storage consistency. Reports; repairs only stale links, with
+    --repair (the log itself is never rewritten). Exit 1 on problems."""
     if (session is None) == (not all_):
         raise CliError("give a SESSION or --all")
 
@@ -221,12 +225,15 @@ def doctor_cmd(
                 assert session is not None
                 ids = [session]
             for sid in ids:
+                if repair:
+                    for child in await store.repair_links(sid):
+                        out.print(f"[yellow]{sid}[/yellow] removed the stale link to branch {child!r}")
                 try:
                     report = await doctor(store, sid)
                 except SessionNotFoundError:
-                    if not all_:
+                    if not all_ and not repair:
                         raise
-                    continue  # deleted or expired since it was listed
+                    continue  # deleted or expired since it was listed (or purged by the repair)
                 checked += 1
                 if report.ok:
                     continue

@@ -51,6 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..errors import (
     AccessDeniedError,
     DurabilityError,
+    IdempotencyKeyReusedError,
     InvalidEntryError,
     SessionAlreadyExistsError,
     SessionConflictError,
@@ -70,10 +71,13 @@ from ..model import (
     SessionHead,
     SessionHeader,
     Vocabulary,
+    batch_digest,
+    bound_error,
     lossless_json,
     now_ms,
 )
 from ..store.memory import (
+    IDEMPOTENCY_WINDOW,
     MAX_READ_RANGE,
     Segment,
     StoreRules,
@@ -117,6 +121,9 @@ class _Script:
 
 _SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj")}
 
+
+# An unlink that leaves a hidden or ephemeral parent with at most this many links checks them.
+_REPAIR_ON_UNLINK = 64
 
 # RedisClusterException: redis-py's "Redis Cluster cannot be connected" when no node answers.
 _IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException)
@@ -238,7 +245,7 @@ def _entry_fields(e: EncodedEntry) -> tuple[bytes, bytes, bytes, bytes, bytes, b
         e.data_raw,
         e.meta_raw or b"",
         e.surface_raw or b"",
-        b"" if e.cut_before is None else b"%d" % e.cut_before,
+        b"" if e.bound is None else b"%d" % e.bound,
     )
 
 
@@ -670,7 +677,12 @@ class RedisSessionStore(StoreRules):
         k = self._keys_of(session_id)  # validates the id the first time it is seen
         batch = self._put_batch(expected_n, entries, idempotency_key)
         expected = b"" if expected_n is None else b"%d" % expected_n
-        idem = b"" if idempotency_key is None else idempotency_key.encode()
+        # "<window>:<digest>:<key>": append.lua keeps the digest of the batch with its key
+        idem = (
+            b""
+            if idempotency_key is None
+            else b"%d:%b:%b" % (IDEMPOTENCY_WINDOW, batch_digest(batch), idempotency_key.encode())
+        )
         count = b"%d" % len(batch)
         try:
             # The whole EVALSHA body in one format: keys and the per-session ARGV are cached.
@@ -696,7 +708,9 @@ class RedisSessionStore(StoreRules):
                 return self._check_durable(session_id, landed, acks)
         except _IO_ERRORS as e:
             raise _unavailable(e) from e
-        self._raise(code, res, session_id, expected_n)
+        if code == 7:
+            raise IdempotencyKeyReusedError(session_id, cast(str, idempotency_key))
+        self._raise(code, res, session_id, expected_n, batch)
         raise AssertionError("unreachable")
 
     async def _append_script(
@@ -739,13 +753,14 @@ class RedisSessionStore(StoreRules):
                 await pipe.execute(raise_on_error=False)
 
     @staticmethod
-    def _raise(code: int, res: Any, session_id: str, expected_n: int | None) -> None:
+    def _raise(code: int, res: Any, session_id: str, expected_n: int | None, batch: Sequence[EncodedEntry]) -> None:
         if code == 2:
             raise SessionConflictError(session_id, cast(int, expected_n), int(res[1]))
         if code == 3:
             raise SessionNotFoundError(session_id)
         if code == 4:
-            raise InvalidEntryError(f"cut.before is outside [0, {int(res[2])}] (the cut's own n)", index=int(res[1]))
+            index = int(res[1])
+            raise bound_error(batch[index], int(res[2]), index)
         if code == 5:
             raise SessionAlreadyExistsError(session_id)
         if code == 6:
@@ -755,7 +770,7 @@ class RedisSessionStore(StoreRules):
             )
         raise SessionError(f"unexpected reply from append.lua: {res!r}")
 
-    async def create(
+    async def create(  # noqa: C901 - to split
         self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
     ) -> SessionHead:
         batch = self._create_batch(header, entries, ttl_ms)
@@ -765,7 +780,7 @@ class RedisSessionStore(StoreRules):
         member = index_member(header.created_at, header.id)
         sid = header.id
         segments: builtins.list[Segment] = []
-        linked = False
+        settle = ephemeral_parent = False  # a branch: whatever stops it after its link settles the link
         with _io():
             if header.parent is not None:
                 assert header.at is not None
@@ -773,23 +788,17 @@ class RedisSessionStore(StoreRules):
                 if await self._raw("EXISTS", self.keys.hdr(sid)):
                     raise SessionAlreadyExistsError(sid)
                 p = header.parent
-                res = await self._eval(
-                    "link",
-                    [
-                        self.keys.hdr(p),
-                        self.keys.kids(p),
-                        self.keys.log(p),
-                        self.keys.idem(p),
-                        self.keys.proj(p),
-                        self.keys.draft(p),
-                    ],
-                    [header.at, member],
-                )
+                settle = True
+                try:
+                    res = await self._link(p, header.at, member)
+                except BaseException:
+                    await self._settle_branch(p, header, member, created=False, shielded=True)
+                    raise
                 if int(res[0]) == 3:
                     raise SessionNotFoundError(header.parent)
                 if int(res[0]) == 4:
                     raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={int(res[1])}")
-                linked = int(res[1]) == 1
+                ephemeral_parent = len(res) > 5 and bool(res[5])
                 parent_at = _i(res[2] or None)
                 parent_segments = _segments_decoder.decode(res[3]) if res[3] else []
                 segments = lineage_for(header.parent, parent_at, parent_segments, header.at)
@@ -809,16 +818,22 @@ class RedisSessionStore(StoreRules):
                 res = await self._append_script(sid, argv, batch, durable=bool(self._durable))
                 acks = self._last_acks  # taken before any other await: other tasks share the store
             except BaseException:
-                if linked:
-                    await self._unlink(header.parent or "", member)
+                if settle:  # an error, a cancellation, a lost reply: did the child land?
+                    await self._settle_branch(header.parent or "", header, member, created=None, shielded=True)
                 raise
             code = int(res[0])
             if code != 0:
-                if linked:
-                    await self._unlink(header.parent or "", member)
-                self._raise(code, res, sid, None)
+                if settle:
+                    await self._settle_branch(header.parent or "", header, member, created=None, shielded=True)
+                self._raise(code, res, sid, None, batch)
             now = int(res[2])
-            await self._raw("ZADD", self.keys.sessions(sid), "0", member)
+            if header.parent is None:
+                await self._raw("ZADD", self.keys.sessions(sid), "0", member)
+            else:
+                with anyio.CancelScope(shield=True):  # the child landed: it gets listed and linked
+                    await self._settle_branch(header.parent, header, member, created=True)
+                if ephemeral_parent:
+                    await self.repair_links(header.parent)  # its TTL waits for its branches: none stale
             if self.feed and self.cluster and batch:
                 self._feed_cluster(sid, first_n + len(batch))
             self._check_durable(sid, [enc.stored(first_n + i, now) for i, enc in enumerate(batch)], acks)
@@ -829,15 +844,109 @@ class RedisSessionStore(StoreRules):
                 last_cut = first_n + i
         return SessionHead(header=header, n=n, updated_at=now, last_cut=last_cut)
 
+    async def _link(self, parent: str, at: int, member: str) -> Any:
+        """link.lua: check the parent and the branch point, record `member` in its kids."""
+        k = self.keys
+        return await self._eval(
+            "link", [k.hdr(parent), k.kids(parent), k.log(parent), k.idem(parent), k.proj(parent), k.draft(parent)],
+            [at, member],
+        )  # fmt: skip
+
+    async def _settle_branch(
+        self, parent: str, header: SessionHeader, member: str, *, created: bool | None, shielded: bool = False
+    ) -> None:
+        """After a branch's create: a child that exists gets its index entry and keeps (or gets
+        back) its link; otherwise the link goes. `created` None: unknown (a lost reply).
+
+        The link is checked after the create because a repair of the parent's links running
+        between the two steps takes an in-flight link for stale; then the child links again,
+        or, when its parent went meanwhile, is removed and `SessionNotFoundError` raised."""
+        if shielded:  # a clean-up: cancellation must not stop it, and the original error matters more
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._settle_branch(parent, header, member, created=created)
+                except Exception:
+                    pass  # what is left is a stale link: repaired by the parent's next delete or repair
+            return
+        sid = header.id
+        if created is None:
+            raw = await self._raw("HMGET", self.keys.hdr(sid), "created_at", "parent")
+            created = raw[0] is not None and int(raw[0]) == header.created_at and _s(raw[1]) == parent
+        if not created:
+            await self._unlink(parent, member)
+            return
+        _, linked = await self._pipeline(
+            ("ZADD", self.keys.sessions(sid), "0", member), ("ZSCORE", self.keys.kids(parent), member)
+        )
+        if linked is None and int((await self._link(parent, header.at or 0, member))[0]) != 0:
+            with anyio.CancelScope(shield=True):
+                await self.delete(sid)
+            raise SessionNotFoundError(parent)
+
     async def _unlink(self, parent_id: str, member: str) -> None:
         """Drop a child link; purge hidden ancestors that no longer have branches."""
         while parent_id:
             res = await self._eval("unlink", self.keys.session_keys(parent_id), [member])
             if int(res[0]) != 1:
+                # a hidden or ephemeral parent still linked to a few branches: if those are stale
+                # (expired, or cut short by a crash) they keep it for nothing
+                if member and len(res) > 2 and int(res[2]) and 0 < int(res[1]) <= _REPAIR_ON_UNLINK:
+                    await self.repair_links(parent_id)
                 return
             grandparent = _s(res[1]) or ""
             member = index_member(int(res[2]), parent_id)
             parent_id = grandparent
+
+    async def _link_members(self, session_id: str) -> tuple[builtins.list[str], builtins.list[str]]:
+        """The session's kids members, split into (live, stale)."""
+        members = [m.decode() if isinstance(m, bytes) else m for m in await self._raw(
+            "ZRANGE", self.keys.kids(session_id), 0, -1
+        )]  # fmt: skip
+        if not members:
+            return [], []
+        raws = await self._pipeline(
+            *[("HMGET", self.keys.hdr(id_from_index_member(m)), "created_at", "parent") for m in members]
+        )
+        live: builtins.list[str] = []
+        stale: builtins.list[str] = []
+        for m, (created_at, parent) in zip(members, raws, strict=True):
+            ok = created_at is not None and _s(parent) == session_id
+            (live if ok and index_member(int(created_at), id_from_index_member(m)) == m else stale).append(m)
+        return live, stale
+
+    async def links(self, session_id: str) -> tuple[builtins.list[str], builtins.list[str]]:
+        validate_session_id(session_id)
+        with _io():
+            live, stale = await self._link_members(session_id)
+        return [id_from_index_member(m) for m in live], [id_from_index_member(m) for m in stale]
+
+    async def repair_links(self, session_id: str) -> builtins.list[str]:
+        validate_session_id(session_id)
+        with _io():
+            _, stale = await self._link_members(session_id)
+            if not stale:
+                return []
+            kids = self.keys.kids(session_id)
+            await self._raw("ZREM", kids, *stale)
+            # A branch that was between its two steps may have created its child since: it keeps
+            # its link (its own check after the create would restore it too).
+            raws = await self._pipeline(
+                *[("HMGET", self.keys.hdr(id_from_index_member(m)), "created_at", "parent") for m in stale]
+            )
+            removed: builtins.list[str] = []
+            for m, (created_at, parent) in zip(stale, raws, strict=True):
+                if (
+                    created_at is not None
+                    and _s(parent) == session_id
+                    and index_member(int(created_at), id_from_index_member(m)) == m
+                ):
+                    await self._raw("ZADD", kids, "0", m)
+                else:
+                    removed.append(id_from_index_member(m))
+            # no member named: purge the session if hidden and now without branches, or restart
+            # an ephemeral one's clock (and unlink it from its own parent when purged)
+            await self._unlink(session_id, "")
+            return removed
 
     async def list(
         self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
@@ -879,11 +988,15 @@ class RedisSessionStore(StoreRules):
             res = await self._eval("delete", self.keys.session_keys(session_id), [])
             code = int(res[0])
             if code == 0:
+                # absent, or hidden already: a hidden one kept only by stale links goes now
+                await self.repair_links(session_id)
                 return False
             member = index_member(int(res[1]), session_id)
             await self._raw("ZREM", self.keys.sessions(session_id), member)
             if code == 2 and res[2]:
                 await self._unlink(_s(res[2]) or "", member)
+            if code == 1:
+                await self.repair_links(session_id)  # hidden for branches: only for live ones
             return True
 
     async def tail(self, session_id: str, start: int = 0) -> AsyncIterator[Entry]:

@@ -14,6 +14,7 @@ import anyio
 import msgspec
 
 from ..errors import (
+    IdempotencyKeyReusedError,
     InvalidEntryError,
     SessionAlreadyExistsError,
     SessionConflictError,
@@ -31,6 +32,7 @@ from ..model import (
     SessionHead,
     SessionHeader,
     Vocabulary,
+    batch_digest,
     check_against_n,
     encode_batch,
     now_ms,
@@ -68,6 +70,19 @@ class SessionStore(Protocol):
     ) -> Page[SessionHeader]: ...
 
     async def delete(self, session_id: str) -> bool: ...
+
+    async def links(self, session_id: str) -> tuple[builtins.list[str], builtins.list[str]]:
+        """The branches linked to a session, live or deleted: ``(live, stale)`` child ids.
+
+        A live link keeps the session's entries (a deleted session stays hidden for it); a stale one
+        (its child does not exist, or is another life of that id: a branch cut short between its
+        two steps, or expired) keeps them for nothing. Works on a deleted (hidden) session too."""
+        ...
+
+    async def repair_links(self, session_id: str) -> builtins.list[str]:
+        """Drop a session's stale child links (see `links`); returns their child ids. A hidden
+        session left without links is purged, and an ephemeral one expires again."""
+        ...
 
     def tail(self, session_id: str, start: int = 0) -> AsyncIterator[Entry]: ...
 
@@ -108,8 +123,8 @@ def check_expected_n(expected_n: object) -> None:
 
 
 def check_idempotency_key(key: object) -> None:
-    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 256):
-        raise InvalidEntryError("idempotency_key must be a str of 1-256 characters")
+    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 256 or "\x00" in key):
+        raise InvalidEntryError("idempotency_key must be a str of 1-256 characters (no NUL)")
 
 
 def _is_int(v: object) -> bool:
@@ -205,7 +220,7 @@ class _MemSession:
         self.n = header.at or 0
         self.updated_at = header.created_at
         self.last_cut: int | None = None
-        self.idem: dict[str, tuple[int, int]] = {}
+        self.idem: dict[str, tuple[int, int, bytes]] = {}  # key -> first n, count, batch digest
         self.kids: set[str] = set()
         self.deleted = False
         self.draft: dict[str, Any] | None = None
@@ -279,8 +294,15 @@ class MemorySessionStore(StoreRules):
         if s is None:
             return None
         if s.expires_at is not None and s.expires_at <= anyio.current_time():
-            self._purge(session_id)
-            return None
+            # A session with live branches does not expire (they read its entries), as on Redis;
+            # its expired branches go first, and the last one gone restarts its clock.
+            for kid in builtins.list(s.kids):
+                self._get(kid, include_deleted=True)
+            if session_id not in self._sessions:
+                return None  # a hidden parent purged with its last branch
+            if not s.kids and s.expires_at is not None and s.expires_at <= anyio.current_time():
+                self._purge(session_id)
+                return None
         if s.deleted and not include_deleted:
             return None
         return s
@@ -301,6 +323,8 @@ class MemorySessionStore(StoreRules):
                 parent.kids.discard(session_id)
                 if parent.deleted and not parent.kids:
                     self._purge(parent_id)
+                elif not parent.kids:
+                    self._touch(parent)  # an ephemeral parent kept for its branches expires again
 
     def _entries_of(self, session_id: str, lo: int, hi: int) -> builtins.list[Entry]:
         s = self._sessions[session_id]
@@ -340,7 +364,9 @@ class MemorySessionStore(StoreRules):
             if s is None:
                 raise SessionNotFoundError(session_id)
             if idempotency_key is not None and idempotency_key in s.idem:
-                first, count = s.idem[idempotency_key]
+                first, count, digest = s.idem[idempotency_key]
+                if digest != batch_digest(batch):
+                    raise IdempotencyKeyReusedError(session_id, idempotency_key)
                 return [s.entries[i] for i in range(first, first + count)]
             if expected_n is not None and expected_n != s.n:
                 raise SessionConflictError(session_id, expected_n, s.n)
@@ -358,7 +384,7 @@ class MemorySessionStore(StoreRules):
             if e.type == CUT:
                 s.last_cut = e.n
         if idempotency_key is not None and stored:
-            s.idem[idempotency_key] = (s.n, len(stored))
+            s.idem[idempotency_key] = (s.n, len(stored), batch_digest(batch))
             while len(s.idem) > IDEMPOTENCY_WINDOW:
                 del s.idem[next(iter(s.idem))]
         s.n += len(stored)
@@ -435,6 +461,18 @@ class MemorySessionStore(StoreRules):
             else:
                 self._purge(session_id)
             return True
+
+    async def links(self, session_id: str) -> tuple[builtins.list[str], builtins.list[str]]:
+        validate_session_id(session_id)
+        s = self._get(session_id, include_deleted=True)
+        if s is None:
+            return [], []
+        # kids change under the store's lock only, so they are never stale here; expired ones go now
+        return [k for k in sorted(s.kids) if self._get(k, include_deleted=True) is not None], []
+
+    async def repair_links(self, session_id: str) -> builtins.list[str]:
+        await self.links(session_id)
+        return []
 
     async def tail(self, session_id: str, start: int = 0) -> AsyncIterator[Entry]:
         """Every entry with n >= start, then each new one as it lands; ends if the session is deleted."""
