@@ -22,6 +22,7 @@ from .errors import (
     SessionError,
     SessionForkError,
     SessionNotFoundError,
+    SessionReplacedError,
     StoreUnavailableError,
 )
 from .model import (
@@ -147,6 +148,7 @@ __all__ = [
     "SessionHead",
     "SessionHeader",
     "SessionNotFoundError",
+    "SessionReplacedError",
     "SessionStore",
     "StoreUnavailableError",
     "Surface",
