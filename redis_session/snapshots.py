@@ -190,10 +190,10 @@ class SnapshotCache:
         self.misses = 0
         self.extended = 0
 
-    def get(self, session_id: str, blob: bytes, incarnation: str = "") -> ProjectionState | None:
-        """A private copy of the state decoded from exactly `blob` (of that incarnation), or None."""
+    def get(self, session_id: str, blob: bytes, incarnation: str | None = None) -> ProjectionState | None:
+        """A private copy of the state decoded from exactly `blob` (of `incarnation`, if given), or None."""
         got = self._items.get(session_id)
-        if got is None or got[0] != blob or got[2] != incarnation:
+        if got is None or got[0] != blob or (incarnation is not None and got[2] != incarnation):
             self.misses += 1
             return None
         self._items.move_to_end(session_id)
