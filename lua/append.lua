@@ -15,8 +15,11 @@
 -- ARGV[5] feed_maxlen  approximate MAXLEN of the feed shard
 -- ARGV[6] session_id   written to the feed
 -- ARGV[7] ttl_ms       create only: "" = no expiry
--- ARGV[8] nhdr         create only: number of header field/value pairs that follow
--- ARGV[9 .. 8+2*nhdr]  create only: header fields ("created_at" "" = server time); "at" gives first n
+-- ARGV[8] nhdr         create only: number of header field/value pairs (after ARGV[9])
+-- ARGV[9] incarnation  append only: the incarnation the writer saw ("" = any); another one is
+--                      refused. A header without one (older) has "legacy-<created_at>"
+-- ARGV[10 .. 9+2*nhdr] create only: header fields ("created_at" "" = server time); "at" gives
+--                      first n; "incarnation" (fresh per create) is one of them
 -- then per entry, 6 values: type, time ("" = server time), data, meta (""), surface (""),
 --                            bound ("" = none): the largest n the entry refers to, exclusive (a cut's
 --                            before; a surface's max(sourceEventSeqs) + 1 and a replace's end + 1);
@@ -30,6 +33,7 @@
 --         {5}                               create: the session already exists
 --         {6, last_id}                      the stream is ahead of the header (corrupt; nothing written)
 --         {7}                               the idempotency key landed a different batch (nothing written)
+--         {8}                               the session has another incarnation (it was replaced)
 
 local hdr, log, idem = KEYS[1], KEYS[2], KEYS[3]
 local mode, expected = ARGV[1], ARGV[2]
@@ -52,7 +56,7 @@ if mode == 'create' then
   local fields = {}
   n = 0
   for i = 0, nhdr - 1 do
-    local k, v = ARGV[9 + 2 * i], ARGV[10 + 2 * i]
+    local k, v = ARGV[10 + 2 * i], ARGV[11 + 2 * i]
     if k == 'created_at' and v == '' then v = string.format('%d', now) end
     if k == 'at' then n = tonumber(v) end
     fields[#fields + 1] = k
@@ -63,13 +67,14 @@ if mode == 'create' then
   fields[#fields + 1] = 'n'; fields[#fields + 1] = string.format('%d', n)
   fields[#fields + 1] = 'updated_at'; fields[#fields + 1] = string.format('%d', now)
   redis.call('HSET', hdr, unpack(fields))
-  base = 9 + 2 * nhdr
+  base = 10 + 2 * nhdr
 else
-  local h = redis.call('HMGET', hdr, 'n', 'deleted', 'ttl_ms')
+  local h = redis.call('HMGET', hdr, 'n', 'deleted', 'ttl_ms', 'incarnation', 'created_at')
   if not h[1] or h[2] then return {3} end
+  if ARGV[9] ~= '' and ARGV[9] ~= (h[4] or ('legacy-' .. (h[5] or '0'))) then return {8} end
   n = tonumber(h[1])
   ttl = h[3] or ''
-  base = 9
+  base = 10
   if idem_key ~= '' then
     local first = redis.call('ZSCORE', idem, idem_key)
     if first then

@@ -29,6 +29,7 @@ from .errors import (
     SessionError,
     SessionForkError,
     SessionNotFoundError,
+    SessionReplacedError,
     StoreUnavailableError,
 )
 from .model import (
@@ -80,6 +81,7 @@ __all__ = [
     "SessionHeader",
     "SessionLease",
     "SessionNotFoundError",
+    "SessionReplacedError",
     "SessionStore",
     "Sessions",
     "StoreUnavailableError",

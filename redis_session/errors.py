@@ -16,6 +16,17 @@ class SessionNotFoundError(SessionError):
         self.session_id = session_id
 
 
+class SessionReplacedError(SessionNotFoundError):
+    """The session this handle, tail or snapshot belongs to is gone: its id was deleted and
+    created again (or replaced by an import), so it now names another incarnation. Nothing was
+    written; open the id again to work on the new session."""
+
+    def __init__(self, session_id: str, detail: str = "") -> None:
+        super().__init__(session_id)
+        msg = f"session {session_id!r} was replaced (deleted and created again)"
+        self.args = (f"{msg}: {detail}" if detail else msg,)
+
+
 class SessionAlreadyExistsError(SessionError):
     def __init__(self, session_id: str, detail: str = "") -> None:
         msg = f"session {session_id!r} already exists"

@@ -757,13 +757,17 @@ async def write_session(
     entries = parsed.entries
     token = uuid.uuid4().hex
     lo, hi = ranges[0]
-    await store.create(parsed.header, entries[lo:hi])
+    # create gives the new log a new incarnation (a replaced session never keeps the old
+    # identity); the later batches go to exactly that one
+    incarnation = (await store.create(parsed.header, entries[lo:hi])).header.incarnation
     created = True
     try:
         if progress is not None:
             progress(hi)
         for lo, hi in ranges[1:]:
-            await store.put(sid, lo, entries[lo:hi], idempotency_key=f"import:{token}:{lo}")
+            await store.put(
+                sid, lo, entries[lo:hi], idempotency_key=f"import:{token}:{lo}", incarnation=incarnation or None
+            )
             if progress is not None:
                 progress(hi)
         created = False

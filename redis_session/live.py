@@ -16,7 +16,7 @@ import anyio
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .errors import SessionNotFoundError
+from .errors import SessionNotFoundError, SessionReplacedError
 from .model import Entry
 from .store import SessionStore
 
@@ -49,12 +49,16 @@ async def follow(
     on_retry: RetryHook | None = None,
     min_backoff: float = 0.05,
     max_backoff: float = 5.0,
+    incarnation: str | None = None,
 ) -> AsyncGenerator[Entry, None]:
     """Every entry with n >= `start`, then each new one as it lands, across connection drops.
 
     Ends when the session is deleted. Raises `SessionNotFoundError` when it does not exist at the
-    start. Delivery is exactly once and in order: after a drop the tail resumes at the last
-    delivered n + 1, and a gap (never expected from a store) is filled by a read.
+    start, and `SessionReplacedError` when the id names another incarnation than `incarnation`
+    (default: the one at the start) — also when that happened during a drop: a resumed tail
+    never continues on a session that took the id. Delivery is exactly once and in order: after a
+    drop the tail resumes at the last delivered n + 1, and a gap (never expected from a store) is
+    filled by a read.
 
     >>> async with contextlib.aclosing(follow(store, "chat-1")) as entries:
     ...     async for e in entries:
@@ -65,18 +69,25 @@ async def follow(
     dropped = False
     while True:
         try:
-            async with _closing(store.tail(session_id, nxt)) as entries:
+            if incarnation is None:
+                head = await store.head(session_id)
+                if head is None:
+                    raise SessionNotFoundError(session_id)
+                incarnation = head.header.incarnation
+            async with _closing(store.tail(session_id, nxt, incarnation=incarnation)) as entries:
                 async for e in entries:
                     if e.n < nxt:
                         continue
                     if e.n > nxt:
-                        for missing in await store.read(session_id, nxt, e.n):
+                        for missing in await store.read(session_id, nxt, e.n, incarnation=incarnation):
                             yield missing
                             nxt = missing.n + 1
                     yield e
                     nxt = e.n + 1
                     delay = min_backoff
             return
+        except SessionReplacedError:
+            raise
         except SessionNotFoundError:
             if dropped:  # deleted while we were away: the same end as a tail that sees it go
                 return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -28,7 +29,12 @@ Positive = Annotated[int, Meta(ge=1)]
 
 
 class SessionHeader(Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """What a session is. Every field but `id` has a default; `created_at=0` means "now"."""
+    """What a session is. Every field but `id` has a default; `created_at=0` means "now".
+
+    `incarnation` names this life of the id: the store assigns a fresh random one at every
+    create (a value given to `create` is ignored), so a session deleted and created again, or
+    replaced by an import, never passes for the one before it. A header stored before
+    incarnations existed reads as `legacy_incarnation(created_at)`."""
 
     id: str
     format_version: int = FORMAT_VERSION
@@ -38,6 +44,18 @@ class SessionHeader(Struct, frozen=True, kw_only=True, omit_defaults=True):
     delegation_depth: int = 0
     title: str | None = None
     origin: Any = None
+    incarnation: str = ""
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation: 64 random bits as 16 hex characters."""
+    return secrets.token_hex(8)
+
+
+def legacy_incarnation(created_at: int) -> str:
+    """The incarnation of a header written before incarnations existed (both stores, and the Lua
+    scripts, derive the same value)."""
+    return f"legacy-{created_at}"
 
 
 class SessionHead(Struct, frozen=True, kw_only=True):

@@ -42,9 +42,10 @@ Design choices (the why):
   mid-batch leaves only its unfinished sessions pending; another worker reclaims them with
   XAUTOCLAIM once they are idle for ``claim_idle_ms``. A fold that fails (Redis down, a corrupt log)
   is not acked either, so it is retried after ``claim_idle_ms``.
-- **Incarnations.** proj.lua checks n, not which life of an id it writes to: a session deleted and
-  re-created while a worker read it would receive the old log's projection. The worker compares
-  the header's ``created_at`` after writing (in the ack round trip) and deletes such a snapshot.
+- **Incarnations.** A fold reads the head first and everything after it as of that head's
+  ``incarnation`` (reads of another one raise `SessionReplacedError`), and proj.lua writes the
+  snapshot only while the header still has that incarnation: a session deleted and re-created
+  while a worker folded it never receives the old log's projection.
 """
 
 from __future__ import annotations
@@ -480,7 +481,7 @@ class Projector:
         self.metrics.batch_seconds.observe(time.perf_counter() - t0)
         return acked
 
-    async def _work(self, w: _Work) -> tuple[str, int]:  # noqa: C901 - to split
+    async def _work(self, w: _Work) -> tuple[str, int]:
         """Fold one session for its feed entries; returns (outcome, feed entries acked).
 
         Round trips: the lock and the snapshot's n together; then the fold (snapshot, head, the
@@ -490,7 +491,6 @@ class Projector:
         keys = self.store.keys
         lock = lock_key(self.store.prefix, sid)
         locked = False
-        created: int | None = None  # the header's created_at when a snapshot was written
         counters: dict[str, int] = {}
         try:
             pipe = self._r.pipeline(transaction=False)
@@ -509,7 +509,7 @@ class Projector:
             elif self.lock_ms and not locked:
                 outcome = BUSY
             else:
-                outcome, created = await self._fold_locked(sid, counters)
+                outcome = await self._fold_locked(sid, counters)
         except SessionNotFoundError:
             outcome = DELETED  # deleted while we read it
         except (StoreUnavailableError, RedisError, OSError) as e:
@@ -536,14 +536,7 @@ class Projector:
                     counters["processed"] = count
                 for name, value in counters.items():
                     pipe.execute_command("HINCRBY", self._stats_key, name, value)
-                if created is not None:
-                    pipe.execute_command("HGET", keys.hdr(sid), "created_at", **_RAW)
-                res = await pipe.execute()
-                if created is not None and _int_or_none(res[-1]) != created:
-                    # proj.lua checks n, not which incarnation of the id it writes to: a session
-                    # deleted and re-created while we read it got the old log's projection.
-                    await self._r.execute_command("DEL", keys.proj(sid))
-                    outcome = DELETED
+                await pipe.execute()
         except (RedisError, OSError) as e:
             log.warning("projector %s: ack of %r failed: %s", self.consumer, sid, e)
             return outcome, 0
@@ -559,21 +552,28 @@ class Projector:
         outcome, _ = await self._work(_Work(session_id, event=True))
         return outcome
 
-    async def _fold_locked(self, session_id: str, counters: dict[str, int]) -> tuple[str, int | None]:  # noqa: C901 - to split
-        """The fold itself: (outcome, the header's created_at when a snapshot was written)."""
+    async def _fold_locked(self, session_id: str, counters: dict[str, int]) -> str:  # noqa: C901 - to split
+        """The fold itself: its outcome. Everything is read as of one head's incarnation, and the
+        snapshot is written only to that incarnation (SessionReplacedError otherwise)."""
         store, chunk = self.store, self.chunk
         if self.on_session is not None:
             await self.on_session(session_id)
-        snap = await store.get_projection(session_id)  # before the head: see load_messages
         head = await store.head(session_id)
         if head is None:
-            return DELETED, None
+            return DELETED
+        inc = head.header.incarnation
+        snap = await store.get_projection(session_id, incarnation=inc)
+        if snap is not None and snap[0] > head.n:  # written after our head was read: read it again
+            newer = await store.head(session_id)
+            if newer is None or newer.header.incarnation != inc:
+                return DELETED
+            head = newer
         target = head.n
         state: ProjectionState | None = None
         if snap is not None:
             n_s, blob = snap
             if n_s == target:
-                return CURRENT, None
+                return CURRENT
             if n_s > target:
                 # Never written by proj.lua (it caps n at the header's): a foreign value that the
                 # forward-only write could not replace. Drop it and rebuild.
@@ -594,14 +594,14 @@ class Projector:
             # The tail holds the session's last cut: rebuild from it when its window is small,
             # which drops the hidden history from the snapshot (compaction).
             try:
-                rebuilt = await self._from_cut_if_small(session_id, last_cut, target)
+                rebuilt = await self._from_cut_if_small(session_id, last_cut, target, inc)
             except ValueError:
                 rebuilt = None
             if rebuilt is not None:
                 state, source = rebuilt, "cut"
         if not source and state is not None:
             try:
-                await _fold_range(store, session_id, state, target, chunk)
+                await _fold_range(store, session_id, state, target, chunk, inc)
                 source = "snapshot"
             except ValueError:
                 state = None  # a cut reaching under the snapshot's floor: rebuild
@@ -611,18 +611,20 @@ class Projector:
             self.metrics.rebuilds.labels(source).inc()
             counters[f"rebuild_{source}"] = 1
         self.metrics.entries.inc(target - start if source == "snapshot" else target)
-        if not await store.put_projection(session_id, target, state.to_bytes()):
-            return CURRENT, None  # another worker wrote one at >= target meanwhile
-        return WRITTEN, head.header.created_at
+        if not await store.put_projection(session_id, target, state.to_bytes(), incarnation=inc):
+            return CURRENT  # another worker wrote one at >= target meanwhile
+        return WRITTEN
 
-    async def _from_cut_if_small(self, session_id: str, cut_n: int, target: int) -> ProjectionState | None:
-        got = await self.store.read(session_id, cut_n, cut_n + 1)
+    async def _from_cut_if_small(
+        self, session_id: str, cut_n: int, target: int, incarnation: str
+    ) -> ProjectionState | None:
+        got = await self.store.read(session_id, cut_n, cut_n + 1, incarnation=incarnation)
         if len(got) != 1 or got[0].type != CUT:
             return None
         before = got[0].data.get("before")
         if not isinstance(before, int) or cut_n - before > self.cut_window:
             return None
-        return await _fold_from_cut(self.store, session_id, got[0], target, self.chunk)
+        return await _fold_from_cut(self.store, session_id, got[0], target, self.chunk, incarnation)
 
     # ------------------------------------------------------------------ health
 

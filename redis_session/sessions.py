@@ -48,6 +48,7 @@ from .errors import (
     SessionError,
     SessionForkError,
     SessionNotFoundError,
+    SessionReplacedError,
     StoreUnavailableError,
 )
 from .keys import MAX_ID_LENGTH, validate_session_id
@@ -70,7 +71,7 @@ from .projection.fold import Message, ProjectionState, check_surface, history, t
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
-from .snapshots import SnapshotCache, load_state
+from .snapshots import SnapshotCache, _read, load_state
 from .store.memory import MemorySessionStore, SessionStore
 
 log = logging.getLogger(__name__)
@@ -117,13 +118,15 @@ def _is_user_message(e: Entry) -> bool:
     return e.type == "user/message" or (e.type == "message" and e.data.get("role") == "user")
 
 
-async def _read_range(store: SessionStore, session_id: str, start: int, stop: int) -> builtins.list[Entry]:
-    """Entries [start, stop), in pages (one store read is capped)."""
+async def _read_range(
+    store: SessionStore, session_id: str, start: int, stop: int, incarnation: str | None = None
+) -> builtins.list[Entry]:
+    """Entries [start, stop), in pages (one store read is capped); of `incarnation` if given."""
     out: builtins.list[Entry] = []
     lo = start
     while lo < stop:
         hi = min(stop, lo + READ_PAGE)
-        batch = await store.read(session_id, lo, hi)
+        batch = await _read(store, session_id, lo, hi, incarnation)
         out.extend(batch)
         if len(batch) != hi - lo:
             break  # the session is shorter than asked: the caller sees what there is
@@ -131,12 +134,14 @@ async def _read_range(store: SessionStore, session_id: str, start: int, stop: in
     return out
 
 
-async def _fold_into(store: SessionStore, session_id: str, state: ProjectionState, stop: int) -> None:
+async def _fold_into(
+    store: SessionStore, session_id: str, state: ProjectionState, stop: int, incarnation: str | None = None
+) -> None:
     """Fold entries [state.n, stop) into `state`, page by page (never holding the whole log)."""
     while state.n < stop:
         lo = state.n
         hi = min(stop, lo + READ_PAGE)
-        batch = await store.read(session_id, lo, hi)
+        batch = await _read(store, session_id, lo, hi, incarnation)
         if len(batch) != hi - lo:
             raise SessionError(
                 f"session {session_id!r}: the log holds {len(batch)} entries in [{lo}, {hi}), "
@@ -291,6 +296,10 @@ class Session:
     Every write appends with ``expected_n = n``. `SessionConflictError` means another writer got
     there first; nothing was written and this handle is unchanged: `refresh()` and retry (or use
     `transact`). Writes of one handle are serialized by its lock, in call order.
+
+    A handle belongs to one incarnation of its id (``header.incarnation``): once the id is
+    deleted and created again (or replaced by an import), its writes, reads and `refresh()`
+    raise `SessionReplacedError`; nothing is written to, or read from, the new session.
     """
 
     def __init__(self, sessions: Sessions, head: SessionHead) -> None:
@@ -469,7 +478,13 @@ class Session:
                     max_batch=getattr(self._store, "max_batch", DEFAULT_MAX_BATCH),
                 )
                 check_surface(await self._load_state(), encoded, first)
-            stored = await self._store.put(self.id, first if expected else None, batch, idempotency_key=idempotency_key)
+            stored = await self._store.put(
+                self.id,
+                first if expected else None,
+                batch,
+                idempotency_key=idempotency_key,
+                incarnation=self._header.incarnation or None,
+            )
             await self._advance(stored)
             return stored
 
@@ -481,14 +496,17 @@ class Session:
         if first > self._n:
             # An `enqueue` landed after entries this handle has not seen.
             gap: builtins.list[Entry] = []
+            inc = self._header.incarnation or None
             if self._state is not None:
                 try:
-                    gap = await _read_range(self._store, self.id, self._n, first)
+                    gap = await _read_range(self._store, self.id, self._n, first, inc)
                     self._state.extend(gap)
                 except Exception:  # the write landed; only the cached projection is lost
                     self._state = None
                     gap = []
-            self._see(gap)
+                self._see(gap)
+            else:
+                await self._see_gap(first, last, inc)
             self._n = first
         if first == self._n:
             if self._state is not None:
@@ -502,6 +520,21 @@ class Session:
             self._state = None
             self._see(stored)
             self._n = last + 1
+
+    async def _see_gap(self, first: int, last: int, incarnation: str | None) -> None:
+        """`last_cut` across entries [n, first) other writers put before our `enqueue` at
+        [first, last], without a loaded projection: the header's `last_cut` when it is below
+        `first` (or in our own entries, seen after this), else the gap's cuts."""
+        try:
+            head = await self._store.head(self.id)
+            if head is not None and head.header.incarnation == self._header.incarnation:
+                if head.last_cut is None or head.last_cut <= last:
+                    if head.last_cut is not None and head.last_cut < first:
+                        self._last_cut = head.last_cut
+                    return
+            self._see(await _read_range(self._store, self.id, self._n, first, incarnation))
+        except Exception:  # the write landed; `refresh()` brings last_cut back
+            log.warning("last_cut of %r may be stale after an enqueue", self.id, exc_info=True)
 
     def _see(self, entries: Iterable[Entry]) -> None:
         for e in entries:
@@ -538,7 +571,9 @@ class Session:
         _check_int(start, "start")
         if stop is not None:
             _check_int(stop, "stop")
-        return await _read_range(self._store, self.id, start, self._n if stop is None else stop)
+        return await _read_range(
+            self._store, self.id, start, self._n if stop is None else stop, self._header.incarnation or None
+        )
 
     async def reconstruct_request(self, at: int) -> ReconstructedRequest:
         """What was sent to the model at entry `at` (0 ≤ at ≤ n): header and messages."""
@@ -554,21 +589,29 @@ class Session:
     def tail(self, start: int | None = None) -> AsyncIterator[Entry]:
         """``async for e in s.tail():`` entries from `start` (default: this handle's n at the time
         of the call), then each new one as it lands; ends when the session is deleted. Does not
-        move the handle (`refresh()` does)."""
-        return self._store.tail(self.id, self._n if start is None else start)
+        move the handle (`refresh()` does). Raises `SessionReplacedError` once the id names another
+        incarnation."""
+        if not self._header.incarnation:
+            return self._store.tail(self.id, self._n if start is None else start)
+        return self._store.tail(self.id, self._n if start is None else start, incarnation=self._header.incarnation)
 
     async def refresh(self) -> int:
         """Catch up with other writers: re-read the head and fold the new entries into the loaded
-        projection (if any). Returns the new n."""
+        projection (if any). Returns the new n.
+
+        Raises `SessionReplacedError` when the id now names another session (deleted and created
+        again, or replaced by an import): the handle is not moved onto it; open the id again."""
         async with self._lock:
             head = await self._store.head(self.id)
             if head is None:
                 raise SessionNotFoundError(self.id)
+            if head.header.incarnation != self._header.incarnation:
+                raise SessionReplacedError(self.id)
             try:
-                if head.header.created_at != self._header.created_at or head.n < self._n:
-                    self._state = None  # the id now names another session (deleted, re-created)
+                if head.n < self._n:
+                    self._state = None  # never expected within one incarnation: reload lazily
                 elif self._state is not None and head.n > self._n:
-                    await _fold_into(self._store, self.id, self._state, head.n)
+                    await _fold_into(self._store, self.id, self._state, head.n, self._header.incarnation or None)
             except BaseException:
                 self._state = None
                 raise

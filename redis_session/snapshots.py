@@ -12,39 +12,72 @@ import builtins
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from .errors import SessionError, SessionNotFoundError
 from .keys import validate_session_id
 from .model import CUT, Entry, SessionHead
 from .projection.fold import ProjectionState
 from .store.memory import MAX_READ_RANGE, SessionStore
 
+_size_enc = msgspec.json.Encoder()
+
+
+async def _read(
+    store: SessionStore, session_id: str, lo: int, hi: int, incarnation: str | None
+) -> builtins.list[Entry]:
+    """`store.read`, of `incarnation` when one is named (`SessionReplacedError` otherwise)."""
+    if incarnation is None:
+        return await store.read(session_id, lo, hi)
+    return await store.read(session_id, lo, hi, incarnation=incarnation)
+
 
 async def _read_chunks(
-    store: SessionStore, session_id: str, lo: int, hi: int, chunk: int
+    store: SessionStore, session_id: str, lo: int, hi: int, chunk: int, incarnation: str | None = None
 ) -> AsyncIterator[builtins.list[Entry]]:
     chunk = max(1, min(chunk, MAX_READ_RANGE))
     while lo < hi:
-        part = await store.read(session_id, lo, min(hi, lo + chunk))
+        part = await _read(store, session_id, lo, min(hi, lo + chunk), incarnation)
         if not part:
             raise SessionError(f"session {session_id!r}: entries [{lo}, {hi}) are missing from the log")
         yield part
         lo = part[-1].n + 1
 
 
-async def _fold_range(store: SessionStore, session_id: str, state: ProjectionState, hi: int, chunk: int) -> None:
-    """Fold entries [state.n, hi) into `state` (ValueError from the fold propagates)."""
-    async for part in _read_chunks(store, session_id, state.n, hi, chunk):
+async def _fold_range(
+    store: SessionStore,
+    session_id: str,
+    state: ProjectionState,
+    hi: int,
+    chunk: int,
+    incarnation: str | None = None,
+    *,
+    measure: bool = False,
+) -> int:
+    """Fold entries [state.n, hi) into `state` (ValueError from the fold propagates). With
+    `measure`, returns about how many bytes of entries were folded (what a cached state grows
+    by, at most); else 0."""
+    size = 0
+    async for part in _read_chunks(store, session_id, state.n, hi, chunk, incarnation):
         state.extend(part)
+        if measure:
+            size += sum(len(_size_enc.encode(e.data)) + 48 for e in part)
+    return size
 
 
 async def _fold_from_cut(
-    store: SessionStore, session_id: str, cut: int | Entry, target: int, chunk: int
+    store: SessionStore,
+    session_id: str,
+    cut: int | Entry,
+    target: int,
+    chunk: int,
+    incarnation: str | None = None,
 ) -> ProjectionState:
     """The state at `target` rebuilt from `cut` (an entry, or its n): reads [before, target) only.
 
     ValueError when the entry is not a cut or `from_cut` cannot decide (fold from 0 then)."""
     if isinstance(cut, int):
-        got = await store.read(session_id, cut, cut + 1)
+        got = await _read(store, session_id, cut, cut + 1, incarnation)
         if len(got) != 1:
             raise ValueError(f"entry {cut} is missing")
         cut = got[0]
@@ -52,10 +85,10 @@ async def _fold_from_cut(
     if cut.type != CUT or not isinstance(before, int) or isinstance(before, bool) or not 0 <= before <= cut.n:
         raise ValueError(f"entry {cut.n} is not a cut with a valid before")
     window: builtins.list[Entry] = []
-    async for part in _read_chunks(store, session_id, before, cut.n, chunk):
+    async for part in _read_chunks(store, session_id, before, cut.n, chunk, incarnation):
         window.extend(part)
     state = ProjectionState.from_cut(cut, window)
-    await _fold_range(store, session_id, state, target, chunk)
+    await _fold_range(store, session_id, state, target, chunk, incarnation)
     return state
 
 
@@ -64,10 +97,12 @@ async def _rebuild(
 ) -> tuple[ProjectionState, str]:
     """The state at `target` without a snapshot of its own, and where it came from: the
     session's last cut (``"cut"``), the parent's snapshot for a branch (``"parent"``: the branch's
-    first `at` entries are the parent's), else a fold from 0 (``"full"``)."""
+    first `at` entries are the parent's), else a fold from 0 (``"full"``). Every read is of
+    `head`'s incarnation (`SessionReplacedError` otherwise)."""
+    inc = head.header.incarnation or None
     if head.last_cut is not None and head.last_cut < target:
         try:
-            return await _fold_from_cut(store, session_id, head.last_cut, target, chunk), "cut"
+            return await _fold_from_cut(store, session_id, head.last_cut, target, chunk, inc), "cut"
         except ValueError:
             pass
     parent, at = head.header.parent, head.header.at
@@ -75,24 +110,24 @@ async def _rebuild(
         state = await _parent_state(store, parent, at, head.header.created_at)
         if state is not None:
             try:
-                await _fold_range(store, session_id, state, target, chunk)  # stitched reads
+                await _fold_range(store, session_id, state, target, chunk, inc)  # stitched reads
                 return state, "parent"
             except ValueError:
                 pass
     state = ProjectionState()
-    await _fold_range(store, session_id, state, target, chunk)
+    await _fold_range(store, session_id, state, target, chunk, inc)
     return state, "full"
 
 
 async def _parent_state(store: SessionStore, parent: str, at: int, born: int) -> ProjectionState | None:
     """The parent's snapshot when it covers no more than the branch point (else None)."""
-    snap = await store.get_projection(parent)
-    if snap is None or snap[0] > at:
-        return None
     parent_head = await store.head(parent)
     if parent_head is None or parent_head.header.created_at > born:
         # A hidden parent keeps its log for its branches, not its snapshot; a parent id younger
         # than the branch is another session that took the id: its log is not the prefix.
+        return None
+    snap = await _get_projection(store, parent, parent_head.header.incarnation)
+    if snap is None or snap[0] > at:
         return None
     try:
         state = ProjectionState.from_bytes(snap[1])
@@ -101,12 +136,19 @@ async def _parent_state(store: SessionStore, parent: str, at: int, born: int) ->
     return state if _plausible(state, snap[0], parent_head) else None
 
 
+async def _get_projection(store: SessionStore, session_id: str, incarnation: str) -> tuple[int, bytes] | None:
+    """The snapshot of exactly that incarnation of the session, or None."""
+    if not incarnation:
+        return None
+    return await store.get_projection(session_id, incarnation=incarnation)
+
+
 def _plausible(state: ProjectionState, n_s: int, head: SessionHead) -> bool:
     """Cheap checks that a decoded snapshot belongs to this session's log.
 
-    proj.lua never writes past the header's n, and a re-created session starts without a
-    snapshot, so these fail only for a snapshot written around the API (or a racing
-    delete + re-create): then the reader folds the log rather than trust it."""
+    proj.lua never writes past the header's n nor for another incarnation, and a re-created
+    session starts without a snapshot (and snapshots are read by incarnation), so these fail only
+    for a snapshot written around the API: then the reader folds the log rather than trust it."""
     if state.n != n_s or n_s > head.n:
         return False
     own_cut = head.last_cut  # the n of the session's own last cut (a branch's prefix not included)
@@ -126,9 +168,13 @@ class SnapshotCache:
 
     - the *same bytes* again (the projector has not rewritten the snapshot): a copy of the state;
     - other bytes (the projector moved on), and the cached state is at most `max_tail` entries
-      behind the head of the *same* session (same `created_at`): a copy of the state extended with
-      the log's entries after it — no decode. The fold is deterministic and the log below a
+      behind the head of the *same* session (same `incarnation`): a copy of the state extended
+      with the log's entries after it — no decode. The fold is deterministic and the log below a
       session's n never changes, so this answers exactly what a decode plus the tail would.
+
+    Every entry is of one incarnation: a state is never served for a session that took its id.
+    `max_bytes` bounds what the entries hold: a state's size is its snapshot's bytes, plus what
+    the entries folded onto it since added (an upper bound).
 
     >>> cache = SnapshotCache(max_bytes=64 << 20)
     >>> state, n = await load_messages(store, "chat-1", cache=cache)
@@ -137,17 +183,17 @@ class SnapshotCache:
     def __init__(self, max_bytes: int = 64 << 20, *, max_tail: int = 2_000) -> None:
         self.max_bytes = max_bytes
         self.max_tail = max_tail
-        # session -> (bytes it was decoded from or None, state, the session's created_at, size)
-        self._items: OrderedDict[str, tuple[bytes | None, ProjectionState, int, int]] = OrderedDict()
+        # session -> (bytes it was decoded from or None, state, the session's incarnation, size)
+        self._items: OrderedDict[str, tuple[bytes | None, ProjectionState, str, int]] = OrderedDict()
         self._bytes = 0
         self.hits = 0
         self.misses = 0
         self.extended = 0
 
-    def get(self, session_id: str, blob: bytes) -> ProjectionState | None:
-        """A private copy of the state decoded from exactly `blob`, or None."""
+    def get(self, session_id: str, blob: bytes, incarnation: str | None = None) -> ProjectionState | None:
+        """A private copy of the state decoded from exactly `blob` (of `incarnation`, if given), or None."""
         got = self._items.get(session_id)
-        if got is None or got[0] != blob:
+        if got is None or got[0] != blob or (incarnation is not None and got[2] != incarnation):
             self.misses += 1
             return None
         self._items.move_to_end(session_id)
@@ -158,23 +204,32 @@ class SnapshotCache:
         """A private copy of the cached state of `head`'s session when it can be extended to
         ``head.n`` by folding at most `max_tail` entries (same session incarnation), else None."""
         got = self._items.get(head.header.id)
-        if got is None or got[2] != head.header.created_at:
+        if got is None or got[2] != head.header.incarnation:
             return None
         state = got[1]
         if not state.n <= head.n <= state.n + self.max_tail:
             return None
         return state.copy()
 
-    def put(self, session_id: str, blob: bytes | None, state: ProjectionState, created_at: int = 0) -> None:
+    def put(
+        self, session_id: str, blob: bytes | None, state: ProjectionState, incarnation: str = "", *, grown: int = 0
+    ) -> None:
         """Keep a copy of `state` (decoded from `blob`, or extended from the log when `blob` is
-        None); the least recently used go first."""
+        None: then `grown` is about how many bytes of entries were folded onto the cached state);
+        the least recently used go first."""
         old = self._items.pop(session_id, None)
-        size = len(blob) if blob is not None else (old[3] if old is not None else 0)
         if old is not None:
             self._bytes -= old[3]
-        if size > self.max_bytes or (blob is None and old is None):
+        if blob is None and (old is None or old[2] != incarnation):
             return
-        self._items[session_id] = (blob, state.copy(), created_at, size)
+        if blob is not None:
+            size = len(blob)
+        else:
+            assert old is not None
+            size = old[3] + max(0, grown)  # what the entries folded onto it added
+        if size > self.max_bytes:
+            return
+        self._items[session_id] = (blob, state.copy(), incarnation, size)
         self._bytes += size
         while self._bytes > self.max_bytes:
             _, (_, _, _, sz) = self._items.popitem(last=False)
@@ -197,11 +252,13 @@ async def _from_cache(
     if state is None:
         return None
     try:
-        await _fold_range(store, head.header.id, state, head.n, chunk)
+        grown = await _fold_range(
+            store, head.header.id, state, head.n, chunk, head.header.incarnation or None, measure=True
+        )
     except ValueError:
         return None
     cache.extended += 1
-    cache.put(head.header.id, None, state, head.header.created_at)
+    cache.put(head.header.id, None, state, head.header.incarnation, grown=grown)
     return state
 
 
@@ -232,11 +289,18 @@ async def load_messages(
         extended = await _from_cache(store, head, cache, chunk)
         if extended is not None:
             return extended, head.n
-    # The snapshot first, the head second: the head's n is then >= any honest snapshot's n.
-    snap = await store.get_projection(session_id)
+    # The head first (its incarnation picks the snapshot), the snapshot second; a snapshot the
+    # projector wrote in between is ahead of that head: read the head again then.
     head = await store.head(session_id)
     if head is None:
         raise SessionNotFoundError(session_id)
+    snap = await _get_projection(store, session_id, head.header.incarnation)
+    if snap is not None and snap[0] > head.n:
+        newer = await store.head(session_id)
+        if newer is None:
+            raise SessionNotFoundError(session_id)
+        if newer.header.incarnation == head.header.incarnation:
+            head = newer
     state = await _extend_snapshot(store, head, snap, cache, chunk)
     if state is None:
         state, _ = await _rebuild(store, session_id, head, head.n, chunk)
@@ -250,13 +314,15 @@ async def _extend_snapshot(
     cache: SnapshotCache | None,
     chunk: int,
 ) -> ProjectionState | None:
-    """`snap` (read before `head`) decoded and extended to ``head.n``; None when unusable: absent,
-    undecodable, not plausibly this log's, newer than the head, or needing history it dropped."""
+    """`snap` (a snapshot of `head`'s incarnation) decoded and extended to ``head.n``; None when
+    unusable: absent, undecodable, not plausibly this log's, newer than the head, or needing
+    history it dropped."""
     if snap is None or snap[0] > head.n:
         return await _from_cache(store, head, cache, chunk)
     sid = head.header.id
+    inc = head.header.incarnation
     n_s, blob = snap
-    state = None if cache is None else cache.get(sid, blob)
+    state = None if cache is None else cache.get(sid, blob, inc)
     if state is None:
         extended = await _from_cache(store, head, cache, chunk)
         if extended is not None:
@@ -266,11 +332,11 @@ async def _extend_snapshot(
         except ValueError:
             return None
         if cache is not None and _plausible(state, n_s, head):
-            cache.put(sid, blob, state, head.header.created_at)
+            cache.put(sid, blob, state, inc)
     if not _plausible(state, n_s, head):
         return None
     try:
-        await _fold_range(store, sid, state, head.n, chunk)
+        await _fold_range(store, sid, state, head.n, chunk, inc or None)
     except ValueError:
         return None  # the tail needs history the snapshot dropped (a cut reaching back): rebuild
     return state
@@ -281,8 +347,9 @@ async def load_state(
 ) -> ProjectionState:
     """The projection state of `head`'s session at exactly ``head.n`` (a handle's own view).
 
-    Same sources as `load_messages`; a snapshot newer than ``head.n`` is not used."""
-    snap = await store.get_projection(head.header.id)
+    Same sources as `load_messages`; a snapshot newer than ``head.n`` is not used, nor one of
+    another incarnation; reads of another incarnation raise `SessionReplacedError`."""
+    snap = await _get_projection(store, head.header.id, head.header.incarnation)
     state = await _extend_snapshot(store, head, snap, cache, chunk)
     if state is None:
         state, _ = await _rebuild(store, head.header.id, head, head.n, chunk)

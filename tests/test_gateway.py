@@ -438,3 +438,44 @@ async def test_healthz_needs_no_token_and_reports_the_store(redis_store: RedisSe
         r = await client.get("/healthz")
         assert r.status_code == 200 and r.json() == {"ok": True}
         assert (await client.get("/sessions")).status_code == 401
+
+
+# --------------------------------------------------------------------------- incarnations
+
+
+async def test_replaced_session_is_never_served_from_the_old_log(redis_store: RedisSessionStore) -> None:
+    """An id deleted and created again (a redacting replace-import): /messages answers the new log
+    (the gateway's SnapshotCache holds the old one), and a live SSE stream says `replaced` and ends
+    instead of going on with the new session's entries."""
+    from redis_session.projector import Projector
+
+    await mk(redis_store, "x", 3)
+    await Projector(redis_store, consumer="w").fold("x")  # a snapshot, decoded into the cache below
+    with anyio.fail_after(30):
+        async with (
+            running_gateway(redis_store, heartbeat=0.3) as base,
+            httpx.AsyncClient(base_url=base) as client,
+        ):
+            r = await client.get(path("x", "messages"))
+            assert [m["content"] for m in r.json()["messages"]] == ["m0", "m1", "m2"]
+            async with client.stream("GET", path("x", "events")) as stream:
+                events = sse(stream)
+                got = [ev async for ev in _until(events, lambda ev: ev.get("id") == "2")]
+                assert [int(e["id"]) for e in got if "id" in e] == [0, 1, 2]
+                await redis_store.delete("x")
+                await redis_store.create(
+                    SessionHeader(id="x"), [("user/message", {"content": f"new{i}"}) for i in range(5)]
+                )
+                rest = [ev async for ev in events if "comment" not in ev]
+            assert [e.get("event") for e in rest] == ["replaced", "end"], rest
+            r = await client.get(path("x", "messages"))
+            assert [m["content"] for m in r.json()["messages"]] == [f"new{i}" for i in range(5)]
+            r = await client.get(path("x", "messages"))  # and again, from the cache
+            assert [m["content"] for m in r.json()["messages"]] == [f"new{i}" for i in range(5)]
+
+
+async def _until(events: AsyncIterator[dict[str, Any]], last: Any) -> AsyncIterator[dict[str, Any]]:
+    async for ev in events:
+        yield ev
+        if last(ev):
+            return

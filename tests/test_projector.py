@@ -26,6 +26,7 @@ from redis_session import (
     SessionConflictError,
     SessionHeader,
     SessionNotFoundError,
+    SessionReplacedError,
     Surface,
     SurfaceReplace,
 )
@@ -664,12 +665,12 @@ async def test_session_recreated_during_a_fold_keeps_no_foreign_snapshot(
     await s.create(SessionHeader(id="r"), [*turn(1), *turn(2)])
     real_put = s.put_projection
 
-    async def racing_put(session_id: str, n: int, state: bytes) -> bool:
-        # Between the worker's reads and its write the id is deleted and re-created (a longer log).
+    async def racing_put(session_id: str, n: int, state: bytes, **kw: Any) -> bool:
+        # Between the worker's reads and its write the id is deleted and re-created (a longer log;
+        # created_at may well be the same ms: the incarnation tells them apart, in proj.lua).
         await s.delete(session_id)
-        await anyio.sleep(0.002)  # a new created_at
         await s.create(SessionHeader(id=session_id), [um("new") for _ in range(12)])
-        return await real_put(session_id, n, state)
+        return await real_put(session_id, n, state, **kw)
 
     monkeypatch.setattr(s, "put_projection", racing_put)
     p = Projector(s, consumer="w")
@@ -705,3 +706,74 @@ async def test_snapshot_cache_extends_its_state_instead_of_decoding(redis_store:
     await s.create(SessionHeader(id="x", created_at=1), turn(0))
     state, _ = await load_messages(s, "x", cache=cache)
     assert state.messages() == (await truth(s, "x"))[1] and cache.extended == 4
+
+
+# --------------------------------------------------------------------------- incarnations
+
+
+async def test_a_fold_overlapping_delete_and_create_never_lands_in_the_new_session(
+    redis_store: RedisSessionStore,
+) -> None:
+    s = redis_store
+    await s.create(SessionHeader(id="x"), [*turn(0), *turn(1)])
+    old = await s.head("x")
+    assert old is not None
+    # the projector's fold of the old log ...
+    state, n = await load_messages(s, "x")
+    # ... overlaps a delete + create of the id with a log of the same length
+    await s.delete("x")
+    await s.create(SessionHeader(id="x"), [*turn(7), *turn(8)])
+    with pytest.raises(SessionReplacedError):  # proj.lua refuses it: a distinct return code
+        await s.put_projection("x", n, state.to_bytes(), incarnation=old.header.incarnation)
+    assert await s.get_projection("x") is None
+    got, _ = await load_messages(s, "x")
+    assert got.messages() == (await truth(s, "x"))[1]
+    assert [m.text for m in got.messages()] == ["q7", "a7", "q8", "a8"]
+    # the worker itself folds the new one
+    p = Projector(s, consumer="w")
+    assert await p.fold("x") == WRITTEN
+    snap = await s.get_projection("x", incarnation=(await s.head("x")).header.incarnation)  # type: ignore[union-attr]
+    assert snap is not None and ProjectionState.from_bytes(snap[1]).messages() == got.messages()
+
+
+async def test_snapshot_cache_never_serves_another_incarnation(store: Any) -> None:
+    born = (await store.create(SessionHeader(id="c"), [um("secret"), am("a0")])).header.created_at
+    cache = SnapshotCache()
+    state, n = await load_messages(store, "c", cache=cache)
+    await store.put_projection("c", n, state.to_bytes())
+    await load_messages(store, "c", cache=cache)
+    assert "c" in cache
+    await store.delete("c")
+    # as a replace-import does: the same created_at and n, another log
+    await store.create(SessionHeader(id="c", created_at=born), [um("clean"), am("a0")])
+    got, n2 = await load_messages(store, "c", cache=cache)
+    assert n2 == n and [m.text for m in got.messages()] == ["clean", "a0"]
+    await store.put("c", None, [um("more")])
+    got, _ = await load_messages(store, "c", cache=cache)
+    assert [m.text for m in got.messages()] == ["clean", "a0", "more"]
+
+
+async def test_snapshot_cache_counts_what_it_holds_as_it_grows() -> None:
+    from redis_session import MemorySessionStore
+
+    store = MemorySessionStore()
+    cache = SnapshotCache(max_bytes=64 << 10, max_tail=10_000)
+    for sid in ("a", "b"):
+        await store.create(SessionHeader(id=sid), [um("hi")])
+        state, n = await load_messages(store, sid)
+        await store.put_projection(sid, n, state.to_bytes())  # a tiny snapshot (~100 B)
+        await load_messages(store, sid, cache=cache)
+    assert len(cache) == 2
+    big = "x" * 4000
+    for i in range(10):  # ~40 kB folded onto "a"'s cached state, never re-snapshotted
+        await store.put("a", None, [am(big + str(i))])
+        await load_messages(store, "a", cache=cache)
+    assert cache.extended >= 10 and len(cache) == 2
+    for i in range(10):  # "b" grows as much: together past the cap, "a" (least recently used) goes
+        await store.put("b", None, [am(big + str(i))])
+        await load_messages(store, "b", cache=cache)
+    assert "a" not in cache and "b" in cache
+    for i in range(10, 20):  # past the cap on its own: not kept at all
+        await store.put("b", None, [am(big + str(i))])
+        await load_messages(store, "b", cache=cache)
+    assert len(cache) == 0

@@ -25,6 +25,7 @@ from redis_session import (
     SessionConflictError,
     SessionHeader,
     SessionNotFoundError,
+    SessionReplacedError,
 )
 from redis_session.projection import ProjectionState, project
 from redis_session.sessions import Session, Sessions, doctor
@@ -49,14 +50,14 @@ class Spy:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def read(self, session_id: str, start: int = 0, stop: int | None = None) -> list[Entry]:
-        out: list[Entry] = await self.inner.read(session_id, start, stop)
+    async def read(self, session_id: str, start: int = 0, stop: int | None = None, **kw: Any) -> list[Entry]:
+        out: list[Entry] = await self.inner.read(session_id, start, stop, **kw)
         self.reads.append((session_id, start, stop, len(out)))
         return out
 
-    async def get_projection(self, session_id: str) -> Any:
+    async def get_projection(self, session_id: str, **kw: Any) -> Any:
         self.projection_gets += 1
-        return await self.inner.get_projection(session_id)
+        return await self.inner.get_projection(session_id, **kw)
 
     @property
     def entries_read(self) -> int:
@@ -783,3 +784,70 @@ async def test_doctor_checks_the_memory_store_through_read() -> None:
     await s.append_many([um("a"), um("b")])
     store._sessions["m"].last_cut = 1  # damage the header
     assert [p.code for p in (await doctor(store, "m")).problems] == ["last-cut"]
+
+
+# --------------------------------------------------------------------------- incarnations
+
+
+async def test_refresh_after_delete_and_create_raises_replaced(store: Any) -> None:
+    sessions = Sessions(store)
+    old = await sessions.open("r")
+    await old.append_many([um("secret"), am("ok")])
+    assert [m.text for m in await old.messages()] == ["secret", "ok"]
+    await store.delete("r")
+    await store.create(SessionHeader(id="r"), [um("clean"), am("ok")])  # same n as the handle
+    with pytest.raises(SessionReplacedError):
+        await old.refresh()
+    assert old.n == 2 and old.header.incarnation != (await store.head("r")).header.incarnation
+    # the handle's next write is refused atomically, although its n matches the new log's
+    with pytest.raises(SessionReplacedError):
+        await old.append("user/message", {"content": "into the wrong session"})
+    with pytest.raises(SessionReplacedError):
+        await old.enqueue("user/message", {"content": "nor this"})
+    with pytest.raises(SessionReplacedError):
+        await old.read()
+    assert [e.data["content"] for e in await store.read("r")] == ["clean", "ok"]
+    new = await sessions.open("r")
+    assert [m.text for m in await new.messages()] == ["clean", "ok"]
+
+
+async def test_refresh_after_a_replace_import_raises_replaced(store: Any, tmp_path: Any) -> None:
+    from redis_session.importers import export_session, import_path
+
+    sessions = Sessions(store)
+    s = await sessions.open("imp")
+    await s.append_many([um("my password is hunter2"), am("noted")])
+    out = tmp_path / "imp.jsonl"
+    await export_session(store, "imp", out)
+    before = (await store.head("imp")).header
+    out.write_text(out.read_text().replace("hunter2", "[redacted]"))
+    [res] = await import_path(store, out, on_exists="replace")
+    assert res.status == "replaced"
+    with pytest.raises(SessionReplacedError):
+        await s.refresh()
+    with pytest.raises(SessionReplacedError):
+        await s.append("user/message", {"content": "late"})
+    assert (await store.head("imp")).n == 2
+    after = (await store.head("imp")).header
+    assert after.incarnation != before.incarnation and after.created_at == before.created_at
+    assert [m.text for m in await (await sessions.open("imp")).messages()] == ["my password is [redacted]", "noted"]
+
+
+async def test_last_cut_after_enqueue_over_another_writers_cut(store: Any) -> None:
+    sessions = Sessions(store)
+    mine = await sessions.open("lc")
+    other = await sessions.open("lc")
+    await other.append_many([um("a"), am("b")])
+    await other.compact(1, [{"role": "user", "content": "sum"}], "test")  # a cut at n=2
+    assert other.last_cut == 2
+    [e] = await mine.enqueue("user/message", {"content": "queued"})  # no projection loaded
+    assert e.n == 3 and mine.n == 4
+    assert mine.last_cut == 2 == (await store.head("lc")).last_cut
+    # a cut of another writer right before our next enqueue, and a handle that saw neither
+    third = await sessions.open("lc")
+    await other.refresh()
+    await other.compact(3, [{"role": "user", "content": "sum2"}], "test")  # n=4
+    [e2] = await mine.enqueue("user/message", {"content": "q2"})
+    assert e2.n == 5 and mine.last_cut == 4
+    await third.enqueue("user/message", {"content": "q3"})
+    assert third.last_cut == 4

@@ -5,6 +5,7 @@ Each bad input asserts that nothing changed: a rejected write leaves the header 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import anyio
@@ -19,6 +20,7 @@ from redis_session import (
     SessionConflictError,
     SessionHeader,
     SessionNotFoundError,
+    SessionReplacedError,
 )
 
 from support import um
@@ -509,7 +511,7 @@ async def test_projection_snapshot_only_moves_forward(store: Any) -> None:
         await store.put_projection("ghost", 0, b"{}")
 
 
-# --------------------------------------------------------------------------- both stores, every input (issue 12)
+# --------------------------------------------------------------------------- both stores, every input
 
 
 def _cut(before: Any, summary: Any = None) -> NewEntry:
@@ -598,3 +600,120 @@ async def test_cut_rules_hold_whatever_the_vocabulary(store: Any, strict: bool) 
     assert await snapshot(store, "s1") == before
     [e] = await store.put("s1", None, [_cut(3, [{"role": "user", "content": "sum"}])])
     assert e.n == 3 and (await store.head("s1")).last_cut == 3
+
+
+# --------------------------------------------------------------------------- incarnations
+
+
+async def test_every_creation_has_its_own_incarnation(store: Any) -> None:
+    first = await store.create(SessionHeader(id="s1"), [um("old")])
+    inc1 = first.header.incarnation
+    assert inc1 and (await store.head("s1")).header.incarnation == inc1
+    assert [h.incarnation for h in (await store.list()).items] == [inc1]
+    assert await store.delete("s1")
+    again = await store.create(SessionHeader(id="s1", incarnation=inc1), [um("new")])  # a given one is ignored
+    inc2 = again.header.incarnation
+    assert inc2 and inc2 != inc1
+    assert (await store.head("s1")).header.incarnation == inc2
+
+
+async def test_branch_children_have_their_own_incarnation(store: Any) -> None:
+    parent = await store.create(SessionHeader(id="p"), [um("a"), um("b")])
+    c1 = await store.create(SessionHeader(id="c1", parent="p", at=1))
+    c2 = await store.create(SessionHeader(id="c2", parent="p", at=2))
+    incs = {parent.header.incarnation, c1.header.incarnation, c2.header.incarnation}
+    assert len(incs) == 3 and "" not in incs
+    assert (await store.head("c1")).header.incarnation == c1.header.incarnation
+
+
+async def test_put_with_an_old_incarnation_is_refused_and_writes_nothing(store: Any) -> None:
+    old = (await store.create(SessionHeader(id="s1"), [um("o0"), um("o1")])).header.incarnation
+    await store.delete("s1")
+    new = (await store.create(SessionHeader(id="s1"), [um("n0"), um("n1")])).header.incarnation
+    before = await snapshot(store, "s1")
+    for expected in (2, None):  # n matches: only the incarnation tells the two apart
+        with pytest.raises(SessionReplacedError):
+            await store.put("s1", expected, [um("stale")], incarnation=old)
+        with pytest.raises(SessionReplacedError):
+            await store.put("s1", expected, [um("stale")], incarnation=old, idempotency_key="k")
+    assert await snapshot(store, "s1") == before
+    assert issubclass(SessionReplacedError, SessionNotFoundError)
+    [e] = await store.put("s1", 2, [um("n2")], incarnation=new)
+    assert e.n == 2
+    with pytest.raises(SessionReplacedError):
+        await store.read("s1", incarnation=old)
+    assert [x.data["content"] for x in await store.read("s1", incarnation=new)] == ["n0", "n1", "n2"]
+
+
+async def test_tail_never_yields_the_next_incarnation(store: Any) -> None:
+    """delete + create under a live tail: the tail ends (or raises SessionNotFoundError); it never
+    goes on with the new session's entries as if they were the old one's."""
+    old = (await store.create(SessionHeader(id="s1"), [um(f"old{i}") for i in range(3)])).header.incarnation
+    got: list[str] = []
+    ended: list[str] = []
+    three = anyio.Event()
+
+    async def consume() -> None:
+        try:
+            async for e in store.tail("s1", 0):
+                got.append(e.data["content"])
+                if len(got) == 3:
+                    three.set()
+        except SessionNotFoundError as e:
+            ended.append(type(e).__name__)
+        else:
+            ended.append("end")
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await three.wait()
+            await anyio.sleep(0.05)  # the tail is blocked waiting for entry 3
+            await store.delete("s1")
+            await store.create(SessionHeader(id="s1"), [um(f"new{i}") for i in range(6)])
+            for i in range(6, 9):
+                await store.put("s1", i, [um(f"new{i}")])
+    assert ended, "the tail went on"
+    assert got == ["old0", "old1", "old2"]
+    with pytest.raises(SessionReplacedError):
+        async for _ in store.tail("s1", 0, incarnation=old):
+            pass
+
+
+async def test_tail_of_a_replaced_session_with_an_idle_gap(store: Any) -> None:
+    """Replaced while nothing is appended: the next check (a block timeout, or the next entry)
+    ends the tail before any of the new session's entries is yielded."""
+    await store.create(SessionHeader(id="s1"), [um("old0")])
+    got: list[str] = []
+    first = anyio.Event()
+
+    async def consume() -> None:
+        with contextlib.suppress(SessionNotFoundError):
+            async for e in store.tail("s1", 0):
+                got.append(e.data["content"])
+                first.set()
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await first.wait()
+            await store.delete("s1")
+            await store.create(SessionHeader(id="s1"), [um("new0"), um("new1")])
+            await anyio.sleep(0.05)
+            await store.put("s1", 2, [um("new2")])
+    assert got == ["old0"]
+
+
+async def test_snapshot_of_another_incarnation_is_refused_and_never_served(store: Any) -> None:
+    old = (await store.create(SessionHeader(id="s1"), [um("o0"), um("o1")])).header.incarnation
+    assert await store.put_projection("s1", 2, b'{"old":1}', incarnation=old) is True
+    assert await store.get_projection("s1", incarnation=old) == (2, b'{"old":1}')
+    await store.delete("s1")
+    new = (await store.create(SessionHeader(id="s1"), [um("n0"), um("n1"), um("n2")])).header.incarnation
+    # a fold of the old log that finishes after the delete + create
+    with pytest.raises(SessionReplacedError):
+        await store.put_projection("s1", 2, b'{"old":1}', incarnation=old)
+    assert await store.get_projection("s1") is None
+    assert await store.put_projection("s1", 3, b'{"new":1}', incarnation=new) is True
+    assert await store.get_projection("s1", incarnation=old) is None
+    assert await store.get_projection("s1", incarnation=new) == (3, b'{"new":1}')

@@ -11,8 +11,10 @@ Routes (every one a GET; ``/openapi.json`` describes them)::
     /sessions/{id}/messages?format=openai|anthropic|neutral   the projection
     /sessions/{id}/events?start=    SSE: entries as they land (``id:`` is the entry's n; resume
                                     with ``Last-Event-ID``), ``event: draft`` for the streaming
-                                    draft, ``event: end`` when the session is deleted, and a
-                                    ``: ping`` comment after `heartbeat` idle seconds
+                                    draft, ``event: end`` when the session is deleted (after
+                                    ``event: replaced`` when its id was deleted and created
+                                    again: the stream never goes on with the new session), and
+                                    a ``: ping`` comment after `heartbeat` idle seconds
 
 Ids in paths are percent-encoded (``/`` as ``%2F``); the raw path is decoded here, so ids with
 ``/``, ``:`` and any unicode work. With a `token`, every route answers 401 unless the request
@@ -52,7 +54,13 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import InvalidSessionIdError, SessionError, SessionNotFoundError, StoreUnavailableError
+from ..errors import (
+    InvalidSessionIdError,
+    SessionError,
+    SessionNotFoundError,
+    SessionReplacedError,
+    StoreUnavailableError,
+)
 from ..keys import validate_session_id
 from ..live import RETRYABLE, follow
 from ..model import Entry, SessionHead, SessionHeader
@@ -306,7 +314,7 @@ def create_app(  # noqa: C901 - to split
         if head is None:
             raise SessionNotFoundError(sid)
         end = min(head.n, start + limit, head.n if stop is None else stop)
-        got = await store.read(sid, start, end) if end > start else []
+        got = await store.read(sid, start, end, incarnation=head.header.incarnation) if end > start else []
         want_end = head.n if stop is None else min(stop, head.n)
         return _JSON({"n": head.n, "entries": got, "next": end if end < want_end else None})
 
@@ -441,6 +449,7 @@ class _EventStream(Response):
         self.drafts = drafts
         self._active_at = time.monotonic()
         self._last_write = time.monotonic()
+        self._incarnation: str | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "HEAD":
@@ -491,10 +500,14 @@ class _EventStream(Response):
 
         try:
             nxt = await self._backlog(write)
-            async with contextlib.aclosing(follow(self.store, self.session_id, nxt, on_retry=on_retry)) as entries:
+            tail = follow(self.store, self.session_id, nxt, on_retry=on_retry, incarnation=self._incarnation)
+            async with contextlib.aclosing(tail) as entries:
                 async for e in entries:
                     self._active_at = time.monotonic()
                     await write(_entry_event(e))
+        except SessionReplacedError:
+            # the id was deleted and created again: this stream's session is gone for good
+            await write(b"event: replaced\ndata: %b\n\n" % _json.encode({"session": self.session_id}))
         except SessionNotFoundError:
             pass
         except SessionError as exc:  # a corrupt log: say so, then end the stream
@@ -511,9 +524,17 @@ class _EventStream(Response):
         try:
             while True:
                 head = await self.store.head(self.session_id)
-                if head is None or nxt >= head.n:
+                if head is None:
                     return nxt
-                page = await self.store.read(self.session_id, nxt, min(head.n, nxt + self.BACKLOG_PAGE))
+                if self._incarnation is None:
+                    self._incarnation = head.header.incarnation  # the session this stream follows
+                elif head.header.incarnation != self._incarnation:
+                    raise SessionReplacedError(self.session_id)
+                if nxt >= head.n:
+                    return nxt
+                page = await self.store.read(
+                    self.session_id, nxt, min(head.n, nxt + self.BACKLOG_PAGE), incarnation=self._incarnation
+                )
                 if not page:
                     return nxt
                 await write(b"".join([_entry_event(e) for e in page]))
@@ -697,6 +718,7 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
             "delegation_depth": {"type": "integer"},
             "title": {"type": ["string", "null"]},
             "origin": json_any,
+            "incarnation": {"type": "string", "description": "unique per creation of the id"},
         },
     }
     doc: dict[str, Any] = {
@@ -793,7 +815,8 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                     "summary": "Live tail (Server-Sent Events)",
                     "description": "Each entry is an event whose `id` is its n and whose data is the entry "
                     "as JSON; `event: draft` carries `{draft}` when the streaming draft changes; "
-                    "`event: end` when the session is deleted; `: ping` comments after `heartbeat` "
+                    "`event: end` when the session is deleted (`event: replaced` first when it was replaced); "
+                    "`: ping` comments after `heartbeat` "
                     "idle seconds. Reconnect with `Last-Event-ID` (resumes at id + 1), else `start`.",
                     "parameters": [
                         sid,

@@ -57,6 +57,7 @@ from ..errors import (
     SessionConflictError,
     SessionError,
     SessionNotFoundError,
+    SessionReplacedError,
     StoreUnavailableError,
 )
 from ..keys import Keys, id_from_index_member, index_member, validate_session_id
@@ -73,7 +74,9 @@ from ..model import (
     Vocabulary,
     batch_digest,
     bound_error,
+    legacy_incarnation,
     lossless_json,
+    new_incarnation,
     now_ms,
 )
 from ..store.memory import (
@@ -282,15 +285,17 @@ def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
     g = raw.get
     origin_raw = g(b"origin")
     seg_raw = g(b"segments")
+    created_at = int(g(b"created_at", b"0"))
     header = SessionHeader(
         id=_s(g(b"id")) or "",
         format_version=int(g(b"format_version", b"1")),
-        created_at=int(g(b"created_at", b"0")),
+        created_at=created_at,
         parent=_s(g(b"parent")),
         at=_i(g(b"at")),
         delegation_depth=int(g(b"delegation_depth", b"0")),
         title=_s(g(b"title")),
         origin=None if origin_raw is None else _decode_any.decode(origin_raw),
+        incarnation=_s(g(b"incarnation")) or legacy_incarnation(created_at),
     )
     return _Hdr(
         header=header,
@@ -309,6 +314,7 @@ def _header_fields(header: SessionHeader, segments: Sequence[Segment]) -> builti
         "format_version", str(header.format_version),
         "created_at", str(header.created_at),
         "delegation_depth", str(header.delegation_depth),
+        "incarnation", header.incarnation,
     ]  # fmt: skip
     if header.parent is not None and header.at is not None:
         f += ["parent", header.parent, "at", str(header.at)]
@@ -325,8 +331,9 @@ def _entry_args(batch: Sequence[EncodedEntry]) -> builtins.list[bytes]:
     return [v for e in batch for v in _entry_fields(e)]
 
 
-# put's EVALSHA body: keys, "append", expected_n, idempotency key, count, the cached tail, entries
-_PUT_BODY = b"%b$6\r\nappend\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b"
+# put's EVALSHA body: keys, "append", expected_n, idempotency key, count, the cached tail,
+# the expected incarnation, entries
+_PUT_BODY = b"%b$6\r\nappend\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n%b$%d\r\n%b\r\n%b"
 
 
 class _SessionWire(msgspec.Struct, frozen=True, gc=False):
@@ -612,29 +619,43 @@ class RedisSessionStore(StoreRules):
             return None
         return SessionHead(header=h.header, n=h.n, updated_at=h.updated_at, last_cut=h.last_cut)
 
-    async def read(self, session_id: str, start: int = 0, stop: int | None = None) -> builtins.list[Entry]:
+    async def read(  # noqa: C901 - to split
+        self, session_id: str, start: int = 0, stop: int | None = None, *, incarnation: str | None = None
+    ) -> builtins.list[Entry]:
         validate_session_id(session_id)
         check_read_range(start, stop)
         hi = None if stop is None else stop
         if hi is not None and hi - start > MAX_READ_RANGE:
             raise ValueError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
         with _io():
-            # One round trip in the common case: the header check and the own-stream range together.
+            # One round trip in the common case: the header check and the own-stream range together,
+            # and the header's identity again after the range. Incarnations are never reused, so the
+            # same one on both sides means the range was read from that session's log, not from one
+            # that took its id in between (a pipeline is not a transaction).
             k = self._keys_of(session_id)
             hdr_key, log_key = k.hdr, k.log
-            (n_raw, deleted, at_raw, seg_raw), rows = await self._pipeline(
-                ("HMGET", hdr_key, b"n", b"deleted", b"at", b"segments"),
-                (
-                    "XRANGE",
-                    log_key,
-                    b"%d-1" % start,
-                    b"+" if stop is None else b"%d-1" % max(stop - 1, 0),
-                    b"COUNT",
-                    MAX_READ_RANGE,
-                ),
-            )
-            if n_raw is None or deleted is not None:
-                raise SessionNotFoundError(session_id)
+            for _attempt in range(3):
+                (n_raw, deleted, at_raw, seg_raw, inc_raw, born_raw), rows, after = await self._pipeline(
+                    ("HMGET", hdr_key, b"n", b"deleted", b"at", b"segments", b"incarnation", b"created_at"),
+                    (
+                        "XRANGE",
+                        log_key,
+                        b"%d-1" % start,
+                        b"+" if stop is None else b"%d-1" % max(stop - 1, 0),
+                        b"COUNT",
+                        MAX_READ_RANGE,
+                    ),
+                    ("HMGET", hdr_key, b"incarnation", b"created_at"),
+                )
+                if n_raw is None or deleted is not None:
+                    raise SessionNotFoundError(session_id)
+                self._check_incarnation(session_id, incarnation, inc_raw, born_raw)
+                if after[0] == inc_raw and after[1] == born_raw:
+                    break
+                if incarnation is not None:
+                    raise SessionReplacedError(session_id)
+            else:
+                raise StoreUnavailableError(f"session {session_id!r} was replaced during every read attempt")
             n = int(n_raw)
             if stop is not None and stop <= start:
                 return []
@@ -645,6 +666,9 @@ class RedisSessionStore(StoreRules):
                     rows.extend(more)
                     if len(more) < MAX_READ_RANGE:
                         break
+                after = await self._raw("HMGET", hdr_key, b"incarnation", b"created_at")
+                if after[0] != inc_raw or after[1] != born_raw:
+                    raise SessionReplacedError(session_id, "replaced while a long log was read")
             # The reply's ~9 objects per row are dropped before the decode, so the collector
             # passes that the new entries trigger do not walk them.
             blob = _splice_rows(rows) if rows else b""
@@ -666,6 +690,15 @@ class RedisSessionStore(StoreRules):
             out.extend(own)
             return out
 
+    @staticmethod
+    def _check_incarnation(session_id: str, expected: str | None, inc_raw: Any, born_raw: Any) -> str:
+        """The incarnation of a header read as raw `incarnation` and `created_at` values; raises
+        `SessionReplacedError` when it is not `expected` (None: any)."""
+        inc = _s(inc_raw) or legacy_incarnation(int(born_raw or 0))
+        if expected is not None and inc != expected:
+            raise SessionReplacedError(session_id)
+        return inc
+
     async def put(
         self,
         session_id: str,
@@ -673,9 +706,10 @@ class RedisSessionStore(StoreRules):
         entries: Sequence[NewEntryLike],
         *,
         idempotency_key: str | None = None,
+        incarnation: str | None = None,
     ) -> builtins.list[Entry]:
         k = self._keys_of(session_id)  # validates the id the first time it is seen
-        batch = self._put_batch(expected_n, entries, idempotency_key)
+        batch = self._put_batch(expected_n, entries, idempotency_key, incarnation)
         expected = b"" if expected_n is None else b"%d" % expected_n
         # "<window>:<digest>:<key>": append.lua keeps the digest of the batch with its key
         idem = (
@@ -684,14 +718,15 @@ class RedisSessionStore(StoreRules):
             else b"%d:%b:%b" % (IDEMPOTENCY_WINDOW, batch_digest(batch), idempotency_key.encode())
         )
         count = b"%d" % len(batch)
+        inc = b"" if incarnation is None else incarnation.encode()
         try:
             # The whole EVALSHA body in one format: keys and the per-session ARGV are cached.
             body = _PUT_BODY % (
                 k.keys, len(expected), expected, len(idem), idem, len(count), count, k.put_tail,
-                _pack_entries(batch),
+                len(inc), inc, _pack_entries(batch),
             )  # fmt: skip
             res = await self._eval_packed(
-                _SCRIPTS["append"], k.nkeys + 8 + 6 * len(batch), body, k.hdr, bool(self._durable)
+                _SCRIPTS["append"], k.nkeys + 9 + 6 * len(batch), body, k.hdr, bool(self._durable)
             )
             acks = self._last_acks  # taken before any other await: other tasks share the store
             code = int(res[0])
@@ -704,7 +739,7 @@ class RedisSessionStore(StoreRules):
                 )
             if code == 1:
                 first, landed_count = int(res[1]), int(res[2])
-                landed = await self.read(session_id, first, first + landed_count)
+                landed = await self.read(session_id, first, first + landed_count, incarnation=incarnation)
                 return self._check_durable(session_id, landed, acks)
         except _IO_ERRORS as e:
             raise _unavailable(e) from e
@@ -763,6 +798,8 @@ class RedisSessionStore(StoreRules):
             raise bound_error(batch[index], int(res[2]), index)
         if code == 5:
             raise SessionAlreadyExistsError(session_id)
+        if code == 8:
+            raise SessionReplacedError(session_id, "this write was meant for the session before")
         if code == 6:
             raise SessionError(
                 f"session {session_id!r}: the stream is ahead of the header (last ID {_s(res[1])}); "
@@ -777,6 +814,7 @@ class RedisSessionStore(StoreRules):
         first_n = header.at or 0
         if header.created_at == 0:
             header = msgspec.structs.replace(header, created_at=now_ms())
+        header = msgspec.structs.replace(header, incarnation=new_incarnation())  # every create: a new life
         member = index_member(header.created_at, header.id)
         sid = header.id
         segments: builtins.list[Segment] = []
@@ -812,6 +850,7 @@ class RedisSessionStore(StoreRules):
                 sid,
                 "" if ttl_ms is None else str(ttl_ms),
                 str(len(hdr_fields) // 2),
+                "",
                 *hdr_fields,
             ]
             try:
@@ -999,36 +1038,53 @@ class RedisSessionStore(StoreRules):
                 await self.repair_links(session_id)  # hidden for branches: only for live ones
             return True
 
-    async def tail(self, session_id: str, start: int = 0) -> AsyncIterator[Entry]:
+    async def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
         """Every entry with n >= start, then each new one as it lands (XREAD BLOCK).
 
-        Resumable from any n; ends when the session is deleted."""
+        Resumable from any n; ends when the session is deleted. Raises `SessionReplacedError`
+        when the id names another incarnation than `incarnation` (None: the one met at the
+        start), at the start or at any later point: the header's identity is read right after
+        every XREAD (same round trip), so no entry of a session that took the id is yielded."""
         validate_session_id(session_id)
         check_read_range(start, None)
         with _io():
             h = await self._hdr(session_id)
         if h is None or h.deleted:
             raise SessionNotFoundError(session_id)
+        inc = h.header.incarnation
+        if incarnation is not None and incarnation != inc:
+            raise SessionReplacedError(session_id)
         at = h.header.at or 0
         nxt = start
         if nxt < at:
-            for e in await self.read(session_id, nxt, at):
+            for e in await self.read(session_id, nxt, at, incarnation=inc):
                 yield e
             nxt = at
         key = self.keys.log(session_id)
+        hdr_key = self.keys.hdr(session_id)
         last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
         while True:
             with _io():
-                resp = await self._raw("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, last_id)
+                resp, (deleted, inc_raw, born_raw) = await self._pipeline(
+                    ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, last_id),
+                    ("HMGET", hdr_key, "deleted", "incarnation", "created_at"),
+                )
+            if inc_raw is None and born_raw is None:
+                return  # deleted: rows read just before may be of a session that came and went
+            self._check_incarnation(session_id, inc, inc_raw, born_raw)
             rows = _xread_rows(resp)
             if rows:
-                for e in rows_to_entries(rows):
+                batch = rows_to_entries(rows)
+                if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
+                    raise SessionError(
+                        f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
+                        f"(got {batch[0].n}..{batch[-1].n}); run `redis-session doctor`"
+                    )
+                for e in batch:
                     yield e
+                nxt = batch[-1].n + 1
                 last_id = _s(rows[-1][0]) or last_id
-                continue
-            with _io():
-                alive = await self._raw("HMGET", self.keys.hdr(session_id), "n", "deleted")
-            if alive[0] is None or alive[1] is not None:
+            if deleted is not None:
                 return
 
     async def get_draft(self, session_id: str) -> dict[str, Any] | None:
@@ -1069,23 +1125,29 @@ class RedisSessionStore(StoreRules):
             ))  # fmt: skip
         return res == 1
 
-    async def get_projection(self, session_id: str) -> tuple[int, bytes] | None:
+    async def get_projection(self, session_id: str, *, incarnation: str | None = None) -> tuple[int, bytes] | None:
         validate_session_id(session_id)
         with _io():
-            n_raw, state = await self._raw("HMGET", self.keys.proj(session_id), "n", "state")
+            n_raw, state, inc = await self._raw("HMGET", self.keys.proj(session_id), "n", "state", "incarnation")
         if n_raw is None or state is None:
             return None
+        if incarnation is not None and _s(inc) != incarnation:
+            return None  # another life's snapshot (or one written before incarnations): not this one
         try:
             return int(n_raw), bytes(state)
         except ValueError:
             return None  # a damaged snapshot is no snapshot: readers fold from the log
 
-    async def put_projection(self, session_id: str, n: int, state: bytes) -> bool:
+    async def put_projection(self, session_id: str, n: int, state: bytes, *, incarnation: str | None = None) -> bool:
         validate_session_id(session_id)
         with _io():
-            res = int(await self._eval("proj", [self.keys.hdr(session_id), self.keys.proj(session_id)], [n, state]))
+            res = int(await self._eval(
+                "proj", [self.keys.hdr(session_id), self.keys.proj(session_id)], [n, state, incarnation or ""]
+            ))  # fmt: skip
         if res == -1:
             raise SessionNotFoundError(session_id)
+        if res == -3:
+            raise SessionReplacedError(session_id, "the snapshot was folded from the session before")
         if res == -2:
             raise ValueError(f"snapshot n={n} is beyond the session's n")
         return res == 1

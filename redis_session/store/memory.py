@@ -19,6 +19,7 @@ from ..errors import (
     SessionAlreadyExistsError,
     SessionConflictError,
     SessionNotFoundError,
+    SessionReplacedError,
 )
 from ..keys import index_member, validate_session_id
 from ..model import (
@@ -35,6 +36,7 @@ from ..model import (
     batch_digest,
     check_against_n,
     encode_batch,
+    new_incarnation,
     now_ms,
 )
 
@@ -50,7 +52,12 @@ class SessionStore(Protocol):
 
     async def head(self, session_id: str) -> SessionHead | None: ...
 
-    async def read(self, session_id: str, start: int = 0, stop: int | None = None) -> list[Entry]: ...
+    async def read(
+        self, session_id: str, start: int = 0, stop: int | None = None, *, incarnation: str | None = None
+    ) -> list[Entry]:
+        """Entries [start, stop) of one incarnation (raises `SessionReplacedError` when the id
+        names another one than `incarnation`; None: whichever is current)."""
+        ...
 
     async def put(
         self,
@@ -59,7 +66,11 @@ class SessionStore(Protocol):
         entries: Sequence[NewEntryLike],
         *,
         idempotency_key: str | None = None,
-    ) -> list[Entry]: ...
+        incarnation: str | None = None,
+    ) -> list[Entry]:
+        """Append; with `incarnation`, only to that life of the id (else `SessionReplacedError`,
+        checked atomically with the write: nothing is written)."""
+        ...
 
     async def create(
         self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
@@ -84,7 +95,11 @@ class SessionStore(Protocol):
         session left without links is purged, and an ephemeral one expires again."""
         ...
 
-    def tail(self, session_id: str, start: int = 0) -> AsyncIterator[Entry]: ...
+    def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
+        """Entries from `start`, live. Ends when the session is deleted; raises
+        `SessionReplacedError` when the id names another incarnation than the tail began on
+        (or than `incarnation`)."""
+        ...
 
     async def get_draft(self, session_id: str) -> dict[str, Any] | None: ...
 
@@ -96,12 +111,14 @@ class SessionStore(Protocol):
 
     async def publish(self, event: str, payload: dict[str, Any]) -> None: ...
 
-    async def get_projection(self, session_id: str) -> tuple[int, bytes] | None:
-        """The projector's cached snapshot: (n it covers, serialized state), or None."""
+    async def get_projection(self, session_id: str, *, incarnation: str | None = None) -> tuple[int, bytes] | None:
+        """The projector's cached snapshot: (n it covers, serialized state), or None (also when
+        it is not a snapshot of `incarnation`, if given)."""
         ...
 
-    async def put_projection(self, session_id: str, n: int, state: bytes) -> bool:
-        """Store a snapshot covering [0, n) unless one at >= n is there already."""
+    async def put_projection(self, session_id: str, n: int, state: bytes, *, incarnation: str | None = None) -> bool:
+        """Store a snapshot covering [0, n) unless one at >= n is there already; with
+        `incarnation`, refused (`SessionReplacedError`) when the session is another one now."""
         ...
 
     async def aclose(self) -> None: ...
@@ -125,6 +142,11 @@ def check_expected_n(expected_n: object) -> None:
 def check_idempotency_key(key: object) -> None:
     if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 256 or "\x00" in key):
         raise InvalidEntryError("idempotency_key must be a str of 1-256 characters (no NUL)")
+
+
+def check_incarnation(incarnation: object) -> None:
+    if incarnation is not None and (not isinstance(incarnation, str) or not 1 <= len(incarnation) <= 64):
+        raise InvalidEntryError("incarnation must be None or a str of 1-64 characters (SessionHeader.incarnation)")
 
 
 def _is_int(v: object) -> bool:
@@ -252,10 +274,15 @@ class StoreRules:
         )
 
     def _put_batch(
-        self, expected_n: int | None, entries: Iterable[NewEntryLike], idempotency_key: str | None
+        self,
+        expected_n: int | None,
+        entries: Iterable[NewEntryLike],
+        idempotency_key: str | None,
+        incarnation: str | None = None,
     ) -> builtins.list[EncodedEntry]:
         check_expected_n(expected_n)
         check_idempotency_key(idempotency_key)
+        check_incarnation(incarnation)
         return self._encode(entries, expected_n)
 
     def _create_batch(
@@ -336,7 +363,9 @@ class MemorySessionStore(StoreRules):
         s = self._get(session_id)
         return None if s is None else s.head()
 
-    async def read(self, session_id: str, start: int = 0, stop: int | None = None) -> builtins.list[Entry]:
+    async def read(
+        self, session_id: str, start: int = 0, stop: int | None = None, *, incarnation: str | None = None
+    ) -> builtins.list[Entry]:
         validate_session_id(session_id)
         check_read_range(start, stop)
         if stop is not None and stop - start > MAX_READ_RANGE:
@@ -344,6 +373,8 @@ class MemorySessionStore(StoreRules):
         s = self._get(session_id)
         if s is None:
             raise SessionNotFoundError(session_id)
+        if incarnation is not None and incarnation != s.header.incarnation:
+            raise SessionReplacedError(session_id)
         out: builtins.list[Entry] = []
         for anc, lo, hi in plan_read(s.segments, s.header.at or 0, s.n, start, stop):
             out.extend(self._entries_of(anc or session_id, lo, hi))
@@ -356,13 +387,16 @@ class MemorySessionStore(StoreRules):
         entries: Sequence[NewEntryLike],
         *,
         idempotency_key: str | None = None,
+        incarnation: str | None = None,
     ) -> builtins.list[Entry]:
         validate_session_id(session_id)
-        batch = self._put_batch(expected_n, entries, idempotency_key)
+        batch = self._put_batch(expected_n, entries, idempotency_key, incarnation)
         async with self._lock:
             s = self._get(session_id)
             if s is None:
                 raise SessionNotFoundError(session_id)
+            if incarnation is not None and incarnation != s.header.incarnation:
+                raise SessionReplacedError(session_id, "this write was meant for the session before")
             if idempotency_key is not None and idempotency_key in s.idem:
                 first, count, digest = s.idem[idempotency_key]
                 if digest != batch_digest(batch):
@@ -416,6 +450,7 @@ class MemorySessionStore(StoreRules):
                 segments = lineage_for(parent.header.id, parent.header.at, parent.segments, header.at)
             if header.created_at == 0:
                 header = msgspec.structs.replace(header, created_at=now_ms())
+            header = msgspec.structs.replace(header, incarnation=new_incarnation())  # every create: a new life
             s = _MemSession(header, segments, ttl_ms)
             self._sessions[header.id] = s
             if parent is not None:
@@ -474,18 +509,23 @@ class MemorySessionStore(StoreRules):
         await self.links(session_id)
         return []
 
-    async def tail(self, session_id: str, start: int = 0) -> AsyncIterator[Entry]:
-        """Every entry with n >= start, then each new one as it lands; ends if the session is deleted."""
+    async def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
+        """Every entry with n >= start, then each new one as it lands; ends if the session is
+        deleted, raises `SessionReplacedError` once the id names another incarnation."""
         validate_session_id(session_id)
         check_read_range(start, None)
         s = self._get(session_id)
         if s is None:
             raise SessionNotFoundError(session_id)
+        if incarnation is not None and incarnation != s.header.incarnation:
+            raise SessionReplacedError(session_id)
         nxt = start
         while True:
             s2 = self._get(session_id)
-            if s2 is None or s2 is not s:
+            if s2 is None:
                 return
+            if s2 is not s:
+                raise SessionReplacedError(session_id)
             changed = s.changed
             if nxt < s.n:
                 batch = await self.read(session_id, nxt, min(s.n, nxt + 1000))
@@ -535,14 +575,18 @@ class MemorySessionStore(StoreRules):
     async def publish(self, event: str, payload: dict[str, Any]) -> None:
         self.events.append((event, payload))
 
-    async def get_projection(self, session_id: str) -> tuple[int, bytes] | None:
+    async def get_projection(self, session_id: str, *, incarnation: str | None = None) -> tuple[int, bytes] | None:
         s = self._get(validate_session_id(session_id))
-        return None if s is None else s.proj
+        if s is None or (incarnation is not None and incarnation != s.header.incarnation):
+            return None
+        return s.proj
 
-    async def put_projection(self, session_id: str, n: int, state: bytes) -> bool:
+    async def put_projection(self, session_id: str, n: int, state: bytes, *, incarnation: str | None = None) -> bool:
         s = self._get(validate_session_id(session_id))
         if s is None:
             raise SessionNotFoundError(session_id)
+        if incarnation is not None and incarnation != s.header.incarnation:
+            raise SessionReplacedError(session_id, "the snapshot was folded from the session before")
         if n > s.n:
             raise ValueError(f"snapshot n={n} is beyond the session's n={s.n}")
         if s.proj is not None and s.proj[0] >= n:
