@@ -4,8 +4,10 @@
   ``Session`` protocol; needs the ``openai-agents`` extra.
 - `RedisChatMessageHistory` (``redis_session.adapters.langchain``): a LangChain
   ``BaseChatMessageHistory``; needs the ``langchain`` extra.
+- `RedisEventSaver` (``redis_session.adapters.langgraph``): a LangGraph checkpointer
+  (``BaseCheckpointSaver``); needs the ``langgraph`` extra.
 
-Each is imported on first use, so this package imports without either framework installed.
+Each is imported on first use, so this package imports without any framework installed.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .langchain import RedisChatMessageHistory
+    from .langgraph import RedisEventSaver
     from .openai_agents import RedisEventSession
 
-__all__ = ["RedisChatMessageHistory", "RedisEventSession"]
+__all__ = ["RedisChatMessageHistory", "RedisEventSaver", "RedisEventSession"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,4 +31,8 @@ def __getattr__(name: str) -> Any:
         from .langchain import RedisChatMessageHistory
 
         return RedisChatMessageHistory
+    if name == "RedisEventSaver":
+        from .langgraph import RedisEventSaver
+
+        return RedisEventSaver
     raise AttributeError(name)
