@@ -212,3 +212,98 @@ async def test_close_of_a_from_url_session_makes_later_calls_raise(
     await t.close()
     await t.add_items(_items("still"))
     assert len(await t.get_items()) == 1
+
+
+# =========================================================================== LangChain
+
+
+@pytest.fixture
+def History() -> Any:
+    pytest.importorskip("langchain_core.messages")
+    from redis_session.adapters.langchain import RedisChatMessageHistory
+
+    return RedisChatMessageHistory
+
+
+def test_one_history_from_several_event_loops(redis_url: str, prefix: str, History: Any) -> None:
+    """A sync call, then ``asyncio.run`` twice, then sync again, on ONE history and ONE store (as
+    LangChain's own interface tests drive a history)."""
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    try:
+        h = History("loops", store)
+        h.add_messages([HumanMessage("sync")])
+
+        async def turn(text: str) -> list[Any]:
+            await h.aadd_messages([AIMessage(text)])
+            return await h.aget_messages()
+
+        assert [m.content for m in asyncio.run(turn("run-1"))] == ["sync", "run-1"]
+        assert [m.content for m in asyncio.run(turn("run-2"))] == ["sync", "run-1", "run-2"]
+        assert [m.content for m in h.messages] == ["sync", "run-1", "run-2"]
+
+        async def clear() -> None:
+            await h.aclear()
+
+        asyncio.run(clear())
+        assert h.messages == []
+    finally:
+        _cleanup_sync(redis_url, prefix)
+
+
+async def test_empty_messages_come_back_as_added(fstore: Any, History: Any) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    h = History("empty-msgs", fstore)
+    msgs = [
+        HumanMessage(""),
+        AIMessage(""),
+        HumanMessage("q"),
+        AIMessage([]),
+        ToolMessage("", tool_call_id="c"),
+        AIMessage("a"),
+    ]
+    await h.aadd_messages(msgs)
+    got = await h.aget_messages()
+    assert [(type(m).__name__, m.content) for m in got] == [(type(m).__name__, m.content) for m in msgs]
+    assert [(type(m).__name__, m.content) for m in await History("empty-msgs", fstore).aget_messages()] == [
+        (type(m).__name__, m.content) for m in msgs
+    ]
+    await h.aclear()
+    assert await h.aget_messages() == []
+    await h.aadd_messages([AIMessage("")])
+    assert [m.content for m in await h.aget_messages()] == [""]
+
+
+def test_langchain_redis_accessors_ttl_and_long_prefixes(History: Any) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from redis_session.errors import InvalidSessionIdError
+
+    store = MemorySessionStore()
+    long_prefix = "tenant-" + "x" * 90 + ":chat:"
+    h = History("user123", store, key_prefix=long_prefix, ttl=3600)
+    assert h.id == h.session_id == long_prefix + "user123" and h.ttl == 3600 and h.key_prefix == long_prefix
+    assert len(h) == 0 and bool(h)
+    h.add_messages([HumanMessage("Tell me about Machine Learning"), AIMessage("Machine learning is a subset of AI")])
+    assert len(h) == 2
+    assert [r["content"] for r in h.search_messages("LEARNING", limit=1)] == ["Tell me about Machine Learning"]
+    assert h.search_messages("") == []
+    with pytest.raises(InvalidSessionIdError, match="256 characters"):
+        History("user123", store, key_prefix="p" * 300)
+    with pytest.raises(InvalidSessionIdError, match="cluster slot"):
+        History("user123", store, key_prefix="{tenant}:")
+    h.delete()
+    assert len(h) == 0
+
+
+async def test_langchain_ttl_expires_the_session(fstore: Any, History: Any) -> None:
+    from langchain_core.messages import HumanMessage
+
+    h = History("lc-eph", fstore, ttl=1)
+    await h.aadd_messages([HumanMessage("gone soon")])
+    assert len(await h.aget_messages()) == 1
+    await asyncio.sleep(1.4)
+    assert await fstore.head("lc-eph") is None
+    assert await h.aget_messages() == []
