@@ -50,7 +50,9 @@ async def test_satisfies_the_sdk_session_protocol(store: Any, Ev: Any) -> None:
 
     s = Ev("p-1", store)
     assert isinstance(s, AgentsSession)
-    assert s.session_id == "p-1" and s.session_settings is None
+    from agents.memory import SessionSettings
+
+    assert s.session_id == "p-1" and s.session_settings == SessionSettings()
     for name in ("get_items", "add_items", "pop_item", "clear_session"):
         assert callable(getattr(s, name))
 

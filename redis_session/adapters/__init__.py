@@ -6,8 +6,10 @@
   ``BaseChatMessageHistory``; needs the ``langchain`` extra.
 - `RedisAdkSessionService` (``redis_session.adapters.adk``): a Google ADK ``BaseSessionService``;
   needs the ``adk`` extra.
+- `RedisEventSaver` (``redis_session.adapters.langgraph``): a LangGraph checkpointer
+  (``BaseCheckpointSaver``); needs the ``langgraph`` extra.
 
-Each is imported on first use, so this package imports without either framework installed.
+Each is imported on first use, so this package imports without any framework installed.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .adk import RedisAdkSessionService
     from .langchain import RedisChatMessageHistory
+    from .langgraph import RedisEventSaver
     from .openai_agents import RedisEventSession
 
-__all__ = ["RedisAdkSessionService", "RedisChatMessageHistory", "RedisEventSession"]
+__all__ = ["RedisAdkSessionService", "RedisChatMessageHistory", "RedisEventSaver", "RedisEventSession"]
 
 
 def __getattr__(name: str) -> Any:
@@ -35,4 +38,8 @@ def __getattr__(name: str) -> Any:
         from .adk import RedisAdkSessionService
 
         return RedisAdkSessionService
+    if name == "RedisEventSaver":
+        from .langgraph import RedisEventSaver
+
+        return RedisEventSaver
     raise AttributeError(name)

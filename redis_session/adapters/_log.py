@@ -47,8 +47,10 @@ class SessionLog:
         fold: Callable[[Sequence[Entry]], None],
         reset: Callable[[], None],
         mark_types: Iterable[str] = (),
+        ttl_ms: int | None = None,
     ) -> None:
         self.store = store
+        self.ttl_ms = ttl_ms
         self.session_id = validate_session_id(session_id)
         self.n = 0
         self._origin = origin
@@ -91,7 +93,7 @@ class SessionLog:
         if self._exists:
             return
         try:
-            await self.store.create(SessionHeader(id=self.session_id, origin=self._origin))
+            await self.store.create(SessionHeader(id=self.session_id, origin=self._origin), ttl_ms=self.ttl_ms)
         except SessionAlreadyExistsError:
             pass
         self._exists = True

@@ -18,27 +18,28 @@ the same message back (fields that are not JSON are left out). ``clear()`` appen
 ``messages`` is the session's projection (`redis_session.project`), so it honours cuts and dsh
 surface replaces, and shows sessions written by other writers (dsh events, importers) too: a
 ``message`` entry comes back as the LangChain message it was stored from; anything else goes
-through the OpenAI rendering. Like the projection, an assistant message with no content and no
-tool calls is left out. Writes are expected-n appends, retried after a conflict with another
-writer. The session is created on the first write.
+through the OpenAI rendering. An empty message comes back as it was added (the projection leaves
+out an assistant message with nothing in it; the history puts LangChain's back in place). Writes
+are expected-n appends, retried after a conflict with another writer. The session is created on
+the first write.
 
-The async methods run on the caller's event loop. The sync ones run on a background event-loop
-thread shared by all histories; a `RedisSessionStore` is bound to the event loop that first uses
-it, so use one store per loop (don't mix the sync and async methods on one Redis store). Needs
-the ``langchain`` extra.
+The async methods run on the caller's event loop; the sync ones on a private event-loop thread.
+One history works from any number of loops (a sync call, then ``asyncio.run`` twice): a
+`RedisSessionStore` is bound to the loop that first used it, so every other loop gets a clone of
+it with its own connections (`redis_session.adapters._loops`). Needs the ``langchain`` extra.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 import anyio
 import msgspec
-from anyio.from_thread import BlockingPortal
 from langchain_core.chat_history import BaseChatMessageHistory
 from langchain_core.messages import (
     AIMessage,
@@ -50,9 +51,13 @@ from langchain_core.messages import (
     ToolMessage,
 )
 
+from ..errors import InvalidSessionIdError
+from ..keys import validate_session_id
 from ..model import CUT, Entry, NewEntry
-from ..projection.fold import Message, ProjectionState, to_openai
+from ..projection import Message, ProjectionState, to_openai
+from ..store import SessionStore
 from ._log import SessionLog, resolve_store
+from ._loops import LoopStores, run_sync
 
 CLEAR_REASON = "langchain:clear"
 _ROLES = {
@@ -208,59 +213,42 @@ def from_chat_message(data: dict[str, Any]) -> BaseMessage:  # noqa: C901 - to s
     return HumanMessage(**kwargs)
 
 
-# --------------------------------------------------------------------------- the sync bridge
-
-_portal: BlockingPortal | None = None
-_portal_lock = threading.Lock()
-
-
-def _shared_portal() -> BlockingPortal:
-    """One background event loop (a daemon thread) for every history's sync calls."""
-    global _portal
-    with _portal_lock:
-        if _portal is None:
-            ready = threading.Event()
-            box: list[BlockingPortal] = []
-
-            async def serve() -> None:
-                async with BlockingPortal() as portal:
-                    box.append(portal)
-                    ready.set()
-                    await portal.sleep_until_stopped()
-
-            threading.Thread(target=anyio.run, args=(serve,), name="redis-session-langchain", daemon=True).start()
-            ready.wait()
-            _portal = box[0]
-        return _portal
-
-
 # --------------------------------------------------------------------------- the history
+
+
+def _empty_assistant(data: dict[str, Any]) -> bool:
+    return data.get("role") == "assistant" and not data.get("content") and not data.get("tool_calls")
 
 
 class _View:
     """The log as this history sees it on one event loop: the projection, kept incrementally."""
 
-    def __init__(self, history: RedisChatMessageHistory) -> None:
+    def __init__(self, history: RedisChatMessageHistory, store: SessionStore) -> None:
         self.state = ProjectionState()
         self.chat: dict[int, dict[str, Any]] = {}
+        self.before = 0  # the last cut's `before`
         self.lock = anyio.Lock()
         self.log = SessionLog(
-            history._store,
+            store,
             history.session_id,
             origin=history._origin,
             fold=self.fold,
             reset=self.reset,
+            ttl_ms=None if history.ttl is None else history.ttl * 1000,
         )
 
     def reset(self) -> None:
         self.state = ProjectionState()
         self.chat.clear()
+        self.before = 0
 
     def fold(self, entries: Sequence[Entry]) -> None:
         self.state.extend(entries)
         for e in entries:
             if e.type == "message":
                 self.chat[e.n] = e.data
+            elif e.type == CUT:
+                self.before = int(e.data.get("before", e.n))
 
     def convert(self, m: Message) -> list[BaseMessage]:
         if len(m.source) == 1 and m.source[0] in self.chat:
@@ -269,10 +257,27 @@ class _View:
                 return [from_chat_message(data)]
         return [from_chat_message(d) for d in to_openai([m])]
 
+    def current(self) -> list[BaseMessage]:
+        """The projection, plus the empty assistant messages that LangChain wrote (the projection
+        leaves out an assistant message with nothing in it; LangChain gives it back as added)."""
+        projected = self.state.messages()
+        shown = {n for m in projected for n in m.source}
+        empty = sorted(n for n, d in self.chat.items() if n >= self.before and n not in shown and _empty_assistant(d))
+        out: list[BaseMessage] = []
+        i = 0
+        for m in projected:
+            first = min(m.source) if m.source else -1
+            while i < len(empty) and empty[i] < first:
+                out.append(from_chat_message(self.chat[empty[i]]))
+                i += 1
+            out.extend(self.convert(m))
+        out.extend(from_chat_message(self.chat[n]) for n in empty[i:])
+        return out
+
     async def messages(self) -> list[BaseMessage]:
         async with self.lock:
             await self.log.catch_up()
-            return [lc for m in self.state.messages() for lc in self.convert(m)]
+            return self.current()
 
     async def add(self, messages: Sequence[BaseMessage]) -> None:
         data = [to_chat_message(m) for m in messages]
@@ -286,7 +291,7 @@ class _View:
 
     async def clear(self) -> None:
         def build() -> list[NewEntry]:
-            if not self.state.messages():
+            if not self.current():
                 return []
             return [NewEntry(CUT, {"before": self.log.n, "summary": [], "reason": CLEAR_REASON})]
 
@@ -297,28 +302,69 @@ class _View:
 class RedisChatMessageHistory(BaseChatMessageHistory):
     """LangChain chat history of one redis-session session (see the module docstring).
 
-    `store` is a `SessionStore` or a `Sessions` service; `origin` goes into the header of the
-    session when this history creates it.
+    `store` is a `SessionStore` or a `Sessions` service. As in langchain-redis: `key_prefix`
+    starts the session's id (``key_prefix + session_id``; any length, as long as the whole id
+    stays a valid session id of at most 256 characters), `ttl` (seconds) makes a session this
+    history creates expire `ttl` after its last write, `id` is the session id, ``len(history)``
+    counts the messages, `search_messages` finds messages by text and `delete` removes the
+    session. `origin` goes into the header of the session when this history creates it.
+
+    One history works from any number of event loops: each loop gets its own client (see
+    `redis_session.adapters._loops`), and the sync methods run on a private loop thread.
     """
 
-    def __init__(self, session_id: str, store: Any, *, origin: Any = None) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        store: Any,
+        *,
+        key_prefix: str = "",
+        ttl: int | None = None,
+        origin: Any = None,
+    ) -> None:
         super().__init__()
-        self.session_id = session_id
-        self._store = resolve_store(store)
+        if not isinstance(key_prefix, str):
+            raise TypeError("key_prefix must be a str")
+        full = f"{key_prefix}{session_id}"
+        try:
+            validate_session_id(full)
+        except InvalidSessionIdError as e:
+            raise InvalidSessionIdError(
+                f"key_prefix + session_id must form a valid session id ({e}); a prefix is part of "
+                "the id, so the whole id is limited to 256 characters without braces, whitespace "
+                "or control characters (braces would move the session's keys to another cluster slot)"
+            ) from None
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0):
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        self.session_id = full
+        self.key_prefix = key_prefix
+        self.ttl = ttl
+        self._stores = LoopStores(resolve_store(store))
         self._origin = {"adapter": "langchain"} if origin is None else origin
-        self._async_view = _View(self)  # validates the id now
-        self._sync_view: _View | None = None
+        self._views: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _View] = weakref.WeakKeyDictionary()
 
-    # -- sync API: on the shared background loop
+    @property
+    def id(self) -> str:
+        """The session id (langchain-redis's accessor)."""
+        return self.session_id
+
+    @property
+    def store(self) -> SessionStore:
+        return self._stores.store
+
+    def _view(self) -> _View:
+        loop = asyncio.get_running_loop()
+        view = self._views.get(loop)
+        if view is None:
+            view = self._views[loop] = _View(self, self._stores.get())
+        return view
+
+    # -- sync API: on the private loop thread
     def _sync(self, fn: Callable[[_View], Awaitable[T]]) -> T:
-        if self._sync_view is None:
-            self._sync_view = _View(self)
-        view = self._sync_view
-
         async def call() -> T:
-            return await fn(view)
+            return await fn(self._view())
 
-        return _shared_portal().call(call)
+        return run_sync(call)
 
     @property
     def messages(self) -> list[BaseMessage]:  # type: ignore[override]
@@ -333,12 +379,41 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
         """Empty the history with a ``cut``; the log keeps every entry."""
         self._sync(lambda v: v.clear())
 
+    def __len__(self) -> int:
+        """How many messages the history holds."""
+        return len(self.messages)
+
+    def __bool__(self) -> bool:
+        return True  # a history is an object, not a container: an empty one is not "missing"
+
+    def search_messages(self, query: str, limit: int = 10) -> list[dict[str, Any]]:
+        """The messages whose text contains `query` (case-insensitive), oldest first, as dicts
+        ``{type, content, ...}`` (langchain-redis's full-text search, without an index)."""
+        if not query or not isinstance(query, str):
+            return []
+        needle = query.casefold()
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            if needle in m.text.casefold():
+                out.append({"type": m.type, "content": m.content, "additional_kwargs": m.additional_kwargs})
+                if len(out) >= limit:
+                    break
+        return out
+
+    def delete(self) -> None:
+        """Delete the session (the store's delete; an empty history after)."""
+        run_sync(lambda: self.adelete())
+
     # -- async API: on the caller's loop
     async def aget_messages(self) -> list[BaseMessage]:
-        return await self._async_view.messages()
+        return await self._view().messages()
 
     async def aadd_messages(self, messages: Sequence[BaseMessage]) -> None:
-        await self._async_view.add(list(messages))
+        await self._view().add(list(messages))
 
     async def aclear(self) -> None:
-        await self._async_view.clear()
+        await self._view().clear()
+
+    async def adelete(self) -> None:
+        """Delete the session (the store's delete)."""
+        await self._view().log.store.delete(self.session_id)

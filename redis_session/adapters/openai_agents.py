@@ -13,7 +13,17 @@ The log stays append-only; nothing is ever deleted:
 - each item is one ``openai/item`` entry whose data is the item (a Responses input item, as JSON);
 - ``pop_item()`` appends ``openai/pop {"n": k}``, a tombstone hiding item k (the last visible one);
 - ``clear_session()`` appends ``cut {before: n, summary: [], reason: "openai-agents:clear_session"}``,
-  which hides every entry before it.
+  which hides every entry before it;
+- the SDK's atomic replacement hook (``_atomic_replace_items``, which
+  ``OpenAIResponsesCompactionSession`` calls to swap the history for the compacted one) appends
+  ONE batch: a ``cut`` (reason ``openai-agents:compaction``) and the new items. Another reader sees
+  the old history or the new one, never an empty or a mixed one.
+
+``ttl`` (seconds, as in the SDK) makes the session ephemeral: every key of it expires ``ttl``
+after its last write. ``pop_item``, ``clear_session`` and the replacement finish their write even
+when the caller is cancelled (the cancellation is raised once the write has landed, as the SDK
+does), so a call never stops between the store's commit and this instance's view of it. After
+``close()`` of a session built by ``from_url``, every call raises ``RuntimeError``.
 
 ``get_items`` folds those: the items of the entries with n >= the last cut's ``before`` that no
 pop hid (after a compaction by another tool, the cut's ``summary`` messages come first, as
@@ -27,10 +37,11 @@ to), so importing it does not need the SDK; running agents does (the ``openai-ag
 
 from __future__ import annotations
 
+import asyncio
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 
@@ -46,9 +57,47 @@ if TYPE_CHECKING:
 ITEM = "openai/item"
 POP = "openai/pop"
 CLEAR_REASON = "openai-agents:clear_session"
+COMPACTION_REASON = "openai-agents:compaction"
 _SUMMARY_ROLES = frozenset({"user", "assistant", "system", "developer"})
 
-__all__ = ["CLEAR_REASON", "ITEM", "POP", "RedisEventSession"]
+__all__ = ["CLEAR_REASON", "COMPACTION_REASON", "ITEM", "POP", "RedisEventSession"]
+
+T = TypeVar("T")
+
+
+async def _await_mutation(awaitable: Awaitable[T]) -> T:
+    """Run a write to its end even if the caller is cancelled meanwhile; then raise the
+    cancellation (the SDK's own sessions do the same)."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError as e:
+            cancelled = cancelled or e
+    if cancelled is not None:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what the caller gets
+        raise cancelled
+    return task.result()
+
+
+def _default_settings() -> Any:
+    try:
+        from agents.memory import SessionSettings
+    except ImportError:  # the SDK is not installed: the protocol still works, without a limit
+        return None
+    return SessionSettings()
+
+
+def _coerce_settings(settings: Any) -> Any:
+    """The SDK's own coercion: a dict with an unknown key raises ``TypeError: Unknown session
+    settings``, like every SDK session."""
+    if settings is None:
+        return _default_settings()
+    from agents.memory.session_settings import coerce_session_settings
+
+    return coerce_session_settings(settings)
 
 
 def _as_item(item: Any) -> dict[str, Any]:
@@ -66,8 +115,10 @@ class RedisEventSession:
     """The Agents SDK ``Session`` protocol over a redis-session log (see the module docstring).
 
     `store` is a `SessionStore` or a `Sessions` service. `session_settings` (an
-    ``agents.memory.SessionSettings`` or a dict) gives the default ``limit`` of `get_items`.
-    Calls on one instance are serialised; several instances (or pods) may share a session.
+    ``agents.memory.SessionSettings`` or a dict; ``SessionSettings()`` by default, as in the SDK)
+    gives the default ``limit`` of `get_items`. `ttl` (seconds) makes a session this instance
+    creates ephemeral. Calls on one instance are serialised; several instances (or pods) may
+    share a session.
     """
 
     def __init__(
@@ -76,15 +127,16 @@ class RedisEventSession:
         store: Any,
         *,
         session_settings: SessionSettings | Mapping[str, Any] | None = None,
+        ttl: int | None = None,
         origin: Any = None,
     ) -> None:
         self.session_id = session_id
-        if isinstance(session_settings, Mapping):
-            from agents.memory import SessionSettings
-
-            session_settings = SessionSettings(**session_settings)
-        self.session_settings: SessionSettings | None = session_settings
+        self.session_settings: SessionSettings | None = _coerce_settings(session_settings)
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0):
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        self.ttl = ttl
         self._owned: RedisSessionStore | None = None
+        self._closed = False
         self._items: dict[int, dict[str, Any]] = {}  # n -> item, not popped (cut-hidden ones too)
         self._before = 0
         self._summary: list[dict[str, Any]] = []
@@ -96,6 +148,7 @@ class RedisEventSession:
             fold=self._fold,
             reset=self._reset,
             mark_types=(ITEM, POP),
+            ttl_ms=None if ttl is None else ttl * 1000,
         )
 
     @classmethod
@@ -106,13 +159,15 @@ class RedisEventSession:
         url: str | None = None,
         prefix: str = "rs",
         session_settings: SessionSettings | Mapping[str, Any] | None = None,
+        ttl: int | None = None,
     ) -> RedisEventSession:
         """Like the SDK's ``RedisSession.from_url``: a store of its own (`url`, else
-        ``$REDIS_URL``, else the embedded server), closed by `close()`."""
+        ``$REDIS_URL``, else the embedded server), closed by `close()`, after which every call
+        raises ``RuntimeError``."""
         from ..redis.connect import open_store
 
         store = open_store(url, prefix=prefix)
-        session = cls(session_id, store, session_settings=session_settings)
+        session = cls(session_id, store, session_settings=session_settings, ttl=ttl)
         session._owned = store
         return session
 
@@ -147,6 +202,10 @@ class RedisEventSession:
         before = self._before
         return [(n, item) for n, item in self._items.items() if n >= before]
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("RedisEventSession is closed")
+
     # ------------------------------------------------------------------ the protocol
 
     async def get_items(self, limit: int | None = None) -> list[TResponseInputItem]:
@@ -155,6 +214,7 @@ class RedisEventSession:
         if limit is None and self.session_settings is not None:
             limit = self.session_settings.limit
         async with self._lock:
+            self._check_open()
             await self._log.catch_up()
             items = [*self._summary, *(item for _, item in self._visible())]
         if limit is not None:
@@ -167,6 +227,7 @@ class RedisEventSession:
         if not converted:
             return
         async with self._lock:
+            self._check_open()
             step = self._log.max_batch
             for lo in range(0, len(converted), step):
                 chunk = [NewEntry(ITEM, item) for item in converted[lo : lo + step]]
@@ -186,7 +247,8 @@ class RedisEventSession:
             return [NewEntry(POP, {"n": n})]
 
         async with self._lock:
-            await self._log.write(build, fresh=True)
+            self._check_open()
+            await _await_mutation(self._log.write(build, fresh=True))
         return cast("TResponseInputItem", copy.deepcopy(popped[0])) if popped else None
 
     async def clear_session(self) -> None:
@@ -199,12 +261,32 @@ class RedisEventSession:
             return [NewEntry(CUT, {"before": n, "summary": [], "reason": CLEAR_REASON})]
 
         async with self._lock:
-            await self._log.write(build, fresh=True)
+            self._check_open()
+            await _await_mutation(self._log.write(build, fresh=True))
+
+    async def _atomic_replace_items(self, items: list[TResponseInputItem]) -> bool:
+        """The SDK's atomic replacement hook (``OpenAIResponsesCompactionSession`` calls it to
+        swap the history for the compacted one): ONE batch, a ``cut`` hiding everything before
+        it and then `items`. False (the SDK then clears and adds) only when the items do not fit
+        in one batch."""
+        converted = [_as_item(i) for i in items]
+        if len(converted) + 1 > self._log.max_batch:
+            return False
+
+        def build() -> list[NewEntry]:
+            cut = NewEntry(CUT, {"before": self._log.n, "summary": [], "reason": COMPACTION_REASON})
+            return [cut, *(NewEntry(ITEM, item) for item in converted)]
+
+        async with self._lock:
+            self._check_open()
+            await _await_mutation(self._log.write(build, fresh=True))
+        return True
 
     # ------------------------------------------------------------------ extras
 
     async def ping(self) -> bool:
-        """Whether the store answers."""
+        """Whether the store answers (``RuntimeError`` once closed)."""
+        self._check_open()
         try:
             await self._log.store.head(self.session_id)
         except Exception:
@@ -212,7 +294,11 @@ class RedisEventSession:
         return True
 
     async def close(self) -> None:
-        """Close the store if `from_url` opened it (a store passed in is the caller's to close)."""
-        if self._owned is not None:
-            await self._owned.aclose()
-            self._owned = None
+        """Close the store if `from_url` opened it, and make every later call raise; a store
+        passed in is the caller's to close (then this is a no-op, as in the SDK)."""
+        async with self._lock:
+            if self._owned is None:
+                return
+            self._closed = True
+            owned, self._owned = self._owned, None
+            await owned.aclose()

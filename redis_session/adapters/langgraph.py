@@ -1,0 +1,584 @@
+"""A LangGraph checkpointer on redis-session: `RedisEventSaver`.
+
+A ``langgraph.checkpoint.base.BaseCheckpointSaver`` (sync and async)::
+
+    store = redis_session.open_store("redis://localhost:6379/0")
+    graph = builder.compile(checkpointer=RedisEventSaver(store))
+    graph.invoke(inputs, {"configurable": {"thread_id": "t-1"}})
+
+A thread is one session (id ``langgraph:<thread_id>``; a thread id that is not a valid session id
+is hashed, and kept in the header's ``origin``), so every namespace of a thread (subgraphs) lives in
+one log and `delete_thread` is the store's delete. The log is append-only; each write of the saver
+is one batch, so readers never see half of one:
+
+- ``langgraph/checkpoint`` ``{ns, id, parent, checkpoint, metadata, blobs}``: one per `put`. The
+  checkpoint (without its channel values) and the metadata are stored as JSON when they are
+  lossless JSON (``checkpoint_t``/``metadata_t``, the serializer's typed bytes, otherwise); the
+  channel values that changed (``new_versions``) are the serializer's typed bytes, base64, in
+  ``blobs {channel: [version, type, data]}``. A value too big to sit inside the entry goes in a
+  ``langgraph/blob`` entry of its own, before it in the same batch.
+- ``langgraph/write`` ``{ns, cp, task, path, idx, ch, t, b}``: one per pending write (`put_writes`
+  appends all of a call's writes as one batch). As in LangGraph's savers, a regular write (idx >= 0)
+  already stored for ``(task, idx)`` is kept, a special one (error, interrupt…) is replaced.
+- A payload larger than the store's entry limit continues in ``langgraph/part`` entries that
+  follow it in the batch (``"parts": k``).
+
+Checkpoints do not depend on what came before them in the log (their parent is explicit), so
+puts append with ``expected_n=None``: concurrent runs on one thread never conflict or retry.
+Reads fold the log incrementally (per event loop, a bounded cache of threads): `get_tuple` of a
+thread already seen costs one read of the entries appended since. `list` walks a thread's
+checkpoints newest first (checkpoint ids are time-ordered), with ``filter`` (metadata equality),
+``before`` and ``limit``. `copy_thread` and `fork` are branches of the session (O(1): the copy
+shares the source's entries); time travel in place (invoking from a past checkpoint id) just
+appends checkpoints whose parent is the past one.
+
+Sync methods run on a private event loop thread; async ones on the caller's loop (a store per
+loop, see `_loops`). Needs the ``langgraph`` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import bisect
+import hashlib
+import random
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any, cast
+
+import anyio
+import msgspec
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    DeltaChannelHistory,
+    PendingWrite,
+    get_checkpoint_id,
+    get_checkpoint_metadata,
+    writes_sort_key,
+)
+from langgraph.checkpoint.serde.base import SerializerProtocol
+
+from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionNotFoundError
+from ..keys import validate_session_id
+from ..model import DEFAULT_MAX_ENTRY_BYTES, Entry, NewEntry, SessionHeader
+from ..store import SessionStore
+from ._log import resolve_store
+from ._loops import LoopStores, run_sync
+
+CHECKPOINT = "langgraph/checkpoint"
+WRITE = "langgraph/write"
+BLOB = "langgraph/blob"
+PART = "langgraph/part"
+THREAD_PREFIX = "langgraph:"
+#: Threads whose fold a saver keeps per event loop (least recently used ones are dropped).
+CACHE_THREADS = 1024
+
+__all__ = ["BLOB", "CHECKPOINT", "PART", "THREAD_PREFIX", "WRITE", "RedisEventSaver"]
+
+_Blob = tuple[str, str]  # (serializer type, base64 data)
+_Write = tuple[str, str, str, str, str]  # (task id, channel, type, base64 data, task path)
+
+
+_MISSING = object()
+
+
+def _json_copy(value: Any) -> Any:
+    """A deep copy of `value` through JSON when that is lossless, else `_MISSING`. (A copy: the
+    checkpoint's dicts are LangGraph's live ones, changed after `put` returns.)"""
+    try:
+        copy = msgspec.json.decode(msgspec.json.encode(value))
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError, RecursionError):
+        return _MISSING
+    return copy if copy == value else _MISSING
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+class _Thread:
+    """One thread's log, folded: checkpoints per namespace (ids sorted), blobs, pending writes."""
+
+    __slots__ = ("blobs", "cps", "ids", "lock", "n", "partial", "pos", "writes")
+
+    def __init__(self) -> None:
+        self.lock = anyio.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.n = 0
+        self.cps: dict[str, dict[str, dict[str, Any]]] = {}
+        self.ids: dict[str, list[str]] = {}
+        self.pos: dict[tuple[str, str], int] = {}  # (ns, checkpoint id) -> n of its entry
+        self.blobs: dict[tuple[str, str, Any], _Blob] = {}
+        self.writes: dict[tuple[str, str], dict[tuple[str, int], _Write]] = {}
+        self.partial: tuple[str, dict[str, Any], int, list[str]] | None = None
+
+    def fold(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
+            if self.partial is not None:
+                kind, data, left, chunks = self.partial
+                if e.type == PART:
+                    chunks.append(str(e.data.get("b", "")))
+                    if left <= 1:
+                        self.partial = None
+                        self._apply(kind, {**data, "b": "".join(chunks)}, e.n)
+                    else:
+                        self.partial = (kind, data, left - 1, chunks)
+                    continue
+                self.partial = None  # torn (cannot happen within a batch): drop it
+            parts = e.data.get("parts")
+            if e.type in (BLOB, WRITE) and isinstance(parts, int) and parts > 0:
+                self.partial = (e.type, e.data, parts, [str(e.data.get("b", ""))])
+                continue
+            self._apply(e.type, e.data, e.n)
+        if entries:
+            self.n = entries[-1].n + 1
+
+    def _apply(self, kind: str, d: dict[str, Any], n: int) -> None:
+        if kind == CHECKPOINT:
+            ns, cid = d["ns"], d["id"]
+            cps = self.cps.setdefault(ns, {})
+            if cid not in cps:
+                bisect.insort(self.ids.setdefault(ns, []), cid)
+            cps[cid] = d
+            self.pos[(ns, cid)] = n
+            for ch, (ver, t, b) in (d.get("blobs") or {}).items():
+                self.blobs[(ns, ch, ver)] = (t, b)
+        elif kind == BLOB:
+            self.blobs[(d["ns"], d["ch"], d["v"])] = (d["t"], d["b"])
+        elif kind == WRITE:
+            stored = self.writes.setdefault((d["ns"], d["cp"]), {})
+            key = (d["task"], int(d["idx"]))
+            if key[1] >= 0 and key in stored:
+                return
+            stored[key] = (d["task"], d["ch"], d["t"], d["b"], d.get("path", ""))
+
+
+class _Ctx:
+    """What a saver keeps on one event loop: its store and the threads it has folded."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self.store = store
+        self.threads: OrderedDict[str, _Thread] = OrderedDict()
+
+    def thread(self, sid: str) -> _Thread:
+        th = self.threads.get(sid)
+        if th is None:
+            th = self.threads[sid] = _Thread()
+            while len(self.threads) > CACHE_THREADS:
+                self.threads.popitem(last=False)
+        else:
+            self.threads.move_to_end(sid)
+        return th
+
+
+class RedisEventSaver(BaseCheckpointSaver[str]):
+    """LangGraph checkpoints on a redis-session store (see the module docstring).
+
+    `store` is a `SessionStore` or a `Sessions` service. `thread_prefix` starts every thread's
+    session id; `ttl_ms` makes every new thread ephemeral (all its keys expire `ttl_ms` after its
+    last write); `serde` is LangGraph's serializer (its default when None).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        thread_prefix: str = THREAD_PREFIX,
+        ttl_ms: int | None = None,
+        serde: SerializerProtocol | None = None,
+    ) -> None:
+        super().__init__(serde=serde)
+        self._stores = LoopStores(resolve_store(store))
+        self.thread_prefix = thread_prefix
+        validate_session_id(thread_prefix + "x")
+        self.ttl_ms = ttl_ms
+        self._ctxs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Ctx] = weakref.WeakKeyDictionary()
+        vocabulary = getattr(self._stores.store, "vocabulary", None)
+        for t in (CHECKPOINT, WRITE, BLOB, PART):
+            if vocabulary is not None and t not in vocabulary:
+                vocabulary.define(t, None)
+        self._max_bytes = int(getattr(self._stores.store, "max_entry_bytes", DEFAULT_MAX_ENTRY_BYTES))
+
+    @property
+    def store(self) -> SessionStore:
+        return self._stores.store
+
+    # ------------------------------------------------------------------ plumbing
+
+    def session_id(self, thread_id: str) -> str:
+        """The session id of a thread (a hash when the thread id cannot be a session id)."""
+        sid = f"{self.thread_prefix}{thread_id}"
+        try:
+            return validate_session_id(sid)
+        except InvalidSessionIdError:
+            digest = hashlib.sha256(str(thread_id).encode("utf-8", "surrogatepass")).hexdigest()
+            return f"{self.thread_prefix}~{digest}"
+
+    def _ctx(self) -> _Ctx:
+        loop = asyncio.get_running_loop()
+        ctx = self._ctxs.get(loop)
+        if ctx is None:
+            ctx = self._ctxs[loop] = _Ctx(self._stores.get())
+        return ctx
+
+    async def _caught_up(self, thread_id: str) -> tuple[_Thread, str, _Ctx]:
+        ctx = self._ctx()
+        sid = self.session_id(str(thread_id))
+        th = ctx.thread(sid)
+        async with th.lock:
+            try:
+                entries = await ctx.store.read(sid, th.n)
+            except SessionNotFoundError:
+                th.reset()
+                return th, sid, ctx
+            if entries and entries[0].n != th.n:  # a new session under the id: fold it afresh
+                th.reset()
+                entries = await ctx.store.read(sid, 0)
+            th.fold(entries)
+        return th, sid, ctx
+
+    async def _append(self, thread_id: str, entries: list[NewEntry]) -> None:
+        ctx = self._ctx()
+        sid = self.session_id(str(thread_id))
+        try:
+            stored = await ctx.store.put(sid, None, entries)
+        except SessionNotFoundError:
+            header = SessionHeader(id=sid, origin={"adapter": "langgraph", "thread_id": str(thread_id)})
+            try:
+                await ctx.store.create(header, entries, ttl_ms=self.ttl_ms)
+            except SessionAlreadyExistsError:
+                await ctx.store.put(sid, None, entries)
+            return
+        th = ctx.threads.get(sid)
+        if th is not None and stored and stored[0].n == th.n and not th.lock.locked():
+            th.fold(stored)  # our own batch, next in line: no read needed to see it
+
+    def _payload(self, kind: str, head: dict[str, Any], b: str) -> list[NewEntry]:
+        """`head` plus base64 data `b`, split into ``langgraph/part`` entries when too large."""
+        size = max(1024, self._max_bytes // 2)
+        if len(b) <= size:
+            return [NewEntry(kind, {**head, "b": b})]
+        chunks = [b[i : i + size] for i in range(0, len(b), size)]
+        return [
+            NewEntry(kind, {**head, "b": chunks[0], "parts": len(chunks) - 1}),
+            *(NewEntry(PART, {"b": c}) for c in chunks[1:]),
+        ]
+
+    def _encode(self, name: str, value: Any) -> dict[str, Any]:
+        copy = _json_copy(value)
+        if copy is not _MISSING:
+            return {name: copy}
+        t, raw = self.serde.dumps_typed(value)
+        return {f"{name}_t": [t, _b64(raw)]}
+
+    def _decode(self, name: str, data: dict[str, Any], *, copy: bool = True) -> Any:
+        """The value `_encode` stored; a fresh copy unless `copy` is False (LangGraph changes the
+        checkpoints it loads in place, and the fold is shared by every read)."""
+        if name in data:
+            return msgspec.json.decode(msgspec.json.encode(data[name])) if copy else data[name]
+        t, b = data[f"{name}_t"]
+        return self.serde.loads_typed((t, base64.b64decode(b)))
+
+    def _tuple(self, th: _Thread, thread_id: str, ns: str, cid: str) -> CheckpointTuple:
+        d = th.cps[ns][cid]
+        checkpoint = self._decode("checkpoint", d)
+        values: dict[str, Any] = {}
+        for ch, ver in (checkpoint.get("channel_versions") or {}).items():
+            blob = th.blobs.get((ns, ch, ver))
+            if blob is None or blob[0] == "empty":
+                continue
+            values[ch] = self.serde.loads_typed((blob[0], base64.b64decode(blob[1])))
+        checkpoint["channel_values"] = values
+        parent = d.get("parent")
+        return CheckpointTuple(
+            config={"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": cid}},
+            checkpoint=cast(Checkpoint, checkpoint),
+            metadata=cast(CheckpointMetadata, self._decode("metadata", d)),
+            parent_config=(
+                {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": parent}}
+                if parent
+                else None
+            ),
+            pending_writes=self._pending(th, ns, cid),
+        )
+
+    def _pending(self, th: _Thread, ns: str, cid: str) -> list[PendingWrite]:
+        stored = th.writes.get((ns, cid), {})
+        ordered = sorted(stored.items(), key=lambda kv: writes_sort_key(kv[1][4], kv[0][0], kv[0][1]))
+        return [(w[0], w[1], self.serde.loads_typed((w[2], base64.b64decode(w[3])))) for _, w in ordered]
+
+    # ------------------------------------------------------------------ async API
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        conf = config["configurable"]
+        thread_id = str(conf["thread_id"])
+        ns = conf.get("checkpoint_ns", "")
+        th, _, _ = await self._caught_up(thread_id)
+        cid = get_checkpoint_id(config)
+        if cid is None:
+            ids = th.ids.get(ns)
+            if not ids:
+                return None
+            cid = ids[-1]
+        elif cid not in th.cps.get(ns, {}):
+            return None
+        return self._tuple(th, thread_id, ns, cid)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        if config is not None:
+            thread_ids = [str(config["configurable"]["thread_id"])]
+            want_ns = config["configurable"].get("checkpoint_ns")
+            want_id = get_checkpoint_id(config)
+        else:
+            thread_ids = await self._thread_ids()
+            want_ns = want_id = None
+        before_id = get_checkpoint_id(before) if before else None
+        for thread_id in thread_ids:
+            th, _, _ = await self._caught_up(thread_id)
+            found = [(cid, ns) for ns, ids in th.ids.items() if want_ns is None or ns == want_ns for cid in ids]
+            found.sort(reverse=True)
+            for cid, ns in found:
+                if want_id and cid != want_id:
+                    continue
+                if before_id and cid >= before_id:
+                    continue
+                if filter:
+                    metadata = self._decode("metadata", th.cps[ns][cid], copy=False)
+                    if not all(metadata.get(k) == v for k, v in filter.items()):
+                        continue
+                if limit is not None:
+                    if limit <= 0:
+                        return
+                    limit -= 1
+                yield self._tuple(th, thread_id, ns, cid)
+
+    async def _thread_ids(self) -> list[str]:
+        """Every thread of this saver in the store (for ``list(None)``)."""
+        store = self._ctx().store
+        out: list[str] = []
+        cursor: str | None = None
+        while True:
+            page = await store.list(limit=1000, cursor=cursor)
+            for h in page.items:
+                origin = h.origin if isinstance(h.origin, dict) else {}
+                if h.id.startswith(self.thread_prefix) and origin.get("adapter") == "langgraph":
+                    out.append(str(origin.get("thread_id", h.id[len(self.thread_prefix) :])))
+            cursor = page.cursor
+            if cursor is None:
+                return out
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        conf = config["configurable"]
+        thread_id = str(conf["thread_id"])
+        ns = conf.get("checkpoint_ns", "")
+        body: dict[str, Any] = dict(checkpoint)
+        values: dict[str, Any] = body.pop("channel_values", None) or {}
+        budget = self._max_bytes // 2
+        inline: dict[str, list[Any]] = {}
+        extra: list[NewEntry] = []
+        for ch, ver in new_versions.items():
+            t, raw = self.serde.dumps_typed(values[ch]) if ch in values else ("empty", b"")
+            b = _b64(raw)
+            if len(b) <= budget:
+                inline[ch] = [ver, t, b]
+                budget -= len(b) + len(ch) + 64
+            else:
+                extra.extend(self._payload(BLOB, {"ns": ns, "ch": ch, "v": ver, "t": t}, b))
+        data = {
+            "ns": ns,
+            "id": checkpoint["id"],
+            "parent": conf.get("checkpoint_id"),
+            **self._encode("checkpoint", body),
+            **self._encode("metadata", get_checkpoint_metadata(config, metadata)),
+            "blobs": inline,
+        }
+        await self._append(thread_id, [*extra, NewEntry(CHECKPOINT, data)])
+        return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        conf = config["configurable"]
+        thread_id = str(conf["thread_id"])
+        head = {"ns": conf.get("checkpoint_ns", ""), "cp": conf["checkpoint_id"], "task": task_id, "path": task_path}
+        entries: list[NewEntry] = []
+        for idx, (ch, value) in enumerate(writes):
+            t, raw = self.serde.dumps_typed(value)
+            entries.extend(
+                self._payload(WRITE, {**head, "idx": WRITES_IDX_MAP.get(ch, idx), "ch": ch, "t": t}, _b64(raw))
+            )
+        if entries:
+            await self._append(thread_id, entries)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """Delete the thread's session (the store's delete: hidden at once; a copy or fork made
+        from it keeps what it shares)."""
+        sid = self.session_id(str(thread_id))
+        await self._ctx().store.delete(sid)
+        for ctx in list(self._ctxs.values()):
+            ctx.threads.pop(sid, None)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """The target becomes a branch of the source at its current end: O(1), whatever the
+        source's length (the branch shares the source's entries). Nothing happens for a source
+        that does not exist; a target that exists already raises `SessionAlreadyExistsError`."""
+        store = self._ctx().store
+        src = self.session_id(str(source_thread_id))
+        head = await store.head(src)
+        if head is None:
+            return
+        await self._branch(store, src, head.n, str(target_thread_id))
+
+    async def _branch(self, store: SessionStore, src: str, at: int, target_thread_id: str) -> None:
+        header = SessionHeader(
+            id=self.session_id(target_thread_id),
+            parent=src,
+            at=at,
+            origin={"adapter": "langgraph", "thread_id": target_thread_id},
+        )
+        await store.create(header, ttl_ms=self.ttl_ms)
+
+    async def afork(self, config: RunnableConfig, target_thread_id: str) -> RunnableConfig:
+        """A new thread whose history ends at the checkpoint `config` names (its latest when no
+        checkpoint id): an O(1) branch of the session just after that checkpoint's entry. Invoke
+        the graph with the returned config to go on from there; the source thread is untouched."""
+        conf = config["configurable"]
+        thread_id = str(conf["thread_id"])
+        ns = conf.get("checkpoint_ns", "")
+        th, sid, ctx = await self._caught_up(thread_id)
+        ids = th.ids.get(ns)
+        cid = get_checkpoint_id(config) or (ids[-1] if ids else None)
+        if cid is None or (ns, cid) not in th.pos:
+            raise ValueError(f"no checkpoint {cid!r} in thread {thread_id!r} (namespace {ns!r})")
+        await self._branch(ctx.store, sid, th.pos[(ns, cid)] + 1, str(target_thread_id))
+        return {"configurable": {"thread_id": str(target_thread_id), "checkpoint_ns": ns, "checkpoint_id": cid}}
+
+    async def aget_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        """The parent-chain walk of `BaseCheckpointSaver`, on one read of the log."""
+        if not channels:
+            return {}
+        conf = config["configurable"]
+        thread_id = str(conf["thread_id"])
+        ns = conf.get("checkpoint_ns", "")
+        th, _, _ = await self._caught_up(thread_id)
+        cps = th.cps.get(ns, {})
+        cid = get_checkpoint_id(config) or (th.ids.get(ns) or [""])[-1]
+        target = cps.get(cid)
+        collected: dict[str, list[PendingWrite]] = {c: [] for c in channels}
+        seed: dict[str, Any] = {}
+        remaining = set(channels)
+        current = target.get("parent") if target is not None else None
+        while current is not None and remaining and current in cps:
+            d = cps[current]
+            versions = (self._decode("checkpoint", d, copy=False).get("channel_versions")) or {}
+            found: dict[str, Any] = {}
+            for ch in remaining:
+                ver = versions.get(ch)
+                blob = th.blobs.get((ns, ch, ver)) if ver is not None else None
+                if blob is not None and blob[0] != "empty":
+                    found[ch] = self.serde.loads_typed((blob[0], base64.b64decode(blob[1])))
+            for w in reversed(self._pending(th, ns, current)):
+                if w[1] in remaining:
+                    collected[w[1]].append(w)
+            for ch, value in found.items():
+                seed[ch] = value
+                remaining.discard(ch)
+            current = d.get("parent")
+        out: dict[str, DeltaChannelHistory] = {}
+        for ch in channels:
+            entry: DeltaChannelHistory = {"writes": list(reversed(collected[ch]))}
+            if ch in seed:
+                entry["seed"] = seed[ch]
+            out[ch] = entry
+        return out
+
+    def get_next_version(self, current: str | None, channel: None) -> str:
+        """Versions as LangGraph's own savers make them: a zero-padded counter, then a random
+        tie-breaker (so two forks of one checkpoint never share a version)."""
+        if current is None:
+            current_v = 0
+        elif isinstance(current, int):
+            current_v = current
+        else:
+            current_v = int(current.split(".")[0])
+        return f"{current_v + 1:032}.{random.random():016}"
+
+    # ------------------------------------------------------------------ sync API (private loop)
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return run_sync(lambda: self.aget_tuple(config))
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        async def collect() -> list[CheckpointTuple]:
+            return [t async for t in self.alist(config, filter=filter, before=before, limit=limit)]
+
+        yield from run_sync(collect)
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        return run_sync(lambda: self.aput(config, checkpoint, metadata, new_versions))
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        run_sync(lambda: self.aput_writes(config, writes, task_id, task_path))
+
+    def delete_thread(self, thread_id: str) -> None:
+        run_sync(lambda: self.adelete_thread(thread_id))
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        run_sync(lambda: self.acopy_thread(source_thread_id, target_thread_id))
+
+    def fork(self, config: RunnableConfig, target_thread_id: str) -> RunnableConfig:
+        """Sync `afork`."""
+        return run_sync(lambda: self.afork(config, target_thread_id))
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        return run_sync(lambda: self.aget_delta_channel_history(config=config, channels=channels))

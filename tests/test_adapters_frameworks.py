@@ -1,0 +1,309 @@
+"""The issue-17 fixes to the drop-in adapters, each driven as its framework drives it:
+
+- `RedisEventSession` (OpenAI Agents SDK): the SDK's settings handling, ``ttl``, the atomic
+  replacement hook of ``OpenAIResponsesCompactionSession`` (one batch, checked by a concurrent
+  reader), writes that finish when the caller is cancelled, and ``close()``.
+- `RedisChatMessageHistory` (LangChain): one history used from several event loops, empty
+  messages, langchain-redis's accessors, long key prefixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+
+from redis_session import MemorySessionStore, RedisSessionStore
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def fstore(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Any]:
+    """The memory store and a server (no cluster: these tests are about the adapters)."""
+    if request.param == "memory":
+        yield MemorySessionStore()
+        return
+    store = RedisSessionStore.from_url(request.getfixturevalue("redis_url"), prefix=prefix)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+        await _cleanup_async(request.getfixturevalue("redis_url"), prefix)
+
+
+async def _cleanup_async(url: str, prefix: str) -> None:
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+        if keys:
+            await r.delete(*keys)
+    finally:
+        await r.aclose()
+
+
+def _cleanup_sync(url: str, prefix: str) -> None:
+    r = redis.Redis.from_url(url)
+    keys = list(r.scan_iter(match=f"{prefix}:*"))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
+# =========================================================================== OpenAI Agents SDK
+
+
+@pytest.fixture
+def Ev() -> Any:
+    pytest.importorskip("agents")
+    from redis_session.adapters.openai_agents import RedisEventSession
+
+    return RedisEventSession
+
+
+def _items(*texts: str) -> list[Any]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+
+
+async def test_session_settings_default_and_unknown_keys_like_the_sdk(Ev: Any) -> None:
+    from agents.extensions.memory.redis_session import RedisSession
+    from agents.memory import SessionSettings
+
+    store = MemorySessionStore()
+    assert Ev("s", store).session_settings == SessionSettings()
+    assert Ev("s", store, session_settings={"limit": 2}).session_settings == SessionSettings(limit=2)
+    with pytest.raises(TypeError, match="Unknown session settings: limitt") as ours:
+        Ev("s", store, session_settings={"limitt": 1})
+    with pytest.raises(TypeError) as sdk:
+        RedisSession("s", redis_client=object(), session_settings={"limitt": 1})  # type: ignore[arg-type]
+    assert str(ours.value) == str(sdk.value)
+
+
+async def test_ttl_makes_an_ephemeral_session(fstore: Any, Ev: Any) -> None:
+    s = Ev("eph", fstore, ttl=1)
+    await s.add_items(_items("a"))
+    await asyncio.sleep(0.6)
+    await s.add_items(_items("b"))  # a write restarts the clock
+    await asyncio.sleep(0.6)
+    assert len(await s.get_items()) == 2
+    await asyncio.sleep(1.3)
+    assert await fstore.head("eph") is None
+    assert await s.get_items() == []
+    assert await Ev("eph", fstore).get_items() == []
+    with pytest.raises(ValueError):
+        Ev("eph", fstore, ttl=0)
+
+
+async def test_atomic_replacement_is_one_batch_seen_whole_by_a_concurrent_reader(fstore: Any, Ev: Any) -> None:
+    old = _items(*(f"old-{i}" for i in range(30)))
+    new = _items("summary", "recent")
+    writer = Ev("compact", fstore)
+    await writer.add_items(old)
+    n_before = (await fstore.head("compact")).n
+
+    seen: list[list[Any]] = []
+    done = asyncio.Event()
+
+    async def reader() -> None:
+        other = Ev("compact", fstore)
+        while not done.is_set():
+            seen.append(await other.get_items())
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(0.01)
+    assert await writer._atomic_replace_items(new) is True
+    await asyncio.sleep(0.01)
+    done.set()
+    await task
+    assert seen and all(h in (old, new) for h in seen), [len(h) for h in seen if h not in (old, new)]
+    assert seen[-1] == new
+    log = await fstore.read("compact", n_before)
+    assert [e.type for e in log] == ["cut", "openai/item", "openai/item"]
+    assert log[0].data["reason"] == "openai-agents:compaction"
+    head = await fstore.head("compact")
+    assert head.n == n_before + 3  # one batch: the cut and the new items
+
+
+async def test_compaction_session_uses_the_atomic_hook(fstore: Any, Ev: Any) -> None:
+    """`OpenAIResponsesCompactionSession` (with a stand-in for ``responses.compact``) replaces the
+    history through the hook: never a clear then an add."""
+    from agents.memory import OpenAIResponsesCompactionSession
+
+    compacted = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "S"}]}
+
+    class Responses:
+        async def compact(self, **kwargs: Any) -> Any:
+            return SimpleNamespace(output=[compacted], usage=None)
+
+    under = Ev("cs", fstore)
+    await under.add_items(_items("q1", "a1", "q2", "a2"))
+    cs = OpenAIResponsesCompactionSession("cs", under, client=SimpleNamespace(responses=Responses()), model="gpt-4.1")
+    await cs.run_compaction({"compaction_mode": "input", "force": True})
+    log = await fstore.read("cs")
+    assert [e.type for e in log[4:]] == ["cut", "openai/item"]  # no clear_session cut before it
+    assert log[4].data["reason"] == "openai-agents:compaction"
+    got = await Ev("cs", fstore).get_items()
+    assert len(got) == 1 and got[0]["role"] == "user"
+
+
+class _SlowReplies:
+    """A store whose put commits, then waits before answering (a reply in flight)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.vocabulary = inner.vocabulary
+        self.committed = asyncio.Event()
+        self.release = asyncio.Event()
+        self.slow = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def put(self, *args: Any, **kwargs: Any) -> Any:
+        out = await self.inner.put(*args, **kwargs)
+        if self.slow:
+            self.committed.set()
+            await self.release.wait()
+        return out
+
+
+@pytest.mark.parametrize("op", ["pop_item", "clear_session"])
+async def test_a_cancelled_write_completes_before_the_cancellation(fstore: Any, Ev: Any, op: str) -> None:
+    slow = _SlowReplies(fstore)
+    s = Ev("cancel", slow)
+    await s.add_items(_items("keep", "pop me"))
+    slow.slow = True
+    task = asyncio.create_task(getattr(s, op)())
+    await slow.committed.wait()
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # still finishing its write
+    slow.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # the instance saw its own write through: no half-applied state
+    assert s._log.n == (await fstore.head("cancel")).n
+    expected = [] if op == "clear_session" else _items("keep")
+    assert [item for _, item in s._visible()] == expected
+    slow.slow = False
+    assert await s.get_items() == expected
+    assert await Ev("cancel", fstore).get_items() == expected
+
+
+async def test_close_of_a_from_url_session_makes_later_calls_raise(
+    redis_url: str, prefix: str, redis_store: Any, Ev: Any
+) -> None:
+    s = Ev.from_url("closing", url=redis_url, prefix=prefix)
+    await s.add_items(_items("hi"))
+    await s.close()
+    for call in (s.get_items(), s.add_items(_items("x")), s.pop_item(), s.clear_session(), s.ping()):
+        with pytest.raises(RuntimeError, match="closed"):
+            await call
+    await s.close()  # again: a no-op
+    # a session given a store is the caller's: close() leaves it working
+    t = Ev("not-owned", redis_store)
+    await t.close()
+    await t.add_items(_items("still"))
+    assert len(await t.get_items()) == 1
+
+
+# =========================================================================== LangChain
+
+
+@pytest.fixture
+def History() -> Any:
+    pytest.importorskip("langchain_core.messages")
+    from redis_session.adapters.langchain import RedisChatMessageHistory
+
+    return RedisChatMessageHistory
+
+
+def test_one_history_from_several_event_loops(redis_url: str, prefix: str, History: Any) -> None:
+    """A sync call, then ``asyncio.run`` twice, then sync again, on ONE history and ONE store (as
+    LangChain's own interface tests drive a history)."""
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    try:
+        h = History("loops", store)
+        h.add_messages([HumanMessage("sync")])
+
+        async def turn(text: str) -> list[Any]:
+            await h.aadd_messages([AIMessage(text)])
+            return await h.aget_messages()
+
+        assert [m.content for m in asyncio.run(turn("run-1"))] == ["sync", "run-1"]
+        assert [m.content for m in asyncio.run(turn("run-2"))] == ["sync", "run-1", "run-2"]
+        assert [m.content for m in h.messages] == ["sync", "run-1", "run-2"]
+
+        async def clear() -> None:
+            await h.aclear()
+
+        asyncio.run(clear())
+        assert h.messages == []
+    finally:
+        _cleanup_sync(redis_url, prefix)
+
+
+async def test_empty_messages_come_back_as_added(fstore: Any, History: Any) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    h = History("empty-msgs", fstore)
+    msgs = [
+        HumanMessage(""),
+        AIMessage(""),
+        HumanMessage("q"),
+        AIMessage([]),
+        ToolMessage("", tool_call_id="c"),
+        AIMessage("a"),
+    ]
+    await h.aadd_messages(msgs)
+    got = await h.aget_messages()
+    assert [(type(m).__name__, m.content) for m in got] == [(type(m).__name__, m.content) for m in msgs]
+    assert [(type(m).__name__, m.content) for m in await History("empty-msgs", fstore).aget_messages()] == [
+        (type(m).__name__, m.content) for m in msgs
+    ]
+    await h.aclear()
+    assert await h.aget_messages() == []
+    await h.aadd_messages([AIMessage("")])
+    assert [m.content for m in await h.aget_messages()] == [""]
+
+
+def test_langchain_redis_accessors_ttl_and_long_prefixes(History: Any) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from redis_session.errors import InvalidSessionIdError
+
+    store = MemorySessionStore()
+    long_prefix = "tenant-" + "x" * 90 + ":chat:"
+    h = History("user123", store, key_prefix=long_prefix, ttl=3600)
+    assert h.id == h.session_id == long_prefix + "user123" and h.ttl == 3600 and h.key_prefix == long_prefix
+    assert len(h) == 0 and bool(h)
+    h.add_messages([HumanMessage("Tell me about Machine Learning"), AIMessage("Machine learning is a subset of AI")])
+    assert len(h) == 2
+    assert [r["content"] for r in h.search_messages("LEARNING", limit=1)] == ["Tell me about Machine Learning"]
+    assert h.search_messages("") == []
+    with pytest.raises(InvalidSessionIdError, match="256 characters"):
+        History("user123", store, key_prefix="p" * 300)
+    with pytest.raises(InvalidSessionIdError, match="cluster slot"):
+        History("user123", store, key_prefix="{tenant}:")
+    h.delete()
+    assert len(h) == 0
+
+
+async def test_langchain_ttl_expires_the_session(fstore: Any, History: Any) -> None:
+    from langchain_core.messages import HumanMessage
+
+    h = History("lc-eph", fstore, ttl=1)
+    await h.aadd_messages([HumanMessage("gone soon")])
+    assert len(await h.aget_messages()) == 1
+    await asyncio.sleep(1.4)
+    assert await fstore.head("lc-eph") is None
+    assert await h.aget_messages() == []

@@ -1,0 +1,276 @@
+"""`RedisEventSaver`, the LangGraph checkpointer: LangGraph's official conformance suite, then a real
+`StateGraph` (a tool loop, an interrupt, time travel and a fork) on the memory store and a server.
+
+Needs the ``langgraph`` extra (and ``langgraph-test`` for the conformance suite); CI installs both,
+so these tests run there rather than skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, TypedDict
+
+import pytest
+
+from redis_session import MemorySessionStore, RedisSessionStore
+
+pytest.importorskip("langgraph.checkpoint.base")
+
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.types import Command, interrupt
+
+from redis_session.adapters.langgraph import CHECKPOINT, PART, WRITE, RedisEventSaver
+
+pytestmark = pytest.mark.anyio
+
+
+async def _cleanup(url: str, prefix: str) -> None:
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+        for i in range(0, len(keys), 500):
+            await r.delete(*keys[i : i + 500])
+    finally:
+        await r.aclose()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def lg_store(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Any]:
+    if request.param == "memory":
+        yield MemorySessionStore()
+        return
+    url = request.getfixturevalue("redis_url")
+    store = RedisSessionStore.from_url(url, prefix=prefix)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+        await _cleanup(url, prefix)
+
+
+# =========================================================================== conformance
+
+
+async def test_official_conformance_suite(lg_store: Any) -> None:
+    # not importorskip: with the langgraph extra installed, a missing langgraph-test extra fails
+    import langgraph.checkpoint.conformance as conformance
+    from langgraph.checkpoint.conformance.report import ProgressCallbacks
+
+    @conformance.checkpointer_test(name="RedisEventSaver")
+    async def factory() -> AsyncIterator[RedisEventSaver]:
+        yield RedisEventSaver(lg_store)
+
+    report = await conformance.validate(factory, progress=ProgressCallbacks.quiet())
+    report.print_report()
+    assert report.passed_all_base()
+    failed = {name: r.failures for name, r in report.results.items() if r.failures}
+    assert not failed, failed
+    assert report.results["copy_thread"].passed is True  # the extended capability we implement ran
+    assert report.results["copy_thread"].tests_passed > 0
+
+
+# =========================================================================== a real graph
+
+
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+class State(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+    approvals: Annotated[list[str], operator.add]
+
+
+def _agent(state: State) -> dict[str, Any]:
+    """A scripted model: asks for the tool once per user question, then answers with its result."""
+    last = state["messages"][-1]
+    if isinstance(last, HumanMessage):
+        a, b = (int(x) for x in str(last.content).split("x"))
+        call = {"name": "multiply", "args": {"a": a, "b": b}, "id": f"call-{a}-{b}", "type": "tool_call"}
+        return {"messages": [AIMessage("", tool_calls=[call])]}
+    assert isinstance(last, ToolMessage)
+    return {"messages": [AIMessage(f"the answer is {last.content}")]}
+
+
+def _approve(state: State) -> dict[str, Any]:
+    answer = interrupt({"question": "send this answer?", "answer": state["messages"][-1].content})
+    return {"approvals": [str(answer)]}
+
+
+def _graph(saver: RedisEventSaver) -> Any:
+    builder = StateGraph(State)
+    builder.add_node("agent", _agent)
+    builder.add_node("tools", ToolNode([multiply]))
+    builder.add_node("approve", _approve)
+    builder.add_edge(START, "agent")
+    builder.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: "approve"})
+    builder.add_edge("tools", "agent")
+    builder.add_edge("approve", END)
+    return builder.compile(checkpointer=saver)
+
+
+def _texts(state: Any) -> list[str]:
+    return [str(m.content) for m in state.values["messages"]]
+
+
+async def test_state_graph_tool_loop_interrupt_time_travel_and_fork(lg_store: Any) -> None:
+    saver = RedisEventSaver(lg_store)
+    graph = _graph(saver)
+    cfg: Any = {"configurable": {"thread_id": "calc-1"}}
+
+    # a tool loop that stops at the interrupt
+    out = await graph.ainvoke({"messages": [HumanMessage("6x7")], "approvals": []}, cfg)
+    assert "__interrupt__" in out
+    state = await graph.aget_state(cfg)
+    assert state.next == ("approve",)
+    assert _texts(state)[-1] == "the answer is 42"
+    assert state.tasks[0].interrupts[0].value["answer"] == "the answer is 42"
+
+    # a second saver on the same store (another pod) resumes it
+    graph2 = _graph(RedisEventSaver(lg_store))
+    out = await graph2.ainvoke(Command(resume="yes"), cfg)
+    assert out["approvals"] == ["yes"]
+    assert (await graph.aget_state(cfg)).next == ()
+
+    # the log: checkpoints and pending writes as entries of one session
+    log = await lg_store.read(saver.session_id("calc-1"))
+    types = {e.type for e in log}
+    assert CHECKPOINT in types and WRITE in types
+
+    # time travel: go back to the checkpoint before the tool ran and ask something else
+    history = [s async for s in graph.aget_state_history(cfg)]
+    assert [s.created_at for s in history] == sorted((s.created_at for s in history), reverse=True)
+    before_tools = next(s for s in history if s.next == ("tools",))
+    n_before = len(history)
+    past = await graph.aupdate_state(
+        before_tools.config,
+        {"messages": [AIMessage("", tool_calls=[{"name": "multiply", "args": {"a": 3, "b": 5}, "id": "c2"}])]},
+        as_node="agent",
+    )
+    await graph.ainvoke(None, past)
+    await graph.ainvoke(Command(resume="ok"), cfg)
+    state = await graph.aget_state(cfg)
+    assert "the answer is 15" in _texts(state) and "the answer is 42" not in _texts(state)
+    assert state.values["approvals"] == ["ok"]
+    # the old branch is still in the history
+    assert len([s async for s in graph.aget_state_history(cfg)]) > n_before
+    old = await graph.aget_state(history[0].config)
+    assert old.values["approvals"] == ["yes"] and "the answer is 42" in _texts(old)
+
+    # a fork into a new thread from the first interrupt: an O(1) branch of the session
+    first_interrupt = next(s for s in history if s.next == ("approve",))
+    forked = await saver.afork(first_interrupt.config, "calc-fork")
+    head = await lg_store.head(saver.session_id("calc-fork"))
+    assert head is not None and head.header.parent == saver.session_id("calc-1")
+    fstate = await graph.aget_state({"configurable": {"thread_id": "calc-fork"}})
+    assert fstate.next == ("approve",) and _texts(fstate)[-1] == "the answer is 42"
+    assert fstate.config["configurable"]["checkpoint_id"] == forked["configurable"]["checkpoint_id"]
+    out = await graph.ainvoke(Command(resume="no"), {"configurable": {"thread_id": "calc-fork"}})
+    assert out["approvals"] == ["no"]
+    assert (await graph.aget_state(cfg)).values["approvals"] == ["ok"]  # the source is untouched
+
+    # delete_thread follows the store's delete: the fork keeps what it shares
+    await saver.adelete_thread("calc-1")
+    assert await graph.aget_state(cfg) is not None
+    assert (await graph.aget_state(cfg)).values == {}
+    assert (await graph.aget_state({"configurable": {"thread_id": "calc-fork"}})).values["approvals"] == ["no"]
+
+
+def test_sync_graph_then_asyncio_run_twice(redis_url: str, prefix: str) -> None:
+    """`graph.invoke` (the sync methods, on the private loop), then `asyncio.run` twice on one
+    saver: each loop gets its own client."""
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    saver = RedisEventSaver(store)
+    graph = _graph(saver)
+    cfg: Any = {"configurable": {"thread_id": "sync-1"}}
+    try:
+        graph.invoke({"messages": [HumanMessage("2x3")], "approvals": []}, cfg)
+        assert graph.get_state(cfg).next == ("approve",)
+        assert len(list(saver.list(cfg, limit=2))) == 2
+
+        async def resume() -> Any:
+            return await graph.ainvoke(Command(resume="y"), cfg)
+
+        assert asyncio.run(resume())["approvals"] == ["y"]
+
+        async def look() -> Any:
+            return (await graph.aget_state(cfg)).values["approvals"]
+
+        assert asyncio.run(look()) == ["y"]
+        assert graph.get_state(cfg).values["approvals"] == ["y"]
+    finally:
+        # the store's own pool belongs to the first asyncio.run's loop (closed now): nothing to close
+        asyncio.run(_cleanup(redis_url, prefix))
+
+
+# =========================================================================== details
+
+
+async def test_large_values_are_split_into_parts(lg_store: Any) -> None:
+    small = MemorySessionStore(max_entry_bytes=4096) if isinstance(lg_store, MemorySessionStore) else lg_store
+    saver = RedisEventSaver(small)
+    saver._max_bytes = 4096  # the Redis store's limit is 1 MiB: split as if it were 4 KiB
+    from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+
+    big = "x" * 20_000
+    cp = generate_checkpoint(channel_values={"big": big, "small": 1}, channel_versions={"big": 1, "small": 1})
+    stored = await saver.aput(generate_config("big"), cp, generate_metadata(), {"big": 1, "small": 1})
+    await saver.aput_writes(stored, [("w", big)], "task-1")
+    log = await small.read(saver.session_id("big"))
+    assert PART in {e.type for e in log}
+    fresh = RedisEventSaver(small)
+    tup = await fresh.aget_tuple(stored)
+    assert tup is not None
+    assert tup.checkpoint["channel_values"] == {"big": big, "small": 1}
+    assert tup.pending_writes == [("task-1", "w", big)]
+
+
+async def test_thread_ids_that_are_not_session_ids_and_list_all(lg_store: Any) -> None:
+    from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+
+    saver = RedisEventSaver(lg_store)
+    odd = "a thread {with} spaces"
+    await saver.aput(generate_config(odd), generate_checkpoint(), generate_metadata(), {})
+    await saver.aput(generate_config("plain"), generate_checkpoint(), generate_metadata(), {})
+    assert saver.session_id(odd).startswith("langgraph:~")
+    tup = await saver.aget_tuple(generate_config(odd))
+    assert tup is not None and tup.config["configurable"]["thread_id"] == odd
+    assert {t.config["configurable"]["thread_id"] async for t in saver.alist(None)} == {odd, "plain"}
+
+
+async def test_ttl_makes_threads_ephemeral(lg_store: Any) -> None:
+    from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+
+    saver = RedisEventSaver(lg_store, ttl_ms=600)
+    await saver.aput(generate_config("eph"), generate_checkpoint(), generate_metadata(), {})
+    assert await lg_store.head(saver.session_id("eph")) is not None
+    await asyncio.sleep(1.2)
+    assert await lg_store.head(saver.session_id("eph")) is None
+    assert await RedisEventSaver(lg_store).aget_tuple(generate_config("eph")) is None
+
+
+async def test_concurrent_puts_on_one_thread_never_conflict(lg_store: Any) -> None:
+    """Checkpoints append at the end (expected n "any"): parallel writers all land, none retries."""
+    from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+
+    savers = [RedisEventSaver(lg_store) for _ in range(4)]
+    await savers[0].aput(generate_config("par"), generate_checkpoint(), generate_metadata(), {})
+
+    async def writer(s: RedisEventSaver) -> None:
+        for _ in range(10):
+            await s.aput(generate_config("par"), generate_checkpoint(), generate_metadata(), {})
+
+    async with asyncio.TaskGroup() as tg:
+        for s in savers:
+            tg.create_task(writer(s))
+    assert len([t async for t in RedisEventSaver(lg_store).alist(generate_config("par"))]) == 41
