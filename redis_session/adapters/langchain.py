@@ -51,7 +51,7 @@ from langchain_core.messages import (
 )
 
 from ..model import CUT, Entry, NewEntry
-from ..projection import Message, ProjectionState, to_openai
+from ..projection import Message, ProjectionState, openai_messages
 from ._log import SessionLog, resolve_store
 
 CLEAR_REASON = "langchain:clear"
@@ -267,7 +267,7 @@ class _View:
             data = self.chat[m.source[0]]
             if data.get("role") == m.role:
                 return [from_chat_message(data)]
-        return [from_chat_message(d) for d in to_openai([m])]
+        return [from_chat_message(d) for d in openai_messages([m])]
 
     async def messages(self) -> list[BaseMessage]:
         async with self.lock:
