@@ -448,3 +448,28 @@ def test_fold_of_a_foreign_cut_counts_consolidated_messages() -> None:
 
 def _call(cid: str) -> dict[str, Any]:
     return {"id": cid, "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+
+
+def test_an_unclosed_manager_does_not_hold_up_exit() -> None:
+    """nanobot never closes its SessionManager: the loop thread must not keep the process alive."""
+    import subprocess
+    import sys
+
+    code = (
+        "from redis_session import MemorySessionStore\n"
+        "from redis_session.adapters.nanobot import SessionManager\n"
+        "m = SessionManager(MemorySessionStore())\n"
+        "s = m.get_or_create('k:1'); s.add_message('user', 'a'); m.save(s)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.anyio
+async def test_sync_calls_work_inside_a_coroutine() -> None:
+    """nanobot calls its manager synchronously from its agent loop's coroutines."""
+    with SessionManager(MemorySessionStore()) as m:
+        s = m.get_or_create("loop:1")
+        s.add_message("user", "hi")
+        m.save(s)
+        m.invalidate("loop:1")
+        assert m.get_or_create("loop:1").get_history() == [{"role": "user", "content": "hi"}]

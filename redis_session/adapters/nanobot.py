@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from copy import deepcopy
@@ -60,7 +61,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
 from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
 from ..keys import validate_session_id
@@ -625,6 +627,23 @@ def plan_save(session: Session) -> tuple[list[NewEntry], _Saved]:
 # --------------------------------------------------------------------------- SessionManager
 
 
+def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
+    """An event loop on a daemon thread (nanobot never closes its manager: exit must not wait)."""
+    ready = threading.Event()
+    box: list[BlockingPortal] = []
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            box.append(portal)
+            ready.set()
+            await portal.sleep_until_stopped()
+
+    thread = threading.Thread(target=anyio.run, args=(serve,), name="redis-session-nanobot", daemon=True)
+    thread.start()
+    ready.wait()
+    return box[0], thread
+
+
 class SessionManager:
     """nanobot's ``SessionManager`` on a redis-session store.
 
@@ -641,8 +660,7 @@ class SessionManager:
         prefix: str = "rs",
         key_to_id: Callable[[str], str] | None = None,
     ) -> None:
-        self._stack = contextlib.ExitStack()
-        self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal())
+        self._portal, self._thread = _start_portal()
         self._owned = isinstance(store, str)
         if isinstance(store, str):
             from ..redis_store import RedisSessionStore
@@ -673,11 +691,16 @@ class SessionManager:
 
     def close(self) -> None:
         """Close the store the manager opened (not one handed in) and stop its loop thread."""
-        if self._owned:
-            closer = getattr(self.store, "aclose", None)
-            if closer is not None:
-                self._run(closer)
-        self._stack.close()
+        if not self._thread.is_alive():
+            return
+        try:
+            if self._owned:
+                closer = getattr(self.store, "aclose", None)
+                if closer is not None:
+                    self._run(closer)
+        finally:
+            self._portal.call(self._portal.stop)
+            self._thread.join(5)
 
     def __enter__(self) -> SessionManager:
         return self
