@@ -446,6 +446,33 @@ def test_fold_of_a_foreign_cut_counts_consolidated_messages() -> None:
     assert len(s.messages) == 3 and s.last_consolidated == 2
 
 
+def test_a_summary_cut_written_by_another_compactor_survives_saves(backend: Backend, manager: SessionManager) -> None:
+    s = manager.get_or_create("other:compactor")
+    for i in range(3):
+        s.add_message("user", f"u{i}")
+        s.add_message("assistant", f"a{i}")
+    manager.save(s)
+
+    async def compact(store: Any) -> None:
+        from redis_session.sessions import Sessions
+
+        handle = await Sessions(store).open("other:compactor")
+        await handle.compact(4, [{"role": "user", "content": "earlier: u0, u1"}], "token_limit")
+
+    backend.run(compact)
+    manager.invalidate("other:compactor")
+    s = manager.get_or_create("other:compactor")
+    assert s.last_consolidated == 4 and len(s.messages) == 6
+    s.add_message("user", "u3")
+    s.last_consolidated = 6  # nanobot consolidates further, without a summary of its own
+    manager.save(s)
+    msgs = project(_entries(backend, "other:compactor"))
+    assert [m.text for m in msgs] == ["earlier: u0, u1", "u3"]
+    s.clear()
+    manager.save(s)
+    assert project(_entries(backend, "other:compactor")) == []
+
+
 def _call(cid: str) -> dict[str, Any]:
     return {"id": cid, "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
 

@@ -33,6 +33,9 @@ changed since this session was loaded or last saved, in one ``put`` with the exp
   ``meta.nanobot.floor`` is the entry of ``messages[0]`` (what the session still keeps). Nothing is
   ever deleted: the log keeps every message; ``Session.messages()`` of the generic API shows the
   summary and the unconsolidated messages, as nanobot's prompt does.
+- a cut written by another tool (a compactor, ``Session.compact``) moves ``last_consolidated``
+  to the messages below its ``before`` and drops none; its summary is carried into the adapter's
+  later cuts until a ``clear`` or a nanobot ``_last_summary`` replaces it;
 - a change that is no drop-from-the-front plus appends (a message edited in place, the
   non-contiguous window ``retain_recent_legal_suffix`` keeps when the tail has no user message)
   re-appends the messages the session now holds, followed by a cut whose floor is the first of
@@ -283,6 +286,7 @@ class _Saved:
     floor: int = 0  # entry n of messages[0] (where the kept messages start)
     before: int = 0  # the last cut's `before` (0: no cut)
     summary: list[dict[str, Any]] = field(default_factory=list)
+    foreign: bool = False  # the summary came from a cut another tool wrote (kept until a clear)
 
 
 @dataclass
@@ -531,6 +535,7 @@ def fold(key: str, head: SessionHead, entries: Sequence[Entry]) -> Session:
                 pairs = [p for p in pairs if p[0] >= floor]
             saved.before = int(e.data.get("before", 0))
             saved.summary = list(e.data.get("summary") or [])
+            saved.foreign = floor is None and bool(saved.summary)
     messages = [m for _, m in pairs]
     lc = sum(1 for n, _ in pairs if n < saved.before)
     saved.messages = list(messages)
@@ -584,6 +589,10 @@ def plan_save(session: Session) -> tuple[list[NewEntry], _Saved]:
     cut_n = n + len(entries)
     lc = session.last_consolidated if 0 <= session.last_consolidated <= len(ns) else 0
     summary = _summary_messages(session.metadata)
+    # A compactor other than nanobot's summarised into a cut: its summary stays until a clear.
+    foreign = not summary and old.foreign and session._reason != REASON_PREFIX + "clear"
+    if foreign:
+        summary = old.summary
     # Without a cut the log would hold every saved message plus the new ones, with as many
     # consolidated as lie below the last cut's `before`.
     needs_cut = not contiguous or j > 0 or sum(1 for x in ns if x < old.before) != lc or summary != old.summary
@@ -620,6 +629,7 @@ def plan_save(session: Session) -> tuple[list[NewEntry], _Saved]:
         floor=floor,
         before=before,
         summary=summary if needs_cut else old.summary,
+        foreign=foreign,
     )
     return entries, after
 
