@@ -67,7 +67,7 @@ from .model import (
     encode_batch,
     kind_of,
 )
-from .projection.fold import Message, ProjectionState, check_surface, history, to_openai
+from .projection.fold import Message, ProjectionState, check_surface, history, openai_messages
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
@@ -406,7 +406,7 @@ class Session:
         """
         items: builtins.list[Any] = []
         for m in summary:
-            items.extend(to_openai([m]) if isinstance(m, Message) else [dict(m)])
+            items.extend(openai_messages([m]) if isinstance(m, Message) else [dict(m)])
         data: dict[str, Any] = {"before": before, "summary": items, "reason": reason}
         if native is not None:
             data["native"] = native

@@ -20,6 +20,7 @@ from redis_session.projection import (
     cut_messages,
     derive_message,
     needs_rebuild,
+    openai_messages,
     project,
     to_anthropic,
     to_openai,
@@ -823,7 +824,7 @@ def test_to_openai_images_and_structured_results() -> None:
         E(1, "tool/result", {"callId": "c", "content": [text("a"), text("b")], "isError": False}),
         E(2, "tool/result", {"callId": "d", "content": [img], "isError": True}),
     ]
-    user, r1, r2 = to_openai(project(log))
+    user, r1, r2 = openai_messages(project(log))  # the conversion; orphan results are to_openai's to drop
     assert user == {
         "role": "user",
         "content": [

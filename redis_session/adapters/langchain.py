@@ -54,7 +54,7 @@ from langchain_core.messages import (
 from ..errors import InvalidSessionIdError
 from ..keys import validate_session_id
 from ..model import CUT, Entry, NewEntry
-from ..projection import Message, ProjectionState, to_openai
+from ..projection import Message, ProjectionState, openai_messages
 from ..store import SessionStore
 from ._log import SessionLog, resolve_store
 from ._loops import LoopStores, run_sync
@@ -255,7 +255,7 @@ class _View:
             data = self.chat[m.source[0]]
             if data.get("role") == m.role:
                 return [from_chat_message(data)]
-        return [from_chat_message(d) for d in to_openai([m])]
+        return [from_chat_message(d) for d in openai_messages([m])]
 
     def current(self) -> list[BaseMessage]:
         """The projection, plus the empty assistant messages that LangChain wrote (the projection

@@ -992,6 +992,105 @@ def history(
 # --------------------------------------------------------------------------- renderers
 
 
+def _legal_openai(out: list[dict[str, Any]], allow_pending: bool) -> list[dict[str, Any]]:
+    """OpenAI's pairing rule on a rendered list (see `to_openai`); legal input is returned as is."""
+    fixed: list[dict[str, Any] | None] = []
+    group: int | None = None  # the assistant message whose tool messages may follow
+    open_ids: list[Any] = []  # its calls not answered yet
+
+    def close() -> None:
+        nonlocal group
+        if group is not None and open_ids:
+            msg = dict(fixed[group] or {})
+            calls = [c for c in msg["tool_calls"] if c.get("id") not in open_ids]
+            if calls:
+                msg["tool_calls"] = calls
+            else:
+                del msg["tool_calls"]
+            fixed[group] = msg if calls or msg.get("content") else None
+        group = None
+        open_ids.clear()
+
+    for msg in out:
+        if msg["role"] == "tool":
+            if group is not None and msg.get("tool_call_id") in open_ids:
+                open_ids.remove(msg.get("tool_call_id"))
+                fixed.append(msg)
+            continue  # a result whose call is not just before it
+        close()
+        if msg["role"] == "assistant" and msg.get("tool_calls"):
+            calls = []
+            for c in msg["tool_calls"]:
+                if c.get("id") not in open_ids:  # a repeated id could be answered only once
+                    open_ids.append(c.get("id"))
+                    calls.append(c)
+            if len(calls) < len(msg["tool_calls"]):
+                msg = {**msg, "tool_calls": calls}
+            group = len(fixed)
+        fixed.append(msg)
+    if not allow_pending:
+        close()
+    return [m for m in fixed if m is not None]
+
+
+def _legal_anthropic(out: list[dict[str, Any]], allow_pending: bool) -> list[dict[str, Any]]:  # noqa: C901 - to split
+    """Anthropic's pairing rule on merged, role-alternating messages (see `to_anthropic`)."""
+    while True:
+        changed = False
+        fixed: list[dict[str, Any]] = []
+        for i, msg in enumerate(out):
+            blocks = msg["content"]
+            if msg["role"] == "assistant":
+                nxt = out[i + 1] if i + 1 < len(out) else None
+                answered = (
+                    {b.get("tool_use_id") for b in nxt["content"] if b.get("type") == "tool_result"}
+                    if nxt is not None
+                    else None
+                )
+                seen: set[Any] = set()
+                keep = []
+                for b in blocks:
+                    if b.get("type") == "tool_use":
+                        bid = b.get("id")
+                        # a turn whose tools still run: results of this message only, or none
+                        pending_ok = allow_pending and (
+                            nxt is None
+                            or (i + 2 == len(out) and all(b.get("type") == "tool_result" for b in nxt["content"]))
+                        )
+                        if bid in seen or not (pending_ok or (answered is not None and bid in answered)):
+                            continue
+                        seen.add(bid)
+                    keep.append(b)
+            else:
+                prev = fixed[-1] if fixed and fixed[-1]["role"] == "assistant" else None
+                calls = {b.get("id") for b in prev["content"] if b.get("type") == "tool_use"} if prev else set()
+                keep = []
+                for b in blocks:
+                    if b.get("type") == "tool_result":
+                        if b.get("tool_use_id") not in calls:
+                            continue
+                        calls.discard(b.get("tool_use_id"))
+                    keep.append(b)
+            if len(keep) != len(blocks):
+                changed = True
+            if not keep or (
+                len(keep) != len(blocks) and all(b.get("type") in ("thinking", "redacted_thinking") for b in keep)
+            ):
+                changed = True
+                continue
+            if fixed and fixed[-1]["role"] == msg["role"]:
+                fixed[-1] = {**fixed[-1], "content": [*fixed[-1]["content"], *keep]}
+                changed = True
+            else:
+                fixed.append(msg if len(keep) == len(blocks) else {**msg, "content": keep})
+        for msg in fixed:
+            if msg["role"] == "user" and changed:
+                msg["content"] = sorted(msg["content"], key=lambda b: b.get("type") != "tool_result")
+        if not changed:
+            return fixed
+        out = fixed
+
+
 def _result_text(content: Any) -> str:
     """A tool result's content as the one string OpenAI takes: text joined, anything else as JSON."""
     if isinstance(content, str):
@@ -1023,7 +1122,7 @@ def _openai_parts(content: Sequence[Block]) -> str | list[dict[str, Any]]:
     return parts
 
 
-def to_openai(messages: Iterable[Message]) -> list[dict[str, Any]]:
+def to_openai(messages: Iterable[Message], *, allow_pending_tool_calls: bool = False) -> list[dict[str, Any]]:
     """Render for OpenAI chat completions.
 
     Assistant: text as ``content`` (None when it only calls tools), tool-call blocks as
@@ -1031,7 +1130,22 @@ def to_openai(messages: Iterable[Message]) -> list[dict[str, Any]]:
     ``reasoning_content``. Every tool-result block becomes its own ``{role:"tool", tool_call_id,
     content}`` message (content a string), in order. User/system content is a string when it is
     all text, else content parts (``image_url`` for images). Plain, mutable dicts.
+
+    The result is always a legal request: an assistant message with ``tool_calls`` is followed
+    directly by one tool message per call. Where the projection is not (a cut inside a tool-call
+    group, a call never answered, a message between a call and its result), the repair is:
+    a tool message whose call is not in the assistant message just before it is dropped; a call
+    whose tool message does not follow is dropped from its assistant message, and an assistant
+    message left with neither text nor calls is dropped. With `allow_pending_tool_calls`, the
+    calls of the last assistant message are kept when nothing but its own results follows (a
+    turn whose tools are still running). A rendering that is legal already is left unchanged.
     """
+    return _legal_openai(openai_messages(messages), allow_pending_tool_calls)
+
+
+def openai_messages(messages: Iterable[Message]) -> list[dict[str, Any]]:
+    """`messages` converted one by one into OpenAI chat dicts, as `to_openai` renders them, but
+    without its pairing repair: for converting single messages, not for building a request."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.role == "assistant":
@@ -1057,7 +1171,7 @@ def to_openai(messages: Iterable[Message]) -> list[dict[str, Any]]:
                 msg["name"] = m.name
             out.append(msg)
             continue
-        rest = [b for b in m.content if b.get("type") != "tool-result"]
+        rest: list[Block] = [b for b in m.content if b.get("type") != "tool-result"]
         for b in m.content:
             if b.get("type") == "tool-result":
                 out.append(
@@ -1149,13 +1263,21 @@ def _anthropic_blocks(m: Message) -> list[dict[str, Any]]:
     return out
 
 
-def to_anthropic(messages: Iterable[Message]) -> dict[str, Any]:
+def to_anthropic(messages: Iterable[Message], *, allow_pending_tool_calls: bool = False) -> dict[str, Any]:
     """Render for the Anthropic Messages API: ``{"system": str | None, "messages": [...]}``.
 
     System messages are joined into ``system``. Tool calls become ``tool_use`` blocks (arguments
     parsed from their JSON string), tool results ``tool_result`` blocks in a user message; signed
     reasoning becomes ``thinking``. Consecutive messages of one role are merged into one, with
     ``tool_result`` blocks first as the API requires; messages left with no blocks are dropped.
+
+    The result is always a legal request: every ``tool_use`` is answered by a ``tool_result`` in
+    the next (user) message, and every ``tool_result`` answers a ``tool_use`` of the message just
+    before it, once. The repair is `to_openai`'s: orphan results are dropped, unanswered calls
+    are dropped from their message (a message left with nothing, or with nothing but thinking,
+    goes; neighbours of one role merge again). `allow_pending_tool_calls` keeps the unanswered
+    calls of the last assistant message when at most its own results follow. A rendering that is
+    legal already is left unchanged.
     """
     system: list[str] = []
     out: list[dict[str, Any]] = []
@@ -1175,7 +1297,10 @@ def to_anthropic(messages: Iterable[Message]) -> dict[str, Any]:
     for msg in out:
         if msg["role"] == "user":
             msg["content"].sort(key=lambda b: b.get("type") != "tool_result")
-    return {"system": "\n\n".join(system) if system else None, "messages": out}
+    return {
+        "system": "\n\n".join(system) if system else None,
+        "messages": _legal_anthropic(out, allow_pending_tool_calls),
+    }
 
 
 __all__ = [
@@ -1190,6 +1315,7 @@ __all__ = [
     "estimate_tokens",
     "history",
     "needs_rebuild",
+    "openai_messages",
     "project",
     "to_anthropic",
     "to_openai",
