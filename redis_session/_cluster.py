@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from redis.asyncio.cluster import RedisCluster
@@ -59,6 +59,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import StoreUnavailableError
 
+T = TypeVar("T")
 ReadReplies = Callable[[Any, int, bool], Awaitable[tuple[list[Any], ResponseError | None]]]
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
@@ -82,7 +83,7 @@ class ClusterRouter:
         read_replies: ReadReplies,
         *,
         budget: float = 5.0,
-        max_backoff: float = 0.5,
+        max_backoff: float = 0.25,
     ) -> None:
         self.client = client
         self.budget = budget
@@ -103,6 +104,22 @@ class ClusterRouter:
         async with self._init_lock:
             if getattr(self.client, "_initialize", True):
                 await self.client.initialize()
+
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run a command through redis-py's own routing (reads, index upkeep: safe to repeat).
+
+        When one of redis-py's cluster pipelines hits a connection error it closes every
+        connection of the client (``RedisCluster.aclose``), also those other tasks are using at
+        that moment; such a call then fails with AttributeError mid-handshake or mid-read, with no
+        reply. It is retried once, then raised as a connection error."""
+        for attempt in (0, 1):
+            await self.ready()
+            try:
+                return await fn()
+            except AttributeError as e:
+                if attempt:
+                    raise RedisConnectionError("connection closed during the call by a client-wide close") from e
+        raise AssertionError("unreachable")
 
     def _epoch(self) -> int | None:
         epoch = getattr(self.client.nodes_manager, "_epoch", None)

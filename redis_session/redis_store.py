@@ -452,19 +452,23 @@ class RedisSessionStore(StoreRules):
 
     async def _raw(self, *args: Any) -> Any:
         if self._pool is None:
-            await self._cluster_ready()
-            return await self.client.execute_command(*args, **_RAW)
+            assert self._router is not None
+            return await self._router.call(lambda: self.client.execute_command(*args, **_RAW))
         return (await self._send(_pack(args), 1, retry=True))[0]
 
     async def _pipeline(self, *commands: Sequence[Any]) -> builtins.list[Any]:
         """Several commands in one round trip (not a transaction); their raw replies."""
         if self._pool is None:
-            await self._cluster_ready()
-            pipe = self.client.pipeline(transaction=False)
-            for c in commands:
-                pipe.execute_command(*c, **_RAW)
-            replies: builtins.list[Any] = await pipe.execute()
-            return replies
+            assert self._router is not None
+
+            async def run() -> builtins.list[Any]:
+                pipe = self.client.pipeline(transaction=False)
+                for c in commands:
+                    pipe.execute_command(*c, **_RAW)
+                replies: builtins.list[Any] = await pipe.execute()
+                return replies
+
+            return await self._router.call(run)
         return await self._send(b"".join([_pack(c) for c in commands]), len(commands), retry=True)
 
     async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
