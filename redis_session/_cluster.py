@@ -48,6 +48,7 @@ from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
     ClusterDownError,
+    MaxConnectionsError,
     MovedError,
     RedisClusterException,
     RedisError,
@@ -205,9 +206,12 @@ class ClusterRouter:
                     sleeps += 1
                     last = await self._reload_quietly(node.name, None) or last
                     continue
-                except BaseException:
+                except MaxConnectionsError:
+                    raise  # the client's own pool limit: nothing was sent, the node is fine
+                except Exception:
                     # The reply may be lost after the script ran: never resent here (the caller
-                    # retries with its idempotency key). Reload before the next send.
+                    # retries with its idempotency key). Reload before the next send. (A
+                    # cancelled call only drops its own connection, in `_attempt`.)
                     self._recycle(node)
                     self._stale = (node.name, self._epoch())
                     raise
