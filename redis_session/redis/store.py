@@ -9,8 +9,9 @@ and replies come back from hiredis undecoded. Writes are never retried behind th
 a script whose reply was lost may have run, so that surfaces as `StoreUnavailableError` (retry
 with the same ``idempotency_key`` to make it safe). On Redis Cluster, reads go through redis-py's
 routing, and scripts are sent by this module to the node that owns the session's slot: a MOVED,
-ASK, TRYAGAIN or CLUSTERDOWN reply (the script did not run) is followed after refreshing the
-topology; a lost connection is never re-sent.
+ASK, TRYAGAIN or CLUSTERDOWN reply, or a connection that could not be opened (the script did not
+run), is followed in redis-py's slot table and re-sent; a lost connection is never re-sent, but the
+topology is reloaded before the next call (see `_cluster.py`).
 
 Durability (``durability=``): ``"none"`` acknowledges once the primary ran the script (with AOF
 ``appendfsync everysec`` at most a second of writes can be lost on a crash); ``"aof"`` also waits
@@ -35,15 +36,11 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
-    AskError,
     AuthenticationError,
-    ClusterDownError,
-    MovedError,
     NoPermissionError,
     NoScriptError,
     RedisClusterException,
     ResponseError,
-    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -88,6 +85,7 @@ from ..store.memory import (
     lineage_for,
     plan_read,
 )
+from .cluster import ClusterRouter
 
 # redis-py's per-command option to read a reply undecoded, whatever the client's decode_responses.
 _RAW = {"NEVER_DECODE": True}
@@ -382,8 +380,6 @@ class RedisSessionStore(StoreRules):
         }[durability]
         if not 1 <= max_batch <= 65_535:
             raise ValueError("max_batch must be in [1, 65535] (append.lua packs the batch length in 16 bits)")
-        self._cluster_init = anyio.Lock()
-        self._cluster_stale = True
         self.cluster = isinstance(client, RedisCluster)
         self._user_client = client
         self.client = _raw_client(client)
@@ -398,6 +394,7 @@ class RedisSessionStore(StoreRules):
         self._owns_client = owns_client
         # The fast path: the pool of a standalone client (None on a cluster: redis-py routes).
         self._pool = None if isinstance(self.client, RedisCluster) else self.client.connection_pool
+        self._router = ClusterRouter(self.client, _read_replies) if isinstance(self.client, RedisCluster) else None
         self._connection = _connection_getter(self._pool) if self._pool is not None else None
         self._packed_keys: dict[str, _SessionWire] = {}  # caches keys, feed and feed_maxlen: fixed
         self._last_acks: Any = None
@@ -469,19 +466,23 @@ class RedisSessionStore(StoreRules):
 
     async def _raw(self, *args: Any) -> Any:
         if self._pool is None:
-            await self._cluster_ready()
-            return await self.client.execute_command(*args, **_RAW)
+            assert self._router is not None
+            return await self._router.call(lambda: self.client.execute_command(*args, **_RAW))
         return (await self._send(_pack(args), 1, retry=True))[0]
 
     async def _pipeline(self, *commands: Sequence[Any]) -> builtins.list[Any]:
         """Several commands in one round trip (not a transaction); their raw replies."""
         if self._pool is None:
-            await self._cluster_ready()
-            pipe = self.client.pipeline(transaction=False)
-            for c in commands:
-                pipe.execute_command(*c, **_RAW)
-            replies: builtins.list[Any] = await pipe.execute()
-            return replies
+            assert self._router is not None
+
+            async def run() -> builtins.list[Any]:
+                pipe = self.client.pipeline(transaction=False)
+                for c in commands:
+                    pipe.execute_command(*c, **_RAW)
+                replies: builtins.list[Any] = await pipe.execute()
+                return replies
+
+            return await self._router.call(run)
         return await self._send(b"".join([_pack(c) for c in commands]), len(commands), retry=True)
 
     async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -527,54 +528,19 @@ class RedisSessionStore(StoreRules):
         return entries
 
     async def _cluster_ready(self) -> None:
-        """Load the cluster topology once (and again after a node was lost), under a lock: redis-py
-        fails when many first commands race to initialise a fresh cluster client."""
-        if not self._cluster_stale:
-            return
-        async with self._cluster_init:
-            if self._cluster_stale:
-                await cast(RedisCluster, self.client).initialize()
-                self._cluster_stale = False
+        """Load the cluster topology once (and again when redis-py asks for it)."""
+        assert self._router is not None
+        await self._router.ready()
 
     async def _cluster_send(
         self, route: str | bytes, packed: bytes, count: int, *, soft_tail: bool = False
     ) -> builtins.list[Any]:
-        """Send packed commands to the node owning `route`'s slot, on one of its connections."""
-        client = cast(RedisCluster, self.client)
-        key = route.decode() if isinstance(route, bytes) else route
-        for attempt in range(8):
-            await self._cluster_ready()
-            node = client.get_node_from_key(key)
-            if node is None:  # no primary known for the slot (mid-failover): reload and wait
-                self._cluster_stale = True
-                await anyio.sleep(min(0.05 * 2**attempt, 1.0))
-                continue
-            conn = node.acquire_connection()
-            try:
-                # no health-check PING first: on a node that just died it leaves the connection
-                # closed and redis-py then writes to nothing; a dead socket fails the write itself
-                await conn.send_packed_command(packed, check_health=False)
-                replies, error = await _read_replies(conn, count, soft_tail)
-            except BaseException as e:
-                # The reply may be lost after the script ran: never re-sent here (the caller
-                # retries with its idempotency key). The topology is reloaded before the next use.
-                self._cluster_stale = True
-                with contextlib.suppress(Exception):
-                    await conn.disconnect()
-                if isinstance(e, AttributeError):
-                    # a topology reload in another task closed this node's connections under us
-                    raise RedisConnectionError(f"connection to {node.name} closed during the call") from e
-                raise
-            finally:
-                node.release(conn)
-            if isinstance(error, MovedError | AskError | TryAgainError | ClusterDownError):
-                self._cluster_stale = True  # the script did not run: follow the cluster
-                await anyio.sleep(min(0.05 * 2**attempt, 1.0))
-                continue
-            if error is not None:
-                raise _typed(error)
-            return replies
-        raise StoreUnavailableError("the cluster kept redirecting this session's slot")
+        """Send packed commands to the node owning `route`'s slot (`ClusterRouter.send`)."""
+        assert self._router is not None
+        try:
+            return await self._router.send(route, packed, count, soft_tail)
+        except ResponseError as e:
+            raise _typed(e) from None
 
     def _keys_of(self, session_id: str) -> _SessionWire:
         """The session's keys, packed once; validates the id the first time it is seen."""

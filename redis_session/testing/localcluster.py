@@ -139,6 +139,41 @@ class LocalCluster:
                         return next(n for n in self.nodes if n.port == port)
         raise EmbeddedServerError(f"no master serves slot {slot}")
 
+    def node_id(self, node: ServerProcess) -> str:
+        return command(node.port, "CLUSTER", "MYID").strip()
+
+    def begin_migration(self, slot: int, to: ServerProcess) -> ServerProcess:
+        """Open a live migration of `slot` to the master `to` (IMPORTING on the target, then
+        MIGRATING on the source, as ``redis-cli --cluster reshard`` does); returns the source."""
+        source = self.master_of_slot(slot)
+        if source is to:
+            raise EmbeddedServerError(f"slot {slot} is already served by port {to.port}")
+        _expect_ok(command(to.port, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", self.node_id(source)))
+        _expect_ok(command(source.port, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", self.node_id(to)))
+        return source
+
+    def move_keys(self, slot: int, source: ServerProcess, to: ServerProcess, keys: list[str] | None = None) -> int:
+        """MIGRATE `keys` (default: every key the source holds in `slot`) to `to`; how many moved."""
+        if keys is None:
+            listed = command(source.port, "CLUSTER", "COUNTKEYSINSLOT", str(slot))
+            keys = _key_list(source.port, slot, int(listed))
+        if keys:
+            command(source.port, "MIGRATE", "127.0.0.1", str(to.port), "", "0", "5000", "KEYS", *keys)
+        return len(keys)
+
+    def finish_migration(self, slot: int, to: ServerProcess) -> None:
+        """Assign `slot` to `to` on every master (the target first, as the docs require)."""
+        to_id = self.node_id(to)
+        for node in [to, *(m for m in self.masters if m is not to)]:
+            _expect_ok(command(node.port, "CLUSTER", "SETSLOT", str(slot), "NODE", to_id))
+
+    def migrate_slot(self, slot: int, to: ServerProcess) -> ServerProcess:
+        """A complete slot migration to the master `to`; returns the former owner."""
+        source = self.begin_migration(slot, to)
+        self.move_keys(slot, source, to)
+        self.finish_migration(slot, to)
+        return source
+
 
 def start_cluster(
     masters: int = 3,
@@ -225,6 +260,15 @@ def _wait_known(nodes: list[ServerProcess], timeout: float = 15.0) -> None:
         if time.monotonic() > deadline:
             raise EmbeddedServerError(f"cluster nodes did not meet: known={counts}")
         time.sleep(0.05)
+
+
+def _key_list(port: int, slot: int, count: int) -> list[str]:
+    client = redis.Redis(port=port, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        keys = client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, max(count, 1))  # type: ignore[no-untyped-call]
+    finally:
+        client.close()
+    return [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
 
 
 def _expect_ok(reply: str) -> None:
