@@ -80,8 +80,13 @@ class RedisEventSession:
     ) -> None:
         self.session_id = session_id
         if isinstance(session_settings, Mapping):
-            from agents.memory import SessionSettings
-
+            try:
+                from agents.memory import SessionSettings
+            except ImportError as e:
+                raise ImportError(
+                    "session_settings as a mapping needs the OpenAI Agents SDK: "
+                    f"pip install 'redis-session[openai-agents]'; {e}"
+                ) from e
             session_settings = SessionSettings(**session_settings)
         self.session_settings: SessionSettings | None = session_settings
         self._owned: RedisSessionStore | None = None
