@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -407,3 +408,52 @@ def test_readme_example_is_doctor_clean_and_its_redis_cli_section_runs(home: Pat
     if client == "builtin":
         r = run("cli", "--builtin", "XLEN", "rs:{chat-1}:log", home=home)  # piped: raw, as redis-cli does
         assert r.stdout == "2\n"
+
+
+# --------------------------------------------------------------------------- 4. the demo
+
+
+def _demo(*args: str, home: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["REDIS_SESSION_HOME"] = str(home)
+    cmd = [sys.executable, "-m", "redis_session.cli", "demo", "--pods", "2", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_demo_takes_a_free_port_and_prints_each_answer_once(home: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        proc = _demo("--duration", "2", "--port", str(port), home=home)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        taken.close()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert f"port {port} is taken" in out
+    viewer = next(line for line in out.splitlines() if line.startswith("viewer:"))
+    assert f":{port}/" not in viewer
+    # the coding agent's first answer, streamed: printed once (no draft line, no repeat of the entry)
+    assert out.count("Found it: parse() read ISO dates as day-month-year.") == 1, out
+    assert out.count("CI says test_parse_dates fails on main. Can you fix it?") == 1
+    assert "→ run_tests(" in out and "← 1 failed: test_parse_dates" in out
+    assert "doctor                clean" in out
+
+
+def test_demo_prints_the_summary_on_ctrl_c(home: Path) -> None:
+    import signal
+
+    proc = _demo("--duration", "120", "--port", "0", home=home)
+    assert proc.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + 120
+    while "assistant" not in seen and time.monotonic() < deadline:
+        seen += proc.stdout.readline()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    out = seen + out
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "stopping: finishing the turns in flight" in out
+    assert "summary" in out and "doctor                clean" in out
+    assert "interrupted" not in err and "Traceback" not in err
