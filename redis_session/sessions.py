@@ -851,13 +851,24 @@ class Sessions:
             got = await self.store.read(session_id, check, check + 1)
             kind = got[0].type if got else "nothing"
             if kind != "turn/end":
-                raise SessionForkError(f"fork boundary {check} must be turn/end, got {kind}", "OPEN_TURN")
+                raise SessionForkError(await self._fork_hint(session_id, check, kind), "OPEN_TURN")
         try:
             return await self.branch(session_id, at, branch_id=fork_id)
         except SessionAlreadyExistsError as e:
             raise SessionForkError(str(e), "SESSION_ALREADY_EXISTS") from e
         except SessionNotFoundError as e:  # deleted under us
             raise SessionForkError(str(e), "SESSION_NOT_FOUND") from e
+
+    async def _fork_hint(self, session_id: str, check: int, kind: str, window: int = 1000) -> str:
+        """Why a fork at `check` is refused, and the boundary to pass instead (the last turn/end
+        among the `window` entries before it), or `branch` when there is none."""
+        lo = max(0, check - window)
+        ends = [e.n for e in await self.store.read(session_id, lo, check) if e.type == "turn/end"]
+        msg = f"fork boundary {check} must be turn/end, got {kind}"
+        if ends:
+            return f"{msg}: fork({session_id!r}, {ends[-1]}) forks after the last completed turn (entry {ends[-1]})"
+        where = "" if lo == 0 else f" in entries {lo}..{check}"
+        return f"{msg}, and there is no turn/end{where}: use branch({session_id!r}, at=N) to branch at any entry"
 
     async def fork_before_user(self, session_id: str, k: int, *, fork_id: str | None = None) -> Session | None:
         """nanobot edit-and-retry: a child holding everything before the `k`-th user message

@@ -17,7 +17,21 @@ import pytest
 import redis.asyncio as aioredis
 
 from redis_session import MemorySessionStore, RedisSessionStore
-from redis_session.redis.embedded import start_server
+from redis_session.redis.embedded import start_server, stop_server
+
+# Never the user's embedded server: every test (and every subprocess a test starts) gets a
+# private data dir, and a server started there takes a free port instead of the default 6390.
+_HOME = tempfile.mkdtemp(prefix="rs-home-")
+os.environ["REDIS_SESSION_HOME"] = _HOME
+os.environ.pop("REDIS_SESSION_DIR", None)
+os.environ["REDIS_SESSION_PORT"] = "0"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    stop_server(_HOME)
+    import shutil
+
+    shutil.rmtree(_HOME, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -130,13 +130,22 @@ class Chromium:
         return res["result"].get("value")
 
     async def wait_for(self, expression: str, seconds: float = 10.0) -> Any:
-        """Poll `expression` in the page until it is truthy; its value."""
-        with anyio.fail_after(seconds):
-            while True:
-                value = await self.eval(expression)
-                if value:
-                    return value
-                await anyio.sleep(0.05)
+        """Poll `expression` in the page until it is truthy; its value. While the page is still
+        loading (the element it names is not there yet) the expression may throw: that counts as
+        not yet, and the last error is reported if time runs out."""
+        last: RuntimeError | None = None
+        try:
+            with anyio.fail_after(seconds):
+                while True:
+                    try:
+                        value = await self.eval(expression)
+                    except RuntimeError as e:
+                        last, value = e, None
+                    if value:
+                        return value
+                    await anyio.sleep(0.05)
+        except TimeoutError:
+            raise AssertionError(f"not true within {seconds}s: {expression} (last error: {last})") from None
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -213,3 +222,89 @@ async def test_viewer_shows_entries_as_they_are_appended(redis_store: RedisSessi
 
             rows = await browser.eval("[...document.querySelectorAll('#entries li')].map(li => li.dataset.n)")
             assert rows == ["0", "1", "2", "5"]  # the three chunks share one row
+
+
+async def test_viewer_stays_live_header_cut_branches_and_list(redis_store: RedisSessionStore) -> None:
+    """Issue 18: n, the last cut, the branch tree, the session list and the newest entry all follow
+    a session a writer appends to, compacts and branches, each within a second."""
+    from redis_session import Sessions
+
+    sessions = Sessions(redis_store)
+    s = await sessions.open("live-1")
+    await s.append("user/message", {"content": "first"})
+
+    async def within_1s(browser: Chromium, expression: str) -> Any:
+        return await browser.wait_for(expression, seconds=1.0)
+
+    with anyio.fail_after(60), chromium() as browser:
+        async with running_gateway(redis_store) as base:
+            await browser.open(f"{base}/#live-1")
+            await browser.wait_for("document.getElementById('status').textContent === 'live'")
+            await browser.wait_for("document.getElementById('n').textContent === '1'")
+            await anyio.sleep(0.5)  # the store-wide event stream is connected by now
+
+            for turn in (1, 2, 3):
+                await s.append_many(
+                    [
+                        ("turn/start", {"turn": turn}),
+                        ("user/message", {"content": f"question {turn}"}),
+                        ("assistant/message", {"turn": turn, "content": f"answer {turn}"}),
+                        ("turn/end", {"turn": turn, "reason": "completed"}),
+                    ]
+                )
+            assert await within_1s(browser, "document.getElementById('n').textContent === '13'")
+            assert "answer 3" in await within_1s(browser, f"{ENTRY_TEXT}(11)")
+            # turns are groups, collapsible
+            assert await browser.eval("document.querySelectorAll('#entries li.turn-group').length") == 3
+            await browser.eval("document.querySelector('#entries li.turn-group .turn-head').click()")
+            assert await browser.eval("document.querySelector('#entries .turn-group').classList.contains('collapsed')")
+
+            await s.compact(before=9, summary=[{"role": "user", "content": "summary"}], reason="token_limit")
+            assert await within_1s(browser, "document.getElementById('last-cut').textContent === '13'")
+            assert await within_1s(browser, "document.getElementById('n').textContent === '14'")
+
+            b = await sessions.branch("live-1", 5, branch_id="live-1-alt")
+            assert await within_1s(browser, "!!document.querySelector('#tree li[data-id=\"live-1-alt\"] a')")
+            assert await within_1s(browser, "!!document.querySelector('#sessions li[data-id=\"live-1-alt\"]')")
+
+            # filter by entry type: only cuts
+            await browser.eval(
+                "(() => { const f = document.getElementById('type-filter'); f.value = 'cut';"
+                " f.dispatchEvent(new Event('change')); })()"
+            )
+            visible = await browser.eval(
+                "[...document.querySelectorAll('#entries li.entry')]"
+                ".filter(li => !li.hidden).map(li => li.dataset.type)"
+            )
+            assert visible == ["cut"]
+            await browser.eval(
+                "(() => { const f = document.getElementById('type-filter'); f.value = '';"
+                " f.dispatchEvent(new Event('change')); })()"
+            )
+            # the provider-format messages are one click away
+            href = await browser.eval("document.getElementById('raw-openai').href")
+            assert href.endswith("/sessions/live-1/messages?format=openai")
+
+            # auto-follow, unless the user scrolled up; then "jump to live"
+            await s.append_many([("test/mark", {"i": i}) for i in range(80)])
+            assert await within_1s(browser, f"{ENTRY_TEXT}(93)")
+            assert await browser.eval(
+                "(() => { const b = document.getElementById('entries-scroll');"
+                " return b.scrollHeight - b.scrollTop - b.clientHeight < 40; })()"
+            )
+            await browser.eval("document.getElementById('entries-scroll').scrollTop = 0")
+            assert await within_1s(browser, "!document.getElementById('jump').hidden")
+            await s.append("test/mark", {"i": "while scrolled up"})
+            await within_1s(browser, f"{ENTRY_TEXT}(94)")
+            assert await browser.eval("document.getElementById('entries-scroll').scrollTop") == 0
+            await browser.eval("document.getElementById('jump').click()")
+            assert await within_1s(
+                browser,
+                "(() => { const b = document.getElementById('entries-scroll');"
+                " return b.scrollHeight - b.scrollTop - b.clientHeight < 40; })()",
+            )
+            # the branch is a link in the tree: it opens the branch
+            await browser.eval("document.querySelector('#tree li[data-id=\"live-1-alt\"] a').click()")
+            assert await within_1s(browser, "document.getElementById('n').textContent === '5'")
+            assert "live-1" in await browser.eval("document.getElementById('tree').textContent")
+            assert b.id == "live-1-alt"

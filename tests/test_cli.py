@@ -194,12 +194,13 @@ def test_server_start_status_stop(tmp_path: Path) -> None:
 def test_demo_runs_on_the_embedded_server_and_leaves_consistent_sessions(tmp_path: Path) -> None:
     """The quick start's main job, on a fresh embedded server in an empty folder."""
     try:
-        r = cli("demo", "--duration", "3", "--pods", "2", "--port", "0", "--quiet", cwd=tmp_path, timeout=180)
+        local = ("--dir", ".redis-session")  # a project-local server (the default is the user's)
+        r = cli(*local, "demo", "--duration", "3", "--pods", "2", "--port", "0", "--quiet", cwd=tmp_path, timeout=180)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "doctor                clean" in r.stdout
         assert "conflicts retried" in r.stdout
         assert (tmp_path / ".redis-session" / "server.json").exists()
-        r = cli("doctor", "--all", "--prefix", "demo", cwd=tmp_path)
+        r = cli(*local, "doctor", "--all", "--prefix", "demo", cwd=tmp_path)
         assert r.returncode == 0, r.stdout + r.stderr
         checked = int(r.stdout.strip().splitlines()[-1].split()[0])
         assert checked >= 5

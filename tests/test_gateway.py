@@ -423,6 +423,7 @@ async def test_openapi_describes_every_route(redis_store: RedisSessionStore) -> 
         "/sessions/{session_id}/entries",
         "/sessions/{session_id}/messages",
         "/sessions/{session_id}/events",
+        "/events",
     }
     for p, item in doc["paths"].items():
         assert set(item) == {"get"}, p

@@ -7,6 +7,7 @@ client (and, when `redis-cli`/`valkey-cli` is installed, through that very tool)
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -20,7 +21,7 @@ from redis_session import NewEntry, RedisSessionStore, SessionHeader
 pytestmark = pytest.mark.anyio
 
 REPLACE = {"surfaceOp": {"op": "replace", "start": 6, "end": 6}, "sourceEventSeqs": [6]}
-BASE_FIELDS = {"id", "format_version", "created_at", "delegation_depth", "n", "updated_at"}
+BASE_FIELDS = {"id", "format_version", "created_at", "delegation_depth", "incarnation", "n", "updated_at"}
 
 
 def um(text: str) -> NewEntry:
@@ -49,6 +50,7 @@ def check_hdr(hdr: dict[str, str], *, n: int, since_ms: float) -> None:
     assert hdr["format_version"] == "1"
     assert hdr["delegation_depth"] == "0"
     assert hdr["n"] == str(n)
+    assert re.fullmatch(r"[0-9a-f]{16}", hdr["incarnation"])  # one per creation, readable in redis-cli
     created, updated = int(hdr["created_at"]), int(hdr["updated_at"])
     assert since_ms - 5_000 <= created <= updated <= time.time() * 1000 + 5_000
 

@@ -40,16 +40,23 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
-from langchain_core.chat_history import BaseChatMessageHistory
-from langchain_core.messages import (
-    AIMessage,
-    BaseMessage,
-    ChatMessage,
-    FunctionMessage,
-    HumanMessage,
-    SystemMessage,
-    ToolMessage,
-)
+
+try:
+    from langchain_core.chat_history import BaseChatMessageHistory
+    from langchain_core.messages import (
+        AIMessage,
+        BaseMessage,
+        ChatMessage,
+        FunctionMessage,
+        HumanMessage,
+        SystemMessage,
+        ToolMessage,
+    )
+except ImportError as e:  # pragma: no cover - exercised in a subprocess without the extra
+    raise ImportError(
+        "redis_session.adapters.langchain needs LangChain: pip install 'redis-session[langchain]' "
+        f"(or langchain-core); {e}"
+    ) from e
 
 from ..errors import InvalidSessionIdError
 from ..keys import validate_session_id

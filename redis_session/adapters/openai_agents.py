@@ -95,7 +95,12 @@ def _coerce_settings(settings: Any) -> Any:
     settings``, like every SDK session."""
     if settings is None:
         return _default_settings()
-    from agents.memory.session_settings import coerce_session_settings
+    try:
+        from agents.memory.session_settings import coerce_session_settings
+    except ImportError as e:
+        raise ImportError(
+            f"session settings need the OpenAI Agents SDK: pip install 'redis-session[openai-agents]'; {e}"
+        ) from e
 
     return coerce_session_settings(settings)
 

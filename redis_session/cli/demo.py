@@ -9,7 +9,10 @@ summary and a doctor pass over every session it wrote.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,18 +23,7 @@ from rich.console import Console
 from ..errors import SessionConflictError
 from ..model import NewEntry
 from ..retry import conflict_backoff
-
-WORDS = (
-    "the session log is the single source of truth and every view of it is a projection "
-    "computed from the entries appended in order by agents that may run anywhere"
-).split()
-QUESTIONS = [
-    "What is on my calendar tomorrow?",
-    "Summarise the last incident report.",
-    "Find flights to Lisbon under 200 euros.",
-    "Why did the nightly build fail?",
-    "Draft a reply to the vendor.",
-]
+from .scripts import SCRIPTS, ToolStep, Turn
 
 
 @dataclass
@@ -43,83 +35,81 @@ class Stats:
     branches: int = 0
     cuts: int = 0
     current: dict[int, str] = field(default_factory=dict)  # pod -> the session it writes now
+    deadline: float = 0.0  # pods start no new turn after it (Ctrl-C moves it to now)
+    lag: int | None = None  # the projector's lag, as last measured
+    started: float = field(default_factory=time.monotonic)
+
+    def rate(self) -> float:
+        return self.entries / max(time.monotonic() - self.started, 0.001)
 
 
-async def _turn(s: Any, turn: int, rng: random.Random, stats: Stats, pace: float) -> None:
-    """One dsh-style turn: a question, a streamed answer with a tool call, a result, a final answer."""
-    q = rng.choice(QUESTIONS)
-    call_id = f"call_{rng.randrange(16**8):08x}"
+async def _turn(s: Any, number: int, turn: Turn, stats: Stats, pace: float) -> None:
+    """One dsh-style turn: the user's message, a step per tool call (a streamed thought, the call,
+    its result), then a step streaming the answer, committed as the assistant message."""
     stats.entries += len(
         await s.append_many(
             [
-                NewEntry("turn/start", {"turn": turn, "trigger": {"kind": "message", "source": "demo"}}),
-                NewEntry("user/message", {"content": [{"type": "text", "text": q}], "source": "demo"}),
-                NewEntry("step/start", {"turn": turn, "step": 1}),
+                NewEntry("turn/start", {"turn": number, "trigger": {"kind": "message", "source": "demo"}}),
+                NewEntry("user/message", {"content": [{"type": "text", "text": turn.user}], "source": "demo"}),
             ]
         )
     )
-    thought = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 8)))
-    await _stream(s, turn, 1, thought, stats, pace)
-    import json
-
-    args = json.dumps({"query": q[:20]})
+    step = 0
+    for tool in turn.steps:
+        step += 1
+        await _tool_step(s, number, step, tool, stats, pace)
+    step += 1
+    stats.entries += len(await s.append("step/start", {"turn": number, "step": step}))
+    await _stream(s, number, step, turn.answer, stats, pace)
     stats.entries += len(
-        await s.append_many(
-            [
-                NewEntry(
-                    "assistant/message",
-                    {
-                        "turn": turn,
-                        "step": 1,
-                        "content": [
-                            {"type": "text", "text": thought},
-                            {"type": "tool-call", "id": call_id, "name": "search", "arguments": args},
-                        ],
-                    },
-                ),
-                NewEntry(
-                    "tool/call",
-                    {"turn": turn, "step": 1, "callId": call_id, "name": "search", "arguments": args},
-                ),
-            ]
-        )
+        await s.commit({"turn": number, "step": step, "content": [{"type": "text", "text": turn.answer}]})
     )
-    await anyio.sleep(pace * 3)
-    answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 16)))
     stats.entries += len(
         await s.append_many(
             [
-                NewEntry(
-                    "tool/result",
-                    {
-                        "turn": turn,
-                        "step": 1,
-                        "callId": call_id,
-                        "content": [{"type": "text", "text": f"{rng.randint(1, 9)} results"}],
-                        "isError": False,
-                    },
-                ),
-                NewEntry("step/end", {"turn": turn, "step": 1}),
-                NewEntry("step/start", {"turn": turn, "step": 2}),
-            ]
-        )
-    )
-    await _stream(s, turn, 2, answer, stats, pace)
-    stats.entries += len(await s.commit({"turn": turn, "step": 2, "content": [{"type": "text", "text": answer}]}))
-    stats.entries += len(
-        await s.append_many(
-            [
-                NewEntry("step/end", {"turn": turn, "step": 2}),
-                NewEntry("turn/end", {"turn": turn, "reason": {"kind": "completed"}}),
+                NewEntry("step/end", {"turn": number, "step": step}),
+                NewEntry("turn/end", {"turn": number, "reason": {"kind": "completed"}}),
             ]
         )
     )
     stats.turns += 1
 
 
+async def _tool_step(s: Any, turn: int, step: int, tool: ToolStep, stats: Stats, pace: float) -> None:
+    call_id = f"call_{random.randrange(16**8):08x}"
+    args = json.dumps(tool.args)
+    stats.entries += len(await s.append("step/start", {"turn": turn, "step": step}))
+    await _stream(s, turn, step, tool.thought, stats, pace)
+    content = [
+        {"type": "text", "text": tool.thought},
+        {"type": "tool-call", "id": call_id, "name": tool.tool, "arguments": args},
+    ]
+    call = {"turn": turn, "step": step, "callId": call_id, "name": tool.tool, "arguments": args}
+    stats.entries += len(
+        await s.append_many(
+            [
+                NewEntry("assistant/message", {"turn": turn, "step": step, "content": content}),
+                NewEntry("tool/call", call),
+            ]
+        )
+    )
+    await anyio.sleep(pace * 20)  # the tool runs
+    result = {
+        "turn": turn,
+        "step": step,
+        "callId": call_id,
+        "content": [{"type": "text", "text": tool.result}],
+        "isError": False,
+    }
+    stats.entries += len(
+        await s.append_many([NewEntry("tool/result", result), NewEntry("step/end", {"turn": turn, "step": step})])
+    )
+
+
 async def _stream(s: Any, turn: int, step: int, text: str, stats: Stats, pace: float) -> None:
+    """Stream `text` a word at a time: a chunk entry each, and the draft a tailing UI shows."""
     so_far = ""
-    for word in text.split():
+    for word in text.split(" "):
         piece = (" " if so_far else "") + word
         so_far += piece
         await s.append("assistant/chunk", {"turn": turn, "step": step, "chunk": {"type": "text-delta", "text": piece}})
@@ -142,92 +132,172 @@ async def _report(sessions: Any, shared_id: str, pod: int, note: str, stats: Sta
             await s.refresh()
 
 
-async def _pod(
-    sessions: Any, run_id: str, pod: int, deadline: float, stats: Stats, shared_id: str, pace: float
-) -> None:
-    rng = random.Random(pod)
+async def _pod(sessions: Any, run_id: str, pod: int, stats: Stats, shared_id: str, pace: float) -> None:
     k = 0
-    while time.monotonic() < deadline:
-        sid = f"{run_id}-pod{pod}-s{k}"
-        s = await sessions.create(sid, title=f"pod {pod} · chat {k}", origin={"pod": pod})
+    while time.monotonic() < stats.deadline:
+        script = SCRIPTS[(pod + k) % len(SCRIPTS)]
+        sid = f"{run_id}-pod{pod}-{script.kind}-{k}"
+        s = await sessions.create(sid, title=f"{script.title} (pod {pod})", origin={"pod": pod, "script": script.kind})
         stats.sessions.append(sid)
         stats.current[pod] = sid
-        turns = rng.randint(2, 4)
-        last_turn = 0
-        for turn in range(1, turns + 1):
-            await _turn(s, turn, rng, stats, pace)
-            last_turn = turn
-            await _report(sessions, shared_id, pod, f"{sid} finished turn {turn}", stats)
-            if time.monotonic() >= deadline:
+        number = 0
+        for turn in script.turns:
+            if time.monotonic() >= stats.deadline:
                 break
-        if k % 2 == 0 and s.n > 4:
+            number += 1
+            await _turn(s, number, turn, stats, pace)
+            await _report(sessions, shared_id, pod, f"{sid} finished turn {number}", stats)
+        if k % 2 == 0 and s.n > 12:
             # compaction: everything before the last turn collapses into one summary message
-            msgs = await s.messages()
             keep_from = max(0, s.n - 11)
+            msgs = await s.messages()
             await s.compact(
-                keep_from,
-                [{"role": "user", "content": f"Summary of {len(msgs)} earlier messages."}],
-                "token_limit",
+                keep_from, [{"role": "user", "content": f"Summary of {len(msgs)} earlier messages."}], "token_limit"
             )
             stats.cuts += 1
             stats.entries += 1
-        if k % 3 == 1:
-            b = await sessions.branch(sid, s.n)
+        if k % 3 == 1 and number and time.monotonic() < stats.deadline:
+            b = await sessions.branch(sid, s.n)  # the user edits their last request on a branch
             stats.branches += 1
             stats.sessions.append(b.id)
-            await _turn(b, last_turn + 1, rng, stats, pace)
+            stats.current[pod] = b.id
+            await _turn(b, number + 1, script.branch, stats, pace)
         k += 1
 
 
-async def _watch(store: Any, stats: Stats, console: Console, deadline: float) -> None:
-    """A small live tail in the terminal of whatever pod 0 writes now: one line per entry, the
-    streamed chunks forming the answer inline."""
-    with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-        while True:
-            sid = stats.current.get(0)
-            if sid is None:
-                await anyio.sleep(0.05)
-                continue
-            async with anyio.create_task_group() as tg:
+async def _watch(store: Any, stats: Stats, console: Console) -> None:
+    """A live tail in the terminal of whatever pod 0 writes now."""
+    while True:
+        sid = stats.current.get(0)
+        if sid is None:
+            await anyio.sleep(0.05)
+            continue
+        async with anyio.create_task_group() as tg:
 
-                async def follow_switch(sid: str = sid) -> None:
-                    while stats.current.get(0) == sid:  # noqa: ASYNC110 - another task's progress
-                        await anyio.sleep(0.05)
-                    await anyio.sleep(0.3)  # let the last entries of the old session print
-                    tg.cancel_scope.cancel()
+            async def follow_switch(sid: str = sid) -> None:
+                while stats.current.get(0) == sid:  # noqa: ASYNC110 - another task's progress
+                    await anyio.sleep(0.05)
+                await anyio.sleep(0.3)  # let the last entries of the old session print
+                tg.cancel_scope.cancel()
 
-                tg.start_soon(follow_switch)
-                await _print_tail(store, sid, console)
-    console.print()
+            tg.start_soon(follow_switch)
+            await _print_tail(store, sid, console)
 
 
 async def _print_tail(store: Any, session_id: str, console: Console) -> None:
-    console.rule(f"[dim]{session_id}[/dim]", style="dim")
+    """The session as a conversation: the user, each answer once as it streams (its chunks, never
+    the committed message again), tool calls and results; turn and step marks are left out."""
+    from rich.markup import escape
+
+    head = await store.head(session_id)
+    hd = head.header if head is not None else None
+    start = hd.at if hd is not None and hd.parent and hd.at else 0  # a branch: only what is its own
+    title = escape(hd.title or "") if hd is not None else ""
+    if hd is not None and hd.parent:
+        title = f"branch of {escape(hd.parent)} at {hd.at}"
+    console.rule(f"[dim]{escape(session_id)}[/dim] {title}", style="dim")
     streaming = False
-    async for e in store.tail(session_id, 0):
+    async for e in store.tail(session_id, start):
         if e.type == "assistant/chunk":
             chunk = e.data.get("chunk") or {}
-            console.print(chunk.get("text", ""), end="", style="green", highlight=False)
-            streaming = True
+            if not streaming:
+                console.print(f"[dim]#{e.n:<4}[/dim] [bold blue]assistant[/bold blue] ", end="", highlight=False)
+                streaming = True
+            console.print(chunk.get("text", ""), end="", style="blue", highlight=False, markup=False)
             continue
         if streaming:
             console.print()
-            streaming = False
-        console.print(f"[dim]#{e.n:<4}[/dim] [bold]{e.type}[/bold] {_brief(e.data)}", highlight=False)
+        line = _line(e, streamed=streaming)
+        streaming = False
+        if line:
+            console.print(line, highlight=False)
 
 
-def _brief(data: dict[str, Any]) -> str:
-    content = data.get("content")
+def _line(e: Any, *, streamed: bool) -> str | None:
+    """One entry as a line of the conversation (None: not shown)."""
+    from rich.markup import escape
+
+    d = e.data
+    n = f"[dim]#{e.n:<4}[/dim]"
+    if e.type == "user/message":
+        return f"{n} [bold green]user[/bold green]      {escape(_text(d.get('content')))}"
+    if e.type == "assistant/message":
+        calls = [b for b in d.get("content") or [] if isinstance(b, dict) and b.get("type") == "tool-call"]
+        shown = "" if streamed else escape(_text(d.get("content")))
+        for c in calls:
+            shown += f"  [yellow]→ {escape(c.get('name', ''))}({escape(c.get('arguments', ''))})[/yellow]"
+        return f"{n} [bold blue]assistant[/bold blue] {shown.strip()}" if shown.strip() else None
+    if e.type == "tool/result":
+        first = _text(d.get("content")).splitlines()[0] if _text(d.get("content")) else ""
+        return f"{n} [yellow]tool      ← {escape(first[:100])}[/yellow]"
+    if e.type == "cut":
+        return f"{n} [magenta]cut       compacted before {d.get('before')}[/magenta]"
+    if e.type == "message":
+        return f"{n} [dim]{escape(str(d.get('content', ''))[:100])}[/dim]"
+    return None
+
+
+def _text(content: Any) -> str:
     if isinstance(content, str):
-        return content[:70]
+        return content
     if isinstance(content, list):
-        texts = [b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text"]
-        calls = [b.get("name", "") for b in content if isinstance(b, dict) and b.get("type") == "tool-call"]
-        return " ".join(texts)[:70] + (f" → {', '.join(calls)}()" if calls else "")
-    if "reason" in data:
-        r = data["reason"]
-        return str(r.get("kind") if isinstance(r, dict) else r)
+        return " ".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
     return ""
+
+
+def _progress(stats: Stats, started: float) -> Any:
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 3))
+    for _ in range(6):
+        grid.add_column(no_wrap=True)
+    lag = "…" if stats.lag is None else str(stats.lag)
+    grid.add_row(
+        f"[bold]{len(stats.sessions)}[/bold] sessions ({stats.branches} branches)",
+        f"[bold]{stats.entries}[/bold] entries",
+        f"[bold]{stats.rate():.0f}[/bold] entries/s",
+        f"[bold]{stats.conflicts_retried}[/bold] conflicts retried",
+        f"projector lag [bold]{lag}[/bold]",
+        f"[dim]{time.monotonic() - started:.0f}s · Ctrl-C to stop[/dim]",
+    )
+    return grid
+
+
+async def _measure_lag(store: Any, stats: Stats) -> None:
+    from ..projector import status as projector_status
+
+    while True:
+        with contextlib.suppress(Exception):
+            stats.lag = int((await projector_status(store)).get("lag") or 0)
+        await anyio.sleep(1.0)
+
+
+async def _on_ctrl_c(stats: Stats, console: Console, traffic: anyio.CancelScope) -> None:
+    """First Ctrl-C: no new turns (the ones in flight finish, so every session stays whole); the
+    second: stop at once. The summary follows either way."""
+    try:
+        receiver = anyio.open_signal_receiver(signal.SIGINT)
+    except (RuntimeError, ValueError, NotImplementedError):  # not the main thread, or no signals
+        return
+    with receiver as signals:
+        async for _ in signals:
+            if stats.deadline > time.monotonic():
+                stats.deadline = time.monotonic()
+                console.print("\n[yellow]stopping: finishing the turns in flight (Ctrl-C again to stop now)[/yellow]")
+                continue
+            traffic.cancel()
+            return
+
+
+def _gateway_port(port: int, console: Console) -> int:
+    """`port`, or a free one (said) when it is taken: checked before anything is written."""
+    from ..redis.embedded import free_port, port_free
+
+    if not port or port_free(port):
+        return port
+    other = free_port()
+    console.print(f"[yellow]port {port} is taken (a `redis-session up`?); the viewer uses port {other}[/yellow]")
+    return other
 
 
 async def run_demo(
@@ -243,71 +313,121 @@ async def run_demo(
 ) -> int:
     """Run the demo; returns 0 when every session it wrote passes the doctor, else 1."""
     from ..projector import Projector
-    from ..projector import status as projector_status
     from ..redis.connect import open_store
-    from ..sessions import Sessions, doctor
+    from ..sessions import Sessions
 
     console = console or Console()
-    store = open_store(url, prefix=prefix)
+    port = _gateway_port(port, console)  # before anything is written
+    store = open_store(url, prefix=prefix, announce=lambda line: console.print(line, style="dim", highlight=False))
     sessions = Sessions(store)
     stats = Stats()
     run_id = f"{int(time.time()) % 100000:05d}"
     shared_id = f"shared-{run_id}"
-    started = time.monotonic()
-    deadline = started + duration
+    stats.deadline = stats.started + duration
+    viewer = f"http://127.0.0.1:{port}/#{shared_id}" if port else None
     try:
         await sessions.create(shared_id, title="all pods report here (contended)")
         async with anyio.create_task_group() as services:
             projector = Projector(store, consumer=f"demo-{run_id}")
             services.start_soon(projector.run)
-            viewer = None
+            services.start_soon(_measure_lag, store, stats)
             if port:
                 from ..gateway.app import serve
 
-                services.start_soon(lambda: serve(store, host="127.0.0.1", port=port))
-                viewer = f"http://127.0.0.1:{port}/"
-                console.print(f"[bold]viewer[/bold]: {viewer}")
+                await services.start(lambda task_status: serve(store, "127.0.0.1", port, task_status=task_status))
+                console.print(f"[bold]viewer[/bold]: {viewer}", highlight=False)
             console.print(
-                f"[bold]demo[/bold]: {pods} pods for {duration:.0f}s on prefix '{prefix}' (Ctrl-C to stop early)"
+                f"[bold]demo[/bold]: {pods} pods for {duration:.0f}s on prefix '{prefix}': a coding agent, a support "
+                "chat and a research agent (Ctrl-C to stop early)",
+                highlight=False,
             )
-            async with anyio.create_task_group() as tg:
-                for p in range(pods):
-                    tg.start_soon(_pod, sessions, run_id, p, deadline, stats, shared_id, pace)
-                if not quiet:
-                    tg.start_soon(_watch, store, stats, console, deadline)
-            # let the projector catch up before reporting its lag
-            lag: Any = None
-            with anyio.move_on_after(10):
-                while True:
-                    st = await projector_status(store)
-                    lag = st.get("lag")
-                    if not lag:
-                        break
-                    await anyio.sleep(0.1)
-            problems = 0
-            for sid in [shared_id, *stats.sessions]:
-                report = await doctor(store, sid)
-                if not report.ok:
-                    problems += 1
-                    for problem in report.problems:
-                        console.print(f"[red]doctor {sid}[/red] {problem.code}: {problem.message}")
-            shared = await store.head(shared_id)
-            elapsed = time.monotonic() - started
-            console.rule("summary")
-            console.print(f"sessions written      {len(stats.sessions) + 1} ({stats.branches} branches)")
-            console.print(f"entries appended      {stats.entries} ({stats.entries / max(elapsed, 0.001):.0f}/s)")
-            console.print(f"turns completed       {stats.turns}")
-            console.print(f"compaction cuts       {stats.cuts}")
-            console.print(
-                f"conflicts retried     {stats.conflicts_retried} (shared session n={shared.n if shared else '?'})"
-            )
-            console.print(f"projection lag        {lag or 0} entries")
-            console.print(
-                f"doctor                {'clean' if problems == 0 else f'{problems} session(s) with problems'}"
-            )
-            if viewer:
-                console.print(f"viewer                {viewer} (browse on with `redis-session up --prefix {prefix}`)")
+            await _traffic(sessions, store, stats, console, run_id, shared_id, pods, pace, quiet)
+            await _catch_up(store, stats)
+            problems = await _doctor_all(store, [shared_id, *stats.sessions], console)
+            _summary(console, stats, await store.head(shared_id), problems, viewer, prefix)
             services.cancel_scope.cancel()
         return 0 if problems == 0 else 1
     finally:
         await store.aclose()
+
+
+async def _traffic(
+    sessions: Any,
+    store: Any,
+    stats: Stats,
+    console: Console,
+    run_id: str,
+    shared_id: str,
+    pods: int,
+    pace: float,
+    quiet: bool,
+) -> None:
+    """The pods, the live tail and the progress line, until the deadline (or Ctrl-C)."""
+    from rich.live import Live
+
+    live = None if quiet else Live(console=console, refresh_per_second=4, transient=True)
+    if live is not None:
+        live.update(_progress(stats, stats.started))
+        live.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_on_ctrl_c, stats, console, tg.cancel_scope)
+            if not quiet:
+                tg.start_soon(_watch, store, stats, console)
+            if live is not None:
+                tg.start_soon(_refresh, live, stats)
+            async with anyio.create_task_group() as writers:
+                for p in range(pods):
+                    writers.start_soon(_pod, sessions, run_id, p, stats, shared_id, pace)
+            await anyio.sleep(0 if quiet else 0.3)  # the tail prints the last entries
+            tg.cancel_scope.cancel()
+    finally:
+        if live is not None:
+            live.stop()
+
+
+async def _refresh(live: Any, stats: Stats) -> None:
+    while True:
+        live.update(_progress(stats, stats.started))
+        await anyio.sleep(0.25)
+
+
+async def _catch_up(store: Any, stats: Stats, within: float = 10.0) -> None:
+    """Let the projector catch up before reporting its lag."""
+    from ..projector import status as projector_status
+
+    with anyio.move_on_after(within):
+        while True:
+            stats.lag = int((await projector_status(store)).get("lag") or 0)
+            if not stats.lag:
+                return
+            await anyio.sleep(0.1)
+
+
+async def _doctor_all(store: Any, ids: list[str], console: Console) -> int:
+    from ..sessions import doctor
+
+    problems = 0
+    for sid in ids:
+        report = await doctor(store, sid)
+        if not report.ok:
+            problems += 1
+            for problem in report.problems:
+                console.print(f"[red]doctor {sid}[/red] {problem.code}: {problem.message}", highlight=False)
+    return problems
+
+
+def _summary(console: Console, stats: Stats, shared: Any, problems: int, viewer: str | None, prefix: str) -> None:
+    elapsed = time.monotonic() - stats.started
+    console.rule("summary")
+    console.print(f"sessions written      {len(stats.sessions) + 1} ({stats.branches} branches)")
+    console.print(f"entries appended      {stats.entries} ({stats.entries / max(elapsed, 0.001):.0f}/s)")
+    console.print(f"turns completed       {stats.turns}")
+    console.print(f"compaction cuts       {stats.cuts}")
+    console.print(f"conflicts retried     {stats.conflicts_retried} (shared session n={shared.n if shared else '?'})")
+    console.print(f"projection lag        {stats.lag or 0} entries")
+    console.print(f"doctor                {'clean' if problems == 0 else f'{problems} session(s) with problems'}")
+    if viewer:
+        console.print(
+            f"viewer                {viewer} (browse on with `redis-session up --prefix {prefix}`)", highlight=False
+        )

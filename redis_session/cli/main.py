@@ -1,16 +1,21 @@
 """The `redis-session` command line.
 
-Every command takes ``--url`` (default ``$REDIS_URL``, else the embedded server under
-``./.redis-session``) and ``--prefix``. Errors are one clear line on stderr and a non-zero exit.
+Every command takes ``--url`` (default ``$REDIS_URL``, else the user's embedded server, see
+`redis_session.redis.embedded`) and ``--prefix``. Errors are one clear line on stderr and a
+non-zero exit. Human output fits the terminal when there is one and is never wrapped when piped;
+``--json`` output is one JSON document per line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import json
+import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import anyio
 import typer
@@ -26,17 +31,29 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-server_app = typer.Typer(help="The embedded server alone (valkey-server under ./.redis-session).", no_args_is_help=True)
+server_app = typer.Typer(
+    help="The embedded server alone (one per user; --dir for another data folder).", no_args_is_help=True
+)
 app.add_typer(server_app, name="server")
 
-out = Console()
-err = Console(stderr=True)
+# piped output is never wrapped (soft_wrap); a terminal's width is used when there is one
+out = Console(soft_wrap=not sys.stdout.isatty())
+err = Console(stderr=True, soft_wrap=True)
 
 UrlOpt = Annotated[
     str | None,
     typer.Option("--url", envvar="REDIS_URL", help="redis:// URL; default: the embedded server."),
 ]
 PrefixOpt = Annotated[str, typer.Option("--prefix", envvar="REDIS_SESSION_PREFIX", help="Key prefix.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document per line (never wrapped).")]
+DirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--dir",
+        "--data-dir",
+        help="Data folder of the embedded server (default: $REDIS_SESSION_HOME, else the user data dir).",
+    ),
+]
 T = TypeVar("T")
 
 
@@ -44,14 +61,63 @@ class CliError(Exception):
     """A user-facing failure: printed as one line, exit code 1."""
 
 
+@app.callback()
+def _root(
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--dir",
+            help="Use the embedded server of this data folder (e.g. ./.redis-session for a project-local one) "
+            "instead of the user's ($REDIS_SESSION_HOME).",
+        ),
+    ] = None,
+) -> None:
+    """A distributed event store for AI-agent sessions on Redis Streams."""
+    if data_dir is not None:
+        os.environ["REDIS_SESSION_HOME"] = str(data_dir.expanduser().resolve())
+
+
 def _run(fn: Callable[[], Awaitable[T]]) -> T:
     return anyio.run(fn)
+
+
+def _announce(line: str) -> None:
+    err.print(line, highlight=False, markup=False)
 
 
 def _store(url: str | None, prefix: str, **options: Any) -> Any:
     from ..redis.connect import open_store
 
-    return open_store(url, prefix=prefix, **options)
+    return open_store(url, prefix=prefix, announce=_announce, **options)
+
+
+def _emit_json(value: Any) -> None:
+    """One JSON document on one line of stdout, whatever the terminal (never through rich)."""
+    sys.stdout.write(json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+
+def _emit_table(table: Table) -> None:
+    """A table at the terminal's width; piped, at its natural width (columns never squashed)."""
+    if out.is_terminal:
+        out.print(table)
+        return
+    buf = io.StringIO()
+    Console(file=buf, width=100_000, soft_wrap=True, color_system=None).print(table)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines()))
+
+
+def _head_json(head: Any) -> dict[str, Any]:
+    hd = head.header
+    return {
+        "id": hd.id,
+        "n": head.n,
+        "title": hd.title,
+        "created_at": hd.created_at,
+        "updated_at": head.updated_at,
+        "parent": hd.parent,
+        "at": hd.at,
+        "last_cut": head.last_cut,
+    }
 
 
 @contextlib.asynccontextmanager
@@ -62,6 +128,74 @@ async def _opened(url: str | None, prefix: str, **options: Any) -> AsyncIterator
         yield store
     finally:
         await store.aclose()
+
+
+async def _supervised(url: str | None, prefix: str, body: Callable[[Any], Awaitable[None]], **options: Any) -> None:
+    """Run a long-lived command's `body(store)`.
+
+    On the embedded server (no ``--url``/``$REDIS_URL``) its ``server.json`` is watched: when the
+    server is replaced by one at another address, `body` is restarted on the new one; when none
+    replaces it within `GONE_GRACE` seconds, the command ends with a one-line error instead of
+    retrying a dead port forever."""
+    if url:
+        async with _opened(url, prefix, **options) as store:
+            await body(store)
+        return
+    from ..redis.connect import resolve_url
+    from ..redis.embedded import default_data_dir
+
+    data_dir = default_data_dir()
+    current = resolve_url(None, announce=_announce)
+    while True:
+        moved: list[str] = []
+        async with _opened(current, prefix, **options) as store, anyio.create_task_group() as tg:
+
+            async def watch(moved: list[str] = moved, url: str = current, scope: Any = tg.cancel_scope) -> None:
+                moved.append(await _watch_embedded(data_dir, url))
+                scope.cancel()
+
+            tg.start_soon(watch)
+            await body(store)
+            tg.cancel_scope.cancel()
+        if not moved:
+            return
+        current = moved[0]
+        err.print(f"the embedded server moved to {current}; reconnected", highlight=False, markup=False)
+
+
+GONE_GRACE = float(os.environ.get("REDIS_SESSION_GONE_GRACE") or 10.0)
+WATCH_INTERVAL = 1.0
+
+
+async def _watch_embedded(data_dir: Path, url: str) -> str:
+    """Wait until the embedded server of `data_dir` answers at another URL than `url`; return it.
+    Raises `CliError` when no server answers there for `GONE_GRACE` seconds."""
+    from ..redis.embedded import running_server
+
+    gone_since: float | None = None
+    while True:
+        await anyio.sleep(WATCH_INTERVAL)
+        found = await anyio.to_thread.run_sync(running_server, data_dir)
+        now = anyio.current_time()
+        if found is not None:
+            if gone_since is not None and found.url == url:
+                err.print(f"the embedded server is back at {url}", highlight=False, markup=False)
+            gone_since = None
+            if found.url != url:
+                return found.url
+            continue
+        if gone_since is None:
+            gone_since = now
+            err.print(
+                f"the embedded server at {url} stopped; waiting {GONE_GRACE:.0f}s for it to come back",
+                highlight=False,
+                markup=False,
+            )
+        elif now - gone_since >= GONE_GRACE:
+            raise CliError(
+                f"the embedded server at {url} stopped (data in {data_dir}); "
+                "start it again (`redis-session server start`) and rerun this command"
+            )
 
 
 def _sessions(url: str | None, prefix: str) -> Any:
@@ -80,36 +214,47 @@ def ls_cmd(
     parent: Annotated[str | None, typer.Option(help="Only branches of this session.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
     cursor: Annotated[str | None, typer.Option(help="Continue a previous listing.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """List sessions, newest first."""
 
-    async def main() -> None:
+    async def main() -> tuple[list[Any], str | None]:
+        from ..errors import SessionNotFoundError
+
         async with _opened(url, prefix) as store:
+            if parent is not None and await store.head(parent) is None:
+                raise SessionNotFoundError(parent)
             page = await store.list(parent=parent, limit=limit, cursor=cursor)
             heads = [await store.head(h.id) for h in page.items]
-        table = Table(box=None)
-        widest = max((len(h.header.id) for h in heads if h is not None), default=2)
-        table.add_column("id", no_wrap=True, min_width=widest)  # ids are copied from here: whole
-        table.add_column("n", no_wrap=True, justify="right")
-        table.add_column("title", overflow="fold")
-        table.add_column("created", no_wrap=True)
-        table.add_column("parent@at", overflow="fold")
-        for h in heads:
-            if h is None:
-                continue
-            hd = h.header
-            table.add_row(
-                hd.id,
-                str(h.n),
-                hd.title or "",
-                _fmt_ms(hd.created_at),
-                f"{hd.parent}@{hd.at}" if hd.parent else "",
-            )
-        out.print(table)
-        if page.cursor:
-            out.print(f"[dim]more: --cursor '{page.cursor}'[/dim]")
+        return [h for h in heads if h is not None], page.cursor
 
-    _run(main)
+    heads, more = _run(main)
+    if as_json:
+        for h in heads:
+            _emit_json(_head_json(h))
+    elif heads:
+        _emit_table(_ls_table(heads))
+    if not heads:
+        where = f"session {parent!r} has no branches" if parent else f"no sessions under prefix {prefix!r}"
+        err.print(where + (" on this page" if cursor else ""), highlight=False, markup=False)
+    if more:
+        err.print(f"more: --cursor '{more}'", highlight=False, markup=False)
+
+
+def _ls_table(heads: list[Any]) -> Table:
+    table = Table(box=None, pad_edge=False)
+    widest = max((len(h.header.id) for h in heads), default=2)
+    table.add_column("id", no_wrap=True, min_width=widest)  # ids are copied from here: whole
+    table.add_column("n", no_wrap=True, justify="right")
+    table.add_column("title", overflow="fold")
+    table.add_column("created", no_wrap=True)
+    table.add_column("parent@at", overflow="fold")
+    for h in heads:
+        hd = h.header
+        table.add_row(
+            hd.id, str(h.n), hd.title or "", _fmt_ms(hd.created_at), f"{hd.parent}@{hd.at}" if hd.parent else ""
+        )
+    return table
 
 
 @app.command("show")
@@ -118,15 +263,16 @@ def show_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     messages: Annotated[bool, typer.Option("--messages", help="Show the derived messages.")] = False,
-    fmt: Annotated[str, typer.Option("--format", help="openai | anthropic | json")] = "json",
-    start: Annotated[int, typer.Option(min=0)] = 0,
-    stop: Annotated[int | None, typer.Option(min=0)] = None,
+    fmt: Annotated[str, typer.Option("--format", help="openai | anthropic | json (with --messages)")] = "json",
+    start: Annotated[int, typer.Option(min=0, help="First entry n.")] = 0,
+    stop: Annotated[int | None, typer.Option(min=0, help="Stop before this n.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Show a session's header and entries (or its derived messages)."""
     if fmt not in ("openai", "anthropic", "json"):
         raise CliError(f"--format must be openai, anthropic or json, not {fmt!r}")
 
-    async def main() -> None:
+    async def main() -> tuple[Any, Any]:
         import msgspec
 
         from ..errors import SessionNotFoundError
@@ -135,37 +281,55 @@ def show_cmd(
             head = await store.head(session)
             if head is None:
                 raise SessionNotFoundError(session)
-            if messages:
-                from ..snapshots import load_messages
+            if not messages:
+                return head, await store.read(session, start, stop)
+            from ..snapshots import load_messages
 
-                state, _ = await load_messages(store, session)
-                msgs = state.messages()
-                if fmt == "openai":
-                    from ..projection.fold import to_openai
+            state, _ = await load_messages(store, session)
+            msgs = state.messages()
+            if fmt == "openai":
+                from ..projection.fold import to_openai
 
-                    body: Any = to_openai(msgs)
-                elif fmt == "anthropic":
-                    from ..projection.fold import to_anthropic
+                return head, to_openai(msgs)
+            if fmt == "anthropic":
+                from ..projection.fold import to_anthropic
 
-                    body = to_anthropic(msgs)
-                else:
-                    body = msgspec.to_builtins(msgs)
-                out.print_json(data=body)
-                return
-            entries = await store.read(session, start, stop)
-        hd = head.header
-        out.print(
-            f"[bold]{hd.id}[/bold]  n={head.n}  last_cut={head.last_cut}  "
-            f"created={_fmt_ms(hd.created_at)}" + (f"  branch of {hd.parent}@{hd.at}" if hd.parent else "")
-        )
-        if fmt == "json":
-            for e in entries:
-                out.print_json(msgspec.json.encode(e).decode())
+                return head, to_anthropic(msgs)
+            return head, msgspec.to_builtins(msgs)
+
+    head, body = _run(main)
+    if messages:
+        if as_json:
+            _emit_json(body)
+        elif out.is_terminal:
+            out.print_json(data=body)
         else:
-            for e in entries:
-                out.print(f"[cyan]{e.n:>6}[/cyan] {_fmt_ms(e.time)} [bold]{e.type}[/bold] {_short(e.data)}")
+            sys.stdout.write(json.dumps(body, ensure_ascii=False, indent=2) + "\n")
+        return
+    _show_entries(head, body, as_json)
 
-    _run(main)
+
+def _show_entries(head: Any, entries: list[Any], as_json: bool) -> None:
+    import msgspec
+
+    if as_json:
+        _emit_json(_head_json(head))
+        for e in entries:
+            sys.stdout.write(msgspec.json.encode(e).decode() + "\n")
+        return
+    hd = head.header
+    last_cut = "-" if head.last_cut is None else str(head.last_cut)
+    out.print(
+        f"[bold]{hd.id}[/bold]  n={head.n}  last_cut={last_cut}  created={_fmt_ms(hd.created_at)}"
+        + (f"  branch of {hd.parent}@{hd.at}" if hd.parent else ""),
+        highlight=False,
+    )
+    for e in entries:
+        line = msgspec.json.encode(e).decode()
+        if out.is_terminal:
+            out.print_json(line)
+        else:
+            sys.stdout.write(line + "\n")
 
 
 @app.command("tail")
@@ -181,8 +345,10 @@ def tail_cmd(
     async def main() -> None:
         from .tailview import run_tail
 
-        async with _opened(url, prefix) as store:
+        async def body(store: Any) -> None:
             await run_tail(store, session, start=start, messages=messages, console=out)
+
+        await _supervised(url, prefix, body)
 
     try:
         _run(main)
@@ -199,35 +365,27 @@ def doctor_cmd(
     repair: Annotated[
         bool, typer.Option("--repair", help="First remove stale branch links (a branch cut short by a crash).")
     ] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Check log invariants and storage consistency. Reports; repairs only stale links, with
     --repair (the log itself is never rewritten). Exit 1 on problems."""
     if (session is None) == (not all_):
         raise CliError("give a SESSION or --all")
 
-    async def main() -> int:
+    async def main() -> tuple[int, int]:
         from ..errors import SessionNotFoundError
         from ..sessions import doctor
 
-        bad = 0
-        checked = 0
+        bad = checked = 0
         async with _opened(url, prefix) as store:
-            ids: list[str] = []
-            if all_:
-                cursor = None
-                while True:
-                    page = await store.list(limit=1000, cursor=cursor)
-                    ids += [h.id for h in page.items]
-                    cursor = page.cursor
-                    if cursor is None:
-                        break
-            else:
-                assert session is not None
-                ids = [session]
+            ids = await _all_ids(store) if all_ else [session]
             for sid in ids:
+                assert sid is not None
                 if repair:
                     for child in await store.repair_links(sid):
-                        out.print(f"[yellow]{sid}[/yellow] removed the stale link to branch {child!r}")
+                        (err if as_json else out).print(
+                            f"[yellow]{sid}[/yellow] removed the stale link to branch {child!r}", highlight=False
+                        )
                 try:
                     report = await doctor(store, sid)
                 except SessionNotFoundError:
@@ -235,17 +393,39 @@ def doctor_cmd(
                         raise
                     continue  # deleted or expired since it was listed (or purged by the repair)
                 checked += 1
-                if report.ok:
-                    continue
-                bad += 1
-                for p in report.problems:
-                    out.print(f"[red]{sid}[/red] n={p.n} {p.code}: {p.message}")
-        style = "green" if bad == 0 else "red"
-        out.print(f"[{style}]{checked} session(s) checked, {bad} with problems[/{style}]")
-        return bad
+                bad += not report.ok
+                _doctor_report(sid, report, as_json)
+        return checked, bad
 
-    if _run(main):
+    checked, bad = _run(main)
+    line = f"{checked} session(s) checked, {bad} with problems"
+    if as_json:
+        err.print(line, highlight=False, markup=False)
+    else:
+        style = "green" if bad == 0 else "red"
+        out.print(f"[{style}]{line}[/{style}]", highlight=False)
+    if bad:
         raise typer.Exit(1)
+
+
+async def _all_ids(store: Any) -> list[str | None]:
+    ids: list[str | None] = []
+    cursor = None
+    while True:
+        page = await store.list(limit=1000, cursor=cursor)
+        ids += [h.id for h in page.items]
+        cursor = page.cursor
+        if cursor is None:
+            return ids
+
+
+def _doctor_report(sid: str, report: Any, as_json: bool) -> None:
+    if as_json:
+        problems = [{"n": p.n, "code": p.code, "message": p.message} for p in report.problems]
+        _emit_json({"session": sid, "ok": report.ok, "problems": problems})
+        return
+    for p in report.problems:
+        out.print(f"[red]{sid}[/red] n={p.n} {p.code}: {p.message}", highlight=False)
 
 
 # --------------------------------------------------------------------------- writes
@@ -278,6 +458,7 @@ def export_cmd(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="File (default: stdout).")] = None,
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
+    as_json: JsonOpt = False,
 ) -> None:
     """Export a session as JSONL (header line, then one entry per line)."""
 
@@ -290,8 +471,12 @@ def export_cmd(
             return await export_session(store, session, output)
 
     n = _run(main)
-    if output is not None:
-        err.print(f"exported {n} entries to {output}")
+    if output is None:
+        return
+    if as_json:
+        _emit_json({"session": session, "entries": n, "output": str(output)})
+    else:
+        err.print(f"exported {n} entries to {output}", highlight=False, markup=False)
 
 
 @app.command("import")
@@ -302,36 +487,49 @@ def import_cmd(
     on_exists: Annotated[str, typer.Option(help="error | skip | replace")] = "error",
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
+    as_json: JsonOpt = False,
 ) -> None:
     """Import sessions: our JSONL, nanobot session files, dsh JSONL, or the tutorial's JSONL."""
     if not path.exists():
         raise CliError(f"{path}: no such file or folder")
+    if path.is_dir() and not any(p.is_file() for p in path.rglob("*.jsonl")):
+        raise CliError(f"{path}: no .jsonl files in this folder (or below it); nothing imported")
 
     async def main() -> list[Any]:
-        from rich.progress import Progress
-
         from ..importers import import_path
 
         async with _opened(url, prefix) as store:
-            with Progress(console=err, transient=True) as progress:
-                task = progress.add_task(f"importing {path.name}", total=None)
-
-                def on_progress(done: int, total: int) -> None:
-                    progress.update(task, completed=done, total=total)
-
+            with _progress(f"importing {path.name}") as on_progress:
                 return list(
                     await import_path(
-                        store,
-                        path,
-                        format=fmt,
-                        session_id=session_id,
-                        progress=on_progress,
-                        on_exists=on_exists,
+                        store, path, format=fmt, session_id=session_id, progress=on_progress, on_exists=on_exists
                     )
                 )
 
     for r in _run(main):
-        out.print(_short(r, 200))
+        if as_json:
+            _emit_json(
+                {"path": r.path, "session": r.session_id, "format": r.format, "status": r.status, "entries": r.entries}
+            )
+        else:
+            out.print(f"{r.status} {r.session_id} ({r.entries} entries, {r.format}) from {r.path}", highlight=False)
+
+
+@contextlib.contextmanager
+def _progress(label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient progress bar on a terminal's stderr; nothing at all when stderr is not one."""
+    if not err.is_terminal:
+        yield None
+        return
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task(label, total=None)
+
+        def on_progress(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield on_progress
 
 
 # --------------------------------------------------------------------------- services
@@ -361,10 +559,12 @@ def projector_cmd(
 
         from .. import projector as proj
 
-        async with _opened(url, prefix, feed_shards=feed_shards) as store:
-            if status:
-                out.print_json(data=await proj.status(store, group=group))
+        if status:
+            async with _opened(url, prefix, feed_shards=feed_shards) as store:
+                _emit_json(await proj.status(store, group=group))
                 return
+
+        async def body(store: Any) -> None:
             logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             worker = proj.Projector(
                 store,
@@ -379,6 +579,8 @@ def projector_cmd(
             )
             err.print(f"projector {worker.consumer} running (Ctrl-C or SIGTERM to stop)")
             await worker.run_forever()
+
+        await _supervised(url, prefix, body, feed_shards=feed_shards)
 
     _run(main)
 
@@ -396,9 +598,11 @@ def gateway_cmd(
     async def main() -> None:
         from ..gateway.app import serve
 
-        async with _opened(url, prefix) as store:
-            err.print(f"gateway on http://{host}:{port}/")
+        async def body(store: Any) -> None:
+            err.print(f"gateway on http://{host}:{port}/", highlight=False)
             await serve(store, host=host, port=port, token=token)
+
+        await _supervised(url, prefix, body)
 
     _run(main)
 
@@ -416,12 +620,16 @@ def up_cmd(
         from ..gateway.app import serve
         from ..projector import Projector
 
-        async with _opened(url, prefix) as store:
-            out.print(f"[bold]redis-session up[/bold]: viewer on http://{host}:{port}/  (Ctrl-C to stop)")
+        async def body(store: Any) -> None:
+            out.print(
+                f"[bold]redis-session up[/bold]: viewer on http://{host}:{port}/  (Ctrl-C to stop)", highlight=False
+            )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(Projector(store).run)
                 await serve(store, host=host, port=port)
                 tg.cancel_scope.cancel()
+
+        await _supervised(url, prefix, body)
 
     try:
         _run(main)
@@ -445,47 +653,98 @@ def demo_cmd(
 
         return await run_demo(url=url, prefix=prefix, duration=duration, pods=pods, port=port, quiet=quiet, console=out)
 
-    try:
-        if _run(main):
-            raise typer.Exit(1)
-    except KeyboardInterrupt:
-        err.print("interrupted")
+    if _run(main):
+        raise typer.Exit(1)
 
 
 @server_app.command("start")
 def server_start(
-    data_dir: Annotated[Path, typer.Option(help="Data folder.")] = Path(".redis-session"),
+    data_dir: DirOpt = None,
+    port: Annotated[
+        int | None, typer.Option(help="Port (default: $REDIS_SESSION_PORT, else 6390; a free one if taken).")
+    ] = None,
 ) -> None:
     """Start (or find) the embedded server and print its URL."""
     from ..redis.embedded import ensure_server
 
-    out.print(ensure_server(data_dir).url)
+    server = ensure_server(data_dir, port=port)
+    if server.note:
+        _announce(server.note)
+    if server.started:
+        _announce(f"started the embedded server at {server.url}, data in {server.data_dir}")
+    out.print(server.url, highlight=False)
 
 
 @server_app.command("stop")
-def server_stop(
-    data_dir: Annotated[Path, typer.Option(help="Data folder.")] = Path(".redis-session"),
-) -> None:
+def server_stop(data_dir: DirOpt = None) -> None:
     """Stop the embedded server."""
-    from ..redis.embedded import stop_server
+    from ..redis.embedded import default_data_dir, stop_server
 
     if not stop_server(data_dir):
-        raise CliError(f"no embedded server is running for {data_dir}")
+        raise CliError(f"no embedded server is running for {data_dir or default_data_dir()}")
     out.print("stopped")
 
 
 @server_app.command("status")
-def server_status(
-    data_dir: Annotated[Path, typer.Option(help="Data folder.")] = Path(".redis-session"),
-) -> None:
-    """Is the embedded server up? Exit 1 if not."""
-    from ..redis.embedded import running_server
+def server_status(data_dir: DirOpt = None, as_json: JsonOpt = False) -> None:
+    """The embedded server's URL, data dir, pid and memory. Exit 1 if it is not running."""
+    from ..redis.embedded import default_data_dir, running_server, server_info
 
     found = running_server(data_dir)
     if found is None:
-        out.print("not running")
+        where = (data_dir or default_data_dir()).expanduser().resolve()
+        if as_json:
+            _emit_json({"running": False, "data_dir": str(where)})
+        else:
+            out.print(f"not running (data dir {where})", highlight=False)
         raise typer.Exit(1)
-    out.print(f"running: {found.url} (pid {found.pid}, data in {found.data_dir})")
+    info = server_info(found)
+    status = {
+        "running": True,
+        "url": found.url,
+        "data_dir": str(found.data_dir),
+        "pid": found.pid,
+        "memory": info.get("used_memory_human", "?"),
+        "memory_peak": info.get("used_memory_peak_human", "?"),
+        "version": info.get("valkey_version") or info.get("redis_version") or "?",
+        "uptime_s": int(info.get("uptime_in_seconds", "0") or 0),
+        "keys": info.get("db0", "keys=0").split(",")[0].removeprefix("keys="),
+    }
+    if as_json:
+        _emit_json(status)
+        return
+    out.print(f"running   {found.url}", highlight=False)
+    out.print(f"data dir  {found.data_dir}", highlight=False)
+    out.print(f"pid       {found.pid}", highlight=False)
+    out.print(f"memory    {status['memory']} (peak {status['memory_peak']})", highlight=False)
+    out.print(f"server    valkey {status['version']}, up {status['uptime_s']}s, {status['keys']} keys", highlight=False)
+
+
+@app.command(
+    "cli",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+def cli_cmd(
+    args: Annotated[list[str] | None, typer.Argument(help="A command and its arguments, as for redis-cli.")] = None,
+    url: UrlOpt = None,
+    builtin: Annotated[
+        bool, typer.Option("--builtin", help="Use the built-in client even when redis-cli is installed.")
+    ] = False,
+) -> None:
+    """Run redis-cli against the current server (`redis-session cli HGETALL 'rs:{chat-1}:hdr'`).
+
+    Uses redis-cli or valkey-cli when installed, else a built-in client that runs the command and
+    prints the reply the way redis-cli does. With no command: an interactive prompt."""
+    from ..redis.connect import resolve_url
+    from .rediscli import run_builtin, run_external
+
+    target = resolve_url(url, announce=_announce)
+    argv = list(args or [])
+    code = None if builtin else run_external(target, argv)
+    if code is None:
+        code = run_builtin(target, argv)
+    if code:
+        raise typer.Exit(code)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -511,24 +770,52 @@ def _short(value: Any, limit: int = 100) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; turn every expected failure into one line and exit code 1."""
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        if _is_usage_error(e):
+            _usage_error(e)
+        _fail(e)
+    raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _is_usage_error(e: BaseException) -> bool:
+    """A click (typer's vendored click) usage error or abort: duck-typed, the classes are private."""
+    return type(e).__name__ == "Abort" or (hasattr(e, "format_message") and hasattr(e, "exit_code"))
+
+
+def _usage_error(e: Any) -> NoReturn:
+    if type(e).__name__ == "Abort":
+        raise SystemExit(130) from None
+    if type(e).__name__ == "NoArgsIsHelpError":
+        e.show()
+        raise SystemExit(2) from None
+    ctx = getattr(e, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    msg = " ".join(str(e.format_message()).split())
+    err.print("[red]error:[/red] ", end="", highlight=False)
+    err.print(msg + hint, highlight=False, markup=False)
+    raise SystemExit(int(e.exit_code)) from None
+
+
+def _fail(e: BaseException) -> NoReturn:
+    """One line on stderr and exit 1 for an expected failure; anything else is a bug: re-raised."""
     from redis.exceptions import RedisError
 
     from ..redis.embedded import EmbeddedServerError
 
     expected = (CliError, SessionError, EmbeddedServerError, StoreUnavailableError, OSError, ValueError, RedisError)
-    try:
-        app(args=argv, standalone_mode=True)
-    except SystemExit:
-        raise
-    except BaseException as e:
-        leaf = _leaf(e)
-        if isinstance(leaf, KeyboardInterrupt):
-            raise SystemExit(130) from None
-        if not isinstance(leaf, expected):
-            raise
-        msg = str(leaf).splitlines()[0] if str(leaf) else type(leaf).__name__
-        err.print(f"[red]error:[/red] {msg}", highlight=False)
-        raise SystemExit(1) from None
+    leaf = _leaf(e)
+    if isinstance(leaf, KeyboardInterrupt):
+        raise SystemExit(130) from None
+    if not isinstance(leaf, expected):
+        raise e
+    msg = " ".join(str(leaf).split()) or type(leaf).__name__
+    err.print("[red]error:[/red] ", end="", highlight=False)
+    err.print(msg, highlight=False, markup=False)
+    raise SystemExit(1) from None
 
 
 def _leaf(e: BaseException) -> BaseException:

@@ -287,6 +287,13 @@ async def run_tail(
     title = f" — {head.header.title}" if head.header.title else ""
     branch = f" (branch of {head.header.parent} at {head.header.at})" if head.header.parent else ""
     view.note(f"following {session_id}{title}{branch}: n={head.n}, from {nxt}", style="bold")
+    if nxt > head.n:
+        view.note(
+            f"{session_id} has {head.n} entries (0..{head.n - 1}): nothing to show until entry {nxt} is written"
+            if head.n
+            else f"{session_id} has no entries yet: nothing to show until entry {nxt} is written",
+            "yellow",
+        )
 
     def on_retry(exc: BaseException, wait: float, at: int) -> None:
         view.note(f"connection lost ({exc}); reconnecting in {wait:.1f}s, resuming at n={at}", "yellow")

@@ -15,6 +15,7 @@ Routes (every one a GET; ``/openapi.json`` describes them)::
                                     ``event: replaced`` when its id was deleted and created
                                     again: the stream never goes on with the new session), and
                                     a ``: ping`` comment after `heartbeat` idle seconds
+    /events                         SSE: store-wide notifications (``event: session-branch``)
 
 Ids in paths are percent-encoded (``/`` as ``%2F``); the raw path is decoded here, so ids with
 ``/``, ``:`` and any unicode work. With a `token`, every route answers 401 unless the request
@@ -387,6 +388,7 @@ def create_app(  # noqa: C901 - to split
         Route("/openapi.json", guarded(openapi_doc), methods=["GET"]),
         Route("/sessions", guarded(list_sessions), methods=["GET"]),
         _SessionRoute("/sessions/{rest:path}", guarded(session_route), methods=["GET"]),
+        Route("/events", guarded(_store_events_route(store, heartbeat)), methods=["GET"]),
     ]
     middleware = [Middleware(_SecurityHeaders)]
     if token is not None:
@@ -573,6 +575,88 @@ class _EventStream(Response):
                 await write(b": ping\n\n")
                 idle = 0.0
             await anyio.sleep(self.heartbeat - idle)
+
+
+# --------------------------------------------------------------------------- store-wide events
+
+
+def _store_events_route(store: SessionStore, heartbeat: float) -> Callable[[Request], Awaitable[Response]]:
+    """``GET /events``: the store's notifications as SSE (``event: session-branch`` with
+    ``{parent, session, at}``), so a viewer updates its branch tree and session list at once."""
+
+    async def store_events(request: Request) -> Response:
+        return _StoreEventStream(store, heartbeat)
+
+    return store_events
+
+
+async def _store_notifications(store: SessionStore) -> Any:
+    """Each notification published on the store's ``{prefix}:events`` channel, as a dict; across
+    dropped connections (resubscribing). Stores without pub/sub (memory, cluster) yield nothing."""
+    from redis.asyncio import Redis
+
+    client, keys = getattr(store, "client", None), getattr(store, "keys", None)
+    if not isinstance(client, Redis) or keys is None:
+        await anyio.sleep_forever()
+        return
+    while True:
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(keys.events)
+            async for message in pubsub.listen():
+                with contextlib.suppress(msgspec.DecodeError):
+                    body = msgspec.json.decode(message["data"])
+                    if isinstance(body, dict) and isinstance(body.get("event"), str):
+                        yield body
+        except RETRYABLE:
+            await anyio.sleep(1.0)
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class _StoreEventStream(Response):
+    """One client of ``/events``: store notifications, with heartbeats."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, store: SessionStore, heartbeat: float) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.store = store
+        self.heartbeat = heartbeat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        if scope["method"] == "HEAD":
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+
+        async def body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        with contextlib.suppress(OSError):
+            async with anyio.create_task_group() as tg:
+
+                async def disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                async def heartbeats() -> None:
+                    while True:
+                        await anyio.sleep(self.heartbeat)
+                        await body(b": ping\n\n")
+
+                tg.start_soon(disconnect)
+                tg.start_soon(heartbeats)
+                await body(b"retry: 1000\n: open\n\n")
+                async for event in _store_notifications(self.store):
+                    name = str(event.pop("event")).encode()
+                    await body(b"event: %b\ndata: %b\n\n" % (name, _json.encode(event)))
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1), contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 # --------------------------------------------------------------------------- middleware
@@ -833,6 +917,15 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                         **session_errors,
                         "503": error("The store is unreachable, or too many live streams"),
                     },
+                }
+            },
+            "/events": {
+                "get": {
+                    "summary": "Store-wide notifications (Server-Sent Events)",
+                    "description": "`event: session-branch` with `{parent, session, at}` when a branch or fork "
+                    "is created (what the viewer's branch tree and session list follow); `: ping` comments "
+                    "after `heartbeat` idle seconds. Stores without pub/sub send only the pings.",
+                    "responses": {"200": {"description": "An event stream", "content": {"text/event-stream": {}}}},
                 }
             },
         },

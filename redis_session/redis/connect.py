@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from .store import RedisSessionStore
 
+Announce = Callable[[str], None]
 
-def resolve_url(url: str | None = None) -> str:
-    """`url`, else ``$REDIS_URL``, else the embedded server (started on first use)."""
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def resolve_url(url: str | None = None, *, announce: Announce | None = _to_stderr) -> str:
+    """`url`, else ``$REDIS_URL``, else the embedded server (started on first use).
+
+    When this call starts the embedded server it says so once through `announce` (default: a line
+    on stderr; None: silent): where it listens and where its data is."""
     if url:
         return url
     env = os.environ.get("REDIS_URL")
@@ -17,7 +28,12 @@ def resolve_url(url: str | None = None) -> str:
         return env
     from .embedded import ensure_server
 
-    return ensure_server().url
+    server = ensure_server()
+    if server.started and announce is not None:
+        if server.note:
+            announce(server.note)
+        announce(f"started the embedded server at {server.url}, data in {server.data_dir}")
+    return server.url
 
 
 def is_cluster(url: str, timeout: float = 3.0) -> bool:
@@ -35,12 +51,17 @@ def is_cluster(url: str, timeout: float = 3.0) -> bool:
 
 
 def open_store(
-    url: str | None = None, *, prefix: str = "rs", cluster: bool | None = None, **kwargs: Any
+    url: str | None = None,
+    *,
+    prefix: str = "rs",
+    cluster: bool | None = None,
+    announce: Announce | None = _to_stderr,
+    **kwargs: Any,
 ) -> RedisSessionStore:
     """A `RedisSessionStore` for `url` (see `resolve_url`).
 
     `cluster=None` reads ``$REDIS_SESSION_CLUSTER`` (true/false) and otherwise asks the server."""
-    resolved = resolve_url(url)
+    resolved = resolve_url(url, announce=announce)
     if cluster is None:
         env = os.environ.get("REDIS_SESSION_CLUSTER", "").strip().lower()
         cluster = (

