@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -357,17 +358,19 @@ async def test_fork_after_a_compact_says_which_boundary_is_valid(redis_store: Re
 # --------------------------------------------------------------------------- 5. the README, run
 
 
-README_REDIS_CLI = [
-    "HGETALL rs:{chat-1}:hdr",
-    "XRANGE rs:{chat-1}:log 0 1",
-    "XREVRANGE rs:{chat-1}:log + - COUNT 3",
-    "XLEN rs:{chat-1}:log",
-    "HGET rs:{chat-1}:proj n",
-    "GET rs:{chat-1}:draft",
-    "ZRANGE rs:sessions:{0} - + BYLEX LIMIT 0 20",
-    "ZRANGE rs:{chat-1}:kids - + BYLEX",
-    "XINFO GROUPS rs:feed:{0}",
-]
+def readme_redis_cli_lines() -> list[list[str]]:
+    """The commands of the README's redis-cli section, exactly as written there (shell-split,
+    comments dropped): the test runs what a reader would paste."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Inspect with redis-cli") :]
+    block = section[section.index("```text") + len("```text") : section.index("```", section.index("```text") + 7)]
+    lines = []
+    for raw in block.strip().splitlines():
+        words = shlex.split(raw, comments=True)
+        assert words[:2] == ["redis-session", "cli"], raw
+        if len(words) > 2:
+            lines.append(words[2:])
+    return lines
 
 
 @pytest.mark.parametrize("client", ["builtin", "redis-cli"])
@@ -388,16 +391,18 @@ def test_readme_example_is_doctor_clean_and_its_redis_cli_section_runs(home: Pat
     assert r.returncode == 0 and "1 session(s) checked, 0 with problems" in r.stdout, r.stdout + r.stderr
     extra = ("--builtin",) if client == "builtin" else ()
     replies = {}
-    for line in README_REDIS_CLI:
-        r = run("cli", *extra, "--no-raw", *line.split(), home=home)
+    commands = readme_redis_cli_lines()
+    assert len(commands) >= 8
+    for words in commands:
+        line = " ".join(words)
+        r = run("cli", *extra, "--no-raw", *words, home=home)
         assert r.returncode == 0 or line.startswith("XINFO"), (line, r.stdout, r.stderr)
         replies[line] = r.stdout
     hdr = replies["HGETALL rs:{chat-1}:hdr"]
-    assert '"id"' in hdr and '"chat-1"' in hdr and '"n"' in hdr
-    assert (
-        '"user/message"' in replies["XRANGE rs:{chat-1}:log 0 1"]
-        and '1) 1) "0-1"' in replies["XRANGE rs:{chat-1}:log 0 1"]
-    )
+    assert '"id"' in hdr and '"chat-1"' in hdr and '"n"' in hdr and '"incarnation"' in hdr
+    assert replies["XRANGE rs:{chat-1}:log 5 9"].strip() == "(empty array)"  # the example has 2 entries
+    r = run("cli", *extra, "--no-raw", "XRANGE", "rs:{chat-1}:log", "0", "1", home=home)
+    assert '"user/message"' in r.stdout and '1) 1) "0-1"' in r.stdout
     assert replies["XLEN rs:{chat-1}:log"].strip() == "(integer) 2"
     assert replies["GET rs:{chat-1}:draft"].strip() == "(nil)"
     assert replies["ZRANGE rs:{chat-1}:kids - + BYLEX"].strip() == "(empty array)"
