@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from redis_session import NewEntry, RedisSessionStore, SessionHeader, StoreUnavailableError
+from redis_session import NewEntry, RedisSessionStore, SessionHeader, StoreUnavailableError, Surface, SurfaceReplace
 from redis_session.cli import main as cli_main
 from redis_session.compactor import (
     BUSY,
@@ -216,6 +216,25 @@ async def test_nothing_to_cut_when_one_turn_is_over_budget(redis_store: RedisSes
     assert rec.calls == [] and await cuts(s, "huge") == []
 
 
+async def test_no_cut_that_would_show_a_summarised_replace_again(redis_store: RedisSessionStore) -> None:
+    s = redis_store
+    await create(s, "rep", turns(0, 10))
+    # Entry 20 replaces nodes 2..5: it sits at position 2 with an n above any boundary before it.
+    surface = Surface(op=SurfaceReplace(op="replace", start=2, end=5), source_event_seqs=[2, 3, 4, 5])
+    await s.put("rep", 20, [NewEntry("user/message", {"content": "R   " + TEXT}, None, surface)])
+    rec = Recorder()
+    c = compactor(s, rec)
+    assert await c.check("rep") == UNCUTTABLE  # before=16 would bring entry 20 back after the summary
+    assert rec.calls == [] and await cuts(s, "rep") == []
+    await s.put("rep", None, turns(10, 4))  # n 21..28: a boundary past entry 20 exists now
+    assert await c.check("rep") == COMPACTED
+    [cut] = await cuts(s, "rep")
+    assert cut.data["before"] == 25
+    after = await projection(s, "rep")
+    assert [m.text[:4].strip() for m in after[1:]] == ["q12", "a12", "q13", "a13"]
+    assert len(rec.calls[0]) == 2 + 1 + 14 + 4 and rec.calls[0][2]["content"].startswith("R ")
+
+
 # --------------------------------------------------------------------------- races
 
 
@@ -406,6 +425,21 @@ async def test_lost_reply_is_retried_with_the_range_key(
     assert len(keys) == 2 and keys[0] == keys[1] and keys[0] is not None
     assert keys[0].startswith("compactor:") and keys[0].endswith(":-:16")
     assert len(await cuts(s, "lost")) == 1
+
+
+async def test_run_follows_the_feed_until_stopped(redis_store: RedisSessionStore) -> None:
+    s = redis_store
+    c = compactor(s, Recorder())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(c.run)
+        await create(s, "live", turns(0, 6))
+        await s.put("live", None, turns(6, 4))  # over budget once this lands
+        for _ in range(200):
+            if await cuts(s, "live"):
+                break
+            await anyio.sleep(0.05)
+        c.stop()
+    assert (await status(s))["counters"]["compacted"] == 1
 
 
 # --------------------------------------------------------------------------- the URL summarizer
