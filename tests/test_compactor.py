@@ -26,6 +26,7 @@ from redis_session.compactor import (
     UNDER,
     Compactor,
     chat_completions,
+    load_summarizer,
     status,
 )
 from redis_session.projection import Message, estimate_tokens, project, to_openai
@@ -558,3 +559,11 @@ async def test_cli_status_and_usage(
     assert "--summarizer-url" in capsys.readouterr().err
     assert await anyio.to_thread.run_sync(cli, "--summarizer-url", "http://127.0.0.1:9/v1") == 1
     assert "--model" in capsys.readouterr().err
+
+
+def test_load_summarizer_names_a_callable() -> None:
+    fn = load_summarizer("json:dumps")
+    assert fn is json.dumps
+    for bad in ("json", "json:", "json:decoder"):
+        with pytest.raises(ValueError):
+            load_summarizer(bad)
