@@ -6,6 +6,7 @@ All keys of one session share the hash tag ``{<id>}`` so each script touches one
     {prefix}:{<id>}:log     STREAM  entry n at stream ID "<n>-1"
     {prefix}:{<id>}:proj    HASH    the projector's snapshot: n, state (JSON), updated_at
     {prefix}:{<id>}:plock   STRING  a projector's short fold lock (SET NX PX)
+    {prefix}:{<id>}:compact STRING  a compactor's lock while it summarises (SET NX PX, renewed)
     {prefix}:{<id>}:idem    ZSET    idempotency key -> first n * 65536 + batch length, and at the same
                                     score "<key>\0<digest>" (the batch's digest); last 1024 keys kept
     {prefix}:{<id>}:kids    ZSET    live branches of this session (list index, lexicographic)
@@ -19,6 +20,7 @@ Cross-session keys (never needed for an append's correctness)::
     {prefix}:feed:{<k>}     STREAM  change feed shard k: "session S reached n"
     {prefix}:events         PUBSUB  session-branch notifications
     {prefix}:projector:{<group>}:stats  HASH  projector counters summed over workers
+    {prefix}:compactor:{<group>}:stats  HASH  compactor counters summed over workers
 """
 
 from __future__ import annotations
@@ -100,6 +102,14 @@ class Keys:
 
     def lease(self, session_id: str) -> str:
         return self._k(session_id, "lease")
+
+    def compact_lock(self, session_id: str) -> str:
+        """A compactor's per-session lock (same slot as the session; expires on its own)."""
+        return self._k(session_id, "compact")
+
+    def compactor_stats(self, group: str) -> str:
+        """HASH of the counters every compactor worker of `group` adds to."""
+        return f"{self.prefix}:compactor:{group}:stats"
 
     def session_keys(self, session_id: str) -> list[str]:
         """Every per-session key, in the order the Lua scripts take them."""

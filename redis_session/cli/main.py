@@ -585,6 +585,63 @@ def projector_cmd(
     _run(main)
 
 
+@app.command("compactor")
+def compactor_cmd(
+    url: UrlOpt = None,
+    prefix: PrefixOpt = "rs",
+    status: Annotated[bool, typer.Option("--status", help="Print lag and counters as JSON, then exit.")] = False,
+    budget: Annotated[int, typer.Option(min=1, help="Token budget of a projection.")] = 32_000,
+    keep_recent: Annotated[int, typer.Option(min=1, help="Keep at most this many recent messages.")] = 20,
+    keep_tokens: Annotated[int | None, typer.Option(min=1, help="Tokens kept (default: budget/4).")] = None,
+    summarizer_url: Annotated[
+        str | None, typer.Option(envvar="REDIS_SESSION_SUMMARIZER_URL", help="OpenAI-compatible chat-completions URL.")
+    ] = None,
+    model: Annotated[str | None, typer.Option(envvar="REDIS_SESSION_SUMMARIZER_MODEL", help="Model.")] = None,
+    api_key_env: Annotated[str, typer.Option(help="Environment variable holding the API key.")] = "OPENAI_API_KEY",
+    summarizer: Annotated[str | None, typer.Option(help="Python summarizer: module:function.")] = None,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds one summary may take.")] = 120.0,
+    consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
+    group: Annotated[str, typer.Option(help="Consumer group.")] = "compactor",
+    claim_idle_ms: Annotated[int, typer.Option(min=1, help="Retry failed/idle entries after.")] = 30_000,
+    concurrency: Annotated[int, typer.Option(min=1, help="Sessions checked at once.")] = 4,
+    feed_shards: Annotated[int, typer.Option(min=1, help="Change-feed shards (as the writers use).")] = 4,
+    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
+) -> None:
+    """Run a compactor worker (summarises sessions over a token budget into a cut), or show --status."""
+
+    async def main() -> None:
+        import logging
+
+        from .. import compactor as comp
+
+        if status:
+            async with _opened(url, prefix, feed_shards=feed_shards) as store:
+                _emit_json(await comp.status(store, group=group))
+                return
+        if (summarizer is None) == (summarizer_url is None):
+            raise CliError("give exactly one of --summarizer-url URL (with --model) or --summarizer module:function")
+        if summarizer is not None:
+            summarize: Any = comp.load_summarizer(summarizer)
+        elif not model:
+            raise CliError("--summarizer-url needs --model")
+        else:
+            summarize = comp.chat_completions(summarizer_url or "", model, api_key_env=api_key_env, timeout=timeout)
+
+        async def body(store: Any) -> None:
+            logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            worker = comp.Compactor(
+                store, summarize=summarize, budget_tokens=budget, keep_recent=keep_recent, keep_tokens=keep_tokens,
+                timeout=timeout, consumer=consumer, group=group, claim_idle_ms=claim_idle_ms,
+                concurrency=concurrency, metrics_port=metrics_port,
+            )  # fmt: skip
+            err.print(f"compactor {worker.consumer} running, budget {budget} tokens (Ctrl-C or SIGTERM to stop)")
+            await worker.run_forever()
+
+        await _supervised(url, prefix, body, feed_shards=feed_shards)
+
+    _run(main)
+
+
 @app.command("gateway")
 def gateway_cmd(
     url: UrlOpt = None,
