@@ -483,7 +483,7 @@ def export_cmd(
     if output is None:
         return
     if as_json:
-        _emit_json({"session": session, "entries": n, "output": str(output), "format": fmt})
+        _emit_json({"session": session, "entries": n, "output": str(output)})
     else:
         err.print(f"exported {n} entries to {output} ({fmt})", highlight=False, markup=False)
 
