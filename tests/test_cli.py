@@ -206,3 +206,67 @@ def test_demo_runs_on_the_embedded_server_and_leaves_consistent_sessions(tmp_pat
         assert checked >= 5
     finally:
         cli("server", "stop", "--data-dir", str(tmp_path / ".redis-session"))
+
+
+def _nanobot_file(path: Path, key: str, *, broken: bool = False) -> None:
+    rows = [
+        json.dumps({"_type": "metadata", "key": key, "metadata": {}}),
+        json.dumps({"role": "user", "content": "hi", "timestamp": "2026-01-01T00:00:00"}),
+    ]
+    path.write_text("\n".join(rows) + ("\n{torn\n" if broken else "\n"), encoding="utf-8")
+
+
+def test_import_folder_stops_or_keeps_going(redis_url: str, prefix: str, tmp_path: Path) -> None:
+    folder = tmp_path / "sessions"
+    folder.mkdir()
+    _nanobot_file(folder / "a.jsonl", "tg:a")
+    _nanobot_file(folder / "b.jsonl", "tg:b", broken=True)
+    _nanobot_file(folder / "c.jsonl", "tg:c")
+    _nanobot_file(folder / "d.jsonl", "tg:d", broken=True)
+    r = cli("import", str(folder), url=redis_url, prefix=prefix)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "imported tg:a" in r.stdout and "tg:c" not in r.stdout
+    assert "b.jsonl:3: invalid JSON" in r.stderr and "imported before it: a.jsonl" in r.stderr
+    assert "--keep-going" in r.stderr
+    r = cli("import", str(folder), "--keep-going", "--on-exists", "skip", url=redis_url, prefix=prefix)
+    assert r.returncode == 1
+    assert "skipped tg:a" in r.stdout and "imported tg:c" in r.stdout
+    assert "2 file(s) imported, 2 failed:" in r.stderr
+    assert "b.jsonl:3: invalid JSON" in r.stderr and "d.jsonl:3: invalid JSON" in r.stderr
+    r = cli("import", str(folder / "a.jsonl"), url=redis_url, prefix=prefix)
+    assert r.returncode == 1 and "--on-exists skip or --on-exists replace" in r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = cli("import", str(empty), url=redis_url, prefix=prefix)
+    assert r.returncode == 1 and "no .jsonl or .jsonl.zstd files in this folder" in r.stderr
+
+
+def test_import_dsh_reports_the_repair_export_formats_and_repair(redis_url: str, prefix: str, tmp_path: Path) -> None:
+    crashed = Path(__file__).parent / "fixtures" / "seed" / "dsh" / "dsh-main.crashed.jsonl"
+    r = cli("import", str(crashed), "--json", url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["entries"] == 50 and len(doc["repaired"]) == 2
+    for fmt in ("dsh", "nanobot", "tutorial", "redis-session"):
+        out = tmp_path / f"back.{fmt}.jsonl"
+        r = cli("export", "dsh-main", "-o", str(out), "--format", fmt, url=redis_url, prefix=prefix)
+        assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "back.dsh.jsonl").read_text().splitlines()[0])["type"] == "session"
+    assert json.loads((tmp_path / "back.nanobot.jsonl").read_text().splitlines()[0])["_type"] == "metadata"
+    r = cli("repair", "dsh-main", url=redis_url, prefix=prefix)
+    assert r.returncode == 0 and "nothing to repair in dsh-main" in r.stdout
+
+
+async def test_repair_closes_an_open_turn(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
+    await redis_store.create(
+        SessionHeader(id="crashed"),
+        [
+            NewEntry("turn/start", {"turn": 1}),
+            NewEntry("user/message", {"content": "go"}),
+            NewEntry("step/start", {"turn": 1, "step": 1}),
+        ],
+    )
+    r = cli("repair", "crashed", url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "repaired crashed: appended 2 entries (step/end, turn/end)"
+    assert [e.type for e in await redis_store.read("crashed")][-2:] == ["step/end", "turn/end"]

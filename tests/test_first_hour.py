@@ -299,7 +299,10 @@ async def test_unknown_parent_missing_folder_and_empty_folder_say_so(
     empty.mkdir()
     r = run("import", str(empty), *base)
     assert r.returncode == 1
-    assert r.stderr.strip() == f"error: {empty}: no .jsonl files in this folder (or below it); nothing imported"
+    assert (
+        r.stderr.strip()
+        == f"error: {empty}: no .jsonl or .jsonl.zstd files in this folder (or below it); nothing imported"
+    )
 
 
 def test_tail_beyond_the_end_says_it_waits(redis_url: str, prefix: str, tmp_path: Path) -> None:

@@ -196,23 +196,32 @@ def _arguments(raw: Any) -> str:
     return raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
 
 
+def _thinking(data: Mapping[str, Any]) -> list[Any]:
+    """An assistant message's reasoning as blocks: ``reasoning_content`` (unsigned), then each of
+    nanobot's ``thinking_blocks`` (Anthropic's): ``thinking`` as reasoning with its signature,
+    ``redacted_thinking`` kept as it is (`to_anthropic` sends it back verbatim)."""
+    blocks: list[Any] = []
+    if isinstance(data.get("reasoning_content"), str) and data["reasoning_content"]:
+        blocks.append(_FrozenDict(type="reasoning", text=data["reasoning_content"]))
+    thinking = data.get("thinking_blocks")
+    for t in thinking if isinstance(thinking, list) else ():
+        if isinstance(t, Mapping) and t.get("type") == "redacted_thinking":
+            blocks.append(_freeze(dict(t)))
+        elif isinstance(t, Mapping) and isinstance(t.get("thinking"), str):
+            r: dict[str, Any] = {"type": "reasoning", "text": t["thinking"]}
+            if isinstance(t.get("signature"), str):
+                r["signature"] = t["signature"]
+            blocks.append(_FrozenDict(r))
+    return blocks
+
+
 def chat_message(data: Mapping[str, Any], source: tuple[int, ...]) -> Message | None:
     """An OpenAI-style chat message ``{role, content, tool_calls?, tool_call_id?, name?,
     reasoning_content?}`` as a neutral `Message` (None when it carries nothing to send)."""
     role = data.get("role")
     name = data.get("name") if isinstance(data.get("name"), str) else None
     if role == "assistant":
-        blocks: list[Any] = []
-        thinking = data.get("thinking_blocks")  # nanobot keeps Anthropic's signed thinking
-        if isinstance(thinking, list) and thinking:
-            for t in thinking:
-                if isinstance(t, dict) and isinstance(t.get("thinking"), str):
-                    r: dict[str, Any] = {"type": "reasoning", "text": t["thinking"]}
-                    if isinstance(t.get("signature"), str):
-                        r["signature"] = t["signature"]
-                    blocks.append(_FrozenDict(r))
-        elif isinstance(data.get("reasoning_content"), str) and data["reasoning_content"]:
-            blocks.append(_FrozenDict(type="reasoning", text=data["reasoning_content"]))
+        blocks = _thinking(data)
         blocks.extend(_blocks(data.get("content")))
         calls = data.get("tool_calls")
         for call in calls if isinstance(calls, list) else ():
@@ -1150,7 +1159,10 @@ def openai_messages(messages: Iterable[Message]) -> list[dict[str, Any]]:
     for m in messages:
         if m.role == "assistant":
             texts = [b["text"] for b in m.content if b.get("type") == "text"]
-            reasoning = [b["text"] for b in m.content if b.get("type") == "reasoning"]
+            # reasoning_content: the unsigned reasoning (what the message had as reasoning_content),
+            # else the text of its signed thinking
+            reasoning = [b["text"] for b in m.content if b.get("type") == "reasoning" and not b.get("signature")]
+            reasoning = reasoning or [b["text"] for b in m.content if b.get("type") == "reasoning"]
             calls = [
                 {
                     "id": b.get("id"),
@@ -1174,13 +1186,14 @@ def openai_messages(messages: Iterable[Message]) -> list[dict[str, Any]]:
         rest: list[Block] = [b for b in m.content if b.get("type") != "tool-result"]
         for b in m.content:
             if b.get("type") == "tool-result":
-                out.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": b.get("toolCallId"),
-                        "content": _result_text(b.get("content")),
-                    }
-                )
+                result = {
+                    "role": "tool",
+                    "tool_call_id": b.get("toolCallId"),
+                    "content": _result_text(b.get("content")),
+                }
+                if m.role == "tool" and m.name is not None:
+                    result["name"] = m.name  # the tool's name, as nanobot and OpenAI send it
+                out.append(result)
         if m.role == "tool" or (not rest and len(rest) != len(m.content)):
             continue
         msg = {"role": m.role, "content": _openai_parts(rest)}

@@ -1,0 +1,362 @@
+"""What every format shares: reading a file into lines (zstd, byte-order marks, torn last lines),
+decoding a line into a msgspec Struct with a message naming the field, timestamps, the results,
+and the reversible mapping of foreign keys to session ids."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+from urllib.parse import unquote
+
+import msgspec
+
+from ..errors import ImportFormatError, InvalidSessionIdError, SessionError
+from ..keys import validate_session_id
+from ..model import NewEntry, SessionHeader
+
+Format = Literal["auto", "redis-session", "nanobot", "dsh", "tutorial"]
+OnExists = Literal["error", "skip", "replace"]
+Progress = Callable[[int, int], object]
+S = TypeVar("S")
+
+#: The suffixes a folder import picks up (dsh's default since 2026-07 is ``.jsonl.zstd``).
+SUFFIXES = (".jsonl", ".jsonl.zstd")
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What happened to one file.
+
+    `status` is ``imported``, ``replaced`` (an existing session of that id was deleted first),
+    ``skipped`` (the id exists and ``on_exists="skip"``) or ``failed`` (`error` says why; only with
+    ``errors="collect"`` or ``"stop"``). `entries` is the number of entries written. `repaired`
+    lists what the importer fixed the way the original system does when it loads the file (a
+    torn last line dropped, an open turn closed); `original_id` is the key the file named when
+    the session was imported under a mapped id (see `key_to_session_id`).
+    """
+
+    path: str
+    session_id: str | None
+    format: str
+    status: Literal["imported", "replaced", "skipped", "failed"]
+    entries: int = 0
+    error: SessionError | None = None
+    repaired: tuple[str, ...] = ()
+    original_id: str | None = None
+
+
+@dataclass
+class ParsedSession:
+    """A file read and converted, ready to be written: the header, the entries and, for each
+    entry, the line it came from (0 for entries the importer added)."""
+
+    path: str
+    format: str
+    header: SessionHeader
+    entries: list[NewEntry] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+    original_id: str | None = None
+
+    @property
+    def session_id(self) -> str:
+        return self.header.id
+
+
+class Bad(Exception):
+    """A problem with one line or field; the caller adds the file and line."""
+
+
+# --------------------------------------------------------------------------- reading a file
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of a file: its 1-based number, its bytes (no newline) and whether a newline ended
+    it (the last line of a file cut short by a crash has none)."""
+
+    no: int
+    raw: bytes
+    complete: bool
+
+
+@dataclass
+class Source:
+    """A file's lines, after decompression and encoding checks."""
+
+    path: Path
+    lines: list[Line]
+    compressed: bool = False
+    torn_frame: bool = False  # a zstd file whose last frame was cut short
+    notes: list[str] = field(default_factory=list)
+
+    def nonblank(self) -> Iterator[Line]:
+        return (ln for ln in self.lines if ln.raw.strip())
+
+
+def read_source(path: Path) -> Source:
+    """Read `path` (plain or zstd-compressed JSONL) into lines; raises `ImportFormatError` for a
+    file that is not UTF-8 (UTF-16/UTF-32, with or without a byte-order mark)."""
+    data = path.read_bytes()
+    compressed = torn = False
+    if data.startswith(_ZSTD_MAGIC):
+        data, torn = _unzstd(path, data)
+        compressed = True
+    notes: list[str] = []
+    data = _check_encoding(path, data, notes)
+    lines: list[Line] = []
+    start = 0
+    no = 0
+    while start < len(data):
+        no += 1
+        end = data.find(b"\n", start)
+        if end < 0:
+            lines.append(Line(no, data[start:].rstrip(b"\r"), False))
+            break
+        lines.append(Line(no, data[start:end].rstrip(b"\r"), True))
+        start = end + 1
+    return Source(path, lines, compressed, torn, notes)
+
+
+def _unzstd(path: Path, data: bytes) -> tuple[bytes, bool]:
+    """Decompress concatenated zstd frames (dsh writes one per durable batch). A last frame cut
+    short yields what it holds so far and ``torn=True`` (dsh keeps the complete lines in it); a
+    corrupt complete frame is an error."""
+    try:
+        import zstandard
+    except ImportError:  # pragma: no cover - a base dependency
+        raise ImportFormatError(path, None, "the file is zstd-compressed: install the zstandard package") from None
+    out: list[bytes] = []
+    rest = data
+    dctx = zstandard.ZstdDecompressor()
+    while rest:
+        dobj = dctx.decompressobj()
+        try:
+            out.append(dobj.decompress(rest))
+        except zstandard.ZstdError as e:
+            raise ImportFormatError(path, None, f"corrupt zstd frame: {e}") from None
+        if not dobj.eof:
+            return b"".join(out), True
+        rest = dobj.unused_data
+    return b"".join(out), False
+
+
+_UTF16_32 = (
+    (b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"),
+    (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"),
+    (b"\xff\xfe", "UTF-16 (little-endian)"),
+    (b"\xfe\xff", "UTF-16 (big-endian)"),
+)
+
+
+def _check_encoding(path: Path, data: bytes, notes: list[str]) -> bytes:
+    for bom, name in _UTF16_32:
+        if data.startswith(bom):
+            raise ImportFormatError(
+                path,
+                None,
+                f"the file is {name}: it starts with that byte-order mark; save it as UTF-8 and import again",
+            )
+    if data.startswith(b"\xef\xbb\xbf"):
+        notes.append("skipped the UTF-8 byte-order mark at the start of the file")
+        return data[3:]
+    head = data[:200]
+    if b"\x00" in head:
+        raise ImportFormatError(
+            path,
+            None,
+            "the file is UTF-16 or UTF-32 without a byte-order mark (NUL bytes between the characters); "
+            "save it as UTF-8 and import again",
+        )
+    return data
+
+
+# --------------------------------------------------------------------------- decoding lines
+
+_decode_json = msgspec.json.Decoder()
+
+
+def json_object(line: Line) -> dict[str, Any]:
+    """The line as a JSON object, or `Bad`."""
+    try:
+        obj = _decode_json.decode(line.raw)
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise Bad(f"invalid JSON: {e or 'nested too deeply'}") from None
+    if not isinstance(obj, dict):
+        raise Bad(f"expected a JSON object, got {tname(obj)}")
+    return obj
+
+
+def convert(obj: dict[str, Any], typ: type[S], what: str = "") -> S:
+    """`obj` as the Struct `typ`, or `Bad` naming the field (``data.turn must be an integer``)."""
+    try:
+        return msgspec.convert(obj, typ)
+    except msgspec.ValidationError as e:
+        msg = describe(e)
+        raise Bad(f"{what}{msg}" if what else msg) from None
+
+
+_EXPECTED = re.compile(
+    r"^Expected `(?P<want>[^`]+)`(?P<bound>[^,`]*)(?:, got `(?P<got>[^`]+)`)?(?: - at `\$(?P<at>[^`]*)`)?$"
+)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`(?: - at `\$(?P<at>[^`]*)`)?$")
+_MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`(?: - at `\$(?P<at>[^`]*)`)?$")
+_ENUM = re.compile(r"^Invalid enum value (?P<value>.+?)(?: - at `\$(?P<at>[^`]*)`)?$")
+_WORDS = {
+    "int": "an integer",
+    "str": "a string",
+    "object": "an object",
+    "array": "an array",
+    "bool": "a boolean",
+    "float": "a number",
+    "null": "null",
+}
+
+
+def _path(at: str | None) -> str:
+    return (at or "").lstrip(".") or "the line"
+
+
+def _want(want: str) -> str:
+    parts = [p.strip() for p in want.split("|")]
+    words = [_WORDS.get(p, p) for p in parts]
+    if set(parts) >= {"int", "float"}:
+        words = ["a number", *[w for p, w in zip(parts, words, strict=True) if p not in ("int", "float")]]
+    return " or ".join(words)
+
+
+def describe(e: msgspec.ValidationError) -> str:
+    """msgspec's message in our words: the field path, what it must be and what it is."""
+    text = str(e)
+    m = _EXPECTED.match(text)
+    if m:
+        bound = m["bound"].strip()
+        got = f", got {_WORDS.get(m['got'], m['got'])}" if m["got"] else ""
+        return f"{_path(m['at'])} must be {_want(m['want'])}{' ' + bound if bound else ''}{got}"
+    m = _UNKNOWN.match(text)
+    if m:
+        where = _path(m["at"])
+        return f"unknown key {m['name']!r}" + ("" if where == "the line" else f" in {where}")
+    m = _MISSING.match(text)
+    if m:
+        where = _path(m["at"])
+        return f"missing {m['name']!r}" + ("" if where == "the line" else f" in {where}")
+    m = _ENUM.match(text)
+    if m:
+        return f"{_path(m['at'])} has an unknown value {m['value']}"
+    return text
+
+
+def tname(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+    }.get(type(value), type(value).__name__)
+
+
+# --------------------------------------------------------------------------- times
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MS = timedelta(milliseconds=1)
+
+
+def iso_ms(value: Any, what: str) -> int:
+    """An ISO date-time string as ms since the epoch; one without a zone is UTC."""
+    if not isinstance(value, str):
+        raise Bad(f"{what} must be an ISO date-time string, got {tname(value)}")
+    try:
+        dt = datetime.fromisoformat(value)
+    except ValueError:
+        raise Bad(f"{what} {value[:60]!r} is not an ISO date-time") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)  # naive is read as UTC: the import never depends on this machine's zone
+    ms = (dt - _EPOCH) // _MS
+    if ms < 0:
+        raise Bad(f"{what} {value!r} is before 1970")
+    return ms
+
+
+def ms_iso(ms: int) -> str:
+    """ms since the epoch as a naive UTC ISO string (as nanobot writes its times)."""
+    return (_EPOCH + ms * _MS).replace(tzinfo=None).isoformat()
+
+
+def number_ms(value: Any, what: str) -> int:
+    """A millisecond timestamp given as a JSON number (int or float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Bad(f"{what} must be a number (ms), got {tname(value)}")
+    if value != value or value in (float("inf"), float("-inf")) or value < 0:
+        raise Bad(f"{what} must be a finite number >= 0, got {value!r}")
+    return int(value)
+
+
+def seconds_or_ms(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Bad(f"{what} must be a number (seconds or ms), got {tname(value)}")
+    if value != value or value in (float("inf"), float("-inf")) or value < 0:
+        raise Bad(f"{what} must be a finite number >= 0, got {value!r}")
+    return int(value) if value > 1e11 else round(value * 1000)
+
+
+# --------------------------------------------------------------------------- ids
+
+_FORBIDDEN = re.compile(r"[{}%\s\x00-\x1f\x7f]")
+
+
+def key_to_session_id(key: str) -> str:
+    """The session id a foreign key (a nanobot key, a dsh or tutorial id) is imported under.
+
+    A key that is a valid session id and holds no ``%`` is its own id. Any other key has each
+    character our ids forbid (braces, whitespace, control characters) and each ``%`` replaced by
+    its UTF-8 bytes as ``%XX`` (percent-encoding): ``"tg:{1} a"`` → ``"tg:%7B1%7D%20a"``. The
+    mapping is injective and `session_id_to_key` reverses it; the header's ``origin`` keeps the
+    original key as well. Raises `InvalidSessionIdError` when even the mapped id is not valid
+    (empty, longer than 256 characters, a lone surrogate).
+    """
+    if _FORBIDDEN.search(key) is None:
+        return validate_session_id(key)
+    mapped = _FORBIDDEN.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8")), key)
+    return validate_session_id(mapped)
+
+
+def session_id_to_key(session_id: str) -> str:
+    """The key `key_to_session_id` mapped to `session_id` (ids without ``%`` are their own key)."""
+    return unquote(session_id, errors="strict") if "%" in session_id else session_id
+
+
+def checked_id(path: Path, line: int | None, value: Any) -> str:
+    """`value` as a session id for the file at `path`, or `ImportFormatError`."""
+    try:
+        return validate_session_id(value)
+    except InvalidSessionIdError as e:
+        shown = value[:80] if isinstance(value, str) else value
+        raise ImportFormatError(
+            path, line, f"session id {shown!r} is not allowed here ({e}); nothing of this session was imported"
+        ) from None
+
+
+def mapped_id(path: Path, line: int | None, key: str) -> str:
+    """`key_to_session_id(key)`, or `ImportFormatError` naming the file."""
+    try:
+        return key_to_session_id(key)
+    except (InvalidSessionIdError, UnicodeEncodeError) as e:
+        raise ImportFormatError(
+            path,
+            line,
+            f"session id {key[:80]!r} is not allowed here, even percent-encoded ({e}); nothing of this session "
+            "was imported",
+        ) from None

@@ -1,0 +1,229 @@
+"""nanobot's session files (HKUDS/nanobot ``SessionManager``, ``<workspace>/sessions/*.jsonl``).
+
+Line 1 is ``{"_type":"metadata","key","created_at","updated_at","metadata":{…},
+"last_consolidated":k}`` (times naive ISO, read as UTC); newer nanobot may write
+``{"_type":"provider_state","state":…}`` next; then one OpenAI-style message per line with a
+``timestamp``. The import keeps everything nanobot would send:
+
+- each message → a ``message`` entry whose data is the line itself (``name``, list content,
+  ``tool_calls``, ``reasoning_content``, ``thinking_blocks`` with signatures and
+  ``redacted_thinking``, ``media``, ``cli_apps``, ``_channel_delivery`` … all kept), its time the
+  timestamp; a ``_command`` message → a ``nanobot/command`` mark (nanobot never sends it to the
+  model, but counts it);
+- the metadata line (and ``provider_state``) → the header's ``origin``; ``metadata.title`` → the
+  title;
+- ``last_consolidated`` (normalised as nanobot does: not an int in [0, messages] means 0) and
+  ``metadata._last_summary`` → a final ``cut {before: k, summary: [the summary nanobot puts in the
+  prompt], reason: "nanobot:last_consolidated", meta: {nanobot: {floor: 0, last_consolidated: k}}}``
+  — the cut `redis_session.adapters.nanobot` writes for the same session, so the adapter's
+  ``get_history`` and the generic projection both show what nanobot shows;
+- a key that is not a valid session id (whitespace, braces) is imported under
+  `key_to_session_id(key)`; ``origin.key`` keeps the original.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+from msgspec import Struct, field
+
+from ..errors import ImportFormatError
+from ..model import CUT, Entry, NewEntry, OpenAIToolCall, SessionHead, SessionHeader
+from ..projection.fold import openai_messages, project
+from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, mapped_id, ms_iso, session_id_to_key
+
+FORMAT = "nanobot"
+MESSAGE = "message"
+COMMAND = "nanobot/command"
+METADATA = "nanobot/metadata"
+REASON = "nanobot:last_consolidated"
+
+
+class MetadataLine(Struct):
+    """Line 1 (other keys are kept in ``origin`` as they are)."""
+
+    type_: Literal["metadata"] = field(name="_type")
+    key: str
+    created_at: str | None = None
+    updated_at: str | None = None
+    metadata: dict[str, Any] | None = None
+    last_consolidated: Any = 0
+
+
+class MessageLine(Struct):
+    """A message line: the fields the import reads or the store checks; all others are kept."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    timestamp: str | None = None
+    tool_calls: list[OpenAIToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+    thinking_blocks: list[dict[str, Any]] | None = None
+
+
+def detect(first: dict[str, Any]) -> bool:
+    return first.get("_type") == "metadata"
+
+
+def summary_text(metadata: dict[str, Any]) -> str | None:
+    """The consolidation summary nanobot puts in the prompt for this metadata (its context
+    builder's ``[Archived Context Summary]`` block, AutoCompact's ``Previous conversation summary
+    (last active …)`` text), or None. The same text as `redis_session.adapters.nanobot.summary_text`."""
+    meta = metadata.get("_last_summary")
+    if isinstance(meta, dict) and isinstance(meta.get("text"), str) and meta["text"]:
+        text = meta["text"]
+        last_active = meta.get("last_active")
+        if isinstance(last_active, str) and last_active:
+            text = f"Previous conversation summary (last active {last_active}):\n{text}"
+        return f"[Archived Context Summary]\n\n{text}"
+    if isinstance(meta, str) and meta:
+        return f"[Archived Context Summary]\n\n{meta}"
+    return None
+
+
+def _lc(raw: Any, count: int) -> int:
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= count else 0
+
+
+class _Reader:
+    def __init__(self, source: Source, session_id: str | None) -> None:
+        self.source = source
+        self.session_id = session_id
+        self.entries: list[NewEntry] = []
+        self.lines: list[int] = []
+
+    def header(self, obj: dict[str, Any]) -> None:
+        line = convert(obj, MetadataLine)
+        self.key = line.key
+        self.metadata = line.metadata or {}
+        self.created_at = iso_ms(line.created_at, "created_at") if line.created_at is not None else 0
+        if line.updated_at is not None:
+            iso_ms(line.updated_at, "updated_at")
+        title = self.metadata.get("title")
+        self.title = title if isinstance(title, str) and title else None
+        self.origin: dict[str, Any] = {"format": FORMAT, **{k: v for k, v in obj.items() if k != "_type"}}
+        self.origin.setdefault("metadata", self.metadata)
+        self.last_time: int | None = self.created_at or None
+
+    def line(self, no: int, obj: dict[str, Any]) -> None:
+        kind = obj.get("_type")
+        if kind == "provider_state":
+            self.origin["provider_state"] = obj.get("state")
+            return
+        if kind is not None:
+            raise Bad(f"unknown record _type {kind!r} (expected a message)")
+        msg = convert(obj, MessageLine, "bad message: ")
+        time = self.last_time if msg.timestamp is None else iso_ms(msg.timestamp, "timestamp")
+        self.last_time = time
+        self.entries.append(NewEntry(COMMAND if obj.get("_command") else MESSAGE, obj, None, None, time))
+        self.lines.append(no)
+
+    def finish(self) -> ParsedSession:
+        lc = _lc(self.origin.get("last_consolidated", 0), len(self.entries))
+        summary = summary_text(self.metadata)
+        if lc > 0 or summary is not None:
+            data = {
+                "before": lc,
+                "summary": [{"role": "user", "content": summary}] if summary is not None else [],
+                "reason": REASON,
+                "meta": {"nanobot": {"floor": 0, "last_consolidated": lc}},
+            }
+            self.entries.append(NewEntry(CUT, data, None, None, self.last_time))
+            self.lines.append(0)
+        path = self.source.path
+        original: str | None = None
+        if self.session_id is not None:
+            sid = self.session_id
+        else:
+            sid = mapped_id(path, 1, self.key)
+            original = self.key if sid != self.key else None
+        header = SessionHeader(id=sid, created_at=self.created_at, title=self.title, origin=self.origin)
+        return ParsedSession(str(path), FORMAT, header, self.entries, self.lines, original_id=original)
+
+
+def parse(source: Source, session_id: str | None) -> ParsedSession:
+    reader = _Reader(source, session_id)
+    lines = source.nonblank()
+    first = next(lines)
+    try:
+        reader.header(json_object(first))
+    except Bad as e:
+        raise ImportFormatError(source.path, first.no, f"bad header line: {e}") from None
+    for line in lines:
+        try:
+            reader.line(line.no, json_object(line))
+        except Bad as e:
+            raise ImportFormatError(source.path, line.no, str(e), session_id=reader.key) from None
+    return reader.finish()
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _cut_floor(data: dict[str, Any]) -> int | None:
+    meta = data.get("meta")
+    nano = meta.get("nanobot") if isinstance(meta, dict) else None
+    floor = nano.get("floor") if isinstance(nano, dict) else None
+    return floor if isinstance(floor, int) and not isinstance(floor, bool) else None
+
+
+def fold(head: SessionHead, entries: Sequence[Entry]) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+    """The messages, metadata and ``last_consolidated`` nanobot would load for this log: the rule
+    of `redis_session.adapters.nanobot.fold` (``message`` entries and ``nanobot/command`` marks are
+    the messages; the last ``nanobot/metadata`` mark, else ``origin.metadata``, the metadata; each
+    cut drops the messages below its ``meta.nanobot.floor`` and consolidates those below
+    ``before``). A log with no such entries (a dsh or generic session) gives its projection as
+    OpenAI messages, each with the time of its entry as ``timestamp``."""
+    origin = head.header.origin if isinstance(head.header.origin, dict) else {}
+    metadata = origin.get("metadata")
+    metadata = dict(metadata) if isinstance(metadata, dict) else {}
+    pairs: list[tuple[int, dict[str, Any]]] = []
+    before = 0
+    for e in entries:
+        if e.type in (MESSAGE, COMMAND):
+            msg = dict(e.data)
+            if "timestamp" not in msg:
+                msg["timestamp"] = ms_iso(e.time)
+            pairs.append((e.n, msg))
+        elif e.type == METADATA:
+            value = e.data.get("metadata")
+            metadata = dict(value) if isinstance(value, dict) else {}
+        elif e.type == CUT:
+            floor = _cut_floor(e.data)
+            if floor is not None:
+                pairs = [p for p in pairs if p[0] >= floor]
+            before = int(e.data.get("before", 0))
+    if not pairs and entries:
+        times = {e.n: e.time for e in entries}
+        for m in project(entries):
+            stamp = ms_iso(max((times.get(n, 0) for n in m.source), default=0))
+            for msg in openai_messages([m]):
+                pairs.append((m.source[0] if m.source else 0, {**msg, "timestamp": stamp}))
+        before = 0
+    return [m for _, m in pairs], metadata, sum(1 for n, _ in pairs if n < before)
+
+
+def export_lines(head: SessionHead, entries: Sequence[Entry]) -> Iterator[str]:
+    """The session as a nanobot session file (nanobot's own JSON layout, one record a line)."""
+    origin = head.header.origin if isinstance(head.header.origin, dict) else {}
+    messages, metadata, lc = fold(head, entries)
+    key = origin.get("key") if isinstance(origin.get("key"), str) else session_id_to_key(head.header.id)
+    created = origin.get("created_at") if isinstance(origin.get("created_at"), str) else None
+    updated = origin.get("updated_at") if isinstance(origin.get("updated_at"), str) else None
+    first = {
+        "_type": "metadata",
+        "key": key,
+        "created_at": created or ms_iso(head.header.created_at),
+        "updated_at": updated or ms_iso(head.updated_at),
+        "metadata": metadata,
+        "last_consolidated": lc,
+    }
+    yield json.dumps(first, ensure_ascii=False) + "\n"
+    if "provider_state" in origin:
+        yield json.dumps({"_type": "provider_state", "state": origin["provider_state"]}, ensure_ascii=False) + "\n"
+    for m in messages:
+        yield json.dumps(m, ensure_ascii=False) + "\n"
