@@ -1,6 +1,6 @@
 """nanobot's SessionManager on the store (redis_session.adapters.nanobot).
 
-The fixtures in ../shared/fixtures/nanobot were written by nanobot's own SessionManager, and
+The fixtures in tests/fixtures/seed/nanobot were written by nanobot's own SessionManager, and
 `expected_get_history.json` is what nanobot's own `get_history` returned for them: every file ×
 every recorded setting must come back the same through the adapter, on a real server and on the
 memory store.
@@ -9,7 +9,6 @@ memory store.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,10 +24,9 @@ from redis_session.importers import import_path
 from redis_session.model import CUT
 from redis_session.projection import project, to_anthropic, to_openai
 
-FIXTURES = Path(os.environ.get("RS_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures")) / "nanobot"
-if not FIXTURES.is_dir():
-    FIXTURES = Path("/work/shared/fixtures/nanobot")
-EXPECTED = json.loads((FIXTURES / "expected_get_history.json").read_text()) if FIXTURES.is_dir() else {"sessions": {}}
+# Copies of the files nanobot's own code wrote (tests/fixtures/seed/README.md says where from).
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "seed" / "nanobot"
+EXPECTED = json.loads((FIXTURES / "expected_get_history.json").read_text())
 CASES = [
     pytest.param(key, i, id=f"{key}-{json.dumps(r['settings'], sort_keys=True)}")
     for key, s in EXPECTED["sessions"].items()
