@@ -62,7 +62,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from .errors import InvalidSessionIdError, SessionNotFoundError, StoreUnavailableError
@@ -70,6 +69,7 @@ from .keys import validate_prefix, validate_session_id
 from .model import CUT
 from .projection.fold import ProjectionState
 from .redis.store import RedisSessionStore
+from .redis.wire import RAW, feed_client
 from .snapshots import _fold_from_cut, _fold_range, _plausible, _rebuild
 
 log = logging.getLogger("redis_session.projector")
@@ -82,9 +82,6 @@ CURRENT = "current"  # the stored snapshot already covers the head (or another w
 DELETED = "deleted"  # the session is gone: skipped, its feed entries acked
 BUSY = "busy"  # another worker holds the session's lock: retried on the next loop
 FAILED = "failed"  # an error: left pending, reclaimed after claim_idle_ms
-
-_RAW = {"NEVER_DECODE": True}
-_FEED_COMMANDS = ("XREADGROUP", "XAUTOCLAIM", "XINFO GROUPS", "XINFO CONSUMERS", "XRANGE", "HGETALL")
 
 
 # --------------------------------------------------------------------------- keys
@@ -400,12 +397,12 @@ class Projector:
             if block_ms is not None:
                 args += ["BLOCK", block_ms]
             args += ["STREAMS", *start.keys(), *start.values()]
-            return _stream_rows(await self._r.execute_command(*args, **_RAW))
+            return _stream_rows(await self._r.execute_command(*args, **RAW))
         # A cluster puts the shards in different slots: one read per shard, then a short poll.
         out: builtins.list[tuple[str, str, dict[str, str] | None]] = []
         for key, from_id in start.items():
             raw = await self._r.execute_command(
-                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, from_id, **_RAW
+                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, from_id, **RAW
             )
             out.extend(_stream_rows(raw))
         if not out and block_ms:
@@ -417,7 +414,7 @@ class Projector:
         for key in self.feeds:
             raw = await self._r.execute_command(
                 "XAUTOCLAIM", key, self.group, self.consumer, self.claim_idle_ms,
-                self._claim_cursor[key], "COUNT", self.batch, **_RAW,
+                self._claim_cursor[key], "COUNT", self.batch, **RAW,
             )  # fmt: skip
             self._claim_cursor[key] = _str(raw[0])
             for rid, fields in _entry_rows(raw[1]):
@@ -496,7 +493,7 @@ class Projector:
             pipe = self._r.pipeline(transaction=False)
             if self.lock_ms:
                 pipe.execute_command("SET", lock, self.consumer, "NX", "PX", self.lock_ms)
-            pipe.execute_command("HGET", keys.proj(sid), "n", **_RAW)
+            pipe.execute_command("HGET", keys.proj(sid), "n", **RAW)
             res = await pipe.execute()
             locked = bool(self.lock_ms and res[0])
             stored_n = _int_or_none(res[-1])
@@ -655,16 +652,8 @@ def _default_consumer() -> str:
 
 
 def _feed_client(store: RedisSessionStore) -> Any:
-    """A client for the feed commands whose replies skip redis-py's parsing (we parse both RESP
-    versions ourselves). Standalone: a wrapper around the store's pool; a cluster client is used
-    as it is (its parsed replies are understood too)."""
-    client = store.client
-    if not isinstance(client, aioredis.Redis):
-        return client
-    raw = aioredis.Redis(connection_pool=client.connection_pool)
-    for cmd in _FEED_COMMANDS:
-        raw.response_callbacks.pop(cmd, None)
-    return raw
+    """The store's client for the feed commands, replies unparsed (`wire.feed_client`)."""
+    return feed_client(store.client)
 
 
 # --------------------------------------------------------------------------- status
@@ -679,16 +668,16 @@ async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dic
     r = _feed_client(store)
     shards: builtins.list[dict[str, Any]] = []
     for shard, key in enumerate(store.keys.all_feeds()):
-        length = int(await r.execute_command("XLEN", key, **_RAW))
+        length = int(await r.execute_command("XLEN", key, **RAW))
         info: dict[str, Any] | None = None
         consumers: builtins.list[dict[str, Any]] = []
         with contextlib.suppress(RedisError):  # no such key yet
-            for g in await r.execute_command("XINFO", "GROUPS", key, **_RAW) or []:
+            for g in await r.execute_command("XINFO", "GROUPS", key, **RAW) or []:
                 m = _as_map(g)
                 if _str(m.get("name")) == group:
                     info = m
         if info is not None:
-            for c in await r.execute_command("XINFO", "CONSUMERS", key, group, **_RAW) or []:
+            for c in await r.execute_command("XINFO", "CONSUMERS", key, group, **RAW) or []:
                 m = _as_map(c)
                 consumers.append(
                     {
@@ -717,7 +706,7 @@ async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dic
                 "consumers": consumers,
             }
         )
-    raw_stats = await r.execute_command("HGETALL", stats_key(store.prefix, group), **_RAW)
+    raw_stats = await r.execute_command("HGETALL", stats_key(store.prefix, group), **RAW)
     counters = {k: int(v) for k, v in _as_map(raw_stats).items()}
     return {
         "group": group,
@@ -733,7 +722,7 @@ async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dic
 async def _count_after(r: Any, key: str, last: str | None) -> int:
     """Lag when XINFO cannot tell it (entries deleted mid-stream): count what follows `last`."""
     start = "-" if not last or last == "0-0" else f"({last}"
-    rows = await r.execute_command("XRANGE", key, start, "+", "COUNT", 100_000, **_RAW)
+    rows = await r.execute_command("XRANGE", key, start, "+", "COUNT", 100_000, **RAW)
     return len(rows or [])
 
 
