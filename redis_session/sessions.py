@@ -72,7 +72,7 @@ from .projection.invariants import Problem, check_invariants, interrupted_turn_c
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
 from .snapshots import SnapshotCache, _read, load_state
-from .store.memory import MemorySessionStore, SessionStore
+from .store.memory import InspectableStore, MemorySessionStore, SessionStore, sequence_problems
 
 log = logging.getLogger(__name__)
 
@@ -951,9 +951,6 @@ class DoctorReport(Struct, frozen=True):
         return not self.problems
 
 
-_DOCTOR_PAGE = 10_000
-
-
 async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa: C901 - to split
     """Check one session: `check_invariants` on its log, plus storage checks.
 
@@ -964,8 +961,9 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa:
     data fails its type's schema), ``last-cut`` (the header's last_cut is not the last cut entry),
     ``stale-link`` (a child link whose branch does not exist: it keeps the session's keys, and an
     ephemeral one's TTL, for nothing; `Sessions.repair` / ``doctor --repair`` removes it).
-    On a `RedisSessionStore` the stream itself is inspected; on other stores the same is checked
-    through `read`. Raises `SessionNotFoundError` for a missing session.
+    A store that can look below `read` (`InspectableStore.storage_problems`: the Redis store walks
+    the stream itself) reports the storage codes; on other stores the same is checked through
+    `read`. Raises `SessionNotFoundError` for a missing session.
     """
     validate_session_id(session_id)
     problems: builtins.list[Problem] = []
@@ -982,10 +980,9 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa:
         raise SessionNotFoundError(session_id)
     n, at = head.n, head.header.at or 0
 
-    from .redis.store import RedisSessionStore
-
-    redis = isinstance(store, RedisSessionStore)
-    own: builtins.list[Entry] = await _redis_stream_problems(store, session_id, n, at, add) if redis else []
+    check = await store.storage_problems(session_id, n, at) if isinstance(store, InspectableStore) else None
+    if check is not None:
+        problems.extend(check.problems)
     try:
         entries = await _read_range(store, session_id, 0, n)
     except SessionError as e:
@@ -994,9 +991,9 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa:
         complete = False
     else:
         complete = True
-        if not redis:  # other stores: check the same shape through read()
-            _sequence_problems([e.n for e in entries], 0, n, add)
-            own = [e for e in entries if e.n >= at]
+        if check is None:  # nothing below read(): check the stored shape through read()
+            problems.extend(sequence_problems([e.n for e in entries], 0, n))
+    own = check.entries if check is not None and check.entries is not None else [e for e in entries if e.n >= at]
     for entry in own:
         try:
             store.vocabulary.check(entry.type, msgspec.json.encode(entry.data), None)
@@ -1018,59 +1015,6 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa:
         add(None, "stale-link", f"branch {child!r} is linked but does not exist: `redis-session doctor --repair`")
     problems.sort(key=lambda p: -1 if p.n is None else p.n)
     return DoctorReport(session_id, n, problems)
-
-
-def _sequence_problems(ids: Sequence[int], at: int, n: int, add: Callable[[int | None, str, str], None]) -> None:
-    expected = at
-    for k in ids:
-        if k > expected:
-            add(expected, "stream-gap", f"entries {expected}..{k - 1} are missing")
-        elif k < expected:
-            add(k, "stream-order", f"entry n={k} appears where n={expected} was expected")
-            continue
-        expected = k + 1
-    if expected > n:
-        add(n, "stream-ahead", f"the log holds entries up to n={expected - 1}, but the header says n={n}")
-    elif expected < n:
-        add(expected, "stream-behind", f"the header says n={n}, but the log ends at n={expected}")
-
-
-async def _redis_stream_problems(
-    store: Any, session_id: str, n: int, at: int, add: Callable[[int | None, str, str], None]
-) -> builtins.list[Entry]:
-    """Walk the session's own stream: IDs, contiguity against the header, decoding."""
-    from .redis.store import rows_to_entries
-
-    key = store.keys.log(session_id)
-    ids: builtins.list[int] = []
-    own: builtins.list[Entry] = []
-    lo = b"-"
-    while True:
-        rows = await store.client.execute_command("XRANGE", key, lo, "+", "COUNT", _DOCTOR_PAGE, NEVER_DECODE=True)
-        good = []
-        for row in rows:
-            rid = row[0] if isinstance(row[0], bytes) else str(row[0]).encode()
-            k, sep, seq = rid.partition(b"-")
-            if not (k.isdigit() and sep and seq == b"1"):
-                add(None, "stream-id", f"stream ID {rid.decode(errors='replace')!r} is not of the form <n>-1")
-                continue
-            ids.append(int(k))
-            good.append(row)
-        try:
-            own.extend(rows_to_entries(good))
-        except SessionError:
-            for row in good:
-                try:
-                    own.extend(rows_to_entries([row]))
-                except SessionError as e:
-                    add(int(row[0].partition(b"-")[0]), "decode", str(e))
-        if len(rows) < _DOCTOR_PAGE:
-            break
-        lo = b"(" + rows[-1][0]
-    if ids and ids[0] < at:
-        add(ids[0], "stream-order", f"the stream holds n={ids[0]}, below the branch point at={at}")
-    _sequence_problems([k for k in ids if k >= at], at, n, add)
-    return own
 
 
 __all__ = [

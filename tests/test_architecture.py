@@ -25,8 +25,6 @@ INTERNALS = (
     "NEVER_DECODE",
 )
 WIRE = {"redis/wire.py", "redis/cluster.py"}
-# Stragglers on their way out (docs/design.md §0): doctor's raw XRANGE.
-PENDING = {"sessions.py"}
 
 
 def test_only_the_wire_and_cluster_modules_touch_redis_py_internals() -> None:
@@ -34,7 +32,7 @@ def test_only_the_wire_and_cluster_modules_touch_redis_py_internals() -> None:
     offenders: list[str] = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel in WIRE or rel in PENDING:
+        if rel in WIRE:
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):

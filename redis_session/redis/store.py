@@ -80,6 +80,7 @@ from ..store.memory import (
     IDEMPOTENCY_WINDOW,
     MAX_READ_RANGE,
     Segment,
+    StorageCheck,
     StoreRules,
     check_read_range,
     lineage_for,
@@ -1078,6 +1079,14 @@ class RedisSessionStore(StoreRules):
         if res == -2:
             raise ValueError(f"snapshot n={n} is beyond the session's n")
         return res == 1
+
+    async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
+        """Doctor's storage checks: the session's own stream walked raw (`redis.doctor`)."""
+        from .doctor import stream_problems
+
+        validate_session_id(session_id)
+        with _io():
+            return await stream_problems(self, session_id, n, at)
 
     async def publish(self, event: str, payload: dict[str, Any]) -> None:
         """Publish `event` on ``{prefix}:events`` and, for the projector, on the change feed."""

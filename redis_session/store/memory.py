@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import anyio
 import msgspec
@@ -39,6 +39,7 @@ from ..model import (
     new_incarnation,
     now_ms,
 )
+from ..projection.invariants import Problem
 
 IDEMPOTENCY_WINDOW = 1024
 MAX_READ_RANGE = 100_000
@@ -124,6 +125,29 @@ class SessionStore(Protocol):
     async def aclose(self) -> None: ...
 
 
+class StorageCheck(NamedTuple):
+    """What a store found below `read` in a session's own log [at, n) (`InspectableStore`)."""
+
+    problems: list[Problem]
+    # the session's own entries that decode, in n order; None: the store has nothing below
+    # `read`, so the reader takes them from `read`
+    entries: list[Entry] | None = None
+
+
+@runtime_checkable
+class InspectableStore(Protocol):
+    """A store that can check a session's stored form below `read` (what `doctor` runs).
+
+    Optional: `doctor` checks a store without it through `read` (contiguous n, against the
+    header's n). Storage codes: ``stream-id``, ``stream-gap``, ``stream-order``, ``stream-ahead``,
+    ``stream-behind``, ``decode`` (see `redis_session.sessions.doctor`)."""
+
+    async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
+        """The problems of the session's own log [at, n) as stored (`n` and `at` from the head
+        the caller read), and its entries that decode."""
+        ...
+
+
 # --------------------------------------------------------------------------- shared rules
 
 
@@ -177,6 +201,27 @@ def check_header(header: SessionHeader) -> None:
         from ..model import lossless_json
 
         lossless_json(header.origin, "origin")
+
+
+def sequence_problems(ids: Sequence[int], at: int, n: int) -> list[Problem]:
+    """The problems of a log whose own entries carry `ids`, in stored order, against the branch
+    point `at` and the header's `n`: gaps, entries out of order, a log ahead of or behind `n`."""
+    out: list[Problem] = []
+    expected = at
+    for k in ids:
+        if k > expected:
+            out.append(Problem(expected, "stream-gap", f"entries {expected}..{k - 1} are missing"))
+        elif k < expected:
+            out.append(Problem(k, "stream-order", f"entry n={k} appears where n={expected} was expected"))
+            continue
+        expected = k + 1
+    if expected > n:
+        out.append(
+            Problem(n, "stream-ahead", f"the log holds entries up to n={expected - 1}, but the header says n={n}")
+        )
+    elif expected < n:
+        out.append(Problem(expected, "stream-behind", f"the header says n={n}, but the log ends at n={expected}"))
+    return out
 
 
 Segment = tuple[str, int, int]  # (ancestor id, lo, hi): entries [lo, hi) come from that ancestor's log
@@ -593,6 +638,11 @@ class MemorySessionStore(StoreRules):
             return False
         s.proj = (n, bytes(state))
         return True
+
+    async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
+        """Nothing is stored below `read` here: no storage problems (see `InspectableStore`)."""
+        validate_session_id(session_id)
+        return StorageCheck([])
 
     async def aclose(self) -> None:
         return None
