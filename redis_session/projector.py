@@ -70,7 +70,7 @@ from .model import CUT
 from .projection.fold import ProjectionState
 from .redis.store import RedisSessionStore
 from .redis.wire import RAW, feed_client
-from .snapshots import _fold_from_cut, _fold_range, _plausible, _rebuild
+from .snapshots import fold_from_cut, fold_range, plausible, rebuild
 
 log = logging.getLogger("redis_session.projector")
 
@@ -82,19 +82,6 @@ CURRENT = "current"  # the stored snapshot already covers the head (or another w
 DELETED = "deleted"  # the session is gone: skipped, its feed entries acked
 BUSY = "busy"  # another worker holds the session's lock: retried on the next loop
 FAILED = "failed"  # an error: left pending, reclaimed after claim_idle_ms
-
-
-# --------------------------------------------------------------------------- keys
-
-
-def lock_key(prefix: str, session_id: str) -> str:
-    """``{prefix}:{<id>}:plock``: the per-session fold lock (same slot as the session)."""
-    return f"{prefix}:{{{session_id}}}:plock"
-
-
-def stats_key(prefix: str, group: str) -> str:
-    """``{prefix}:projector:{group}:stats``: HASH of counters summed over every worker of a group."""
-    return f"{prefix}:projector:{group}:stats"
 
 
 def _validate_group(group: str) -> str:
@@ -256,7 +243,7 @@ class Projector:
         self.metrics = ProjectorMetrics(registry)
         self.feeds = store.keys.all_feeds()
         self._r = _feed_client(store)
-        self._stats_key = stats_key(store.prefix, self.group)
+        self._stats_key = store.keys.projector_stats(self.group)
         self._stopping = False
         self._idle_scope: anyio.CancelScope | None = None
         self._deferred: dict[str, _Work] = {}
@@ -486,7 +473,7 @@ class Projector:
         together."""
         sid = w.session_id
         keys = self.store.keys
-        lock = lock_key(self.store.prefix, sid)
+        lock = keys.plock(sid)
         locked = False
         counters: dict[str, int] = {}
         try:
@@ -580,7 +567,7 @@ class Projector:
                     state = ProjectionState.from_bytes(blob)
                 except ValueError:
                     state = None
-                if state is not None and not _plausible(state, n_s, head):
+                if state is not None and not plausible(state, n_s, head):
                     state = None
             if state is None:
                 counters["corrupt"] = 1
@@ -598,12 +585,12 @@ class Projector:
                 state, source = rebuilt, "cut"
         if not source and state is not None:
             try:
-                await _fold_range(store, session_id, state, target, chunk, inc)
+                await fold_range(store, session_id, state, target, chunk, inc)
                 source = "snapshot"
             except ValueError:
                 state = None  # a cut reaching under the snapshot's floor: rebuild
         if state is None or not source:
-            state, source = await _rebuild(store, session_id, head, target, chunk)
+            state, source = await rebuild(store, session_id, head, target, chunk)
         if source != "snapshot":
             self.metrics.rebuilds.labels(source).inc()
             counters[f"rebuild_{source}"] = 1
@@ -621,7 +608,7 @@ class Projector:
         before = got[0].data.get("before")
         if not isinstance(before, int) or cut_n - before > self.cut_window:
             return None
-        return await _fold_from_cut(self.store, session_id, got[0], target, self.chunk, incarnation)
+        return await fold_from_cut(self.store, session_id, got[0], target, self.chunk, incarnation)
 
     # ------------------------------------------------------------------ health
 
@@ -706,7 +693,7 @@ async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dic
                 "consumers": consumers,
             }
         )
-    raw_stats = await r.execute_command("HGETALL", stats_key(store.prefix, group), **RAW)
+    raw_stats = await r.execute_command("HGETALL", store.keys.projector_stats(group), **RAW)
     counters = {k: int(v) for k, v in _as_map(raw_stats).items()}
     return {
         "group": group,

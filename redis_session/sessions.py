@@ -71,7 +71,7 @@ from .projection.fold import Message, ProjectionState, check_surface, history, o
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
-from .snapshots import SnapshotCache, _read, load_state
+from .snapshots import SnapshotCache, load_state, read_entries
 from .store.memory import InspectableStore, MemorySessionStore, SessionStore, sequence_problems
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ async def _read_range(
     lo = start
     while lo < stop:
         hi = min(stop, lo + READ_PAGE)
-        batch = await _read(store, session_id, lo, hi, incarnation)
+        batch = await read_entries(store, session_id, lo, hi, incarnation)
         out.extend(batch)
         if len(batch) != hi - lo:
             break  # the session is shorter than asked: the caller sees what there is
@@ -141,7 +141,7 @@ async def _fold_into(
     while state.n < stop:
         lo = state.n
         hi = min(stop, lo + READ_PAGE)
-        batch = await _read(store, session_id, lo, hi, incarnation)
+        batch = await read_entries(store, session_id, lo, hi, incarnation)
         if len(batch) != hi - lo:
             raise SessionError(
                 f"session {session_id!r}: the log holds {len(batch)} entries in [{lo}, {hi}), "

@@ -38,7 +38,6 @@ from redis_session.projector import (
     DELETED,
     WRITTEN,
     Projector,
-    lock_key,
     quiescent,
     status,
 )
@@ -218,13 +217,13 @@ async def test_new_branch_starts_from_the_parents_snapshot(redis_store: RedisSes
 async def test_busy_lock_defers_without_losing_the_update(redis_store: RedisSessionStore, raw_redis: Any) -> None:
     s = redis_store
     await s.create(SessionHeader(id="hot"), turn(1))
-    await raw_redis.set(lock_key(s.prefix, "hot"), "other-worker", px=10_000)
+    await raw_redis.set(s.keys.plock("hot"), "other-worker", px=10_000)
     p = Projector(s, consumer="w")
     assert await p.run_once() == 0
     assert p.metrics.value("folds_total", outcome=BUSY) == 1
     assert (await status(s))["pending"] == 1  # kept, not acked
     assert await s.get_projection("hot") is None
-    await raw_redis.delete(lock_key(s.prefix, "hot"))
+    await raw_redis.delete(s.keys.plock("hot"))
     assert await p.run_once() == 1  # the deferred session is retried on the next loop
     await assert_converged(s, ["hot"])
     assert await quiescent(s)

@@ -68,7 +68,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
-from ..keys import validate_session_id
+from ..keys import Keys, validate_session_id
 from ..model import CUT, Entry, NewEntry, SessionHead, SessionHeader
 from ..store import SessionStore
 from ._log import resolve_store
@@ -911,7 +911,7 @@ class SessionManager:
                     "updated_at": s.updated_at.isoformat(),
                     "title": _metadata_title(s.metadata),
                     "preview": _preview(s.messages),
-                    "path": f"{self.prefix}:{{{sid}}}:log",
+                    "path": Keys(self.prefix).log(sid),
                 }
             )
         return sorted(out, key=lambda x: x.get("updated_at", ""), reverse=True)
