@@ -54,8 +54,6 @@ from .errors import (
 from .keys import MAX_ID_LENGTH, validate_session_id
 from .model import (
     CUT,
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_ENTRY_BYTES,
     Entry,
     NewEntry,
     NewEntryLike,
@@ -72,7 +70,7 @@ from .projection.invariants import Problem, check_invariants, interrupted_turn_c
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
 from .snapshots import SnapshotCache, load_state, read_entries
-from .store.memory import InspectableStore, MemorySessionStore, SessionStore, sequence_problems
+from .store import InspectableStore, MemorySessionStore, SessionStore, sequence_problems
 
 log = logging.getLogger(__name__)
 
@@ -474,8 +472,8 @@ class Session:
                     batch,
                     self._store.vocabulary,
                     first_n=first,
-                    max_entry_bytes=getattr(self._store, "max_entry_bytes", DEFAULT_MAX_ENTRY_BYTES),
-                    max_batch=getattr(self._store, "max_batch", DEFAULT_MAX_BATCH),
+                    max_entry_bytes=self._store.max_entry_bytes,
+                    max_batch=self._store.max_batch,
                 )
                 check_surface(await self._load_state(), encoded, first)
             stored = await self._store.put(

@@ -27,7 +27,7 @@ from .errors import SessionError, SessionNotFoundError
 from .keys import validate_session_id
 from .model import CUT, Entry, SessionHead
 from .projection.fold import ProjectionState
-from .store.memory import MAX_READ_RANGE, SessionStore
+from .store.protocol import MAX_READ_RANGE, SessionStore
 
 _size_enc = msgspec.json.Encoder()
 

@@ -396,6 +396,76 @@ async def test_delete(store: Any) -> None:
     assert [e.data["content"] for e in await store.read("s")] == ["m0"]
 
 
+# --------------------------------------------------------------------------- bad read, list and tail arguments
+# The same checks on every backend (StoreRules): each rejected call reads nothing and writes nothing.
+
+
+@pytest.mark.parametrize("limit", [0, 1001, -1, True, False, "5", 5.0, None], ids=repr)
+async def test_list_rejects_bad_limits(store: Any, limit: Any) -> None:
+    await make(store, "s", 1)
+    with pytest.raises(ValueError, match="limit"):
+        await store.list(limit=limit)
+    assert [h.id for h in (await store.list()).items] == ["s"]
+
+
+@pytest.mark.parametrize("cursor", [5, b"0:s", "c" * 401, ["x"]], ids=lambda c: repr(c)[:12])
+async def test_list_rejects_bad_cursors(store: Any, cursor: Any) -> None:
+    await make(store, "s", 1)
+    with pytest.raises(ValueError, match="cursor"):
+        await store.list(cursor=cursor)
+
+
+async def test_list_rejects_a_bad_parent(store: Any) -> None:
+    with pytest.raises(InvalidSessionIdError):
+        await store.list(parent="a b")
+    with pytest.raises(InvalidSessionIdError):
+        await store.list(parent="{x}")
+
+
+@pytest.mark.parametrize(
+    ("start", "stop"),
+    [(-1, None), (True, None), ("0", None), (0.0, None), (0, -1), (0, True), (0, "3"), (0, 100_001), (5, 100_006)],
+    ids=repr,
+)
+async def test_read_rejects_bad_ranges(store: Any, start: Any, stop: Any) -> None:
+    await make(store, "s", 2)
+    with pytest.raises(ValueError):
+        await store.read("s", start, stop)
+    assert len(await store.read("s", 0, 100_000)) == 2  # the largest range is fine
+
+
+@pytest.mark.parametrize("start", [-1, True, "0", 1.5], ids=repr)
+async def test_tail_rejects_a_bad_start(store: Any, start: Any) -> None:
+    await make(store, "s", 2)
+    with pytest.raises(ValueError):
+        async for _ in store.tail("s", start):
+            pass
+
+
+async def test_bad_arguments_are_rejected_before_the_lookup(store: Any) -> None:
+    """A bad argument is the caller's error whether or not the session exists."""
+    with pytest.raises(ValueError):
+        await store.read("ghost", -1)
+    with pytest.raises(ValueError):
+        async for _ in store.tail("ghost", -1):
+            pass
+    big = {"c": "x" * (store.max_entry_bytes + 1)}
+    with pytest.raises(InvalidEntryError, match="draft"):
+        await store.set_draft("ghost", big)
+
+
+async def test_limits_are_part_of_the_protocol(store: Any) -> None:
+    from redis_session.store import SessionStore
+
+    assert isinstance(store, SessionStore)
+    assert isinstance(store.max_batch, int) and store.max_batch >= 1
+    assert isinstance(store.max_entry_bytes, int) and store.max_entry_bytes >= 1
+    await make(store, "s", 0)
+    with pytest.raises(InvalidEntryError):
+        await store.put("s", 0, [um("x")] * (store.max_batch + 1))
+    assert (await store.head("s")).n == 0
+
+
 # --------------------------------------------------------------------------- hostile ids
 
 HOSTILE_IDS = ["", "a{b}", "{x}", "a b", "tab\there", "line\nbreak", "nul\x00", "x" * 10_000, "del\x7f"]

@@ -198,9 +198,9 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         self.store: SessionStore = resolve_store(store)
         self.namespace = namespace
         self._logs: OrderedDict[str, _Folded] = OrderedDict()
-        vocabulary = getattr(self.store, "vocabulary", None)
+        vocabulary = self.store.vocabulary
         for t in MARK_TYPES:
-            if vocabulary is not None and t not in vocabulary:
+            if t not in vocabulary:
                 vocabulary.define(t, None)
 
     # ------------------------------------------------------------------ ids

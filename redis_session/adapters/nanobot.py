@@ -686,9 +686,9 @@ class SessionManager:
         self.prefix = prefix
         self._key_to_id = key_to_id or (lambda k: k)
         self._cache: dict[str, Session] = {}
-        vocabulary = getattr(self.store, "vocabulary", None)
+        vocabulary = self.store.vocabulary
         for t in (COMMAND, METADATA):
-            if vocabulary is not None and t not in vocabulary:
+            if t not in vocabulary:
                 vocabulary.define(t, None)
 
     # -- plumbing
@@ -792,7 +792,7 @@ class SessionManager:
 
     @property
     def _max_batch(self) -> int:
-        return int(getattr(self.store, "max_batch", 10_000))
+        return self.store.max_batch
 
     def flush_all(self) -> int:
         """Save every cached session; the number saved (a failing one does not stop the rest)."""

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from ..errors import SessionError
 from ..model import Entry
 from ..projection.invariants import Problem
-from ..store.memory import StorageCheck, sequence_problems
+from ..store.protocol import StorageCheck
+from ..store.rules import sequence_problems
 from .store import rows_to_entries
 
 if TYPE_CHECKING:

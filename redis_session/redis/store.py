@@ -72,20 +72,11 @@ from ..model import (
     batch_digest,
     bound_error,
     legacy_incarnation,
-    lossless_json,
     new_incarnation,
     now_ms,
 )
-from ..store.memory import (
-    IDEMPOTENCY_WINDOW,
-    MAX_READ_RANGE,
-    Segment,
-    StorageCheck,
-    StoreRules,
-    check_read_range,
-    lineage_for,
-    plan_read,
-)
+from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
+from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .cluster import ClusterRouter
 from .wire import EVAL, EVALSHA, RAW, PooledWire, bulks, pack, raw_client, read_replies, socket_timeout
 
@@ -547,14 +538,10 @@ class RedisSessionStore(StoreRules):
             return None
         return SessionHead(header=h.header, n=h.n, updated_at=h.updated_at, last_cut=h.last_cut)
 
-    async def read(  # noqa: C901 - to split
+    async def read(
         self, session_id: str, start: int = 0, stop: int | None = None, *, incarnation: str | None = None
     ) -> builtins.list[Entry]:
-        validate_session_id(session_id)
-        check_read_range(start, stop)
-        hi = None if stop is None else stop
-        if hi is not None and hi - start > MAX_READ_RANGE:
-            raise ValueError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
+        check_read(session_id, start, stop)
         with _io():
             # One round trip in the common case: the header check and the own-stream range together,
             # and the header's identity again after the range. Incarnations are never reused, so the
@@ -918,13 +905,10 @@ class RedisSessionStore(StoreRules):
     async def list(
         self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
     ) -> Page[SessionHeader]:
-        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
-            raise ValueError("limit must be an int in [1, 1000]")
-        if cursor is not None and (not isinstance(cursor, str) or len(cursor) > 400):
-            raise ValueError("invalid cursor")
+        check_list(parent, limit, cursor)
         # The list index is sharded (no single key takes every create); a page is the k-way merge
         # of the shards' pages. A parent's branches are one key in the parent's slot.
-        keys = self.keys.all_sessions() if parent is None else [self.keys.kids(validate_session_id(parent))]
+        keys = self.keys.all_sessions() if parent is None else [self.keys.kids(parent)]
         items: builtins.list[SessionHeader] = []
         with _io():
             while True:
@@ -973,8 +957,7 @@ class RedisSessionStore(StoreRules):
         when the id names another incarnation than `incarnation` (None: the one met at the
         start), at the start or at any later point: the header's identity is read right after
         every XREAD (same round trip), so no entry of a session that took the id is yielded."""
-        validate_session_id(session_id)
-        check_read_range(start, None)
+        check_read(session_id, start, None)
         with _io():
             h = await self._hdr(session_id)
         if h is None or h.deleted:
@@ -1027,9 +1010,7 @@ class RedisSessionStore(StoreRules):
 
     async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None:
         validate_session_id(session_id)
-        raw = b"" if draft is None else lossless_json(draft, "draft")
-        if len(raw) > self.max_entry_bytes:
-            raise InvalidEntryError(f"draft is {len(raw)} bytes; the limit is {self.max_entry_bytes}")
+        raw = self._draft_bytes(draft) or b""
         with _io():
             ok = await self._eval("draft", [self.keys.hdr(session_id), self.keys.draft(session_id)], [raw])
         if int(ok) != 1:
