@@ -1,6 +1,6 @@
 """`MemorySessionStore`: the `SessionStore` contract in process, the reference behaviour.
 
-Every backend passes one contract suite (tests/test_store_contract.py); this store is what the
+Every backend passes one contract suite (`redis_session.testing.contract`); this store is what the
 Redis store must behave like, and what tests and stateless runs use.
 """
 

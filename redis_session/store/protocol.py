@@ -1,7 +1,7 @@
 """The `SessionStore` contract: the protocol every backend implements, and its limits.
 
 The behaviour behind each method is docs/design.md §4; `MemorySessionStore` is the reference, and
-tests/test_store_contract.py is the suite every backend passes.
+`redis_session.testing.contract` is the suite every backend passes.
 """
 
 from __future__ import annotations
