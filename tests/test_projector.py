@@ -44,6 +44,8 @@ from redis_session.projector import (
 from redis_session.redis.embedded import free_port
 from redis_session.snapshots import SnapshotCache, load_messages
 
+from support import wait_for as wait_until
+
 pytestmark = pytest.mark.anyio
 
 WORKER = Path(__file__).with_name("_projector_worker.py")
@@ -548,7 +550,7 @@ async def test_stop_during_a_batch_finishes_it(redis_store: RedisSessionStore) -
     t0 = time.monotonic()
     async with anyio.create_task_group() as tg:
         tg.start_soon(p2.run)
-        await anyio.sleep(0.3)
+        await wait_until(lambda: p2._idle_scope is not None)  # in its idle read
         p2.stop()
     assert time.monotonic() - t0 < 5
 

@@ -7,7 +7,7 @@ Redis store must behave like, and what tests and stateless runs use.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -74,9 +74,9 @@ class _MemSession:
         self.kids: set[str] = set()
         self.deleted = False
         self.draft: dict[str, Any] | None = None
-        self.lease: tuple[str, float] | None = None
+        self.lease: tuple[str, int] | None = None  # token, expiry (ms on the store's clock)
         self.ttl_ms = ttl_ms
-        self.expires_at: float | None = None
+        self.expires_at: int | None = None  # ms on the store's clock
         self.proj: tuple[int, bytes] | None = None
         self.changed = anyio.Event()
 
@@ -87,6 +87,9 @@ class _MemSession:
 class MemorySessionStore(StoreRules):
     """An in-process `SessionStore` with exactly the Redis store's behaviour.
 
+    `clock` (a callable returning ms since the epoch; default the wall clock) stamps entries and
+    new headers and runs TTLs and leases, as the server's clock does on Redis.
+
     >>> store = MemorySessionStore()
     """
 
@@ -96,7 +99,11 @@ class MemorySessionStore(StoreRules):
         vocabulary: Vocabulary | None = None,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         max_batch: int = DEFAULT_MAX_BATCH,
+        clock: Callable[[], int] = now_ms,
     ) -> None:
+        #: the store's clock, ms since the epoch: entry times, created_at, TTLs and leases (a
+        #: test passes one it can move forward instead of sleeping)
+        self.clock = clock
         self.vocabulary = vocabulary if vocabulary is not None else Vocabulary()
         self.max_entry_bytes = max_entry_bytes
         self.max_batch = max_batch
@@ -110,14 +117,14 @@ class MemorySessionStore(StoreRules):
         s = self._sessions.get(session_id)
         if s is None:
             return None
-        if s.expires_at is not None and s.expires_at <= anyio.current_time():
+        if s.expires_at is not None and s.expires_at <= self.clock():
             # A session with live branches does not expire (they read its entries), as on Redis;
             # its expired branches go first, and the last one gone restarts its clock.
             for kid in builtins.list(s.kids):
                 self._get(kid, include_deleted=True)
             if session_id not in self._sessions:
                 return None  # a hidden parent purged with its last branch
-            if not s.kids and s.expires_at is not None and s.expires_at <= anyio.current_time():
+            if not s.kids and s.expires_at is not None and s.expires_at <= self.clock():
                 self._purge(session_id)
                 return None
         if s.deleted and not include_deleted:
@@ -126,7 +133,7 @@ class MemorySessionStore(StoreRules):
 
     def _touch(self, s: _MemSession) -> None:
         if s.ttl_ms is not None:
-            s.expires_at = anyio.current_time() + s.ttl_ms / 1000
+            s.expires_at = self.clock() + s.ttl_ms
 
     def _purge(self, session_id: str) -> None:
         s = self._sessions.pop(session_id, None)
@@ -198,7 +205,7 @@ class MemorySessionStore(StoreRules):
     def _append(
         self, s: _MemSession, batch: Sequence[EncodedEntry], idempotency_key: str | None
     ) -> builtins.list[Entry]:
-        now = now_ms()
+        now = self.clock()
         stored = [enc.stored(s.n + i, now) for i, enc in enumerate(batch)]
         for e in stored:
             s.entries[e.n] = e
@@ -236,7 +243,7 @@ class MemorySessionStore(StoreRules):
                     raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={parent.n}")
                 segments = lineage_for(parent.header.id, parent.header.at, parent.segments, header.at)
             if header.created_at == 0:
-                header = msgspec.structs.replace(header, created_at=now_ms())
+                header = msgspec.structs.replace(header, created_at=self.clock())
             header = msgspec.structs.replace(header, incarnation=new_incarnation())  # every create: a new life
             s = _MemSession(header, segments, ttl_ms)
             self._sessions[header.id] = s
@@ -337,10 +344,10 @@ class MemorySessionStore(StoreRules):
         s = self._get(validate_session_id(session_id))
         if s is None:
             raise SessionNotFoundError(session_id)
-        now = anyio.current_time()
+        now = self.clock()
         if s.lease is not None and s.lease[1] > now and s.lease[0] != token:
             return False
-        s.lease = (token, now + ttl_ms / 1000)
+        s.lease = (token, now + ttl_ms)
         return True
 
     async def release_lease(self, session_id: str, token: str) -> bool:
