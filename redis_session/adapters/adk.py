@@ -81,7 +81,7 @@ _MARKER = "rs:"  # our `_storage_update_marker`s: "rs:<n>" (another service's ma
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 #: How many app/user/index logs one service instance keeps folded (least recently used go).
 CACHE_SIZE = 1024
-#: The store's limit on a session id (DESIGN §3); the store validates every id it is given.
+#: The store's limit on a session id (docs/design.md §3); the store validates every id it is given.
 MAX_ID_LENGTH = 256
 
 

@@ -11,7 +11,7 @@ with the same ``idempotency_key`` to make it safe). On Redis Cluster, reads go t
 routing, and scripts are sent by this module to the node that owns the session's slot: a MOVED,
 ASK, TRYAGAIN or CLUSTERDOWN reply, or a connection that could not be opened (the script did not
 run), is followed in redis-py's slot table and re-sent; a lost connection is never re-sent, but the
-topology is reloaded before the next call (see `_cluster.py`).
+topology is reloaded before the next call (see `cluster.py`).
 
 Durability (``durability=``): ``"none"`` acknowledges once the primary ran the script (with AOF
 ``appendfsync everysec`` at most a second of writes can be lost on a crash); ``"aof"`` also waits
