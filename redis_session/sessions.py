@@ -61,6 +61,7 @@ from .model import (
     SessionHead,
     SessionHeader,
     Surface,
+    Vocabulary,
     as_new_entry,
     encode_batch,
     kind_of,
@@ -949,7 +950,7 @@ class DoctorReport(Struct, frozen=True):
         return not self.problems
 
 
-async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa: C901 - to split
+async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     """Check one session: `check_invariants` on its log, plus storage checks.
 
     Storage codes: ``header`` (the header does not parse), ``stream-id`` (an ID not of the form
@@ -992,27 +993,45 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa:
         if check is None:  # nothing below read(): check the stored shape through read()
             problems.extend(sequence_problems([e.n for e in entries], 0, n))
     own = check.entries if check is not None and check.entries is not None else [e for e in entries if e.n >= at]
-    for entry in own:
-        try:
-            store.vocabulary.check(entry.type, msgspec.json.encode(entry.data), None)
-        except InvalidEntryError as err:
-            add(entry.n, "schema", str(err))
-    own_cuts = [e.n for e in own if e.type == CUT]
-    if own_cuts:
-        if head.last_cut != own_cuts[-1]:
-            add(head.last_cut, "last-cut", f"header last_cut={head.last_cut}, the last cut entry is n={own_cuts[-1]}")
-    elif head.last_cut is not None and head.last_cut >= at:
-        add(head.last_cut, "last-cut", f"header last_cut={head.last_cut}, but the session has no cut there")
-    elif head.last_cut is not None and complete:
-        inherited = entries[head.last_cut] if head.last_cut < len(entries) else None
-        if inherited is None or inherited.type != CUT:
-            add(head.last_cut, "last-cut", f"header last_cut={head.last_cut} is not a cut entry")
+    problems.extend(_schema_problems(store.vocabulary, own))
+    problems.extend(_last_cut_problems(head, own, entries if complete else None))
     if complete and len(entries) == n and all(e.n == i for i, e in enumerate(entries)):
         problems.extend(check_invariants(entries))
     for child in (await store.links(session_id))[1]:
         add(None, "stale-link", f"branch {child!r} is linked but does not exist: `redis-session doctor --repair`")
     problems.sort(key=lambda p: -1 if p.n is None else p.n)
     return DoctorReport(session_id, n, problems)
+
+
+def _schema_problems(vocabulary: Vocabulary, own: Sequence[Entry]) -> builtins.list[Problem]:
+    """A ``schema`` problem for each of the session's own entries whose data fails its schema."""
+    out: builtins.list[Problem] = []
+    for entry in own:
+        try:
+            vocabulary.check(entry.type, msgspec.json.encode(entry.data), None)
+        except InvalidEntryError as err:
+            out.append(Problem(entry.n, "schema", str(err)))
+    return out
+
+
+def _last_cut_problems(
+    head: SessionHead, own: Sequence[Entry], entries: Sequence[Entry] | None
+) -> builtins.list[Problem]:
+    """Whether the header's last_cut names the session's last cut entry (`entries`: the whole
+    log, or None when it could not be read)."""
+    last_cut, at = head.last_cut, head.header.at or 0
+    own_cuts = [e.n for e in own if e.type == CUT]
+    if own_cuts:
+        if last_cut != own_cuts[-1]:
+            message = f"header last_cut={last_cut}, the last cut entry is n={own_cuts[-1]}"
+            return [Problem(last_cut, "last-cut", message)]
+    elif last_cut is not None and last_cut >= at:
+        return [Problem(last_cut, "last-cut", f"header last_cut={last_cut}, but the session has no cut there")]
+    elif last_cut is not None and entries is not None:
+        inherited = entries[last_cut] if last_cut < len(entries) else None
+        if inherited is None or inherited.type != CUT:
+            return [Problem(last_cut, "last-cut", f"header last_cut={last_cut} is not a cut entry")]
+    return []
 
 
 __all__ = [
