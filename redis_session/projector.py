@@ -66,7 +66,7 @@ from redis.exceptions import RedisError
 
 from .errors import InvalidSessionIdError, SessionNotFoundError, StoreUnavailableError
 from .keys import validate_prefix, validate_session_id
-from .model import CUT
+from .model import CUT, SessionHead
 from .projection.fold import ProjectionState
 from .redis.store import RedisSessionStore
 from .redis.wire import RAW, feed_client
@@ -536,10 +536,10 @@ class Projector:
         outcome, _ = await self._work(_Work(session_id, event=True))
         return outcome
 
-    async def _fold_locked(self, session_id: str, counters: dict[str, int]) -> str:  # noqa: C901 - to split
+    async def _fold_locked(self, session_id: str, counters: dict[str, int]) -> str:
         """The fold itself: its outcome. Everything is read as of one head's incarnation, and the
         snapshot is written only to that incarnation (SessionReplacedError otherwise)."""
-        store, chunk = self.store, self.chunk
+        store = self.store
         if self.on_session is not None:
             await self.on_session(session_id)
         head = await store.head(session_id)
@@ -553,24 +553,49 @@ class Projector:
                 return DELETED
             head = newer
         target = head.n
+        if snap is not None and snap[0] == target:
+            return CURRENT
+        state = await self._stored_state(session_id, snap, head, counters)
+        start = 0 if state is None else state.n
+        state, source = await self._bring_to(session_id, state, head, inc)
+        if source != "snapshot":
+            self.metrics.rebuilds.labels(source).inc()
+            counters[f"rebuild_{source}"] = 1
+        self.metrics.entries.inc(target - start if source == "snapshot" else target)
+        if not await store.put_projection(session_id, target, state.to_bytes(), incarnation=inc):
+            return CURRENT  # another worker wrote one at >= target meanwhile
+        return WRITTEN
+
+    async def _stored_state(
+        self, session_id: str, snap: tuple[int, bytes] | None, head: SessionHead, counters: dict[str, int]
+    ) -> ProjectionState | None:
+        """The stored snapshot (below `head`'s n) decoded, when it is usable; else None, and a
+        damaged or foreign one is counted as ``corrupt``."""
+        if snap is None:
+            return None
+        n_s, blob = snap
         state: ProjectionState | None = None
-        if snap is not None:
-            n_s, blob = snap
-            if n_s == target:
-                return CURRENT
-            if n_s > target:
-                # Never written by proj.lua (it caps n at the header's): a foreign value that the
-                # forward-only write could not replace. Drop it and rebuild.
-                await self._r.execute_command("DEL", store.keys.proj(session_id))
-            else:
-                try:
-                    state = ProjectionState.from_bytes(blob)
-                except ValueError:
-                    state = None
-                if state is not None and not plausible(state, n_s, head):
-                    state = None
-            if state is None:
-                counters["corrupt"] = 1
+        if n_s > head.n:
+            # Never written by proj.lua (it caps n at the header's): a foreign value that the
+            # forward-only write could not replace. Drop it and rebuild.
+            await self._r.execute_command("DEL", self.store.keys.proj(session_id))
+        else:
+            try:
+                state = ProjectionState.from_bytes(blob)
+            except ValueError:
+                state = None
+            if state is not None and not plausible(state, n_s, head):
+                state = None
+        if state is None:
+            counters["corrupt"] = 1
+        return state
+
+    async def _bring_to(
+        self, session_id: str, state: ProjectionState | None, head: SessionHead, inc: str
+    ) -> tuple[ProjectionState, str]:
+        """`state` (or none) brought to ``head.n``, and how: ``"snapshot"`` (extended), ``"cut"``
+        (rebuilt from the tail's last cut, which compacts it), else `rebuild`'s source."""
+        target = head.n
         start = 0 if state is None else state.n
         source = ""
         last_cut = head.last_cut
@@ -585,19 +610,13 @@ class Projector:
                 state, source = rebuilt, "cut"
         if not source and state is not None:
             try:
-                await fold_range(store, session_id, state, target, chunk, inc)
+                await fold_range(self.store, session_id, state, target, self.chunk, inc)
                 source = "snapshot"
             except ValueError:
                 state = None  # a cut reaching under the snapshot's floor: rebuild
         if state is None or not source:
-            state, source = await rebuild(store, session_id, head, target, chunk)
-        if source != "snapshot":
-            self.metrics.rebuilds.labels(source).inc()
-            counters[f"rebuild_{source}"] = 1
-        self.metrics.entries.inc(target - start if source == "snapshot" else target)
-        if not await store.put_projection(session_id, target, state.to_bytes(), incarnation=inc):
-            return CURRENT  # another worker wrote one at >= target meanwhile
-        return WRITTEN
+            state, source = await rebuild(self.store, session_id, head, target, self.chunk)
+        return state, source
 
     async def _from_cut_if_small(
         self, session_id: str, cut_n: int, target: int, incarnation: str
