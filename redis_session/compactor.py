@@ -82,21 +82,13 @@ from .errors import (
     SessionNotFoundError,
     StoreUnavailableError,
 )
+from .feed import as_map, as_str, default_consumer, entry_rows, feed_client_of, stream_rows, validate_group
 from .keys import validate_session_id
 from .model import CUT, NewEntry, SessionHead
 from .projection.fold import Message, ProjectionState, estimate_tokens, history, to_openai
-from .projector import (
-    _RAW,
-    _as_map,
-    _default_consumer,
-    _entry_rows,
-    _feed_client,
-    _str,
-    _stream_rows,
-    _validate_group,
-)
 from .projector import status as _feed_status
 from .redis.store import RedisSessionStore
+from .redis.wire import RAW
 from .retry import conflict_backoff
 from .snapshots import SnapshotCache, load_state
 
@@ -393,8 +385,8 @@ class Compactor:
         self.summary_role = summary_role
         self.summary_prefix = summary_prefix
         self.timeout = timeout
-        self.group = _validate_group(group)
-        self.consumer = _validate_group(consumer or _default_consumer())
+        self.group = validate_group(group)
+        self.consumer = validate_group(consumer or default_consumer())
         self.batch = batch
         self.claim_idle_ms = claim_idle_ms
         self.block_ms = block_ms
@@ -408,7 +400,7 @@ class Compactor:
         self.metrics = CompactorMetrics(registry)
         self.cache = snapshot_cache
         self.feeds = store.keys.all_feeds()
-        self._r = _feed_client(store)
+        self._r = feed_client_of(store)
         self._stats_key = store.keys.compactor_stats(self.group)
         self._stopping = False
         self._idle_scope: anyio.CancelScope | None = None
@@ -534,13 +526,13 @@ class Compactor:
             if block_ms is not None:
                 args += ["BLOCK", block_ms]
             args += ["STREAMS", *self.feeds, *([">"] * len(self.feeds))]
-            return _stream_rows(await self._r.execute_command(*args, **_RAW))
+            return stream_rows(await self._r.execute_command(*args, **RAW))
         out: builtins.list[_FeedRow] = []  # a cluster: one read per shard, then a short poll
         for key in self.feeds:
             raw = await self._r.execute_command(
-                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, ">", **_RAW
+                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, ">", **RAW
             )
-            out.extend(_stream_rows(raw))
+            out.extend(stream_rows(raw))
         if not out and block_ms:
             await anyio.sleep(min(block_ms, 100) / 1000)
         return out
@@ -550,10 +542,10 @@ class Compactor:
         for key in self.feeds:
             raw = await self._r.execute_command(
                 "XAUTOCLAIM", key, self.group, self.consumer, self.claim_idle_ms,
-                self._claim_cursor[key], "COUNT", self.batch, **_RAW,
+                self._claim_cursor[key], "COUNT", self.batch, **RAW,
             )  # fmt: skip
-            self._claim_cursor[key] = _str(raw[0])
-            for rid, fields in _entry_rows(raw[1]):
+            self._claim_cursor[key] = as_str(raw[0])
+            for rid, fields in entry_rows(raw[1]):
                 out.append((key, rid, fields))
         mine = {(k, rid) for w in self._deferred.values() for k, rids in w.ids.items() for rid in rids}
         fresh = sum(1 for key, rid, _ in out if (key, rid) not in mine)
@@ -836,14 +828,14 @@ class Compactor:
             return outcome
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
-                if _str(await self._r.execute_command("GET", key, **_RAW) or b"") == token:
+                if as_str(await self._r.execute_command("GET", key, **RAW) or b"") == token:
                     await self._r.execute_command("DEL", key)
 
     async def _renew(self, key: str, token: str) -> None:
         while True:
             await anyio.sleep(self.lock_ms / 3000)
             with contextlib.suppress(RedisError, OSError):
-                if _str(await self._r.execute_command("GET", key, **_RAW) or b"") != token:
+                if as_str(await self._r.execute_command("GET", key, **RAW) or b"") != token:
                     return  # lapsed and taken: expected_n and the range key still keep us right
                 await self._r.execute_command("PEXPIRE", key, self.lock_ms)
 
@@ -871,6 +863,6 @@ async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dic
     ``compacted``, ``uncuttable``, ``deleted``, ``errors``, ``conflicts``, ``summarizer_errors``,
     ``processed``, ``reclaimed``."""
     st = await _feed_status(store, group=group)
-    raw = await _feed_client(store).execute_command("HGETALL", store.keys.compactor_stats(group), **_RAW)
-    st["counters"] = {k: int(v) for k, v in _as_map(raw).items()}
+    raw = await feed_client_of(store).execute_command("HGETALL", store.keys.compactor_stats(group), **RAW)
+    st["counters"] = {k: int(v) for k, v in as_map(raw).items()}
     return st

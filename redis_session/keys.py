@@ -103,6 +103,11 @@ class Keys:
     def lease(self, session_id: str) -> str:
         return self._k(session_id, "lease")
 
+    def plock(self, session_id: str) -> str:
+        """A projector's short per-session fold lock (same slot as the session; not one of
+        `session_keys`: it expires by itself)."""
+        return self._k(session_id, "plock")
+
     def compact_lock(self, session_id: str) -> str:
         """A compactor's per-session lock (same slot as the session; expires on its own)."""
         return self._k(session_id, "compact")
@@ -133,6 +138,10 @@ class Keys:
     @property
     def events(self) -> str:
         return f"{self.prefix}:events"
+
+    def projector_stats(self, group: str) -> str:
+        """HASH of a projector group's counters, summed over its workers."""
+        return f"{self.prefix}:projector:{group}:stats"
 
     def feed_shard(self, session_id: str) -> int:
         return zlib.crc32(session_id.encode()) % self.feed_shards

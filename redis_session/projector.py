@@ -53,24 +53,22 @@ from __future__ import annotations
 import builtins
 import contextlib
 import logging
-import os
-import secrets
-import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from .errors import InvalidSessionIdError, SessionNotFoundError, StoreUnavailableError
-from .keys import validate_prefix, validate_session_id
-from .model import CUT
+from .feed import as_map, as_str, default_consumer, entry_rows, feed_client_of, stream_rows, validate_group
+from .keys import validate_session_id
+from .model import CUT, SessionHead
 from .projection.fold import ProjectionState
 from .redis.store import RedisSessionStore
-from .snapshots import _fold_from_cut, _fold_range, _plausible, _rebuild
+from .redis.wire import RAW
+from .snapshots import fold_from_cut, fold_range, plausible, rebuild
 
 log = logging.getLogger("redis_session.projector")
 
@@ -82,68 +80,6 @@ CURRENT = "current"  # the stored snapshot already covers the head (or another w
 DELETED = "deleted"  # the session is gone: skipped, its feed entries acked
 BUSY = "busy"  # another worker holds the session's lock: retried on the next loop
 FAILED = "failed"  # an error: left pending, reclaimed after claim_idle_ms
-
-_RAW = {"NEVER_DECODE": True}
-_FEED_COMMANDS = ("XREADGROUP", "XAUTOCLAIM", "XINFO GROUPS", "XINFO CONSUMERS", "XRANGE", "HGETALL")
-
-
-# --------------------------------------------------------------------------- keys
-
-
-def lock_key(prefix: str, session_id: str) -> str:
-    """``{prefix}:{<id>}:plock``: the per-session fold lock (same slot as the session)."""
-    return f"{prefix}:{{{session_id}}}:plock"
-
-
-def stats_key(prefix: str, group: str) -> str:
-    """``{prefix}:projector:{group}:stats``: HASH of counters summed over every worker of a group."""
-    return f"{prefix}:projector:{group}:stats"
-
-
-def _validate_group(group: str) -> str:
-    validate_prefix(group)  # same alphabet: no braces, whitespace or control characters
-    return group
-
-
-# --------------------------------------------------------------------------- reply parsing
-
-
-def _str(b: Any) -> str:
-    return b.decode() if isinstance(b, bytes | bytearray) else str(b)
-
-
-def _as_map(raw: Any) -> dict[str, Any]:
-    """A RESP2 flat list or a RESP3 map as a dict with str keys."""
-    if isinstance(raw, dict):
-        return {_str(k): v for k, v in raw.items()}
-    if not raw:
-        return {}
-    return {_str(k): v for k, v in zip(raw[::2], raw[1::2], strict=False)}
-
-
-def _stream_rows(raw: Any) -> builtins.list[tuple[str, str, dict[str, str] | None]]:
-    """``(stream key, entry id, fields or None)`` from an XREADGROUP reply (RESP2 or RESP3)."""
-    if not raw:
-        return []
-    pairs = raw.items() if isinstance(raw, dict) else ((p[0], p[1]) for p in raw)
-    out: builtins.list[tuple[str, str, dict[str, str] | None]] = []
-    for key, rows in pairs:
-        k = _str(key)
-        for rid, fields in _entry_rows(rows):
-            out.append((k, rid, fields))
-    return out
-
-
-def _entry_rows(rows: Any) -> builtins.list[tuple[str, dict[str, str] | None]]:
-    if not rows:
-        return []
-    if isinstance(rows, dict):  # RESP3 attribute-free map form (some servers)
-        rows = builtins.list(rows.items())
-    out: builtins.list[tuple[str, dict[str, str] | None]] = []
-    for row in rows:
-        rid, fields = row[0], row[1]
-        out.append((_str(rid), None if fields is None else {k: _str(v) for k, v in _as_map(fields).items()}))
-    return out
 
 
 # --------------------------------------------------------------------------- metrics
@@ -242,8 +178,8 @@ class Projector:
         if batch < 1 or claim_idle_ms < 1 or concurrency < 1 or block_ms < 1 or lock_ms < 0:
             raise ValueError("batch, claim_idle_ms, concurrency and block_ms must be >= 1; lock_ms >= 0")
         self.store = store
-        self.group = _validate_group(group)
-        self.consumer = _validate_group(consumer or _default_consumer())
+        self.group = validate_group(group)
+        self.consumer = validate_group(consumer or default_consumer())
         self.batch = batch
         self.claim_idle_ms = claim_idle_ms
         self.metrics_port = metrics_port
@@ -258,8 +194,8 @@ class Projector:
         self.on_session = on_session
         self.metrics = ProjectorMetrics(registry)
         self.feeds = store.keys.all_feeds()
-        self._r = _feed_client(store)
-        self._stats_key = stats_key(store.prefix, self.group)
+        self._r = feed_client_of(store)
+        self._stats_key = store.keys.projector_stats(self.group)
         self._stopping = False
         self._idle_scope: anyio.CancelScope | None = None
         self._deferred: dict[str, _Work] = {}
@@ -400,14 +336,14 @@ class Projector:
             if block_ms is not None:
                 args += ["BLOCK", block_ms]
             args += ["STREAMS", *start.keys(), *start.values()]
-            return _stream_rows(await self._r.execute_command(*args, **_RAW))
+            return stream_rows(await self._r.execute_command(*args, **RAW))
         # A cluster puts the shards in different slots: one read per shard, then a short poll.
         out: builtins.list[tuple[str, str, dict[str, str] | None]] = []
         for key, from_id in start.items():
             raw = await self._r.execute_command(
-                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, from_id, **_RAW
+                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, from_id, **RAW
             )
-            out.extend(_stream_rows(raw))
+            out.extend(stream_rows(raw))
         if not out and block_ms:
             await anyio.sleep(min(block_ms, 100) / 1000)
         return out
@@ -417,10 +353,10 @@ class Projector:
         for key in self.feeds:
             raw = await self._r.execute_command(
                 "XAUTOCLAIM", key, self.group, self.consumer, self.claim_idle_ms,
-                self._claim_cursor[key], "COUNT", self.batch, **_RAW,
+                self._claim_cursor[key], "COUNT", self.batch, **RAW,
             )  # fmt: skip
-            self._claim_cursor[key] = _str(raw[0])
-            for rid, fields in _entry_rows(raw[1]):
+            self._claim_cursor[key] = as_str(raw[0])
+            for rid, fields in entry_rows(raw[1]):
                 out.append((key, rid, fields))
         # Entries this worker deferred (a busy lock) idle in its own list too: not a reclaim.
         mine = {(k, rid) for w in self._deferred.values() for k, rids in w.ids.items() for rid in rids}
@@ -489,14 +425,14 @@ class Projector:
         together."""
         sid = w.session_id
         keys = self.store.keys
-        lock = lock_key(self.store.prefix, sid)
+        lock = keys.plock(sid)
         locked = False
         counters: dict[str, int] = {}
         try:
             pipe = self._r.pipeline(transaction=False)
             if self.lock_ms:
                 pipe.execute_command("SET", lock, self.consumer, "NX", "PX", self.lock_ms)
-            pipe.execute_command("HGET", keys.proj(sid), "n", **_RAW)
+            pipe.execute_command("HGET", keys.proj(sid), "n", **RAW)
             res = await pipe.execute()
             locked = bool(self.lock_ms and res[0])
             stored_n = _int_or_none(res[-1])
@@ -552,10 +488,10 @@ class Projector:
         outcome, _ = await self._work(_Work(session_id, event=True))
         return outcome
 
-    async def _fold_locked(self, session_id: str, counters: dict[str, int]) -> str:  # noqa: C901 - to split
+    async def _fold_locked(self, session_id: str, counters: dict[str, int]) -> str:
         """The fold itself: its outcome. Everything is read as of one head's incarnation, and the
         snapshot is written only to that incarnation (SessionReplacedError otherwise)."""
-        store, chunk = self.store, self.chunk
+        store = self.store
         if self.on_session is not None:
             await self.on_session(session_id)
         head = await store.head(session_id)
@@ -569,24 +505,49 @@ class Projector:
                 return DELETED
             head = newer
         target = head.n
+        if snap is not None and snap[0] == target:
+            return CURRENT
+        state = await self._stored_state(session_id, snap, head, counters)
+        start = 0 if state is None else state.n
+        state, source = await self._bring_to(session_id, state, head, inc)
+        if source != "snapshot":
+            self.metrics.rebuilds.labels(source).inc()
+            counters[f"rebuild_{source}"] = 1
+        self.metrics.entries.inc(target - start if source == "snapshot" else target)
+        if not await store.put_projection(session_id, target, state.to_bytes(), incarnation=inc):
+            return CURRENT  # another worker wrote one at >= target meanwhile
+        return WRITTEN
+
+    async def _stored_state(
+        self, session_id: str, snap: tuple[int, bytes] | None, head: SessionHead, counters: dict[str, int]
+    ) -> ProjectionState | None:
+        """The stored snapshot (below `head`'s n) decoded, when it is usable; else None, and a
+        damaged or foreign one is counted as ``corrupt``."""
+        if snap is None:
+            return None
+        n_s, blob = snap
         state: ProjectionState | None = None
-        if snap is not None:
-            n_s, blob = snap
-            if n_s == target:
-                return CURRENT
-            if n_s > target:
-                # Never written by proj.lua (it caps n at the header's): a foreign value that the
-                # forward-only write could not replace. Drop it and rebuild.
-                await self._r.execute_command("DEL", store.keys.proj(session_id))
-            else:
-                try:
-                    state = ProjectionState.from_bytes(blob)
-                except ValueError:
-                    state = None
-                if state is not None and not _plausible(state, n_s, head):
-                    state = None
-            if state is None:
-                counters["corrupt"] = 1
+        if n_s > head.n:
+            # Never written by proj.lua (it caps n at the header's): a foreign value that the
+            # forward-only write could not replace. Drop it and rebuild.
+            await self._r.execute_command("DEL", self.store.keys.proj(session_id))
+        else:
+            try:
+                state = ProjectionState.from_bytes(blob)
+            except ValueError:
+                state = None
+            if state is not None and not plausible(state, n_s, head):
+                state = None
+        if state is None:
+            counters["corrupt"] = 1
+        return state
+
+    async def _bring_to(
+        self, session_id: str, state: ProjectionState | None, head: SessionHead, inc: str
+    ) -> tuple[ProjectionState, str]:
+        """`state` (or none) brought to ``head.n``, and how: ``"snapshot"`` (extended), ``"cut"``
+        (rebuilt from the tail's last cut, which compacts it), else `rebuild`'s source."""
+        target = head.n
         start = 0 if state is None else state.n
         source = ""
         last_cut = head.last_cut
@@ -601,19 +562,13 @@ class Projector:
                 state, source = rebuilt, "cut"
         if not source and state is not None:
             try:
-                await _fold_range(store, session_id, state, target, chunk, inc)
+                await fold_range(self.store, session_id, state, target, self.chunk, inc)
                 source = "snapshot"
             except ValueError:
                 state = None  # a cut reaching under the snapshot's floor: rebuild
         if state is None or not source:
-            state, source = await _rebuild(store, session_id, head, target, chunk)
-        if source != "snapshot":
-            self.metrics.rebuilds.labels(source).inc()
-            counters[f"rebuild_{source}"] = 1
-        self.metrics.entries.inc(target - start if source == "snapshot" else target)
-        if not await store.put_projection(session_id, target, state.to_bytes(), incarnation=inc):
-            return CURRENT  # another worker wrote one at >= target meanwhile
-        return WRITTEN
+            state, source = await rebuild(self.store, session_id, head, target, self.chunk)
+        return state, source
 
     async def _from_cut_if_small(
         self, session_id: str, cut_n: int, target: int, incarnation: str
@@ -624,7 +579,7 @@ class Projector:
         before = got[0].data.get("before")
         if not isinstance(before, int) or cut_n - before > self.cut_window:
             return None
-        return await _fold_from_cut(self.store, session_id, got[0], target, self.chunk, incarnation)
+        return await fold_from_cut(self.store, session_id, got[0], target, self.chunk, incarnation)
 
     # ------------------------------------------------------------------ health
 
@@ -649,24 +604,6 @@ def _int_or_none(raw: Any) -> int | None:
         return None
 
 
-def _default_consumer() -> str:
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "host"
-    return f"{host}-{os.getpid()}-{secrets.token_hex(2)}"
-
-
-def _feed_client(store: RedisSessionStore) -> Any:
-    """A client for the feed commands whose replies skip redis-py's parsing (we parse both RESP
-    versions ourselves). Standalone: a wrapper around the store's pool; a cluster client is used
-    as it is (its parsed replies are understood too)."""
-    client = store.client
-    if not isinstance(client, aioredis.Redis):
-        return client
-    raw = aioredis.Redis(connection_pool=client.connection_pool)
-    for cmd in _FEED_COMMANDS:
-        raw.response_callbacks.pop(cmd, None)
-    return raw
-
-
 # --------------------------------------------------------------------------- status
 
 
@@ -675,24 +612,24 @@ async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dic
     delivered), pending (delivered, not acked) and consumers; the totals; and the counters every
     worker of the group adds to (``processed``, ``reclaimed``, ``written``, ``current``,
     ``deleted``, ``errors``, ``rebuild_cut``, ``rebuild_full``, ``corrupt``)."""
-    _validate_group(group)
-    r = _feed_client(store)
+    validate_group(group)
+    r = feed_client_of(store)
     shards: builtins.list[dict[str, Any]] = []
     for shard, key in enumerate(store.keys.all_feeds()):
-        length = int(await r.execute_command("XLEN", key, **_RAW))
+        length = int(await r.execute_command("XLEN", key, **RAW))
         info: dict[str, Any] | None = None
         consumers: builtins.list[dict[str, Any]] = []
         with contextlib.suppress(RedisError):  # no such key yet
-            for g in await r.execute_command("XINFO", "GROUPS", key, **_RAW) or []:
-                m = _as_map(g)
-                if _str(m.get("name")) == group:
+            for g in await r.execute_command("XINFO", "GROUPS", key, **RAW) or []:
+                m = as_map(g)
+                if as_str(m.get("name")) == group:
                     info = m
         if info is not None:
-            for c in await r.execute_command("XINFO", "CONSUMERS", key, group, **_RAW) or []:
-                m = _as_map(c)
+            for c in await r.execute_command("XINFO", "CONSUMERS", key, group, **RAW) or []:
+                m = as_map(c)
                 consumers.append(
                     {
-                        "name": _str(m.get("name")),
+                        "name": as_str(m.get("name")),
                         "pending": int(m.get("pending") or 0),
                         "idle_ms": int(m.get("idle") or 0),
                     }
@@ -702,7 +639,7 @@ async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dic
             lag, pending, last = length, 0, None
         else:
             pending = int(info.get("pending") or 0)
-            last = _str(info.get("last-delivered-id"))
+            last = as_str(info.get("last-delivered-id"))
             raw_lag = info.get("lag")
             lag = int(raw_lag) if raw_lag is not None else await _count_after(r, key, last)
         shards.append(
@@ -717,8 +654,8 @@ async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dic
                 "consumers": consumers,
             }
         )
-    raw_stats = await r.execute_command("HGETALL", stats_key(store.prefix, group), **_RAW)
-    counters = {k: int(v) for k, v in _as_map(raw_stats).items()}
+    raw_stats = await r.execute_command("HGETALL", store.keys.projector_stats(group), **RAW)
+    counters = {k: int(v) for k, v in as_map(raw_stats).items()}
     return {
         "group": group,
         "prefix": store.prefix,
@@ -733,7 +670,7 @@ async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dic
 async def _count_after(r: Any, key: str, last: str | None) -> int:
     """Lag when XINFO cannot tell it (entries deleted mid-stream): count what follows `last`."""
     start = "-" if not last or last == "0-0" else f"({last}"
-    rows = await r.execute_command("XRANGE", key, start, "+", "COUNT", 100_000, **_RAW)
+    rows = await r.execute_command("XRANGE", key, start, "+", "COUNT", 100_000, **RAW)
     return len(rows or [])
 
 

@@ -54,8 +54,6 @@ from .errors import (
 from .keys import MAX_ID_LENGTH, validate_session_id
 from .model import (
     CUT,
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_ENTRY_BYTES,
     Entry,
     NewEntry,
     NewEntryLike,
@@ -63,6 +61,7 @@ from .model import (
     SessionHead,
     SessionHeader,
     Surface,
+    Vocabulary,
     as_new_entry,
     encode_batch,
     kind_of,
@@ -71,8 +70,8 @@ from .projection.fold import Message, ProjectionState, check_surface, history, o
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
-from .snapshots import SnapshotCache, _read, load_state
-from .store.memory import MemorySessionStore, SessionStore
+from .snapshots import SnapshotCache, load_state, read_entries
+from .store import InspectableStore, MemorySessionStore, SessionStore, sequence_problems
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ async def _read_range(
     lo = start
     while lo < stop:
         hi = min(stop, lo + READ_PAGE)
-        batch = await _read(store, session_id, lo, hi, incarnation)
+        batch = await read_entries(store, session_id, lo, hi, incarnation)
         out.extend(batch)
         if len(batch) != hi - lo:
             break  # the session is shorter than asked: the caller sees what there is
@@ -141,7 +140,7 @@ async def _fold_into(
     while state.n < stop:
         lo = state.n
         hi = min(stop, lo + READ_PAGE)
-        batch = await _read(store, session_id, lo, hi, incarnation)
+        batch = await read_entries(store, session_id, lo, hi, incarnation)
         if len(batch) != hi - lo:
             raise SessionError(
                 f"session {session_id!r}: the log holds {len(batch)} entries in [{lo}, {hi}), "
@@ -474,8 +473,8 @@ class Session:
                     batch,
                     self._store.vocabulary,
                     first_n=first,
-                    max_entry_bytes=getattr(self._store, "max_entry_bytes", DEFAULT_MAX_ENTRY_BYTES),
-                    max_batch=getattr(self._store, "max_batch", DEFAULT_MAX_BATCH),
+                    max_entry_bytes=self._store.max_entry_bytes,
+                    max_batch=self._store.max_batch,
                 )
                 check_surface(await self._load_state(), encoded, first)
             stored = await self._store.put(
@@ -951,10 +950,7 @@ class DoctorReport(Struct, frozen=True):
         return not self.problems
 
 
-_DOCTOR_PAGE = 10_000
-
-
-async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa: C901 - to split
+async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     """Check one session: `check_invariants` on its log, plus storage checks.
 
     Storage codes: ``header`` (the header does not parse), ``stream-id`` (an ID not of the form
@@ -964,8 +960,9 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa:
     data fails its type's schema), ``last-cut`` (the header's last_cut is not the last cut entry),
     ``stale-link`` (a child link whose branch does not exist: it keeps the session's keys, and an
     ephemeral one's TTL, for nothing; `Sessions.repair` / ``doctor --repair`` removes it).
-    On a `RedisSessionStore` the stream itself is inspected; on other stores the same is checked
-    through `read`. Raises `SessionNotFoundError` for a missing session.
+    A store that can look below `read` (`InspectableStore.storage_problems`: the Redis store walks
+    the stream itself) reports the storage codes; on other stores the same is checked through
+    `read`. Raises `SessionNotFoundError` for a missing session.
     """
     validate_session_id(session_id)
     problems: builtins.list[Problem] = []
@@ -982,10 +979,9 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa:
         raise SessionNotFoundError(session_id)
     n, at = head.n, head.header.at or 0
 
-    from .redis.store import RedisSessionStore
-
-    redis = isinstance(store, RedisSessionStore)
-    own: builtins.list[Entry] = await _redis_stream_problems(store, session_id, n, at, add) if redis else []
+    check = await store.storage_problems(session_id, n, at) if isinstance(store, InspectableStore) else None
+    if check is not None:
+        problems.extend(check.problems)
     try:
         entries = await _read_range(store, session_id, 0, n)
     except SessionError as e:
@@ -994,24 +990,11 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa:
         complete = False
     else:
         complete = True
-        if not redis:  # other stores: check the same shape through read()
-            _sequence_problems([e.n for e in entries], 0, n, add)
-            own = [e for e in entries if e.n >= at]
-    for entry in own:
-        try:
-            store.vocabulary.check(entry.type, msgspec.json.encode(entry.data), None)
-        except InvalidEntryError as err:
-            add(entry.n, "schema", str(err))
-    own_cuts = [e.n for e in own if e.type == CUT]
-    if own_cuts:
-        if head.last_cut != own_cuts[-1]:
-            add(head.last_cut, "last-cut", f"header last_cut={head.last_cut}, the last cut entry is n={own_cuts[-1]}")
-    elif head.last_cut is not None and head.last_cut >= at:
-        add(head.last_cut, "last-cut", f"header last_cut={head.last_cut}, but the session has no cut there")
-    elif head.last_cut is not None and complete:
-        inherited = entries[head.last_cut] if head.last_cut < len(entries) else None
-        if inherited is None or inherited.type != CUT:
-            add(head.last_cut, "last-cut", f"header last_cut={head.last_cut} is not a cut entry")
+        if check is None:  # nothing below read(): check the stored shape through read()
+            problems.extend(sequence_problems([e.n for e in entries], 0, n))
+    own = check.entries if check is not None and check.entries is not None else [e for e in entries if e.n >= at]
+    problems.extend(_schema_problems(store.vocabulary, own))
+    problems.extend(_last_cut_problems(head, own, entries if complete else None))
     if complete and len(entries) == n and all(e.n == i for i, e in enumerate(entries)):
         problems.extend(check_invariants(entries))
     for child in (await store.links(session_id))[1]:
@@ -1020,57 +1003,35 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:  # noqa:
     return DoctorReport(session_id, n, problems)
 
 
-def _sequence_problems(ids: Sequence[int], at: int, n: int, add: Callable[[int | None, str, str], None]) -> None:
-    expected = at
-    for k in ids:
-        if k > expected:
-            add(expected, "stream-gap", f"entries {expected}..{k - 1} are missing")
-        elif k < expected:
-            add(k, "stream-order", f"entry n={k} appears where n={expected} was expected")
-            continue
-        expected = k + 1
-    if expected > n:
-        add(n, "stream-ahead", f"the log holds entries up to n={expected - 1}, but the header says n={n}")
-    elif expected < n:
-        add(expected, "stream-behind", f"the header says n={n}, but the log ends at n={expected}")
-
-
-async def _redis_stream_problems(
-    store: Any, session_id: str, n: int, at: int, add: Callable[[int | None, str, str], None]
-) -> builtins.list[Entry]:
-    """Walk the session's own stream: IDs, contiguity against the header, decoding."""
-    from .redis.store import rows_to_entries
-
-    key = store.keys.log(session_id)
-    ids: builtins.list[int] = []
-    own: builtins.list[Entry] = []
-    lo = b"-"
-    while True:
-        rows = await store.client.execute_command("XRANGE", key, lo, "+", "COUNT", _DOCTOR_PAGE, NEVER_DECODE=True)
-        good = []
-        for row in rows:
-            rid = row[0] if isinstance(row[0], bytes) else str(row[0]).encode()
-            k, sep, seq = rid.partition(b"-")
-            if not (k.isdigit() and sep and seq == b"1"):
-                add(None, "stream-id", f"stream ID {rid.decode(errors='replace')!r} is not of the form <n>-1")
-                continue
-            ids.append(int(k))
-            good.append(row)
+def _schema_problems(vocabulary: Vocabulary, own: Sequence[Entry]) -> builtins.list[Problem]:
+    """A ``schema`` problem for each of the session's own entries whose data fails its schema."""
+    out: builtins.list[Problem] = []
+    for entry in own:
         try:
-            own.extend(rows_to_entries(good))
-        except SessionError:
-            for row in good:
-                try:
-                    own.extend(rows_to_entries([row]))
-                except SessionError as e:
-                    add(int(row[0].partition(b"-")[0]), "decode", str(e))
-        if len(rows) < _DOCTOR_PAGE:
-            break
-        lo = b"(" + rows[-1][0]
-    if ids and ids[0] < at:
-        add(ids[0], "stream-order", f"the stream holds n={ids[0]}, below the branch point at={at}")
-    _sequence_problems([k for k in ids if k >= at], at, n, add)
-    return own
+            vocabulary.check(entry.type, msgspec.json.encode(entry.data), None)
+        except InvalidEntryError as err:
+            out.append(Problem(entry.n, "schema", str(err)))
+    return out
+
+
+def _last_cut_problems(
+    head: SessionHead, own: Sequence[Entry], entries: Sequence[Entry] | None
+) -> builtins.list[Problem]:
+    """Whether the header's last_cut names the session's last cut entry (`entries`: the whole
+    log, or None when it could not be read)."""
+    last_cut, at = head.last_cut, head.header.at or 0
+    own_cuts = [e.n for e in own if e.type == CUT]
+    if own_cuts:
+        if last_cut != own_cuts[-1]:
+            message = f"header last_cut={last_cut}, the last cut entry is n={own_cuts[-1]}"
+            return [Problem(last_cut, "last-cut", message)]
+    elif last_cut is not None and last_cut >= at:
+        return [Problem(last_cut, "last-cut", f"header last_cut={last_cut}, but the session has no cut there")]
+    elif last_cut is not None and entries is not None:
+        inherited = entries[last_cut] if last_cut < len(entries) else None
+        if inherited is None or inherited.type != CUT:
+            return [Problem(last_cut, "last-cut", f"header last_cut={last_cut} is not a cut entry")]
+    return []
 
 
 __all__ = [

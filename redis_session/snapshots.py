@@ -4,6 +4,15 @@ One reader for every caller (the `Session` handle, `Sessions.messages`, the gate
 the projector itself), so they cannot disagree. Whatever the cache holds, the answer equals
 ``project(await store.read(session_id, 0, n))``: a lagging, dead or wrong projector costs speed,
 never correctness.
+
+Public to the layers above (the projector and the service), documented where defined:
+
+- `load_messages`, `load_state`, `SnapshotCache`: what readers call;
+- `read_entries` (one `store.read`, of an incarnation when named), `fold_range` (fold a log range
+  onto a state, page by page), `fold_from_cut` (rebuild from a cut: reads ``[before, target)``
+  only), `rebuild` (a state without a snapshot of its own: last cut, parent snapshot, else from
+  0), `plausible` (cheap checks that a decoded snapshot belongs to a head's log): the building
+  blocks the projector's writer shares with the readers, so they fold the same way.
 """
 
 from __future__ import annotations
@@ -18,12 +27,12 @@ from .errors import SessionError, SessionNotFoundError
 from .keys import validate_session_id
 from .model import CUT, Entry, SessionHead
 from .projection.fold import ProjectionState
-from .store.memory import MAX_READ_RANGE, SessionStore
+from .store.protocol import MAX_READ_RANGE, SessionStore
 
 _size_enc = msgspec.json.Encoder()
 
 
-async def _read(
+async def read_entries(
     store: SessionStore, session_id: str, lo: int, hi: int, incarnation: str | None
 ) -> builtins.list[Entry]:
     """`store.read`, of `incarnation` when one is named (`SessionReplacedError` otherwise)."""
@@ -37,14 +46,14 @@ async def _read_chunks(
 ) -> AsyncIterator[builtins.list[Entry]]:
     chunk = max(1, min(chunk, MAX_READ_RANGE))
     while lo < hi:
-        part = await _read(store, session_id, lo, min(hi, lo + chunk), incarnation)
+        part = await read_entries(store, session_id, lo, min(hi, lo + chunk), incarnation)
         if not part:
             raise SessionError(f"session {session_id!r}: entries [{lo}, {hi}) are missing from the log")
         yield part
         lo = part[-1].n + 1
 
 
-async def _fold_range(
+async def fold_range(
     store: SessionStore,
     session_id: str,
     state: ProjectionState,
@@ -65,7 +74,7 @@ async def _fold_range(
     return size
 
 
-async def _fold_from_cut(
+async def fold_from_cut(
     store: SessionStore,
     session_id: str,
     cut: int | Entry,
@@ -77,7 +86,7 @@ async def _fold_from_cut(
 
     ValueError when the entry is not a cut or `from_cut` cannot decide (fold from 0 then)."""
     if isinstance(cut, int):
-        got = await _read(store, session_id, cut, cut + 1, incarnation)
+        got = await read_entries(store, session_id, cut, cut + 1, incarnation)
         if len(got) != 1:
             raise ValueError(f"entry {cut} is missing")
         cut = got[0]
@@ -88,11 +97,11 @@ async def _fold_from_cut(
     async for part in _read_chunks(store, session_id, before, cut.n, chunk, incarnation):
         window.extend(part)
     state = ProjectionState.from_cut(cut, window)
-    await _fold_range(store, session_id, state, target, chunk, incarnation)
+    await fold_range(store, session_id, state, target, chunk, incarnation)
     return state
 
 
-async def _rebuild(
+async def rebuild(
     store: SessionStore, session_id: str, head: SessionHead, target: int, chunk: int
 ) -> tuple[ProjectionState, str]:
     """The state at `target` without a snapshot of its own, and where it came from: the
@@ -102,7 +111,7 @@ async def _rebuild(
     inc = head.header.incarnation or None
     if head.last_cut is not None and head.last_cut < target:
         try:
-            return await _fold_from_cut(store, session_id, head.last_cut, target, chunk, inc), "cut"
+            return await fold_from_cut(store, session_id, head.last_cut, target, chunk, inc), "cut"
         except ValueError:
             pass
     parent, at = head.header.parent, head.header.at
@@ -110,12 +119,12 @@ async def _rebuild(
         state = await _parent_state(store, parent, at, head.header.created_at)
         if state is not None:
             try:
-                await _fold_range(store, session_id, state, target, chunk, inc)  # stitched reads
+                await fold_range(store, session_id, state, target, chunk, inc)  # stitched reads
                 return state, "parent"
             except ValueError:
                 pass
     state = ProjectionState()
-    await _fold_range(store, session_id, state, target, chunk, inc)
+    await fold_range(store, session_id, state, target, chunk, inc)
     return state, "full"
 
 
@@ -133,7 +142,7 @@ async def _parent_state(store: SessionStore, parent: str, at: int, born: int) ->
         state = ProjectionState.from_bytes(snap[1])
     except ValueError:
         return None
-    return state if _plausible(state, snap[0], parent_head) else None
+    return state if plausible(state, snap[0], parent_head) else None
 
 
 async def _get_projection(store: SessionStore, session_id: str, incarnation: str) -> tuple[int, bytes] | None:
@@ -143,7 +152,7 @@ async def _get_projection(store: SessionStore, session_id: str, incarnation: str
     return await store.get_projection(session_id, incarnation=incarnation)
 
 
-def _plausible(state: ProjectionState, n_s: int, head: SessionHead) -> bool:
+def plausible(state: ProjectionState, n_s: int, head: SessionHead) -> bool:
     """Cheap checks that a decoded snapshot belongs to this session's log.
 
     proj.lua never writes past the header's n nor for another incarnation, and a re-created
@@ -252,7 +261,7 @@ async def _from_cache(
     if state is None:
         return None
     try:
-        grown = await _fold_range(
+        grown = await fold_range(
             store, head.header.id, state, head.n, chunk, head.header.incarnation or None, measure=True
         )
     except ValueError:
@@ -303,7 +312,7 @@ async def load_messages(
             head = newer
     state = await _extend_snapshot(store, head, snap, cache, chunk)
     if state is None:
-        state, _ = await _rebuild(store, session_id, head, head.n, chunk)
+        state, _ = await rebuild(store, session_id, head, head.n, chunk)
     return state, head.n
 
 
@@ -331,12 +340,12 @@ async def _extend_snapshot(
             state = ProjectionState.from_bytes(blob)
         except ValueError:
             return None
-        if cache is not None and _plausible(state, n_s, head):
+        if cache is not None and plausible(state, n_s, head):
             cache.put(sid, blob, state, inc)
-    if not _plausible(state, n_s, head):
+    if not plausible(state, n_s, head):
         return None
     try:
-        await _fold_range(store, sid, state, head.n, chunk, inc or None)
+        await fold_range(store, sid, state, head.n, chunk, inc or None)
     except ValueError:
         return None  # the tail needs history the snapshot dropped (a cut reaching back): rebuild
     return state
@@ -352,5 +361,17 @@ async def load_state(
     snap = await _get_projection(store, head.header.id, head.header.incarnation)
     state = await _extend_snapshot(store, head, snap, cache, chunk)
     if state is None:
-        state, _ = await _rebuild(store, head.header.id, head, head.n, chunk)
+        state, _ = await rebuild(store, head.header.id, head, head.n, chunk)
     return state
+
+
+__all__ = [
+    "SnapshotCache",
+    "fold_from_cut",
+    "fold_range",
+    "load_messages",
+    "load_state",
+    "plausible",
+    "read_entries",
+    "rebuild",
+]

@@ -19,6 +19,8 @@ import redis.asyncio as aioredis
 from redis_session import MemorySessionStore, RedisSessionStore
 from redis_session.redis.embedded import start_server, stop_server
 
+from support import SkewClock
+
 # Never the user's embedded server: every test (and every subprocess a test starts) gets a
 # private data dir, and a server started there takes a free port instead of the default 6390.
 _HOME = tempfile.mkdtemp(prefix="rs-home-")
@@ -137,7 +139,7 @@ async def redis_store(redis_url: str, prefix: str) -> AsyncIterator[RedisSession
 async def store(request: pytest.FixtureRequest, redis_url: str, prefix: str) -> AsyncIterator[Any]:
     """The contract fixture: every store backend, one test body (memory, a server, a cluster)."""
     if request.param == "memory":
-        yield MemorySessionStore()
+        yield MemorySessionStore(clock=SkewClock())
         return
     if request.param == "cluster":
         url = request.getfixturevalue("cluster_url")

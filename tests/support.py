@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 
 from redis_session import NewEntry
+from redis_session.model import now_ms
 
 
 def um(text: str) -> NewEntry:
@@ -32,3 +34,43 @@ async def running_gateway(store: Any, **options: Any) -> AsyncIterator[str]:
             yield f"http://127.0.0.1:{port}"
         finally:
             tg.cancel_scope.cancel()
+
+
+class SkewClock:
+    """A clock for `MemorySessionStore(clock=...)`: the wall clock plus an offset that a test moves
+    forward (`advance`) instead of sleeping until a TTL or a lease runs out."""
+
+    def __init__(self) -> None:
+        self.offset_ms = 0
+
+    def __call__(self) -> int:
+        return now_ms() + self.offset_ms
+
+    def advance(self, seconds: float) -> None:
+        self.offset_ms += round(seconds * 1000)
+
+
+async def let_pass(store: Any, seconds: float) -> None:
+    """Let `seconds` of the store's time pass: a memory store on a `SkewClock` jumps at once; a
+    server's TTLs run on its own clock, so that is waited for (real expiry is what is tested)."""
+    clock = getattr(store, "clock", None)
+    if isinstance(clock, SkewClock):
+        clock.advance(seconds)
+        return
+    await anyio.sleep(seconds)
+
+
+async def wait_for(
+    condition: Callable[[], Awaitable[bool] | bool], *, within: float = 10.0, interval: float = 0.01
+) -> None:
+    """Poll `condition` (sync or async) until it is true; fail after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        got = condition()
+        if not isinstance(got, bool):
+            got = await got
+        if got:
+            return
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"condition not met within {within} s")
+        await anyio.sleep(interval)

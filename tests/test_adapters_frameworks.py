@@ -19,6 +19,8 @@ import redis
 
 from redis_session import MemorySessionStore, RedisSessionStore
 
+from support import SkewClock, let_pass
+
 pytestmark = pytest.mark.anyio
 
 
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.anyio
 async def fstore(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Any]:
     """The memory store and a server (no cluster: these tests are about the adapters)."""
     if request.param == "memory":
-        yield MemorySessionStore()
+        yield MemorySessionStore(clock=SkewClock())
         return
     store = RedisSessionStore.from_url(request.getfixturevalue("redis_url"), prefix=prefix)
     try:
@@ -88,11 +90,11 @@ async def test_session_settings_default_and_unknown_keys_like_the_sdk(Ev: Any) -
 async def test_ttl_makes_an_ephemeral_session(fstore: Any, Ev: Any) -> None:
     s = Ev("eph", fstore, ttl=1)
     await s.add_items(_items("a"))
-    await asyncio.sleep(0.6)
+    await let_pass(fstore, 0.6)
     await s.add_items(_items("b"))  # a write restarts the clock
-    await asyncio.sleep(0.6)
+    await let_pass(fstore, 0.6)
     assert len(await s.get_items()) == 2
-    await asyncio.sleep(1.3)
+    await let_pass(fstore, 1.3)
     assert await fstore.head("eph") is None
     assert await s.get_items() == []
     assert await Ev("eph", fstore).get_items() == []
@@ -304,6 +306,6 @@ async def test_langchain_ttl_expires_the_session(fstore: Any, History: Any) -> N
     h = History("lc-eph", fstore, ttl=1)
     await h.aadd_messages([HumanMessage("gone soon")])
     assert len(await h.aget_messages()) == 1
-    await asyncio.sleep(1.4)
+    await let_pass(fstore, 1.4)
     assert await fstore.head("lc-eph") is None
     assert await h.aget_messages() == []

@@ -23,7 +23,7 @@ from redis_session import (
 from redis_session.projection import project
 from redis_session.sessions import Session, Sessions
 
-from support import am, um
+from support import am, let_pass, um
 
 pytestmark = pytest.mark.anyio
 
@@ -352,12 +352,12 @@ async def test_ephemeral_parent_is_kept_for_its_branches_then_expires(store: Any
 
     await store.create(SessionHeader(id="p"), [um("a"), um("b")], ttl_ms=300)
     await store.create(SessionHeader(id="c", parent="p", at=2))
-    await anyio.sleep(0.6)
+    await let_pass(store, 0.6)
     assert [e.data["content"] for e in await store.read("c")] == ["a", "b"]
     assert await store.head("p") is not None  # a parent with a live branch does not expire
     assert await store.delete("c") is True
     assert await store.head("p") is not None  # its clock restarts when its last branch goes
-    await anyio.sleep(0.6)
+    await let_pass(store, 0.6)
     assert await store.head("p") is None
 
 

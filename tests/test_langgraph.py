@@ -27,6 +27,8 @@ from langgraph.types import Command, interrupt
 
 from redis_session.adapters.langgraph import CHECKPOINT, PART, WRITE, RedisEventSaver
 
+from support import SkewClock, let_pass
+
 pytestmark = pytest.mark.anyio
 
 
@@ -45,7 +47,7 @@ async def _cleanup(url: str, prefix: str) -> None:
 @pytest.fixture(params=["memory", "redis"])
 async def lg_store(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Any]:
     if request.param == "memory":
-        yield MemorySessionStore()
+        yield MemorySessionStore(clock=SkewClock())
         return
     url = request.getfixturevalue("redis_url")
     store = RedisSessionStore.from_url(url, prefix=prefix)
@@ -254,7 +256,7 @@ async def test_ttl_makes_threads_ephemeral(lg_store: Any) -> None:
     saver = RedisEventSaver(lg_store, ttl_ms=600)
     await saver.aput(generate_config("eph"), generate_checkpoint(), generate_metadata(), {})
     assert await lg_store.head(saver.session_id("eph")) is not None
-    await asyncio.sleep(1.2)
+    await let_pass(lg_store, 1.2)
     assert await lg_store.head(saver.session_id("eph")) is None
     assert await RedisEventSaver(lg_store).aget_tuple(generate_config("eph")) is None
 

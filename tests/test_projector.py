@@ -39,12 +39,13 @@ from redis_session.projector import (
     DELETED,
     WRITTEN,
     Projector,
-    lock_key,
     quiescent,
     status,
 )
 from redis_session.redis.embedded import free_port
 from redis_session.snapshots import SnapshotCache, load_messages
+
+from support import wait_for as wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -219,13 +220,13 @@ async def test_new_branch_starts_from_the_parents_snapshot(redis_store: RedisSes
 async def test_busy_lock_defers_without_losing_the_update(redis_store: RedisSessionStore, raw_redis: Any) -> None:
     s = redis_store
     await s.create(SessionHeader(id="hot"), turn(1))
-    await raw_redis.set(lock_key(s.prefix, "hot"), "other-worker", px=10_000)
+    await raw_redis.set(s.keys.plock("hot"), "other-worker", px=10_000)
     p = Projector(s, consumer="w")
     assert await p.run_once() == 0
     assert p.metrics.value("folds_total", outcome=BUSY) == 1
     assert (await status(s))["pending"] == 1  # kept, not acked
     assert await s.get_projection("hot") is None
-    await raw_redis.delete(lock_key(s.prefix, "hot"))
+    await raw_redis.delete(s.keys.plock("hot"))
     assert await p.run_once() == 1  # the deferred session is retried on the next loop
     await assert_converged(s, ["hot"])
     assert await quiescent(s)
@@ -550,7 +551,7 @@ async def test_stop_during_a_batch_finishes_it(redis_store: RedisSessionStore) -
     t0 = time.monotonic()
     async with anyio.create_task_group() as tg:
         tg.start_soon(p2.run)
-        await anyio.sleep(0.3)
+        await wait_until(lambda: p2._idle_scope is not None)  # in its idle read
         p2.stop()
     assert time.monotonic() - t0 < 5
 

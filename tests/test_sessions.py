@@ -30,7 +30,7 @@ from redis_session import (
 from redis_session.projection import ProjectionState, project
 from redis_session.sessions import Session, Sessions, doctor
 
-from support import am, um
+from support import am, let_pass, um
 
 pytestmark = pytest.mark.anyio
 
@@ -703,11 +703,11 @@ async def test_ephemeral_expiry_through_the_store(store: Any) -> None:
     s = await sessions.open("e", ephemeral=True, ttl=0.3)
     kept = await sessions.open("k")
     await s.append("user/message", {"content": "x"})
-    await anyio.sleep(0.2)
+    await let_pass(store, 0.2)
     await s.append("user/message", {"content": "y"})  # every write pushes the expiry back
-    await anyio.sleep(0.2)
+    await let_pass(store, 0.2)
     assert (await sessions.head("e")) is not None
-    await anyio.sleep(0.3)
+    await let_pass(store, 0.3)
     assert await sessions.head("e") is None and await sessions.head(kept.id) is not None
     reopened = await sessions.open("e")  # a new, durable session under the same id
     assert reopened.n == 0

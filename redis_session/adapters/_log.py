@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
 from ..keys import validate_session_id
-from ..model import DEFAULT_MAX_BATCH, Entry, NewEntry, SessionHeader
+from ..model import Entry, NewEntry, SessionHeader
 from ..retry import conflict_backoff
 from ..store import SessionStore
 
@@ -57,16 +57,16 @@ class SessionLog:
         self._fold = fold
         self._reset = reset
         self._exists = False
-        vocabulary = getattr(store, "vocabulary", None)
+        vocabulary = store.vocabulary
         for t in mark_types:
             # The adapter's own mark types, registered as "any JSON object" so a strict
             # vocabulary accepts them; a schema someone defined already is left alone.
-            if vocabulary is not None and t not in vocabulary:
+            if t not in vocabulary:
                 vocabulary.define(t, None)
 
     @property
     def max_batch(self) -> int:
-        return int(getattr(self.store, "max_batch", DEFAULT_MAX_BATCH))
+        return self.store.max_batch
 
     def _restart(self) -> None:
         self.n = 0

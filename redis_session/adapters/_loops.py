@@ -39,22 +39,9 @@ def clone_store(store: Any) -> Any:
 
     if not isinstance(store, RedisSessionStore):
         return store
-    user = store._user_client
-    from redis.asyncio import ConnectionPool, Redis
-    from redis.asyncio.cluster import ClusterNode, RedisCluster
+    from ..redis.wire import clone_client
 
-    client: Any
-    if isinstance(user, RedisCluster):
-        nodes = [ClusterNode(n.host, n.port) for n in user.get_nodes()] or list(user.startup_nodes)
-        client = RedisCluster(startup_nodes=nodes, **user.connection_kwargs)
-    else:
-        pool = user.connection_pool
-        kwargs = dict(pool.connection_kwargs)
-        client = Redis(
-            connection_pool=ConnectionPool(
-                connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
-            )
-        )
+    client = clone_client(store._user_client)
     return RedisSessionStore(
         client,
         prefix=store.prefix,

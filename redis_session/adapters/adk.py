@@ -81,7 +81,7 @@ _MARKER = "rs:"  # our `_storage_update_marker`s: "rs:<n>" (another service's ma
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 #: How many app/user/index logs one service instance keeps folded (least recently used go).
 CACHE_SIZE = 1024
-#: The store's limit on a session id (DESIGN §3); the store validates every id it is given.
+#: The store's limit on a session id (docs/design.md §3); the store validates every id it is given.
 MAX_ID_LENGTH = 256
 
 
@@ -198,9 +198,9 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         self.store: SessionStore = resolve_store(store)
         self.namespace = namespace
         self._logs: OrderedDict[str, _Folded] = OrderedDict()
-        vocabulary = getattr(self.store, "vocabulary", None)
+        vocabulary = self.store.vocabulary
         for t in MARK_TYPES:
-            if vocabulary is not None and t not in vocabulary:
+            if t not in vocabulary:
                 vocabulary.define(t, None)
 
     # ------------------------------------------------------------------ ids

@@ -68,7 +68,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionNotFoundError
 from ..keys import validate_session_id
-from ..model import DEFAULT_MAX_ENTRY_BYTES, Entry, NewEntry, SessionHeader
+from ..model import Entry, NewEntry, SessionHeader
 from ..store import SessionStore
 from ._log import resolve_store
 from ._loops import LoopStores, run_sync
@@ -203,11 +203,11 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
         validate_session_id(thread_prefix + "x")
         self.ttl_ms = ttl_ms
         self._ctxs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Ctx] = weakref.WeakKeyDictionary()
-        vocabulary = getattr(self._stores.store, "vocabulary", None)
+        vocabulary = self._stores.store.vocabulary
         for t in (CHECKPOINT, WRITE, BLOB, PART):
-            if vocabulary is not None and t not in vocabulary:
+            if t not in vocabulary:
                 vocabulary.define(t, None)
-        self._max_bytes = int(getattr(self._stores.store, "max_entry_bytes", DEFAULT_MAX_ENTRY_BYTES))
+        self._max_bytes = self._stores.store.max_entry_bytes
 
     @property
     def store(self) -> SessionStore:

@@ -68,7 +68,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
-from ..keys import validate_session_id
+from ..keys import Keys, validate_session_id
 from ..model import CUT, Entry, NewEntry, SessionHead, SessionHeader
 from ..store import SessionStore
 from ._log import resolve_store
@@ -686,9 +686,9 @@ class SessionManager:
         self.prefix = prefix
         self._key_to_id = key_to_id or (lambda k: k)
         self._cache: dict[str, Session] = {}
-        vocabulary = getattr(self.store, "vocabulary", None)
+        vocabulary = self.store.vocabulary
         for t in (COMMAND, METADATA):
-            if vocabulary is not None and t not in vocabulary:
+            if t not in vocabulary:
                 vocabulary.define(t, None)
 
     # -- plumbing
@@ -792,7 +792,7 @@ class SessionManager:
 
     @property
     def _max_batch(self) -> int:
-        return int(getattr(self.store, "max_batch", 10_000))
+        return self.store.max_batch
 
     def flush_all(self) -> int:
         """Save every cached session; the number saved (a failing one does not stop the rest)."""
@@ -911,7 +911,7 @@ class SessionManager:
                     "updated_at": s.updated_at.isoformat(),
                     "title": _metadata_title(s.metadata),
                     "preview": _preview(s.messages),
-                    "path": f"{self.prefix}:{{{sid}}}:log",
+                    "path": Keys(self.prefix).log(sid),
                 }
             )
         return sorted(out, key=lambda x: x.get("updated_at", ""), reverse=True)

@@ -98,9 +98,10 @@ def format_raw(reply: Any) -> list[str]:
 def _client(url: str) -> Any:
     import redis
 
-    client = redis.Redis.from_url(url, decode_responses=False)
-    client.response_callbacks.clear()  # replies as the server sent them, not redis-py's Python shapes
-    return client
+    from ..redis.wire import plain_replies
+
+    # replies as the server sent them, not redis-py's Python shapes
+    return plain_replies(redis.Redis.from_url(url, decode_responses=False))
 
 
 def _execute(client: Any, argv: list[str], raw: bool) -> int:

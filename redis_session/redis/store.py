@@ -11,7 +11,7 @@ with the same ``idempotency_key`` to make it safe). On Redis Cluster, reads go t
 routing, and scripts are sent by this module to the node that owns the session's slot: a MOVED,
 ASK, TRYAGAIN or CLUSTERDOWN reply, or a connection that could not be opened (the script did not
 run), is followed in redis-py's slot table and re-sent; a lost connection is never re-sent, but the
-topology is reloaded before the next call (see `_cluster.py`).
+topology is reloaded before the next call (see `cluster.py`).
 
 Durability (``durability=``): ``"none"`` acknowledges once the primary ran the script (with AOF
 ``appendfsync everysec`` at most a second of writes can be lost on a crash); ``"aof"`` also waits
@@ -26,7 +26,7 @@ import builtins
 import contextlib
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, cast
@@ -72,23 +72,14 @@ from ..model import (
     batch_digest,
     bound_error,
     legacy_incarnation,
-    lossless_json,
     new_incarnation,
     now_ms,
 )
-from ..store.memory import (
-    IDEMPOTENCY_WINDOW,
-    MAX_READ_RANGE,
-    Segment,
-    StoreRules,
-    check_read_range,
-    lineage_for,
-    plan_read,
-)
+from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
+from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .cluster import ClusterRouter
+from .wire import EVAL, EVALSHA, RAW, PooledWire, bulks, pack, raw_client, read_replies, socket_timeout
 
-# redis-py's per-command option to read a reply undecoded, whatever the client's decode_responses.
-_RAW = {"NEVER_DECODE": True}
 _json = msgspec.json.Encoder()
 _decode_any = msgspec.json.Decoder()
 _segments_decoder = msgspec.json.Decoder(list[tuple[str, int, int]])
@@ -211,31 +202,9 @@ def _odd_row(rid: bytes, f: Any) -> tuple[bytes, ...]:
     return (*out, b"},")
 
 
-# --------------------------------------------------------------------------- RESP, packed here
+# --------------------------------------------------------------------------- RESP (see wire.py)
 
-_EVALSHA = b"$7\r\nEVALSHA\r\n"
-_EVAL = b"$4\r\nEVAL\r\n"
 _ENTRY_RESP = b"$%d\r\n%b\r\n" * 6
-
-
-def _b(a: bytes | str | int) -> bytes:
-    if isinstance(a, bytes):
-        return a
-    if isinstance(a, str):
-        return a.encode()
-    if isinstance(a, int):
-        return b"%d" % a
-    return bytes(a)
-
-
-def _bulks(args: Iterable[bytes | str | int]) -> bytes:
-    """RESP bulk strings without the array header: ``$<len> CRLF <bytes> CRLF`` each."""
-    return b"".join([b"$%d\r\n%b\r\n" % (len(a), a) for a in map(_b, args)])
-
-
-def _pack(args: Sequence[bytes | str | int]) -> bytes:
-    """One command as a RESP array."""
-    return b"*%d\r\n%b" % (len(args), _bulks(args))
 
 
 def _entry_fields(e: EncodedEntry) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
@@ -375,14 +344,14 @@ class RedisSessionStore(StoreRules):
         self.wait_timeout_ms = wait_timeout_ms
         self._durable = {
             "none": b"",
-            "aof": _pack(("WAITAOF", 1, 0, wait_timeout_ms)),
-            "replica": _pack(("WAIT", 1, wait_timeout_ms)),
+            "aof": pack(("WAITAOF", 1, 0, wait_timeout_ms)),
+            "replica": pack(("WAIT", 1, wait_timeout_ms)),
         }[durability]
         if not 1 <= max_batch <= 65_535:
             raise ValueError("max_batch must be in [1, 65535] (append.lua packs the batch length in 16 bits)")
         self.cluster = isinstance(client, RedisCluster)
         self._user_client = client
-        self.client = _raw_client(client)
+        self.client = raw_client(client)
         self.keys = Keys(prefix, feed_shards, index_shards)
         self.prefix = prefix
         self.vocabulary = vocabulary if vocabulary is not None else Vocabulary()
@@ -393,16 +362,15 @@ class RedisSessionStore(StoreRules):
         self.block_ms = block_ms
         self._owns_client = owns_client
         # The fast path: the pool of a standalone client (None on a cluster: redis-py routes).
-        self._pool = None if isinstance(self.client, RedisCluster) else self.client.connection_pool
-        self._router = ClusterRouter(self.client, _read_replies) if isinstance(self.client, RedisCluster) else None
-        self._connection = _connection_getter(self._pool) if self._pool is not None else None
+        self._pool = None if isinstance(self.client, RedisCluster) else PooledWire(self.client)
+        self._router = ClusterRouter(self.client, read_replies) if isinstance(self.client, RedisCluster) else None
         self._packed_keys: dict[str, _SessionWire] = {}  # caches keys, feed and feed_maxlen: fixed
         self._last_acks: Any = None
         self._hints: dict[str, int] = {}  # cluster feed hints waiting for the background flush
         self._hint_task: Any = None
         # A blocked XREAD must return before the socket timeout, or an idle tail on a healthy
         # server would look like a dead one.
-        timeout = _socket_timeout(client)
+        timeout = socket_timeout(client)
         self._tail_block_ms = block_ms if timeout is None else max(100, min(block_ms, int(timeout * 1000) - 1000))
 
     @classmethod
@@ -433,7 +401,8 @@ class RedisSessionStore(StoreRules):
     async def _send(
         self, packed: bytes, count: int, *, retry: bool = False, soft_tail: bool = False
     ) -> builtins.list[Any]:
-        """Write `count` packed commands at once on one pooled connection; their raw replies.
+        """Write `count` packed commands at once on one pooled connection; their raw replies
+        (`PooledWire.send`).
 
         Every reply is read even when one is an error, so the connection goes back to the pool
         in step; the first error is raised after. Scripts are never re-sent (see the module
@@ -442,33 +411,17 @@ class RedisSessionStore(StoreRules):
         idle timeout) costs one retry on a fresh connection instead of an error. With `soft_tail`
         an error reply of the last command is returned in place (a durability wait's failure must
         not hide the script's own reply)."""
-        assert self._pool is not None and self._connection is not None
-        pool = self._pool
-        for attempt in (0, 1):
-            conn = await self._connection()
-            try:
-                await conn.send_packed_command(packed)
-                replies, error = await _read_replies(conn, count, soft_tail)
-            except RedisConnectionError:
-                await pool.release(conn)
-                if not retry or attempt:
-                    raise
-                await pool.disconnect(inuse_connections=False)  # the other idle ones are stale too
-                continue
-            except BaseException:
-                await pool.release(conn)
-                raise
-            await pool.release(conn)
-            if error is not None:
-                raise _typed(error)
-            return replies
-        raise AssertionError("unreachable")
+        assert self._pool is not None
+        try:
+            return await self._pool.send(packed, count, retry=retry, soft_tail=soft_tail)
+        except ResponseError as e:
+            raise _typed(e) from None
 
     async def _raw(self, *args: Any) -> Any:
         if self._pool is None:
             assert self._router is not None
-            return await self._router.call(lambda: self.client.execute_command(*args, **_RAW))
-        return (await self._send(_pack(args), 1, retry=True))[0]
+            return await self._router.call(lambda: self.client.execute_command(*args, **RAW))
+        return (await self._send(pack(args), 1, retry=True))[0]
 
     async def _pipeline(self, *commands: Sequence[Any]) -> builtins.list[Any]:
         """Several commands in one round trip (not a transaction); their raw replies."""
@@ -478,16 +431,16 @@ class RedisSessionStore(StoreRules):
             async def run() -> builtins.list[Any]:
                 pipe = self.client.pipeline(transaction=False)
                 for c in commands:
-                    pipe.execute_command(*c, **_RAW)
+                    pipe.execute_command(*c, **RAW)
                 replies: builtins.list[Any] = await pipe.execute()
                 return replies
 
             return await self._router.call(run)
-        return await self._send(b"".join([_pack(c) for c in commands]), len(commands), retry=True)
+        return await self._send(b"".join([pack(c) for c in commands]), len(commands), retry=True)
 
     async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         script = _SCRIPTS[name]
-        return await self._eval_packed(script, 1 + len(keys) + len(args), _bulks([len(keys), *keys, *args]), keys[0])
+        return await self._eval_packed(script, 1 + len(keys) + len(args), bulks([len(keys), *keys, *args]), keys[0])
 
     async def _eval_packed(
         self, script: _Script, count: int, body: bytes, route: str | bytes, durable: bool = False
@@ -499,10 +452,10 @@ class RedisSessionStore(StoreRules):
         once the caller has seen the script's own reply (see `_check_durable`)."""
         wait = self._durable if durable else b""
         try:
-            packed = b"*%d\r\n%b%b%b" % (count + 2, _EVALSHA, script.sha_bulk, body)
+            packed = b"*%d\r\n%b%b%b" % (count + 2, EVALSHA, script.sha_bulk, body)
             replies = await self._send_write(route, packed + wait, 2 if wait else 1, bool(wait))
         except NoScriptError:
-            packed = b"*%d\r\n%b%b%b" % (count + 2, _EVAL, script.source_bulk, body)
+            packed = b"*%d\r\n%b%b%b" % (count + 2, EVAL, script.source_bulk, body)
             replies = await self._send_write(route, packed + wait, 2 if wait else 1, bool(wait))
         self._last_acks = replies[1] if wait else None
         return replies[0]
@@ -553,11 +506,11 @@ class RedisSessionStore(StoreRules):
         if self.feed and not self.cluster:
             keys.append(self.keys.feed(self.keys.feed_shard(session_id)))
         wire = _SessionWire(
-            keys=_bulks([len(keys), *keys]),
+            keys=bulks([len(keys), *keys]),
             nkeys=1 + len(keys),
             hdr=keys[0].encode(),
             log=keys[1].encode(),
-            put_tail=_bulks([self.feed_maxlen, session_id, b"", b"0"]),
+            put_tail=bulks([self.feed_maxlen, session_id, b"", b"0"]),
         )
         if len(self._packed_keys) >= 4096:  # a bound, not an LRU: hot sessions come right back
             self._packed_keys.clear()
@@ -585,14 +538,10 @@ class RedisSessionStore(StoreRules):
             return None
         return SessionHead(header=h.header, n=h.n, updated_at=h.updated_at, last_cut=h.last_cut)
 
-    async def read(  # noqa: C901 - to split
+    async def read(
         self, session_id: str, start: int = 0, stop: int | None = None, *, incarnation: str | None = None
     ) -> builtins.list[Entry]:
-        validate_session_id(session_id)
-        check_read_range(start, stop)
-        hi = None if stop is None else stop
-        if hi is not None and hi - start > MAX_READ_RANGE:
-            raise ValueError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
+        check_read(session_id, start, stop)
         with _io():
             # One round trip in the common case: the header check and the own-stream range together,
             # and the header's identity again after the range. Incarnations are never reused, so the
@@ -724,7 +673,7 @@ class RedisSessionStore(StoreRules):
     ) -> Any:
         """Run ``lua/append.lua`` on `session_id` with the fixed `argv` followed by the entries."""
         k = self._keys_of(session_id)
-        body = b"%b%b%b" % (k.keys, _bulks(argv), _pack_entries(batch))
+        body = b"%b%b%b" % (k.keys, bulks(argv), _pack_entries(batch))
         return await self._eval_packed(_SCRIPTS["append"], k.nkeys + len(argv) + 6 * len(batch), body, k.hdr, durable)
 
     def _feed_cluster(self, session_id: str, n: int) -> None:
@@ -956,13 +905,10 @@ class RedisSessionStore(StoreRules):
     async def list(
         self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
     ) -> Page[SessionHeader]:
-        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
-            raise ValueError("limit must be an int in [1, 1000]")
-        if cursor is not None and (not isinstance(cursor, str) or len(cursor) > 400):
-            raise ValueError("invalid cursor")
+        check_list(parent, limit, cursor)
         # The list index is sharded (no single key takes every create); a page is the k-way merge
         # of the shards' pages. A parent's branches are one key in the parent's slot.
-        keys = self.keys.all_sessions() if parent is None else [self.keys.kids(validate_session_id(parent))]
+        keys = self.keys.all_sessions() if parent is None else [self.keys.kids(parent)]
         items: builtins.list[SessionHeader] = []
         with _io():
             while True:
@@ -1011,8 +957,7 @@ class RedisSessionStore(StoreRules):
         when the id names another incarnation than `incarnation` (None: the one met at the
         start), at the start or at any later point: the header's identity is read right after
         every XREAD (same round trip), so no entry of a session that took the id is yielded."""
-        validate_session_id(session_id)
-        check_read_range(start, None)
+        check_read(session_id, start, None)
         with _io():
             h = await self._hdr(session_id)
         if h is None or h.deleted:
@@ -1065,9 +1010,7 @@ class RedisSessionStore(StoreRules):
 
     async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None:
         validate_session_id(session_id)
-        raw = b"" if draft is None else lossless_json(draft, "draft")
-        if len(raw) > self.max_entry_bytes:
-            raise InvalidEntryError(f"draft is {len(raw)} bytes; the limit is {self.max_entry_bytes}")
+        raw = self._draft_bytes(draft) or b""
         with _io():
             ok = await self._eval("draft", [self.keys.hdr(session_id), self.keys.draft(session_id)], [raw])
         if int(ok) != 1:
@@ -1118,6 +1061,14 @@ class RedisSessionStore(StoreRules):
             raise ValueError(f"snapshot n={n} is beyond the session's n")
         return res == 1
 
+    async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
+        """Doctor's storage checks: the session's own stream walked raw (`redis.doctor`)."""
+        from .doctor import stream_problems
+
+        validate_session_id(session_id)
+        with _io():
+            return await stream_problems(self, session_id, n, at)
+
     async def publish(self, event: str, payload: dict[str, Any]) -> None:
         """Publish `event` on ``{prefix}:events`` and, for the projector, on the change feed."""
         body = _json.encode({"event": event, **payload})
@@ -1129,68 +1080,6 @@ class RedisSessionStore(StoreRules):
                     "XADD", self.keys.feed(self.keys.feed_shard(sid)), "MAXLEN", "~", str(self.feed_maxlen),
                     "*", "s", sid, "ev", event,
                 )  # fmt: skip
-
-
-_RAW_COMMANDS = ("XRANGE", "XREVRANGE", "XREAD", "HGETALL", "HMGET", "ZRANGE", "EVALSHA", "EVAL", "GET")
-
-
-def _raw_client(client: aioredis.Redis | RedisCluster) -> aioredis.Redis | RedisCluster:
-    """A client whose replies to our commands skip redis-py's parsing: hiredis hands over nested
-    lists of bytes and msgspec does the rest (twice as fast as redis-py's stream parsing).
-
-    A standalone client is wrapped around the caller's connection pool, so the caller's own
-    client is untouched. A cluster client shares its callbacks with its nodes, so it is adjusted
-    in place (these commands then return raw replies on it too)."""
-    if isinstance(client, RedisCluster):
-        raw: aioredis.Redis | RedisCluster = client
-    else:
-        raw = aioredis.Redis(connection_pool=client.connection_pool)
-    for cmd in _RAW_COMMANDS:
-        raw.response_callbacks.pop(cmd, None)
-    return raw
-
-
-def _connection_getter(pool: Any) -> Callable[[], Any]:
-    """`pool.get_connection` as a no-argument call (redis-py < 5.3 wants a command name)."""
-    import inspect
-
-    try:
-        param = inspect.signature(pool.get_connection).parameters.get("command_name")
-    except (TypeError, ValueError):  # pragma: no cover - an exotic pool
-        param = None
-    if param is not None and param.default is inspect.Parameter.empty:
-        return lambda: pool.get_connection("_")
-    return cast(Callable[[], Any], pool.get_connection)
-
-
-async def _read_replies(conn: Any, count: int, soft_tail: bool) -> tuple[builtins.list[Any], ResponseError | None]:
-    """Read `count` raw replies, even past an error reply, so the connection stays in step.
-
-    Returns the replies (error replies in place) and the first error to raise; with `soft_tail`
-    an error of the last command (a durability wait) is only returned in place."""
-    replies: builtins.list[Any] = []
-    error: ResponseError | None = None
-    for i in range(count):
-        try:
-            replies.append(await conn.read_response(disable_decoding=True))
-        except ResponseError as e:
-            replies.append(e)
-            if not (soft_tail and i == count - 1):
-                error = error or e
-    return replies, error
-
-
-def _socket_timeout(client: aioredis.Redis | RedisCluster) -> float | None:
-    """The client's socket timeout in seconds (None: no timeout)."""
-    try:
-        if isinstance(client, RedisCluster):
-            kwargs = client.nodes_manager.connection_kwargs
-        else:
-            kwargs = client.connection_pool.connection_kwargs
-        value = kwargs.get("socket_timeout")
-        return None if value is None else float(value)
-    except (AttributeError, TypeError, ValueError):  # pragma: no cover - an exotic client
-        return None
 
 
 def _as_dict(raw: Any) -> dict[bytes, bytes]:

@@ -1,14 +1,14 @@
-"""The `SessionStore` contract and `MemorySessionStore`, its in-process implementation.
+"""`MemorySessionStore`: the `SessionStore` contract in process, the reference behaviour.
 
-Every backend passes one contract suite (tests/test_store_contract.py). The memory store is the reference:
-it is what the Redis store must behave like, and what tests and stateless runs use.
+Every backend passes one contract suite (`redis_session.testing.contract`); this store is what the
+Redis store must behave like, and what tests and stateless runs use.
 """
 
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import anyio
 import msgspec
@@ -35,185 +35,13 @@ from ..model import (
     Vocabulary,
     batch_digest,
     check_against_n,
-    encode_batch,
     new_incarnation,
     now_ms,
 )
-
-IDEMPOTENCY_WINDOW = 1024
-MAX_READ_RANGE = 100_000
-
-
-@runtime_checkable
-class SessionStore(Protocol):
-    """Where sessions live. See docs/design.md §4; `MemorySessionStore` is the reference behaviour."""
-
-    vocabulary: Vocabulary
-
-    async def head(self, session_id: str) -> SessionHead | None: ...
-
-    async def read(
-        self, session_id: str, start: int = 0, stop: int | None = None, *, incarnation: str | None = None
-    ) -> list[Entry]:
-        """Entries [start, stop) of one incarnation (raises `SessionReplacedError` when the id
-        names another one than `incarnation`; None: whichever is current)."""
-        ...
-
-    async def put(
-        self,
-        session_id: str,
-        expected_n: int | None,
-        entries: Sequence[NewEntryLike],
-        *,
-        idempotency_key: str | None = None,
-        incarnation: str | None = None,
-    ) -> list[Entry]:
-        """Append; with `incarnation`, only to that life of the id (else `SessionReplacedError`,
-        checked atomically with the write: nothing is written)."""
-        ...
-
-    async def create(
-        self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
-    ) -> SessionHead: ...
-
-    async def list(
-        self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
-    ) -> Page[SessionHeader]: ...
-
-    async def delete(self, session_id: str) -> bool: ...
-
-    async def links(self, session_id: str) -> tuple[builtins.list[str], builtins.list[str]]:
-        """The branches linked to a session, live or deleted: ``(live, stale)`` child ids.
-
-        A live link keeps the session's entries (a deleted session stays hidden for it); a stale one
-        (its child does not exist, or is another life of that id: a branch cut short between its
-        two steps, or expired) keeps them for nothing. Works on a deleted (hidden) session too."""
-        ...
-
-    async def repair_links(self, session_id: str) -> builtins.list[str]:
-        """Drop a session's stale child links (see `links`); returns their child ids. A hidden
-        session left without links is purged, and an ephemeral one expires again."""
-        ...
-
-    def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
-        """Entries from `start`, live. Ends when the session is deleted; raises
-        `SessionReplacedError` when the id names another incarnation than the tail began on
-        (or than `incarnation`)."""
-        ...
-
-    async def get_draft(self, session_id: str) -> dict[str, Any] | None: ...
-
-    async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None: ...
-
-    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool: ...
-
-    async def release_lease(self, session_id: str, token: str) -> bool: ...
-
-    async def publish(self, event: str, payload: dict[str, Any]) -> None: ...
-
-    async def get_projection(self, session_id: str, *, incarnation: str | None = None) -> tuple[int, bytes] | None:
-        """The projector's cached snapshot: (n it covers, serialized state), or None (also when
-        it is not a snapshot of `incarnation`, if given)."""
-        ...
-
-    async def put_projection(self, session_id: str, n: int, state: bytes, *, incarnation: str | None = None) -> bool:
-        """Store a snapshot covering [0, n) unless one at >= n is there already; with
-        `incarnation`, refused (`SessionReplacedError`) when the session is another one now."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
-# --------------------------------------------------------------------------- shared rules
-
-
-def check_read_range(start: int, stop: int | None) -> None:
-    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-        raise ValueError(f"start must be an int >= 0, got {start!r}")
-    if stop is not None and (not isinstance(stop, int) or isinstance(stop, bool) or stop < 0):
-        raise ValueError(f"stop must be None or an int >= 0, got {stop!r}")
-
-
-def check_expected_n(expected_n: object) -> None:
-    if expected_n is not None and (not isinstance(expected_n, int) or isinstance(expected_n, bool) or expected_n < 0):
-        raise InvalidEntryError(f"expected_n must be None or an int >= 0, got {expected_n!r}")
-
-
-def check_idempotency_key(key: object) -> None:
-    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 256 or "\x00" in key):
-        raise InvalidEntryError("idempotency_key must be a str of 1-256 characters (no NUL)")
-
-
-def check_incarnation(incarnation: object) -> None:
-    if incarnation is not None and (not isinstance(incarnation, str) or not 1 <= len(incarnation) <= 64):
-        raise InvalidEntryError("incarnation must be None or a str of 1-64 characters (SessionHeader.incarnation)")
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_header(header: SessionHeader) -> None:
-    if not isinstance(header, SessionHeader):
-        raise TypeError("header must be a SessionHeader")
-    validate_session_id(header.id)
-    if not _is_int(header.created_at) or not 0 <= header.created_at < 10**13:
-        raise InvalidEntryError(f"created_at must be ms since the epoch (an int), got {header.created_at!r}")
-    if not _is_int(header.format_version) or header.format_version < 1:
-        raise InvalidEntryError(f"format_version must be an int >= 1, got {header.format_version!r}")
-    if (header.parent is None) != (header.at is None):
-        raise InvalidEntryError("a branch header needs both `parent` and `at`")
-    if header.at is not None and (not _is_int(header.at) or header.at < 0):
-        raise InvalidEntryError(f"at must be an int >= 0, got {header.at!r}")
-    if header.parent is not None:
-        validate_session_id(header.parent)
-        if header.parent == header.id:
-            raise InvalidEntryError("a session cannot be its own parent")
-    if not _is_int(header.delegation_depth) or header.delegation_depth < 0:
-        raise InvalidEntryError("delegation_depth must be an int >= 0")
-    if header.title is not None and not isinstance(header.title, str):
-        raise InvalidEntryError("title must be a str")
-    if header.origin is not None:
-        from ..model import lossless_json
-
-        lossless_json(header.origin, "origin")
-
-
-Segment = tuple[str, int, int]  # (ancestor id, lo, hi): entries [lo, hi) come from that ancestor's log
-
-
-def lineage_for(parent_id: str, parent_at: int | None, parent_segments: Sequence[Segment], at: int) -> list[Segment]:
-    """Where a branch at `at` of `parent` reads its prefix [0, at) from.
-
-    A branch stores these few segments instead of a copy: reads stitch them, so a branch of a
-    100 000-entry parent costs what a branch of a 10-entry parent costs.
-    """
-    own_start = parent_at or 0
-    out: list[Segment] = []
-    if at > own_start:
-        out.append((parent_id, own_start, at))
-    for anc, lo, hi in parent_segments:
-        hi = min(hi, at)
-        if hi > lo:
-            out.append((anc, lo, hi))
-    return out
-
-
-def plan_read(segments: Sequence[Segment], own_start: int, n: int, start: int, stop: int | None) -> list[Segment]:
-    """Which (session, lo, hi) ranges make up entries [start, stop) of a session, in order."""
-    stop = n if stop is None else min(stop, n)
-    out: list[Segment] = []
-    for anc, lo, hi in sorted(segments, key=lambda s: s[1]):
-        lo2, hi2 = max(lo, start), min(hi, stop)
-        if hi2 > lo2:
-            out.append((anc, lo2, hi2))
-    lo2 = max(own_start, start)
-    if stop > lo2:
-        out.append(("", lo2, stop))  # "" is the session itself
-    return out
-
-
-# --------------------------------------------------------------------------- memory store
+from .protocol import IDEMPOTENCY_WINDOW, StorageCheck
+from .protocol import SessionStore as SessionStore  # re-exported: modules import it from here
+from .rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
+from .rules import check_header as check_header  # re-exported: modules import it from here
 
 
 class _MemSession:
@@ -246,9 +74,9 @@ class _MemSession:
         self.kids: set[str] = set()
         self.deleted = False
         self.draft: dict[str, Any] | None = None
-        self.lease: tuple[str, float] | None = None
+        self.lease: tuple[str, int] | None = None  # token, expiry (ms on the store's clock)
         self.ttl_ms = ttl_ms
-        self.expires_at: float | None = None
+        self.expires_at: int | None = None  # ms on the store's clock
         self.proj: tuple[int, bytes] | None = None
         self.changed = anyio.Event()
 
@@ -256,46 +84,11 @@ class _MemSession:
         return SessionHead(header=self.header, n=self.n, updated_at=self.updated_at, last_cut=self.last_cut)
 
 
-class StoreRules:
-    """The checks every store makes before a write, in one place, so that every backend rejects
-    exactly the same input (and nothing of a rejected batch is ever sent)."""
-
-    vocabulary: Vocabulary
-    max_entry_bytes: int
-    max_batch: int
-
-    def _encode(self, entries: Iterable[NewEntryLike], first_n: int | None) -> builtins.list[EncodedEntry]:
-        return encode_batch(
-            entries,
-            self.vocabulary,
-            first_n=first_n,
-            max_entry_bytes=self.max_entry_bytes,
-            max_batch=self.max_batch,
-        )
-
-    def _put_batch(
-        self,
-        expected_n: int | None,
-        entries: Iterable[NewEntryLike],
-        idempotency_key: str | None,
-        incarnation: str | None = None,
-    ) -> builtins.list[EncodedEntry]:
-        check_expected_n(expected_n)
-        check_idempotency_key(idempotency_key)
-        check_incarnation(incarnation)
-        return self._encode(entries, expected_n)
-
-    def _create_batch(
-        self, header: SessionHeader, entries: Iterable[NewEntryLike], ttl_ms: int | None
-    ) -> builtins.list[EncodedEntry]:
-        check_header(header)
-        if ttl_ms is not None and (not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool) or ttl_ms <= 0):
-            raise ValueError("ttl_ms must be a positive int")
-        return self._encode(entries, header.at or 0)
-
-
 class MemorySessionStore(StoreRules):
     """An in-process `SessionStore` with exactly the Redis store's behaviour.
+
+    `clock` (a callable returning ms since the epoch; default the wall clock) stamps entries and
+    new headers and runs TTLs and leases, as the server's clock does on Redis.
 
     >>> store = MemorySessionStore()
     """
@@ -306,7 +99,11 @@ class MemorySessionStore(StoreRules):
         vocabulary: Vocabulary | None = None,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         max_batch: int = DEFAULT_MAX_BATCH,
+        clock: Callable[[], int] = now_ms,
     ) -> None:
+        #: the store's clock, ms since the epoch: entry times, created_at, TTLs and leases (a
+        #: test passes one it can move forward instead of sleeping)
+        self.clock = clock
         self.vocabulary = vocabulary if vocabulary is not None else Vocabulary()
         self.max_entry_bytes = max_entry_bytes
         self.max_batch = max_batch
@@ -320,14 +117,14 @@ class MemorySessionStore(StoreRules):
         s = self._sessions.get(session_id)
         if s is None:
             return None
-        if s.expires_at is not None and s.expires_at <= anyio.current_time():
+        if s.expires_at is not None and s.expires_at <= self.clock():
             # A session with live branches does not expire (they read its entries), as on Redis;
             # its expired branches go first, and the last one gone restarts its clock.
             for kid in builtins.list(s.kids):
                 self._get(kid, include_deleted=True)
             if session_id not in self._sessions:
                 return None  # a hidden parent purged with its last branch
-            if not s.kids and s.expires_at is not None and s.expires_at <= anyio.current_time():
+            if not s.kids and s.expires_at is not None and s.expires_at <= self.clock():
                 self._purge(session_id)
                 return None
         if s.deleted and not include_deleted:
@@ -336,7 +133,7 @@ class MemorySessionStore(StoreRules):
 
     def _touch(self, s: _MemSession) -> None:
         if s.ttl_ms is not None:
-            s.expires_at = anyio.current_time() + s.ttl_ms / 1000
+            s.expires_at = self.clock() + s.ttl_ms
 
     def _purge(self, session_id: str) -> None:
         s = self._sessions.pop(session_id, None)
@@ -366,10 +163,7 @@ class MemorySessionStore(StoreRules):
     async def read(
         self, session_id: str, start: int = 0, stop: int | None = None, *, incarnation: str | None = None
     ) -> builtins.list[Entry]:
-        validate_session_id(session_id)
-        check_read_range(start, stop)
-        if stop is not None and stop - start > MAX_READ_RANGE:
-            raise ValueError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
+        check_read(session_id, start, stop)
         s = self._get(session_id)
         if s is None:
             raise SessionNotFoundError(session_id)
@@ -411,7 +205,7 @@ class MemorySessionStore(StoreRules):
     def _append(
         self, s: _MemSession, batch: Sequence[EncodedEntry], idempotency_key: str | None
     ) -> builtins.list[Entry]:
-        now = now_ms()
+        now = self.clock()
         stored = [enc.stored(s.n + i, now) for i, enc in enumerate(batch)]
         for e in stored:
             s.entries[e.n] = e
@@ -449,7 +243,7 @@ class MemorySessionStore(StoreRules):
                     raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={parent.n}")
                 segments = lineage_for(parent.header.id, parent.header.at, parent.segments, header.at)
             if header.created_at == 0:
-                header = msgspec.structs.replace(header, created_at=now_ms())
+                header = msgspec.structs.replace(header, created_at=self.clock())
             header = msgspec.structs.replace(header, incarnation=new_incarnation())  # every create: a new life
             s = _MemSession(header, segments, ttl_ms)
             self._sessions[header.id] = s
@@ -463,10 +257,7 @@ class MemorySessionStore(StoreRules):
     async def list(
         self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
     ) -> Page[SessionHeader]:
-        if not isinstance(limit, int) or not 1 <= limit <= 1000:
-            raise ValueError("limit must be an int in [1, 1000]")
-        if parent is not None:
-            validate_session_id(parent)
+        check_list(parent, limit, cursor)
         members = []
         for sid in builtins.list(self._sessions):
             s = self._get(sid)
@@ -512,8 +303,7 @@ class MemorySessionStore(StoreRules):
     async def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
         """Every entry with n >= start, then each new one as it lands; ends if the session is
         deleted, raises `SessionReplacedError` once the id names another incarnation."""
-        validate_session_id(session_id)
-        check_read_range(start, None)
+        check_read(session_id, start, None)
         s = self._get(session_id)
         if s is None:
             raise SessionNotFoundError(session_id)
@@ -542,27 +332,22 @@ class MemorySessionStore(StoreRules):
         return s.draft
 
     async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None:
-        s = self._get(validate_session_id(session_id))
+        validate_session_id(session_id)
+        raw = self._draft_bytes(draft)
+        s = self._get(session_id)
         if s is None:
             raise SessionNotFoundError(session_id)
-        if draft is not None:
-            from ..model import lossless_json
-
-            raw = lossless_json(draft, "draft")
-            if len(raw) > self.max_entry_bytes:
-                raise InvalidEntryError(f"draft is {len(raw)} bytes; the limit is {self.max_entry_bytes}")
-            draft = msgspec.json.decode(raw)
-        s.draft = draft
+        s.draft = None if raw is None else msgspec.json.decode(raw)
         self._touch(s)
 
     async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool:
         s = self._get(validate_session_id(session_id))
         if s is None:
             raise SessionNotFoundError(session_id)
-        now = anyio.current_time()
+        now = self.clock()
         if s.lease is not None and s.lease[1] > now and s.lease[0] != token:
             return False
-        s.lease = (token, now + ttl_ms / 1000)
+        s.lease = (token, now + ttl_ms)
         return True
 
     async def release_lease(self, session_id: str, token: str) -> bool:
@@ -593,6 +378,11 @@ class MemorySessionStore(StoreRules):
             return False
         s.proj = (n, bytes(state))
         return True
+
+    async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
+        """Nothing is stored below `read` here: no storage problems (see `InspectableStore`)."""
+        validate_session_id(session_id)
+        return StorageCheck([])
 
     async def aclose(self) -> None:
         return None

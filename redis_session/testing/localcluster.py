@@ -19,6 +19,7 @@ from pathlib import Path
 import redis
 
 from ..redis.embedded import EmbeddedServerError, ServerProcess, start_server
+from ..redis.wire import RAW, plain_replies
 
 SLOTS = 16384
 
@@ -26,10 +27,10 @@ SLOTS = 16384
 def command(port: int, *args: str, timeout: float = 5.0) -> str:
     """Run one command on the node at `port` (a fresh connection, redis-py's parser) and return
     its reply as text; a CLUSTER or INFO reply is one string, ``OK`` for a status reply."""
-    client = redis.Redis(port=port, socket_timeout=timeout, socket_connect_timeout=timeout)
-    client.response_callbacks.clear()  # the reply as the server sent it: INFO text, not a dict
+    # the reply as the server sent it: INFO text, not a dict
+    client = plain_replies(redis.Redis(port=port, socket_timeout=timeout, socket_connect_timeout=timeout))
     try:
-        reply = client.execute_command(*args, NEVER_DECODE=True)  # type: ignore[no-untyped-call]
+        reply = client.execute_command(*args, **RAW)
     finally:
         client.close()
     if isinstance(reply, bytes):

@@ -1,0 +1,205 @@
+"""The wire: every reach into redis-py's internals on the standalone path, in one module.
+
+`redis_session/redis/cluster.py` holds the cluster ones; nothing else in the package touches
+redis-py below its public command API (tests/test_architecture.py checks it by name). What is
+used here, checked against redis-py 8.1 (the version ``pyproject.toml`` pins):
+
+- a pool's ``get_connection`` (its signature is sniffed: before 5.3 it wants a command name),
+  ``release`` and ``disconnect(inuse_connections=)``, and ``connection_kwargs``;
+- a connection's ``send_packed_command`` and ``read_response(disable_decoding=True)``: commands
+  are packed to RESP here and replies come back from hiredis undecoded;
+- a client's ``response_callbacks``, emptied for the commands whose raw replies we parse
+  ourselves (msgspec decodes them), on a client wrapped around the caller's pool so that the
+  caller's own client is untouched (a cluster client shares its callbacks with its nodes and is
+  adjusted in place);
+- ``NEVER_DECODE``, redis-py's per-command option to read a reply undecoded;
+- ``RedisCluster.nodes_manager.connection_kwargs`` (the socket timeout) and the attributes a
+  clone of a client for another event loop needs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+# redis-py's per-command option to read a reply undecoded, whatever the client's decode_responses.
+RAW: dict[str, Any] = {"NEVER_DECODE": True}
+
+# Commands whose replies the store parses itself (`raw_client`).
+STORE_COMMANDS = ("XRANGE", "XREVRANGE", "XREAD", "HGETALL", "HMGET", "ZRANGE", "EVALSHA", "EVAL", "GET")
+# Commands whose replies the projector parses itself, in both RESP versions (`feed_client`).
+FEED_COMMANDS = ("XREADGROUP", "XAUTOCLAIM", "XINFO GROUPS", "XINFO CONSUMERS", "XRANGE", "HGETALL")
+
+
+# --------------------------------------------------------------------------- RESP, packed here
+
+EVALSHA = b"$7\r\nEVALSHA\r\n"
+EVAL = b"$4\r\nEVAL\r\n"
+
+
+def as_bytes(a: bytes | str | int) -> bytes:
+    """One argument as RESP sends it."""
+    if isinstance(a, bytes):
+        return a
+    if isinstance(a, str):
+        return a.encode()
+    if isinstance(a, int):
+        return b"%d" % a
+    return bytes(a)
+
+
+def bulks(args: Iterable[bytes | str | int]) -> bytes:
+    """RESP bulk strings without the array header: ``$<len> CRLF <bytes> CRLF`` each."""
+    return b"".join([b"$%d\r\n%b\r\n" % (len(a), a) for a in map(as_bytes, args)])
+
+
+def pack(args: Sequence[bytes | str | int]) -> bytes:
+    """One command as a RESP array."""
+    return b"*%d\r\n%b" % (len(args), bulks(args))
+
+
+# --------------------------------------------------------------------------- clients
+
+
+def _strip(client: aioredis.Redis | RedisCluster, commands: Iterable[str]) -> None:
+    for cmd in commands:
+        client.response_callbacks.pop(cmd, None)
+
+
+def raw_client(client: aioredis.Redis | RedisCluster) -> aioredis.Redis | RedisCluster:
+    """A client whose replies to the store's commands skip redis-py's parsing: hiredis hands over
+    nested lists of bytes and msgspec does the rest (twice as fast as redis-py's stream parsing).
+
+    A standalone client is wrapped around the caller's connection pool, so the caller's own
+    client is untouched. A cluster client shares its callbacks with its nodes, so it is adjusted
+    in place (these commands then return raw replies on it too)."""
+    raw: aioredis.Redis | RedisCluster
+    raw = client if isinstance(client, RedisCluster) else aioredis.Redis(connection_pool=client.connection_pool)
+    _strip(raw, STORE_COMMANDS)
+    return raw
+
+
+def feed_client(client: aioredis.Redis | RedisCluster) -> Any:
+    """A client for the projector's feed commands whose replies skip redis-py's parsing (the
+    projector parses both RESP versions). Standalone: a wrapper around `client`'s pool; a cluster
+    client is used as it is (its parsed replies are understood too)."""
+    if not isinstance(client, aioredis.Redis):
+        return client
+    raw = aioredis.Redis(connection_pool=client.connection_pool)
+    _strip(raw, FEED_COMMANDS)
+    return raw
+
+
+def plain_replies(client: Any) -> Any:
+    """`client` (a client of its own, sync or async) with every reply as the server sent it, not
+    redis-py's Python shapes (what ``redis-cli`` prints, INFO as text)."""
+    client.response_callbacks.clear()
+    return client
+
+
+def socket_timeout(client: aioredis.Redis | RedisCluster) -> float | None:
+    """The client's socket timeout in seconds (None: no timeout)."""
+    try:
+        if isinstance(client, RedisCluster):
+            kwargs = client.nodes_manager.connection_kwargs
+        else:
+            kwargs = client.connection_pool.connection_kwargs
+        value = kwargs.get("socket_timeout")
+        return None if value is None else float(value)
+    except (AttributeError, TypeError, ValueError):  # pragma: no cover - an exotic client
+        return None
+
+
+def clone_client(client: aioredis.Redis | RedisCluster) -> aioredis.Redis | RedisCluster:
+    """A client for the same server(s) with the same options and a connection pool of its own
+    (a ``redis.asyncio`` client is bound to the event loop that first used it)."""
+    from redis.asyncio import ConnectionPool
+    from redis.asyncio.cluster import ClusterNode
+
+    if isinstance(client, RedisCluster):
+        nodes = [ClusterNode(n.host, n.port) for n in client.get_nodes()] or list(client.startup_nodes)
+        return RedisCluster(startup_nodes=nodes, **client.connection_kwargs)
+    pool = client.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    return aioredis.Redis(
+        connection_pool=ConnectionPool(
+            connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+        )
+    )
+
+
+# --------------------------------------------------------------------------- connections
+
+
+def connection_getter(pool: Any) -> Callable[[], Any]:
+    """`pool.get_connection` as a no-argument call (redis-py < 5.3 wants a command name)."""
+    try:
+        param = inspect.signature(pool.get_connection).parameters.get("command_name")
+    except (TypeError, ValueError):  # pragma: no cover - an exotic pool
+        param = None
+    if param is not None and param.default is inspect.Parameter.empty:
+        return lambda: pool.get_connection("_")
+    return cast(Callable[[], Any], pool.get_connection)
+
+
+async def read_replies(conn: Any, count: int, soft_tail: bool) -> tuple[list[Any], ResponseError | None]:
+    """Read `count` raw replies, even past an error reply, so the connection stays in step.
+
+    Returns the replies (error replies in place) and the first error to raise; with `soft_tail`
+    an error of the last command (a durability wait) is only returned in place."""
+    replies: list[Any] = []
+    error: ResponseError | None = None
+    for i in range(count):
+        try:
+            replies.append(await conn.read_response(disable_decoding=True))
+        except ResponseError as e:
+            replies.append(e)
+            if not (soft_tail and i == count - 1):
+                error = error or e
+    return replies, error
+
+
+class PooledWire:
+    """Packed commands on a connection of a standalone client's pool, skipping redis-py's
+    command layer."""
+
+    __slots__ = ("_connection", "pool")
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.pool = client.connection_pool
+        self._connection = connection_getter(self.pool)
+
+    async def send(self, packed: bytes, count: int, *, retry: bool = False, soft_tail: bool = False) -> list[Any]:
+        """Write `count` packed commands at once on one pooled connection; their raw replies.
+
+        Every reply is read even when one is an error, so the connection goes back to the pool
+        in step; the first error reply is raised after (as redis-py's `ResponseError`). With
+        `retry` (commands that are safe to repeat), a connection the server closed while it sat
+        idle in the pool costs one retry on a fresh connection instead of an error. With
+        `soft_tail` an error reply of the last command is returned in place."""
+        pool = self.pool
+        for attempt in (0, 1):
+            conn = await self._connection()
+            try:
+                await conn.send_packed_command(packed)
+                replies, error = await read_replies(conn, count, soft_tail)
+            except RedisConnectionError:
+                await pool.release(conn)
+                if not retry or attempt:
+                    raise
+                await pool.disconnect(inuse_connections=False)  # the other idle ones are stale too
+                continue
+            except BaseException:
+                await pool.release(conn)
+                raise
+            await pool.release(conn)
+            if error is not None:
+                raise error
+            return replies
+        raise AssertionError("unreachable")

@@ -1,0 +1,129 @@
+"""The `SessionStore` contract: the protocol every backend implements, and its limits.
+
+The behaviour behind each method is docs/design.md §4; `MemorySessionStore` is the reference, and
+`redis_session.testing.contract` is the suite every backend passes.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from ..model import Entry, NewEntryLike, Page, SessionHead, SessionHeader, Vocabulary
+from ..projection.invariants import Problem
+
+#: how many idempotency keys a session remembers (the oldest go first)
+IDEMPOTENCY_WINDOW = 1024
+#: the most entries one `read` may cover (page through longer logs)
+MAX_READ_RANGE = 100_000
+#: `list`'s page size bounds, and the longest cursor it accepts
+MAX_LIST_LIMIT = 1000
+MAX_CURSOR_LENGTH = 400
+
+
+@runtime_checkable
+class SessionStore(Protocol):
+    """Where sessions live. See docs/design.md §4; `MemorySessionStore` is the reference behaviour."""
+
+    vocabulary: Vocabulary
+    #: the most entries one write may carry (`InvalidEntryError` beyond)
+    max_batch: int
+    #: the most bytes one entry's encoded data (and a draft) may take (`InvalidEntryError` beyond)
+    max_entry_bytes: int
+
+    async def head(self, session_id: str) -> SessionHead | None: ...
+
+    async def read(
+        self, session_id: str, start: int = 0, stop: int | None = None, *, incarnation: str | None = None
+    ) -> list[Entry]:
+        """Entries [start, stop) of one incarnation (raises `SessionReplacedError` when the id
+        names another one than `incarnation`; None: whichever is current)."""
+        ...
+
+    async def put(
+        self,
+        session_id: str,
+        expected_n: int | None,
+        entries: Sequence[NewEntryLike],
+        *,
+        idempotency_key: str | None = None,
+        incarnation: str | None = None,
+    ) -> list[Entry]:
+        """Append; with `incarnation`, only to that life of the id (else `SessionReplacedError`,
+        checked atomically with the write: nothing is written)."""
+        ...
+
+    async def create(
+        self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
+    ) -> SessionHead: ...
+
+    async def list(
+        self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
+    ) -> Page[SessionHeader]: ...
+
+    async def delete(self, session_id: str) -> bool: ...
+
+    async def links(self, session_id: str) -> tuple[builtins.list[str], builtins.list[str]]:
+        """The branches linked to a session, live or deleted: ``(live, stale)`` child ids.
+
+        A live link keeps the session's entries (a deleted session stays hidden for it); a stale one
+        (its child does not exist, or is another life of that id: a branch cut short between its
+        two steps, or expired) keeps them for nothing. Works on a deleted (hidden) session too."""
+        ...
+
+    async def repair_links(self, session_id: str) -> builtins.list[str]:
+        """Drop a session's stale child links (see `links`); returns their child ids. A hidden
+        session left without links is purged, and an ephemeral one expires again."""
+        ...
+
+    def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
+        """Entries from `start`, live. Ends when the session is deleted; raises
+        `SessionReplacedError` when the id names another incarnation than the tail began on
+        (or than `incarnation`)."""
+        ...
+
+    async def get_draft(self, session_id: str) -> dict[str, Any] | None: ...
+
+    async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None: ...
+
+    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool: ...
+
+    async def release_lease(self, session_id: str, token: str) -> bool: ...
+
+    async def publish(self, event: str, payload: dict[str, Any]) -> None: ...
+
+    async def get_projection(self, session_id: str, *, incarnation: str | None = None) -> tuple[int, bytes] | None:
+        """The projector's cached snapshot: (n it covers, serialized state), or None (also when
+        it is not a snapshot of `incarnation`, if given)."""
+        ...
+
+    async def put_projection(self, session_id: str, n: int, state: bytes, *, incarnation: str | None = None) -> bool:
+        """Store a snapshot covering [0, n) unless one at >= n is there already; with
+        `incarnation`, refused (`SessionReplacedError`) when the session is another one now."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class StorageCheck(NamedTuple):
+    """What a store found below `read` in a session's own log [at, n) (`InspectableStore`)."""
+
+    problems: list[Problem]
+    # the session's own entries that decode, in n order; None: the store has nothing below
+    # `read`, so the reader takes them from `read`
+    entries: list[Entry] | None = None
+
+
+@runtime_checkable
+class InspectableStore(Protocol):
+    """A store that can check a session's stored form below `read` (what `doctor` runs).
+
+    Optional: `doctor` checks a store without it through `read` (contiguous n, against the
+    header's n). Storage codes: ``stream-id``, ``stream-gap``, ``stream-order``, ``stream-ahead``,
+    ``stream-behind``, ``decode`` (see `redis_session.sessions.doctor`)."""
+
+    async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
+        """The problems of the session's own log [at, n) as stored (`n` and `at` from the head
+        the caller read), and its entries that decode."""
+        ...

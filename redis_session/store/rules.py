@@ -1,0 +1,186 @@
+"""The rules every store runs, in one place, so that no two backends can drift: the checks of
+every argument (writes, reads, lists, tails, drafts), the batch encoding, the log's sequence
+problems, and branch segment planning (where a branch reads its prefix from)."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ..errors import InvalidEntryError
+from ..keys import validate_session_id
+from ..model import EncodedEntry, NewEntryLike, SessionHeader, Vocabulary, encode_batch, lossless_json
+from ..projection.invariants import Problem
+from .protocol import MAX_CURSOR_LENGTH, MAX_LIST_LIMIT, MAX_READ_RANGE
+
+
+def check_read_range(start: int, stop: int | None) -> None:
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"start must be an int >= 0, got {start!r}")
+    if stop is not None and (not isinstance(stop, int) or isinstance(stop, bool) or stop < 0):
+        raise ValueError(f"stop must be None or an int >= 0, got {stop!r}")
+
+
+def check_read(session_id: object, start: int, stop: int | None) -> None:
+    """`read`'s arguments (and `tail`'s, with `stop` None)."""
+    validate_session_id(session_id)
+    check_read_range(start, stop)
+    if stop is not None and stop - start > MAX_READ_RANGE:
+        raise ValueError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
+
+
+def check_list(parent: object, limit: object, cursor: object) -> None:
+    """`list`'s arguments."""
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIST_LIMIT:
+        raise ValueError(f"limit must be an int in [1, {MAX_LIST_LIMIT}]")
+    if cursor is not None and (not isinstance(cursor, str) or len(cursor) > MAX_CURSOR_LENGTH):
+        raise ValueError("invalid cursor")
+    if parent is not None:
+        validate_session_id(parent)
+
+
+def check_expected_n(expected_n: object) -> None:
+    if expected_n is not None and (not isinstance(expected_n, int) or isinstance(expected_n, bool) or expected_n < 0):
+        raise InvalidEntryError(f"expected_n must be None or an int >= 0, got {expected_n!r}")
+
+
+def check_idempotency_key(key: object) -> None:
+    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 256 or "\x00" in key):
+        raise InvalidEntryError("idempotency_key must be a str of 1-256 characters (no NUL)")
+
+
+def check_incarnation(incarnation: object) -> None:
+    if incarnation is not None and (not isinstance(incarnation, str) or not 1 <= len(incarnation) <= 64):
+        raise InvalidEntryError("incarnation must be None or a str of 1-64 characters (SessionHeader.incarnation)")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_header(header: SessionHeader) -> None:
+    if not isinstance(header, SessionHeader):
+        raise TypeError("header must be a SessionHeader")
+    validate_session_id(header.id)
+    if not _is_int(header.created_at) or not 0 <= header.created_at < 10**13:
+        raise InvalidEntryError(f"created_at must be ms since the epoch (an int), got {header.created_at!r}")
+    if not _is_int(header.format_version) or header.format_version < 1:
+        raise InvalidEntryError(f"format_version must be an int >= 1, got {header.format_version!r}")
+    if (header.parent is None) != (header.at is None):
+        raise InvalidEntryError("a branch header needs both `parent` and `at`")
+    if header.at is not None and (not _is_int(header.at) or header.at < 0):
+        raise InvalidEntryError(f"at must be an int >= 0, got {header.at!r}")
+    if header.parent is not None:
+        validate_session_id(header.parent)
+        if header.parent == header.id:
+            raise InvalidEntryError("a session cannot be its own parent")
+    if not _is_int(header.delegation_depth) or header.delegation_depth < 0:
+        raise InvalidEntryError("delegation_depth must be an int >= 0")
+    if header.title is not None and not isinstance(header.title, str):
+        raise InvalidEntryError("title must be a str")
+    if header.origin is not None:
+        lossless_json(header.origin, "origin")
+
+
+def sequence_problems(ids: Sequence[int], at: int, n: int) -> list[Problem]:
+    """The problems of a log whose own entries carry `ids`, in stored order, against the branch
+    point `at` and the header's `n`: gaps, entries out of order, a log ahead of or behind `n`."""
+    out: list[Problem] = []
+    expected = at
+    for k in ids:
+        if k > expected:
+            out.append(Problem(expected, "stream-gap", f"entries {expected}..{k - 1} are missing"))
+        elif k < expected:
+            out.append(Problem(k, "stream-order", f"entry n={k} appears where n={expected} was expected"))
+            continue
+        expected = k + 1
+    if expected > n:
+        out.append(
+            Problem(n, "stream-ahead", f"the log holds entries up to n={expected - 1}, but the header says n={n}")
+        )
+    elif expected < n:
+        out.append(Problem(expected, "stream-behind", f"the header says n={n}, but the log ends at n={expected}"))
+    return out
+
+
+Segment = tuple[str, int, int]  # (ancestor id, lo, hi): entries [lo, hi) come from that ancestor's log
+
+
+def lineage_for(parent_id: str, parent_at: int | None, parent_segments: Sequence[Segment], at: int) -> list[Segment]:
+    """Where a branch at `at` of `parent` reads its prefix [0, at) from.
+
+    A branch stores these few segments instead of a copy: reads stitch them, so a branch of a
+    100 000-entry parent costs what a branch of a 10-entry parent costs.
+    """
+    own_start = parent_at or 0
+    out: list[Segment] = []
+    if at > own_start:
+        out.append((parent_id, own_start, at))
+    for anc, lo, hi in parent_segments:
+        hi = min(hi, at)
+        if hi > lo:
+            out.append((anc, lo, hi))
+    return out
+
+
+def plan_read(segments: Sequence[Segment], own_start: int, n: int, start: int, stop: int | None) -> list[Segment]:
+    """Which (session, lo, hi) ranges make up entries [start, stop) of a session, in order."""
+    stop = n if stop is None else min(stop, n)
+    out: list[Segment] = []
+    for anc, lo, hi in sorted(segments, key=lambda s: s[1]):
+        lo2, hi2 = max(lo, start), min(hi, stop)
+        if hi2 > lo2:
+            out.append((anc, lo2, hi2))
+    lo2 = max(own_start, start)
+    if stop > lo2:
+        out.append(("", lo2, stop))  # "" is the session itself
+    return out
+
+
+class StoreRules:
+    """The checks every store makes before a write, in one place, so that every backend rejects
+    exactly the same input (and nothing of a rejected batch is ever sent). The read, tail and list
+    checks are `check_read` and `check_list`."""
+
+    vocabulary: Vocabulary
+    max_entry_bytes: int
+    max_batch: int
+
+    def _encode(self, entries: Iterable[NewEntryLike], first_n: int | None) -> builtins.list[EncodedEntry]:
+        return encode_batch(
+            entries,
+            self.vocabulary,
+            first_n=first_n,
+            max_entry_bytes=self.max_entry_bytes,
+            max_batch=self.max_batch,
+        )
+
+    def _put_batch(
+        self,
+        expected_n: int | None,
+        entries: Iterable[NewEntryLike],
+        idempotency_key: str | None,
+        incarnation: str | None = None,
+    ) -> builtins.list[EncodedEntry]:
+        check_expected_n(expected_n)
+        check_idempotency_key(idempotency_key)
+        check_incarnation(incarnation)
+        return self._encode(entries, expected_n)
+
+    def _draft_bytes(self, draft: dict[str, Any] | None) -> bytes | None:
+        """A draft as the stored JSON (None clears it), within `max_entry_bytes`."""
+        if draft is None:
+            return None
+        raw = lossless_json(draft, "draft")
+        if len(raw) > self.max_entry_bytes:
+            raise InvalidEntryError(f"draft is {len(raw)} bytes; the limit is {self.max_entry_bytes}")
+        return raw
+
+    def _create_batch(
+        self, header: SessionHeader, entries: Iterable[NewEntryLike], ttl_ms: int | None
+    ) -> builtins.list[EncodedEntry]:
+        check_header(header)
+        if ttl_ms is not None and (not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool) or ttl_ms <= 0):
+            raise ValueError("ttl_ms must be a positive int")
+        return self._encode(entries, header.at or 0)
