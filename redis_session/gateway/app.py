@@ -1,26 +1,35 @@
-"""The live-tail gateway: a read-only HTTP + Server-Sent Events front of a `SessionStore`, and the
-web viewer. Starlette, served by uvicorn.
+"""The gateway: an HTTP + Server-Sent Events front of a `SessionStore` (reads, live tails and
+writes), and the web viewer. Starlette, served by uvicorn. The parts: `routes` (which handler for
+which method and scope), `reads`, `writes`, `sse`, `auth` (tokens, scopes, tenants), `body`
+(request bodies and preconditions), `errors` (exception -> status), `openapi`, `viewer`.
 
-Routes (every one a GET; ``/openapi.json`` describes them)::
+Routes (``/openapi.json`` describes them)::
 
-    /                               the web viewer (one self-contained HTML page)
-    /openapi.json                   this API
-    /sessions?limit=&cursor=&parent=  sessions, newest first, paginated; ``parent`` lists branches
-    /sessions/{id}                  the head: header, n, updated_at, last_cut
-    /sessions/{id}/entries?start=&stop=&limit=   stored entries [start, stop), at most `limit`
-    /sessions/{id}/messages?format=openai|anthropic|neutral   the projection
-    /sessions/{id}/events?start=    SSE: entries as they land (``id:`` is the entry's n; resume
-                                    with ``Last-Event-ID``), ``event: draft`` for the streaming
-                                    draft, ``event: end`` when the session is deleted (after
-                                    ``event: replaced`` when its id was deleted and created
-                                    again: the stream never goes on with the new session), and
-                                    a ``: ping`` comment after `heartbeat` idle seconds
-    /events                         SSE: store-wide notifications (``event: session-branch``)
+    GET  /                              the web viewer (one self-contained HTML page)
+    GET  /openapi.json                  this API
+    GET  /sessions?limit=&cursor=&parent=  sessions, newest first, paginated; ``parent`` lists branches
+    POST /sessions                      create {id?, title?, origin?, delegation_depth?, ttl?, entries?}
+    GET  /sessions/{id}                 the head: header, n, updated_at, last_cut (ETag: n)
+    DELETE /sessions/{id}               delete (scope admin)
+    GET  /sessions/{id}/entries?start=&stop=&limit=   stored entries [start, stop), at most `limit`
+    POST /sessions/{id}/entries         append one entry or a batch (If-Match, Idempotency-Key)
+    GET  /sessions/{id}/messages?format=openai|anthropic|neutral   the projection
+    POST /sessions/{id}/branch          {at, id?}: a branch holding [0, at)
+    POST /sessions/{id}/fork            {boundary?, id?}: dsh fork at a turn/end
+    GET|PUT /sessions/{id}/draft        the streaming draft
+    POST /sessions/{id}/repair          close a crashed writer's open turn
+    GET  /sessions/{id}/events?start=   SSE: entries as they land (``id:`` is the entry's n; resume
+                                        with ``Last-Event-ID``), ``event: draft`` for the streaming
+                                        draft, ``event: end`` when the session is deleted (after
+                                        ``event: replaced`` when its id was deleted and created
+                                        again: the stream never goes on with the new session), and
+                                        a ``: ping`` comment after `heartbeat` idle seconds
+    GET  /events                        SSE: store-wide notifications (``event: session-branch``)
 
 Ids in paths are percent-encoded (``/`` as ``%2F``); the raw path is decoded here, so ids with
-``/``, ``:`` and any unicode work. With a `token`, every route answers 401 unless the request
-carries ``Authorization: Bearer <token>`` or ``?token=<token>`` (EventSource cannot set headers).
-The gateway never writes.
+``/``, ``:`` and any unicode work. With tokens, every route but ``/healthz`` answers 401 unless the
+request carries ``Authorization: Bearer <token>`` or ``?token=<token>`` (EventSource cannot set
+headers); what a token may do is in `auth`. Writes from another origin's web page are refused.
 
 >>> app = create_app(store, token="s3cret")            # any ASGI server
 >>> await serve(store, host="0.0.0.0", port=8765)       # or uvicorn, until cancelled / Ctrl-C
@@ -31,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -44,11 +53,14 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..model import DEFAULT_MAX_BATCH
 from ..sessions import Sessions
 from ..snapshots import SnapshotCache
 from ..store.memory import SessionStore
 from . import reads
-from .auth import _BearerAuth
+from . import routes as routes_
+from .auth import SCOPES, Token, TokenSet, _TokenAuth
+from .body import DEFAULT_MAX_BODY
 from .common import MessagesFn, _SessionRoute
 from .context import Gateway
 from .errors import guarded, http_error, server_error
@@ -62,50 +74,56 @@ def create_app(
     store: SessionStore,
     *,
     token: str | None = None,
+    tokens: Sequence[Token] = (),
     heartbeat: float = 15.0,
     messages: MessagesFn | None = None,
     draft_interval: float = 0.25,
     max_streams: int | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
 ) -> Starlette:
-    """The gateway as an ASGI app (read-only; never writes to `store`).
+    """The gateway as an ASGI app: reads, live tails and writes over `store`.
 
-    `token` enables bearer auth on every route. `heartbeat` is the idle time after which an SSE
-    stream sends a comment line (keeps proxies from closing it). `messages` answers `/messages`
-    (default: `Sessions.messages`, the projector's cached snapshot plus the entries after it).
-    `draft_interval` is how often a stream polls the draft while the session is active (it backs
-    off to 2 s when idle). `max_streams` caps concurrent SSE clients (default: what the store's
-    connection pool can hold); past it `/events` answers 503.
+    `token` is one bearer token with every scope; `tokens` adds scoped (and tenant-confined)
+    ones (`auth.Token`, `auth.load_tokens`). Without either, every route is open. `heartbeat` is
+    the idle time after which an SSE stream sends a comment line (keeps proxies from closing it).
+    `messages` answers `/messages` (default: `Sessions.messages`, the projector's cached snapshot
+    plus the entries after it). `draft_interval` is how often a stream polls the draft while the
+    session is active (it backs off to 2 s when idle). `max_streams` caps concurrent SSE clients
+    (default: what the store's connection pool can hold); past it `/events` answers 503.
+    `max_body` caps a request body (413 before it is parsed).
     """
     if heartbeat <= 0 or draft_interval <= 0:
         raise ValueError("heartbeat and draft_interval must be > 0")
-    # the projector's snapshot plus the entries after it: no full read of a long log per request
+    if max_body < 1:
+        raise ValueError("max_body must be >= 1")
+    # the projector's snapshot plus the entries after it: no full read of a long log per request;
     # viewers reload the messages of the same sessions often: keep their decoded snapshots
-    get_messages: MessagesFn = (
-        messages if messages is not None else Sessions(store, snapshot_cache=SnapshotCache(64 << 20)).messages
-    )
+    sessions = Sessions(store, snapshot_cache=SnapshotCache(64 << 20))
+    known = _token_set(token, tokens)
     gw = Gateway(
         store=store,
-        get_messages=get_messages,
+        get_messages=messages if messages is not None else sessions.messages,
         custom_messages=messages is not None,
         streams=_Streams(max_streams if max_streams is not None else _default_stream_limit(store)),
         drafts=_Drafts(),
         heartbeat=heartbeat,
         draft_interval=draft_interval,
-        auth=token is not None,
+        auth=known is not None,
+        sessions=sessions,
+        max_body=max_body,
+        max_batch=getattr(store, "max_batch", DEFAULT_MAX_BATCH),
     )
     routes = [
         Route("/healthz", guarded(partial(reads.healthz, gw)), methods=["GET"]),
         Route("/", guarded(partial(reads.viewer, gw)), methods=["GET"]),
         Route("/openapi.json", guarded(partial(reads.openapi_doc, gw)), methods=["GET"]),
-        Route("/sessions", guarded(partial(reads.list_sessions, gw)), methods=["GET"]),
-        _SessionRoute("/sessions/{rest:path}", guarded(partial(reads.session_route, gw)), methods=["GET"]),
+        Route("/sessions", guarded(partial(routes_.sessions, gw)), methods=["GET", "POST"]),
+        _SessionRoute("/sessions/{rest:path}", guarded(partial(routes_.session, gw)), methods=routes_.METHODS),
         Route("/events", guarded(_store_events_route(store, heartbeat)), methods=["GET"]),
     ]
     middleware = [Middleware(_SecurityHeaders)]
-    if token is not None:
-        if not token:
-            raise ValueError("token must not be empty")
-        middleware.append(Middleware(_BearerAuth, token=token))
+    if known is not None:
+        middleware.append(Middleware(_TokenAuth, tokens=known))
     app = Starlette(
         routes=routes,
         middleware=middleware,
@@ -113,6 +131,14 @@ def create_app(
     )
     app.state.streams = gw.streams
     return app
+
+
+def _token_set(token: str | None, tokens: Sequence[Token]) -> TokenSet | None:
+    """The tokens to check, None for an open gateway; `token` is an all-scopes token."""
+    if token is not None and not token:
+        raise ValueError("token must not be empty")
+    every = [*([Token.make(token, SCOPES, name="--token")] if token is not None else []), *tokens]
+    return TokenSet(every) if every else None
 
 
 class _SecurityHeaders:
@@ -146,9 +172,11 @@ async def serve(
     port: int = 8765,
     token: str | None = None,
     *,
+    tokens: Sequence[Token] = (),
     heartbeat: float = 15.0,
     messages: MessagesFn | None = None,
     max_streams: int | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
     log_level: str = "warning",
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -159,7 +187,15 @@ async def serve(
     loop (``anyio.run`` cancels the main task, then raises KeyboardInterrupt), so it stops the
     whole program, not just the gateway.
     """
-    app = create_app(store, token=token, heartbeat=heartbeat, messages=messages, max_streams=max_streams)
+    app = create_app(
+        store,
+        token=token,
+        tokens=tokens,
+        heartbeat=heartbeat,
+        messages=messages,
+        max_streams=max_streams,
+        max_body=max_body,
+    )
     config = uvicorn.Config(
         app,
         host=host,

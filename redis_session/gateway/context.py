@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..sessions import Sessions
 from ..store.memory import SessionStore
 from .common import MessagesFn
 from .sse import _Drafts, _Streams
@@ -20,3 +21,6 @@ class Gateway:
     heartbeat: float
     draft_interval: float
     auth: bool
+    sessions: Sessions  # the writes go through the same service as Python code
+    max_body: int  # request bodies over this many bytes answer 413 before they are parsed
+    max_batch: int  # entries per append (the store's own limit)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .common import FORMATS, MAX_ENTRY_LIMIT
@@ -59,7 +60,8 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
         "info": {
             "title": "redis-session gateway",
             "version": "1",
-            "description": "Read-only access to agent sessions and their live tails.",
+            "description": "Agent sessions: reads, live tails (SSE) and writes with expected-n (If-Match) "
+            "and idempotency (Idempotency-Key).",
         },
         "paths": {
             "/healthz": {
@@ -237,6 +239,9 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
             }
         },
     }
+    for path, ops in _write_paths(sid, ref, error, ok, common).items():
+        doc["paths"].setdefault(path, {}).update(ops)
+    doc["components"]["schemas"].update(_write_schemas(ref))
     if auth:
         doc["components"]["securitySchemes"] = {
             "bearer": {"type": "http", "scheme": "bearer"},
@@ -244,3 +249,201 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
         }
         doc["security"] = [{"bearer": []}, {"query": []}]
     return doc
+
+
+def _write_paths(
+    sid: dict[str, Any],
+    ref: Callable[[str], dict[str, str]],
+    error: Callable[[str], dict[str, Any]],
+    ok: Callable[[str, dict[str, Any]], dict[str, Any]],
+    common: dict[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """The write operations (scope `write`, `admin` for DELETE)."""
+
+    def header(name: str, description: str) -> dict[str, Any]:
+        return {"name": name, "in": "header", "description": description, "schema": {"type": "string"}}
+
+    if_match = header(
+        "If-Match",
+        'The expected n: `"<n>"`, or `"<n>;<incarnation>"` to pin the life of the id too; `*` or none: '
+        "append at the end whatever n is.",
+    )
+    incarnation = header("X-Session-Incarnation", "Only write to this life of the id (`header.incarnation`); else 409.")
+    key = header(
+        "Idempotency-Key",
+        "1-256 characters. A retry with the same key and body returns the first answer and never writes "
+        "twice; the same key with another body answers 422 `idempotency_key_reused`.",
+    )
+    etag = {"ETag": {"description": 'The session\'s n after the write, `"<n>"`', "schema": {"type": "string"}}}
+
+    def body(schema: dict[str, Any], required: bool = True) -> dict[str, Any]:
+        return {"required": required, "content": {"application/json": {"schema": schema}}}
+
+    def created(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+        return {**ok(description, schema), "headers": etag}
+
+    write_errors = {
+        "400": error("Malformed id, header or JSON"),
+        "403": error("The token lacks the scope, or the id is outside its tenant"),
+        "404": error("Unknown session"),
+        "413": error("Body, entry or batch over its limit"),
+        "422": error("Invalid body (`path` names the field), or a reused Idempotency-Key"),
+        "503": error("The store is unreachable"),
+        **common,
+    }
+    conflict = {
+        "409": error("The id was deleted and created again (pinned incarnation)"),
+        "412": {**ok("Stale If-Match: `expected_n`, `actual_n`", ref("Conflict")), "headers": etag},
+    }
+    return {
+        "/sessions": {
+            "post": {
+                "summary": "Create a session (optionally with its first entries)",
+                "parameters": [key],
+                "requestBody": body(ref("CreateSession"), required=False),
+                "responses": {
+                    "201": created("The new session's head", ref("SessionHead")),
+                    "409": error("The id exists"),
+                    **write_errors,
+                },
+            }
+        },
+        "/sessions/{session_id}": {
+            "delete": {
+                "summary": "Delete a session (scope admin); its live branches keep their prefix",
+                "parameters": [sid, if_match, incarnation],
+                "responses": {"204": {"description": "Deleted"}, **write_errors, **conflict},
+            }
+        },
+        "/sessions/{session_id}/entries": {
+            "post": {
+                "summary": "Append one entry or a batch, all or nothing",
+                "parameters": [sid, if_match, incarnation, key],
+                "requestBody": body(ref("AppendBody")),
+                "responses": {"201": created("The stored entries", ref("Written")), **write_errors, **conflict},
+            }
+        },
+        "/sessions/{session_id}/branch": {
+            "post": {
+                "summary": "Branch at `at`: a new session holding the parent's entries [0, at)",
+                "parameters": [sid, key],
+                "requestBody": body(ref("BranchBody")),
+                "responses": {
+                    "201": created("The branch's head", ref("SessionHead")),
+                    "409": error("The branch id exists"),
+                    **write_errors,
+                },
+            }
+        },
+        "/sessions/{session_id}/fork": {
+            "post": {
+                "summary": "dsh fork: a child holding [0, boundary], the boundary a turn/end (default: the last entry)",
+                "parameters": [sid, key],
+                "requestBody": body(ref("ForkBody"), required=False),
+                "responses": {
+                    "201": created("The fork's head", ref("SessionHead")),
+                    "409": error("The fork id exists"),
+                    **write_errors,
+                    "422": error("INVALID_BOUNDARY or OPEN_TURN (`code`), or an invalid body"),
+                },
+            }
+        },
+        "/sessions/{session_id}/draft": {
+            "get": {
+                "summary": "The streaming draft (`{draft}`, null when none)",
+                "parameters": [sid],
+                "responses": {"200": ok("The draft", {"type": "object"}), **write_errors},
+            },
+            "put": {
+                "summary": "Publish the streaming draft (a JSON object), or clear it (null)",
+                "parameters": [sid],
+                "requestBody": body({"type": ["object", "null"]}),
+                "responses": {"204": {"description": "Stored"}, **write_errors},
+            },
+        },
+        "/sessions/{session_id}/repair": {
+            "post": {
+                "summary": "Close a turn a crashed writer left open (dsh interrupted-turn closers)",
+                "parameters": [sid],
+                "responses": {
+                    "200": created("The entries appended ([] when nothing was open)", ref("Written")),
+                    "409": error("A live writer holds the lease"),
+                    **write_errors,
+                },
+            }
+        },
+    }
+
+
+def _write_schemas(ref: Callable[[str], dict[str, str]]) -> dict[str, Any]:
+    new_entry = {
+        "type": "object",
+        "required": ["type", "data"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"type": "string", "description": "e.g. user/message, assistant/message, tool/result, cut"},
+            "data": {"type": "object"},
+            "meta": {"type": ["object", "null"]},
+            "surface": {"type": ["object", "null"], "description": "dsh {surfaceOp, sourceEventSeqs}"},
+            "time": {"type": ["integer", "null"], "minimum": 0, "description": "ms; default: the server's clock"},
+        },
+    }
+    return {
+        "NewEntry": new_entry,
+        "AppendBody": {
+            "oneOf": [
+                ref("NewEntry"),
+                {"type": "array", "items": ref("NewEntry"), "minItems": 1},
+                {
+                    "type": "object",
+                    "required": ["entries"],
+                    "properties": {"entries": {"type": "array", "items": ref("NewEntry"), "minItems": 1}},
+                },
+            ]
+        },
+        "CreateSession": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "id": {"type": "string", "description": "default: session-<uuid hex> (behind a tenant's prefix)"},
+                "title": {"type": ["string", "null"]},
+                "origin": {},
+                "delegation_depth": {"type": "integer", "minimum": 0},
+                "ttl": {"type": "number", "exclusiveMinimum": 0, "description": "seconds: an ephemeral session"},
+                "entries": {"type": "array", "items": ref("NewEntry")},
+            },
+        },
+        "BranchBody": {
+            "type": "object",
+            "required": ["at"],
+            "additionalProperties": False,
+            "properties": {
+                "at": {"type": "integer", "minimum": 0},
+                "id": {"type": "string", "description": "default: <parent>:branch:<hex>"},
+                "delegation_depth": {"type": "integer", "minimum": 0},
+                "title": {"type": ["string", "null"]},
+                "origin": {},
+            },
+        },
+        "ForkBody": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"boundary": {"type": "integer", "minimum": 0}, "id": {"type": "string"}},
+        },
+        "Written": {
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer", "description": "the session's n after these entries"},
+                "entries": {"type": "array", "items": ref("Entry")},
+            },
+        },
+        "Conflict": {
+            "type": "object",
+            "properties": {
+                "error": {"type": "string", "const": "conflict"},
+                "message": {"type": "string"},
+                "expected_n": {"type": "integer"},
+                "actual_n": {"type": "integer"},
+            },
+        },
+    }

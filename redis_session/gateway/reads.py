@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import SessionNotFoundError
 from ..keys import validate_session_id
+from ..model import SessionHeader
 from ..projection.fold import to_anthropic, to_openai
+from .auth import principal
 from .common import (
     _INT,
     _JSON,
@@ -21,7 +23,6 @@ from .common import (
     _head_dict,
     _header_dict,
     _int_arg,
-    _session_path,
 )
 from .context import Gateway
 from .openapi import openapi
@@ -54,30 +55,43 @@ async def list_sessions(gw: Gateway, request: Request) -> Response:
     parent = request.query_params.get("parent") or None
     if cursor is not None and len(cursor) > 400:
         raise _BadRequest("invalid cursor")
+    who = principal(request.scope)
     if parent is not None:
-        validate_session_id(parent)
-    page = await gw.store.list(parent=parent, limit=limit, cursor=cursor)
-    return _JSON({"items": [_header_dict(h) for h in page.items], "cursor": page.cursor})
+        who.check_session(validate_session_id(parent))
+    if who.prefix is None:
+        page = await gw.store.list(parent=parent, limit=limit, cursor=cursor)
+        return _JSON({"items": [_header_dict(h) for h in page.items], "cursor": page.cursor})
+    items, cursor = await _tenant_page(gw, who.sees, parent, limit, cursor)
+    return _JSON({"items": [_header_dict(h) for h in items], "cursor": cursor})
 
 
-async def session_route(gw: Gateway, request: Request) -> Response:
-    sid, sub = _session_path(request.scope)
-    if sub is None:
-        return await head(gw, request, sid)
-    if sub == "entries":
-        return await entries(gw, request, sid)
-    if sub == "messages":
-        return await messages(gw, request, sid)
-    if sub == "events":
-        return await events(gw, request, sid)
-    raise HTTPException(404, "no such route")
+TENANT_SCAN_PAGES = 10
+"""Store pages a tenant's list reads per request at most; a page may come back short (with a
+cursor) when the tenant's sessions are sparse among many others."""
+
+
+async def _tenant_page(
+    gw: Gateway, sees: Callable[[str], bool], parent: str | None, limit: int, cursor: str | None
+) -> tuple[list[SessionHeader], str | None]:
+    """One page of the sessions a tenant token sees: the store's pages, filtered."""
+    items: list[SessionHeader] = []
+    for _ in range(TENANT_SCAN_PAGES):
+        page = await gw.store.list(parent=parent, limit=limit - len(items), cursor=cursor)
+        for h in page.items:
+            if sees(h.id):
+                items.append(h)
+        cursor = page.cursor
+        if cursor is None or len(items) >= limit:
+            break
+    return items, cursor
 
 
 async def head(gw: Gateway, request: Request, sid: str) -> Response:
     got = await gw.store.head(sid)
     if got is None:
         raise SessionNotFoundError(sid)
-    return _JSON(_head_dict(got))
+    tags = {"ETag": f'"{got.n}"', "X-Session-Incarnation": got.header.incarnation}
+    return _JSON(_head_dict(got), headers=tags)
 
 
 async def entries(gw: Gateway, request: Request, sid: str) -> Response:

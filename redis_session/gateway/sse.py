@@ -18,6 +18,7 @@ from ..errors import SessionError, SessionNotFoundError, SessionReplacedError, S
 from ..live import RETRYABLE, follow
 from ..model import Entry
 from ..store.memory import SessionStore
+from .auth import principal
 from .common import _error, _json, log
 
 
@@ -266,7 +267,8 @@ def _store_events_route(store: SessionStore, heartbeat: float) -> Callable[[Requ
     ``{parent, session, at}``), so a viewer updates its branch tree and session list at once."""
 
     async def store_events(request: Request) -> Response:
-        return _StoreEventStream(store, heartbeat)
+        who = principal(request.scope)
+        return _StoreEventStream(store, heartbeat, None if who.prefix is None else who.sees)
 
     return store_events
 
@@ -301,12 +303,13 @@ class _StoreEventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, store: SessionStore, heartbeat: float) -> None:
+    def __init__(self, store: SessionStore, heartbeat: float, sees: Callable[[str], bool] | None = None) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.store = store
         self.heartbeat = heartbeat
+        self.sees = sees  # a tenant's token: only notifications about its own sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -334,6 +337,10 @@ class _StoreEventStream(Response):
                 tg.start_soon(heartbeats)
                 await body(b"retry: 1000\n: open\n\n")
                 async for event in _store_notifications(self.store):
+                    if self.sees is not None and not all(
+                        self.sees(v) for k, v in event.items() if k in ("session", "parent") and isinstance(v, str)
+                    ):
+                        continue
                     name = str(event.pop("event")).encode()
                     await body(b"event: %b\ndata: %b\n\n" % (name, _json.encode(event)))
         with anyio.CancelScope(shield=True), anyio.move_on_after(1), contextlib.suppress(OSError):
