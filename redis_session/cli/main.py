@@ -54,6 +54,14 @@ DirOpt = Annotated[
         help="Data folder of the embedded server (default: $REDIS_SESSION_HOME, else the user data dir).",
     ),
 ]
+TokensOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokens",
+        help="Token file: lines 'TOKEN [read|write|admin [PREFIX]]' or JSON (see docs); "
+        "$REDIS_SESSION_TOKENS is read too.",
+    ),
+]
 T = TypeVar("T")
 
 
@@ -736,16 +744,22 @@ def gateway_cmd(
     prefix: PrefixOpt = "rs",
     host: str = "127.0.0.1",
     port: int = 8765,
-    token: Annotated[str | None, typer.Option(envvar="REDIS_SESSION_TOKEN", help="Bearer token (read-only).")] = None,
+    token: Annotated[
+        str | None, typer.Option(envvar="REDIS_SESSION_TOKEN", help="Bearer token with every scope.")
+    ] = None,
+    tokens: TokensOpt = None,
 ) -> None:
-    """Serve the read-only HTTP/SSE gateway and the web viewer."""
+    """Serve the HTTP/SSE gateway (reads, live tails, writes) and the web viewer."""
 
     async def main() -> None:
         from ..gateway.app import serve
+        from ..gateway.auth import load_tokens
+
+        scoped = load_tokens(tokens)
 
         async def body(store: Any) -> None:
             err.print(f"gateway on http://{host}:{port}/", highlight=False)
-            await serve(store, host=host, port=port, token=token)
+            await serve(store, host=host, port=port, token=token, tokens=scoped)
 
         await _supervised(url, prefix, body)
 
@@ -758,12 +772,16 @@ def up_cmd(
     prefix: PrefixOpt = "rs",
     host: str = "127.0.0.1",
     port: int = 8765,
+    tokens: TokensOpt = None,
 ) -> None:
     """Server + projector + gateway in the foreground, for local development."""
 
     async def main() -> None:
         from ..gateway.app import serve
+        from ..gateway.auth import load_tokens
         from ..projector import Projector
+
+        scoped = load_tokens(tokens)
 
         async def body(store: Any) -> None:
             out.print(
@@ -771,7 +789,7 @@ def up_cmd(
             )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(Projector(store).run)
-                await serve(store, host=host, port=port)
+                await serve(store, host=host, port=port, tokens=scoped)
                 tg.cancel_scope.cancel()
 
         await _supervised(url, prefix, body)

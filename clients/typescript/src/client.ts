@@ -1,0 +1,390 @@
+/**
+ * `SessionClient`: the redis-session gateway over HTTP, with the Python API's guarantees.
+ *
+ * Every append can carry the expected n (`If-Match`): a stale one throws `SessionConflictError`
+ * with the expected and actual n and writes nothing. An `idempotencyKey` makes a retry of the
+ * same request return the first answer instead of writing twice. `transact` runs the reload /
+ * rebuild / retry loop with jittered backoff; `tail` follows a session over SSE and resumes after
+ * a dropped connection with `Last-Event-ID`, without gap or repeat.
+ */
+
+import { errorFor, SessionError, SessionNotFoundError, SessionReplacedError, UnavailableError } from './errors.js'
+import { parseSse } from './sse.js'
+import type {
+  Entry,
+  Json,
+  JsonObject,
+  MessageFormat,
+  NewEntry,
+  Page,
+  SessionHead,
+  SessionHeader,
+  Written,
+} from './types.js'
+
+export interface ClientOptions {
+  /** the gateway's base URL, e.g. `http://127.0.0.1:8765` */
+  url: string
+  /** bearer token */
+  token?: string
+  /** a fetch implementation (default: the global one) */
+  fetch?: typeof fetch
+}
+
+export interface WriteOptions {
+  /** the n the log must be at (`If-Match`); undefined or null: append at the end whatever n is */
+  expectedN?: number | null
+  /** a retry with the same key and body returns the first answer, never writes twice */
+  idempotencyKey?: string
+  /** only write to this life of the id (`header.incarnation`); else `SessionReplacedError` */
+  incarnation?: string
+  signal?: AbortSignal
+}
+
+export interface CreateOptions {
+  id?: string
+  title?: string | null
+  origin?: Json
+  delegationDepth?: number
+  /** seconds: an ephemeral session, expiring that long after its last write */
+  ttl?: number
+  entries?: NewEntry<unknown>[]
+  idempotencyKey?: string
+}
+
+export interface BranchOptions {
+  /** the branch's id (default `<parent>:branch:<hex>`) */
+  id?: string
+  title?: string | null
+  origin?: Json
+  delegationDepth?: number
+  idempotencyKey?: string
+}
+
+export interface TailOptions {
+  /** first n to deliver (default 0) */
+  start?: number
+  /** resume after this n, as a reconnecting EventSource would (takes precedence over `start`) */
+  lastEventId?: number
+  signal?: AbortSignal
+  /** called with the streaming draft when it changes (null when cleared) */
+  onDraft?: (draft: JsonObject | null) => void
+  /** reconnect attempts in a row before giving up (default: unlimited) */
+  maxRetries?: number
+}
+
+export interface TransactOptions {
+  retries?: number
+  baseDelayMs?: number
+  maxDelayMs?: number
+}
+
+const READ_PAGE = 10_000
+
+export function sleep(ms: number, signal?: AbortSignal): Promise<void> {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) return reject(signal.reason)
+    const timer = setTimeout(() => {
+      signal?.removeEventListener('abort', onAbort)
+      resolve()
+    }, ms)
+    const onAbort = () => {
+      clearTimeout(timer)
+      reject(signal?.reason)
+    }
+    signal?.addEventListener('abort', onAbort, { once: true })
+  })
+}
+
+/** Full-jitter exponential backoff: a random wait in [0, min(max, base * 2^attempt)). */
+export function backoff(attempt: number, baseMs = 5, maxMs = 500): number {
+  return Math.random() * Math.min(maxMs, baseMs * 2 ** attempt)
+}
+
+export class SessionClient {
+  readonly url: string
+  private readonly token: string | undefined
+  private readonly fetchFn: typeof fetch
+
+  constructor(options: ClientOptions) {
+    this.url = options.url.replace(/\/+$/, '')
+    this.token = options.token
+    this.fetchFn = options.fetch ?? globalThis.fetch.bind(globalThis)
+  }
+
+  // ------------------------------------------------------------------ plumbing
+
+  private path(id: string, sub = ''): string {
+    return `/sessions/${encodeURIComponent(id)}${sub ? `/${sub}` : ''}`
+  }
+
+  private headers(extra: Record<string, string | undefined> = {}): Record<string, string> {
+    const h: Record<string, string> = { accept: 'application/json' }
+    if (this.token !== undefined) h.authorization = `Bearer ${this.token}`
+    for (const [k, v] of Object.entries(extra)) if (v !== undefined) h[k] = v
+    return h
+  }
+
+  private writeHeaders(opts: WriteOptions = {}): Record<string, string | undefined> {
+    const h: Record<string, string | undefined> = { 'content-type': 'application/json' }
+    if (opts.expectedN !== undefined && opts.expectedN !== null) h['if-match'] = `"${opts.expectedN}"`
+    if (opts.incarnation !== undefined) h['x-session-incarnation'] = opts.incarnation
+    if (opts.idempotencyKey !== undefined) h['idempotency-key'] = opts.idempotencyKey
+    return h
+  }
+
+  /** One request; a non-2xx answer becomes the typed error. */
+  async request(
+    method: string,
+    path: string,
+    options: { body?: unknown; headers?: Record<string, string | undefined>; sessionId?: string; signal?: AbortSignal } = {},
+  ): Promise<Response> {
+    let response: Response
+    try {
+      response = await this.fetchFn(this.url + path, {
+        method,
+        headers: this.headers(options.headers),
+        ...(options.body !== undefined ? { body: JSON.stringify(options.body) } : {}),
+        ...(options.signal ? { signal: options.signal } : {}),
+      })
+    } catch (e) {
+      if (options.signal?.aborted) throw e
+      throw new UnavailableError(`the gateway at ${this.url} did not answer: ${(e as Error).message}`)
+    }
+    if (response.ok) return response
+    let body: Record<string, unknown> = {}
+    try {
+      body = (await response.json()) as Record<string, unknown>
+    } catch {
+      body = { message: `HTTP ${response.status}` }
+    }
+    throw errorFor(response.status, body, options.sessionId ?? '')
+  }
+
+  private async json<T>(method: string, path: string, options: Parameters<SessionClient['request']>[2] = {}): Promise<T> {
+    const r = await this.request(method, path, options)
+    return (await r.json()) as T
+  }
+
+  // ------------------------------------------------------------------ lifecycle
+
+  /** Create a session (201), optionally with its first entries; `SessionAlreadyExistsError` if the id is taken. */
+  async create(options: CreateOptions = {}): Promise<SessionHead> {
+    const body: Record<string, unknown> = {}
+    if (options.id !== undefined) body.id = options.id
+    if (options.title !== undefined) body.title = options.title
+    if (options.origin !== undefined) body.origin = options.origin
+    if (options.delegationDepth !== undefined) body.delegation_depth = options.delegationDepth
+    if (options.ttl !== undefined) body.ttl = options.ttl
+    if (options.entries !== undefined) body.entries = options.entries
+    return this.json<SessionHead>('POST', '/sessions', {
+      body,
+      headers: { 'content-type': 'application/json', 'idempotency-key': options.idempotencyKey },
+      sessionId: options.id ?? '',
+    })
+  }
+
+  /** The head (header, n, last cut), or undefined when there is no such session. */
+  async head(id: string, signal?: AbortSignal): Promise<SessionHead | undefined> {
+    try {
+      return await this.json<SessionHead>('GET', this.path(id), { sessionId: id, ...(signal ? { signal } : {}) })
+    } catch (e) {
+      if (e instanceof SessionNotFoundError) return undefined
+      throw e
+    }
+  }
+
+  async list(options: { parent?: string; limit?: number; cursor?: string | null } = {}): Promise<Page<SessionHeader>> {
+    const q = new URLSearchParams()
+    if (options.parent !== undefined) q.set('parent', options.parent)
+    if (options.limit !== undefined) q.set('limit', String(options.limit))
+    if (options.cursor) q.set('cursor', options.cursor)
+    const qs = q.toString()
+    return this.json<Page<SessionHeader>>('GET', `/sessions${qs ? `?${qs}` : ''}`)
+  }
+
+  /** Every session header (newest first), page after page. */
+  async *listAll(options: { parent?: string } = {}): AsyncGenerator<SessionHeader> {
+    let cursor: string | null = null
+    do {
+      const page: Page<SessionHeader> = await this.list({ ...options, limit: 1000, cursor })
+      yield* page.items
+      cursor = page.cursor
+    } while (cursor !== null)
+  }
+
+  /** Delete a session: true, or false when there was none. Needs an `admin` token. */
+  async delete(id: string, options: { expectedN?: number; incarnation?: string } = {}): Promise<boolean> {
+    try {
+      await this.request('DELETE', this.path(id), { headers: this.writeHeaders(options), sessionId: id })
+      return true
+    } catch (e) {
+      if (e instanceof SessionNotFoundError && !(e instanceof SessionReplacedError)) return false
+      throw e
+    }
+  }
+
+  /** A new session holding entries [0, at) of `id`, then its own (nothing is copied). */
+  async branch(id: string, at: number, options: BranchOptions = {}): Promise<SessionHead> {
+    const body: Record<string, unknown> = { at }
+    if (options.id !== undefined) body.id = options.id
+    if (options.title !== undefined) body.title = options.title
+    if (options.origin !== undefined) body.origin = options.origin
+    if (options.delegationDepth !== undefined) body.delegation_depth = options.delegationDepth
+    return this.json<SessionHead>('POST', this.path(id, 'branch'), {
+      body,
+      headers: { 'content-type': 'application/json', 'idempotency-key': options.idempotencyKey },
+      sessionId: id,
+    })
+  }
+
+  /** dsh fork: a child holding [0, boundary], the boundary a `turn/end` (default: the last entry). */
+  async fork(id: string, options: { boundary?: number; id?: string; idempotencyKey?: string } = {}): Promise<SessionHead> {
+    const body: Record<string, unknown> = {}
+    if (options.boundary !== undefined) body.boundary = options.boundary
+    if (options.id !== undefined) body.id = options.id
+    return this.json<SessionHead>('POST', this.path(id, 'fork'), {
+      body,
+      headers: { 'content-type': 'application/json', 'idempotency-key': options.idempotencyKey },
+      sessionId: id,
+    })
+  }
+
+  /** Close a turn a crashed writer left open; the entries appended ([] when nothing was open). */
+  async repair(id: string): Promise<Written> {
+    return this.json<Written>('POST', this.path(id, 'repair'), { sessionId: id })
+  }
+
+  // ------------------------------------------------------------------ writes
+
+  /** Append one entry. */
+  async append<D>(id: string, entry: NewEntry<D>, options: WriteOptions = {}): Promise<Written> {
+    return this.appendMany(id, [entry], options)
+  }
+
+  /** Append a batch, all or nothing. */
+  async appendMany<D>(id: string, entries: NewEntry<D>[], options: WriteOptions = {}): Promise<Written> {
+    return this.json<Written>('POST', this.path(id, 'entries'), {
+      body: { entries },
+      headers: this.writeHeaders(options),
+      sessionId: id,
+      ...(options.signal ? { signal: options.signal } : {}),
+    })
+  }
+
+  async draft(id: string): Promise<JsonObject | null> {
+    return (await this.json<{ draft: JsonObject | null }>('GET', this.path(id, 'draft'), { sessionId: id })).draft
+  }
+
+  /** Publish the streaming draft other readers see (null clears it). */
+  async setDraft(id: string, draft: JsonObject | null): Promise<void> {
+    await this.request('PUT', this.path(id, 'draft'), {
+      body: draft,
+      headers: { 'content-type': 'application/json' },
+      sessionId: id,
+    })
+  }
+
+  /**
+   * Run `fn` with the session's current head; when it throws `SessionConflictError` (its write's
+   * expected n went stale), wait (full jitter), reload the head and run it again, at most
+   * `retries` more times. `fn` must rebuild what it writes from the head it is given.
+   */
+  async transact<T>(id: string, fn: (head: SessionHead) => Promise<T>, options: TransactOptions = {}): Promise<T> {
+    const retries = options.retries ?? 8
+    for (let attempt = 0; ; attempt++) {
+      const head = await this.head(id)
+      if (head === undefined) throw new SessionNotFoundError(id)
+      try {
+        return await fn(head)
+      } catch (e) {
+        if (!(e instanceof SessionError && e.code === 'conflict') || attempt >= retries) throw e
+      }
+      await sleep(backoff(attempt, options.baseDelayMs ?? 5, options.maxDelayMs ?? 500))
+    }
+  }
+
+  // ------------------------------------------------------------------ reads
+
+  /** Entries [start, stop) (default: to the end), paged under the hood. */
+  async read(id: string, start = 0, stop?: number): Promise<Entry[]> {
+    const out: Entry[] = []
+    let next: number | null = start
+    while (next !== null) {
+      const q = new URLSearchParams({ start: String(next), limit: String(READ_PAGE) })
+      if (stop !== undefined) q.set('stop', String(stop))
+      const page: { n: number; entries: Entry[]; next: number | null } = await this.json(
+        'GET',
+        `${this.path(id, 'entries')}?${q}`,
+        { sessionId: id },
+      )
+      out.push(...page.entries)
+      next = page.next
+    }
+    return out
+  }
+
+  /** The projection: what the model sees (`openai`: chat messages; `anthropic`: {system, messages}). */
+  async messages(id: string, format: MessageFormat = 'openai'): Promise<unknown> {
+    const r = await this.json<{ messages: unknown }>('GET', `${this.path(id, 'messages')}?format=${format}`, {
+      sessionId: id,
+    })
+    return r.messages
+  }
+
+  /**
+   * The session's entries from `start`, then each new one as it lands (SSE). A dropped connection
+   * is retried with backoff and resumed with `Last-Event-ID`: every entry once, in order. Ends when
+   * the session is deleted; throws `SessionReplacedError` when its id was deleted and created again.
+   */
+  async *tail(id: string, options: TailOptions = {}): AsyncGenerator<Entry> {
+    let last = options.lastEventId ?? (options.start ?? 0) - 1
+    let failures = 0
+    let connected = false
+    for (;;) {
+      let response: Response
+      try {
+        response = await this.request('GET', this.path(id, 'events'), {
+          headers: { accept: 'text/event-stream', 'last-event-id': last >= 0 ? String(last) : undefined },
+          sessionId: id,
+          ...(options.signal ? { signal: options.signal } : {}),
+        })
+      } catch (e) {
+        // deleted while this tail was away: the end, as `event: end` would have said
+        if (connected && e instanceof SessionNotFoundError && !(e instanceof SessionReplacedError)) return
+        if (!(e instanceof UnavailableError)) throw e // auth, bad input …: not a dropped connection
+        failures = await this.retryWait(failures, options, e)
+        continue
+      }
+      connected = true
+      try {
+        for await (const ev of parseSse(response.body as unknown as AsyncIterable<Uint8Array>)) {
+          if (ev.event === 'message' && ev.id !== undefined) {
+            const entry = JSON.parse(ev.data) as Entry
+            if (entry.n <= last) continue
+            last = entry.n
+            failures = 0
+            yield entry
+          } else if (ev.event === 'draft') {
+            options.onDraft?.((JSON.parse(ev.data) as { draft: JsonObject | null }).draft)
+          } else if (ev.event === 'replaced') {
+            throw new SessionReplacedError(id)
+          } else if (ev.event === 'end') {
+            return
+          }
+        }
+      } catch (e) {
+        if (e instanceof SessionError || options.signal?.aborted) throw e
+        failures = await this.retryWait(failures, options, e)
+        continue
+      }
+      failures = await this.retryWait(failures, options, new Error('the stream ended early'))
+    }
+  }
+
+  private async retryWait(failures: number, options: TailOptions, cause: unknown): Promise<number> {
+    if (options.maxRetries !== undefined && failures >= options.maxRetries) throw cause
+    await sleep(Math.max(50, backoff(failures, 100, 5000)), options.signal)
+    return failures + 1
+  }
+}

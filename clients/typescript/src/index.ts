@@ -1,0 +1,7 @@
+export * from './types.js'
+export * from './errors.js'
+export { SessionClient, backoff, sleep } from './client.js'
+export type { ClientOptions, WriteOptions, CreateOptions, BranchOptions, TailOptions, TransactOptions } from './client.js'
+export { parseSse, type SseEvent } from './sse.js'
+export * from './chatluna.js'
+export { DshSessionStore, toDshEvent, fromDshEvent, type DshSessionEvent, type DshSessionHeader } from './dsh.js'

@@ -1,0 +1,239 @@
+"""Who may call the gateway, and what they may do.
+
+A token carries scopes — ``read`` (every GET), ``write`` (read, plus create, append, branch, fork,
+draft, repair), ``admin`` (write, plus delete); each includes the ones before it — and optionally a
+session-id ``prefix`` it is confined to (a tenant): such a token sees only ids that start with the
+prefix (lists are filtered, any other id answers 404, as if it did not exist) and creates only
+such ids. Tokens come from a file or the environment (`load_tokens`, `parse_tokens`); the single
+``token=`` of `create_app` is an all-scopes token without a prefix.
+
+Token file formats (`parse_tokens`)::
+
+    # lines: TOKEN [SCOPES [PREFIX]]  (SCOPES comma-separated, default read; `#` comments;
+    # `;` also separates entries, for an environment variable)
+    9f2c...e1  admin
+    a71b...03  write     acme/
+    c0d4...9a  read      acme/
+
+    {"tokens": [{"token": "a71b...03", "scopes": ["write"], "prefix": "acme/", "name": "acme pods"}]}
+
+A request presents its token as ``Authorization: Bearer <token>`` or ``?token=<token>``
+(EventSource cannot set headers). It is compared with *every* configured token in constant time
+(`hmac.compare_digest` of SHA-256 digests, no early exit), so the answer time says nothing about
+which token, or how much of one, matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..errors import SessionNotFoundError
+from .common import _error
+
+SCOPES = ("read", "write", "admin")
+"""Each scope includes the ones before it."""
+TOKENS_ENV = "REDIS_SESSION_TOKENS"
+PRINCIPAL = "redis_session.principal"
+"""The ASGI scope key under which the authenticated `Token` travels to the handlers."""
+_TOKEN_CHARS = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space (token files)
+
+
+class Forbidden(Exception):
+    """The token is valid but lacks the scope (or the tenant) for this request: a 403."""
+
+
+@dataclass(frozen=True)
+class Token:
+    """One bearer token: its scopes (expanded: ``write`` holds ``read``) and tenant prefix."""
+
+    secret: str = field(repr=False)
+    scopes: frozenset[str]
+    prefix: str | None = None
+    name: str = ""
+
+    @classmethod
+    def make(cls, secret: str, scopes: Iterable[str] = ("read",), prefix: str | None = None, name: str = "") -> Token:
+        if not isinstance(secret, str) or not secret:
+            raise ValueError("a token is a non-empty string")
+        wanted = list(scopes)
+        if not wanted or any(s not in SCOPES for s in wanted):
+            raise ValueError(f"scopes must be a non-empty subset of {', '.join(SCOPES)}, got {wanted!r}")
+        top = max(SCOPES.index(s) for s in wanted)
+        if prefix is not None and (not isinstance(prefix, str) or not prefix):
+            raise ValueError("a tenant prefix is a non-empty string")
+        return cls(secret, frozenset(SCOPES[: top + 1]), prefix, name)
+
+    def allows(self, scope: str) -> bool:
+        return scope in self.scopes
+
+    def sees(self, session_id: str) -> bool:
+        return self.prefix is None or session_id.startswith(self.prefix)
+
+    def require(self, scope: str) -> None:
+        if scope not in self.scopes:
+            raise Forbidden(f"this token may not {scope} (its scopes: {', '.join(sorted(self.scopes))})")
+
+    def check_session(self, session_id: str) -> None:
+        """A session outside the tenant does not exist, as far as this token can tell."""
+        if not self.sees(session_id):
+            raise SessionNotFoundError(session_id)
+
+    def check_new_id(self, session_id: str) -> None:
+        """An id this token creates must be inside its tenant (a 403: nothing is revealed)."""
+        if not self.sees(session_id):
+            raise Forbidden(f"this token creates only sessions whose id starts with {self.prefix!r}")
+
+
+OPEN = Token.make("open", SCOPES, name="no auth")
+"""The principal of every request when the gateway has no tokens."""
+
+
+def principal(scope: Scope) -> Token:
+    token: Token = scope.get(PRINCIPAL, OPEN)
+    return token
+
+
+class TokenSet:
+    """The configured tokens; `authenticate` compares a presented one with all of them."""
+
+    def __init__(self, tokens: Sequence[Token]) -> None:
+        seen: set[str] = set()
+        for t in tokens:
+            if t.secret in seen:
+                raise ValueError(f"token {t.name or '?'} is configured twice")
+            seen.add(t.secret)
+        self._tokens = [(hashlib.sha256(t.secret.encode()).digest(), t) for t in tokens]
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def authenticate(self, given: bytes) -> Token | None:
+        digest = hashlib.sha256(given).digest()
+        found: Token | None = None
+        for known, token in self._tokens:  # every one, whatever matched: no early exit
+            same = hmac.compare_digest(digest, known)
+            found = token if same and found is None else found
+        return found
+
+
+def parse_tokens(text: str, source: str = "tokens") -> list[Token]:
+    """Tokens from a token file's text (JSON or lines, see the module doc); ValueError names the
+    source and the entry at fault."""
+    stripped = text.strip()
+    if stripped.startswith(("{", "[")):
+        return _parse_json(stripped, source)
+    out: list[Token] = []
+    for lineno, raw in enumerate(re.split(r"[\n;]", text), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) > 3:
+            raise ValueError(f"{source}: entry {lineno}: expected TOKEN [SCOPES [PREFIX]], got {len(parts)} fields")
+        scopes = parts[1].split(",") if len(parts) > 1 else ["read"]
+        try:
+            if not _TOKEN_CHARS.fullmatch(parts[0]) or "," in parts[0]:
+                raise ValueError("a token in a token file is printable ASCII without spaces, ';' or ','")
+            out.append(Token.make(parts[0], scopes, parts[2] if len(parts) > 2 else None, f"{source}:{lineno}"))
+        except ValueError as e:
+            raise ValueError(f"{source}: entry {lineno}: {e}") from None
+    return out
+
+
+def _parse_json(text: str, source: str) -> list[Token]:
+    try:
+        doc: Any = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not valid JSON: {e}") from None
+    items = doc.get("tokens") if isinstance(doc, Mapping) else doc
+    if not isinstance(items, list):
+        raise ValueError(f'{source}: expected {{"tokens": [...]}} or a list of tokens')
+    out: list[Token] = []
+    for i, item in enumerate(items):
+        try:
+            if not isinstance(item, Mapping) or set(item) - {"token", "scopes", "prefix", "name"}:
+                raise ValueError("each token is {token, scopes?, prefix?, name?}")
+            scopes = item.get("scopes", ["read"])
+            if isinstance(scopes, str) or not isinstance(scopes, list):
+                raise ValueError("scopes is a list of strings")
+            secret = item.get("token")
+            if not isinstance(secret, str):
+                raise ValueError("token is a string")
+            out.append(Token.make(secret, scopes, item.get("prefix"), str(item.get("name") or f"#{i}")))
+        except ValueError as e:
+            raise ValueError(f"{source}: token {i}: {e}") from None
+    return out
+
+
+def load_tokens(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> list[Token]:
+    """Tokens from `path` (a token file) and the ``REDIS_SESSION_TOKENS`` variable of `env`
+    (default ``os.environ``), both if both are given."""
+    out: list[Token] = []
+    if path is not None:
+        out += parse_tokens(Path(path).read_text(encoding="utf-8"), str(path))
+    text = (os.environ if env is None else env).get(TOKENS_ENV)
+    if text:
+        out += parse_tokens(text, TOKENS_ENV)
+    return out
+
+
+class _TokenAuth:
+    """401 for every HTTP request without a known token (header, or ``?token=`` for EventSource);
+    the token found travels to the handlers in the ASGI scope (`principal`)."""
+
+    def __init__(self, app: ASGIApp, tokens: TokenSet) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    def _find(self, scope: Scope) -> Token | None:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, given = value.partition(b" ")
+                if scheme.lower() == b"bearer" and (token := self.tokens.authenticate(given.strip())):
+                    return token
+        for key, given_s in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
+            if key == "token" and (token := self.tokens.authenticate(given_s.encode())):
+                return token
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # /healthz answers liveness only (no session data), so orchestrator probes need no token
+        if scope["type"] != "http" or scope["path"] == "/healthz":
+            await self.app(scope, receive, send)
+            return
+        token = self._find(scope)
+        if token is not None:
+            await self.app({**scope, PRINCIPAL: token}, receive, send)
+            return
+        headers = {"WWW-Authenticate": "Bearer"}
+        response: Response
+        if scope["path"] in ("/", scope.get("root_path", "") + "/") and _accepts_html(scope):
+            # a person at the viewer's address: ask for the token (the page needs it in its URL)
+            headers["Content-Security-Policy"] = "default-src 'none'; form-action 'self'"
+            response = Response(_LOGIN, 401, headers, media_type="text/html; charset=utf-8")
+        else:
+            response = _error(401, "unauthorized", "a bearer token is required", headers)
+        await response(scope, receive, send)
+
+
+def _accepts_html(scope: Scope) -> bool:
+    return any(k == b"accept" and b"text/html" in v for k, v in scope.get("headers", ()))
+
+
+_LOGIN = (
+    b"<!doctype html><html lang=en><meta charset=utf-8><title>redis-session viewer</title>"
+    b"<form method=get action=''><p>This gateway needs a token.</p>"
+    b"<input type=password name=token autofocus required> <button>open</button></form></html>"
+)

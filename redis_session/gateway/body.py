@@ -1,0 +1,218 @@
+"""What a write request carries: its body (capped before it is parsed), its entries, and its
+preconditions (``If-Match``, ``X-Session-Incarnation``, ``Idempotency-Key``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+from starlette.requests import Request
+
+from ..errors import InvalidEntryError
+from ..model import NewEntry
+from .common import _BadRequest
+
+DEFAULT_MAX_BODY = 16 << 20
+"""Request bodies larger than this answer 413 before any of it is parsed."""
+
+T = TypeVar("T")
+NonNeg = Annotated[int, Meta(ge=0)]
+
+
+class TooLarge(Exception):
+    """A 413: the body, an entry or a batch is over its limit. `code` names which."""
+
+    def __init__(self, message: str, code: str = "too_large") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Unprocessable(Exception):
+    """A 422: well-formed JSON that is not a valid request; `path` points at the field."""
+
+    def __init__(self, message: str, path: str | None = None, index: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.index = index
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+class EntryIn(Struct, forbid_unknown_fields=True):
+    """One entry to append: ``{type, data, meta?, surface?, time?}`` (docs/design.md §2)."""
+
+    type: str
+    data: dict[str, Any]
+    meta: dict[str, Any] | None = None
+    surface: Any = None
+    time: NonNeg | None = None
+
+    def new(self) -> NewEntry:
+        return NewEntry(self.type, self.data, self.meta, self.surface, self.time)
+
+
+class BatchIn(Struct, forbid_unknown_fields=True):
+    entries: list[EntryIn]
+
+
+class CreateIn(Struct, forbid_unknown_fields=True, kw_only=True):
+    id: str | None = None
+    title: str | None = None
+    origin: Any = None
+    delegation_depth: NonNeg | None = None
+    ttl: Annotated[float, Meta(gt=0)] | None = None
+    entries: list[EntryIn] = []
+
+
+class BranchIn(Struct, forbid_unknown_fields=True, kw_only=True):
+    at: NonNeg
+    id: str | None = None
+    delegation_depth: NonNeg | None = None
+    title: str | None = None
+    origin: Any = None
+
+
+class ForkIn(Struct, forbid_unknown_fields=True, kw_only=True):
+    boundary: int | None = None
+    id: str | None = None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, read as a stream and refused (413) as soon as it passes `limit` bytes:
+    an oversized body is never buffered whole, let alone parsed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise TooLarge(f"the request body is {int(declared)} bytes; the limit is {limit}", "body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the request body is over the limit of {limit} bytes", "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode_json(raw: bytes) -> Any:
+    """The body as JSON (an empty body is ``{}``); 400 when it is not JSON at all."""
+    if not raw.strip():
+        return {}
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise _BadRequest(f"the request body is not valid JSON: {e}") from None
+
+
+def convert(value: Any, type: type[T], where: str = "$") -> T:
+    """`value` as `type`, or a 422 naming the field (``$.entries[2].type``)."""
+    try:
+        return msgspec.convert(value, type)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = re.search(r" - at `\$(.*)`$", msg)
+        path = where + (m.group(1) if m else "")
+        unknown = re.match(r"Object contains unknown field `([^`]*)`", msg)
+        if unknown:
+            path += "." + unknown.group(1)
+        raise Unprocessable(msg, path) from None
+
+
+def parse_entries(raw: bytes, max_batch: int) -> tuple[list[NewEntry], str]:
+    """The entries of an append body, and the JSON path of the entry list (for error paths).
+
+    One entry ``{type, data, …}``, a batch ``{"entries": [...]}``, or a bare list ``[...]``."""
+    body = decode_json(raw)
+    if isinstance(body, list):
+        items, base = body, "$"
+    elif isinstance(body, dict) and "entries" in body:
+        items, base = body["entries"], "$.entries"
+        convert({k: v for k, v in body.items() if k != "entries"} | {"entries": []}, BatchIn)
+    elif isinstance(body, dict):
+        return [convert(body, EntryIn).new()], ""
+    else:
+        raise Unprocessable('the body is an entry, {"entries": [...]} or a list of entries', "$")
+    if not isinstance(items, list):
+        raise Unprocessable("entries must be a list", base)
+    if not items:
+        raise Unprocessable("a batch holds at least one entry", base)
+    if len(items) > max_batch:
+        raise TooLarge(f"a batch holds at most {max_batch} entries; this one has {len(items)}", "batch_too_large")
+    return [e.new() for e in convert(items, list[EntryIn], base)], base
+
+
+def entry_path(base: str, index: int | None) -> str:
+    """The path of entry `index` of a body whose entry list is at `base` ("" for a single entry)."""
+    if base == "":
+        return "$"
+    return base if index is None else f"{base}[{index}]"
+
+
+def entry_error(e: InvalidEntryError, base: str) -> Exception:
+    """The store's `InvalidEntryError` for this body: a 413 for a size limit, else a 422 whose
+    path names the entry and the field within it (as far as the message tells)."""
+    msg = str(e)
+    if "; the limit is " in msg or "a batch holds at most" in msg:
+        return TooLarge(msg, "entry_too_large" if "; the limit is " in msg else "batch_too_large")
+    return Unprocessable(msg, entry_path(base, e.index) + _field_of(msg), e.index)
+
+
+_FIELD_PREFIXES = (("meta", ".meta"), ("time", ".time"), ("entry type", ".type"), ("data", ".data"))
+
+
+def _field_of(msg: str) -> str:
+    """The field an entry error is about, from its wording (docs: model.encode_entry)."""
+    rest = re.sub(r"^entry \d+: ", "", msg)
+    at = re.search(r" - at `\$(.*)`$", rest)
+    sub = at.group(1) if at else ""
+    if "surface" in rest:
+        return ".surface" + (sub if rest.startswith("invalid surface") else "")
+    for prefix, field in _FIELD_PREFIXES:
+        if rest.startswith(prefix):
+            return field
+    if rest.startswith("cut.before"):
+        return ".data.before"
+    if re.match(r"[A-Za-z0-9][A-Za-z0-9_.:/|+-]*: ", rest):  # "<type>: <schema error>": the data
+        return ".data" + sub
+    return ""
+
+
+# --------------------------------------------------------------------------- preconditions
+
+_IF_MATCH = re.compile(r'(?:W/)?"?([0-9]{1,15})(?:;([0-9A-Za-z_.:-]{1,64}))?"?')
+
+
+@dataclass(frozen=True)
+class Preconditions:
+    """``If-Match: "<n>"`` (or ``"<n>;<incarnation>"``) and ``X-Session-Incarnation``.
+
+    `expected` None: append at the end (``If-Match: *`` or none). `incarnation` pins the life of
+    the id the request was meant for."""
+
+    expected: int | None = None
+    incarnation: str | None = None
+    idempotency_key: str | None = None
+
+
+def preconditions(request: Request) -> Preconditions:
+    expected: int | None = None
+    incarnation: str | None = None
+    raw = request.headers.get("if-match")
+    if raw is not None and raw.strip() != "*":
+        m = _IF_MATCH.fullmatch(raw.strip())
+        if m is None:
+            raise _BadRequest('If-Match is "<n>", "<n>;<incarnation>" or *, got ' + repr(raw[:80]))
+        expected, incarnation = int(m.group(1)), m.group(2)
+    pinned = request.headers.get("x-session-incarnation")
+    if pinned is not None:
+        pinned = pinned.strip()
+        if not 1 <= len(pinned) <= 64 or (incarnation is not None and pinned != incarnation):
+            raise _BadRequest("X-Session-Incarnation is 1-64 characters and agrees with If-Match")
+        incarnation = pinned
+    key = request.headers.get("idempotency-key")
+    if key is not None and not 1 <= len(key) <= 256:
+        raise _BadRequest("Idempotency-Key is 1-256 characters")
+    return Preconditions(expected, incarnation, key)

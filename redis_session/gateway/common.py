@@ -1,0 +1,120 @@
+"""What every part of the gateway shares: JSON answers, query and path parsing, the session route."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Match, Route
+from starlette.types import Scope
+
+from ..keys import validate_session_id
+from ..model import SessionHead, SessionHeader
+from ..projection.fold import Message
+
+log = logging.getLogger("redis_session.gateway")
+
+MessagesFn = Callable[[str], Awaitable[Sequence[Message]]]
+"""Where `/messages` gets a session's projection: ``async (session_id) -> [Message]``."""
+
+FORMATS = ("openai", "anthropic", "neutral")
+DEFAULT_ENTRY_LIMIT = 1000
+MAX_ENTRY_LIMIT = 10_000
+_INT = re.compile(r"[0-9]{1,15}")
+_json = msgspec.json.Encoder()
+
+
+# --------------------------------------------------------------------------- JSON helpers
+
+
+def _header_dict(h: SessionHeader) -> dict[str, Any]:
+    # every field, defaults included: API clients should not need to know the defaults
+    return msgspec.structs.asdict(h)
+
+
+def _head_dict(h: SessionHead) -> dict[str, Any]:
+    return {
+        "id": h.header.id,
+        "header": _header_dict(h.header),
+        "n": h.n,
+        "updated_at": h.updated_at,
+        "last_cut": h.last_cut,
+    }
+
+
+class _JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _json.encode(content)
+
+
+def _error(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    return _JSON({"error": code, "message": message}, status_code=status, headers=headers)
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _int_arg(request: Request, name: str, default: int | None, lo: int = 0, hi: int | None = None) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    if not _INT.fullmatch(raw):
+        raise _BadRequest(f"{name} must be a non-negative integer, got {raw[:40]!r}")
+    v = int(raw)
+    if v < lo or (hi is not None and v > hi):
+        raise _BadRequest(f"{name} must be in [{lo}, {hi if hi is not None else '∞'}], got {v}")
+    return v
+
+
+def _session_path(scope: Scope) -> tuple[str, str | None]:
+    """(session id, sub-resource) of ``/sessions/{id}[/{sub}]``, decoded from the raw path.
+
+    The decoded ``path`` cannot tell ``a%2Fb`` (one id) from ``a/b``; the raw path can."""
+    raw: bytes | None = scope.get("raw_path")
+    root = scope.get("root_path", "").encode()
+    rel: bytes | None = None
+    if raw is not None:
+        for base in (root + b"/sessions/", b"/sessions/"):
+            if raw.startswith(base):
+                rel = raw[len(base) :]
+                break
+    if rel is None:  # a server without raw_path: the decoded path is the best there is
+        path: str = scope["path"]
+        rel = path[path.index("/sessions/") + len("/sessions/") :].encode()
+        parts = rel.split(b"/", 1)
+    else:
+        parts = rel.split(b"/")
+        if len(parts) > 2:
+            raise HTTPException(404, "no such route")
+    try:
+        sid = unquote_to_bytes(parts[0]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise _BadRequest("the session id is not valid UTF-8 once percent-decoded") from None
+    sub = parts[1].decode("latin-1") if len(parts) > 1 else None
+    validate_session_id(sid)
+    return sid, sub
+
+
+class _SessionRoute(Route):
+    """``/sessions/...`` whatever follows: Starlette's path pattern stops at a decoded newline, but
+    an id with one must still reach the handler, to be refused with a 400 (not a 404)."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            root: str = scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root) :]
+            if path.startswith("/sessions/"):
+                return super().matches({**scope, "path": "/sessions/-", "root_path": ""})
+        return Match.NONE, {}

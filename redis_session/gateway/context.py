@@ -1,0 +1,26 @@
+"""`Gateway`: what the route handlers of one app share (the store, the projection source, the
+open SSE streams and draft polls, the settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..sessions import Sessions
+from ..store.memory import SessionStore
+from .common import MessagesFn
+from .sse import _Drafts, _Streams
+
+
+@dataclass
+class Gateway:
+    store: SessionStore
+    get_messages: MessagesFn
+    custom_messages: bool  # `messages=` was given: it does not check the session exists itself
+    streams: _Streams
+    drafts: _Drafts
+    heartbeat: float
+    draft_interval: float
+    auth: bool
+    sessions: Sessions  # the writes go through the same service as Python code
+    max_body: int  # request bodies over this many bytes answer 413 before they are parsed
+    max_batch: int  # entries per append (the store's own limit)

@@ -1,0 +1,148 @@
+"""The read routes: the session list, a head, entries, the projection, the live tail, health."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import SessionNotFoundError
+from ..keys import validate_session_id
+from ..model import SessionHeader
+from ..projection.fold import to_anthropic, to_openai
+from .auth import principal
+from .common import (
+    _INT,
+    _JSON,
+    DEFAULT_ENTRY_LIMIT,
+    FORMATS,
+    MAX_ENTRY_LIMIT,
+    _BadRequest,
+    _head_dict,
+    _header_dict,
+    _int_arg,
+)
+from .context import Gateway
+from .openapi import openapi
+from .sse import _EventStream
+from .viewer import _viewer
+
+
+async def viewer(gw: Gateway, request: Request) -> Response:
+    html, csp = _viewer()
+    return Response(
+        html,
+        media_type="text/html; charset=utf-8",
+        headers={"Content-Security-Policy": csp, "Cache-Control": "no-cache"},
+    )
+
+
+async def openapi_doc(gw: Gateway, request: Request) -> Response:
+    return _JSON(openapi(auth=gw.auth))
+
+
+async def healthz(gw: Gateway, request: Request) -> Response:
+    await gw.store.head("healthz")  # one round trip: proves the store answers
+    return _JSON({"ok": True})
+
+
+async def list_sessions(gw: Gateway, request: Request) -> Response:
+    limit = _int_arg(request, "limit", 100, 1, 1000)
+    assert limit is not None
+    cursor = request.query_params.get("cursor") or None
+    parent = request.query_params.get("parent") or None
+    if cursor is not None and len(cursor) > 400:
+        raise _BadRequest("invalid cursor")
+    who = principal(request.scope)
+    if parent is not None:
+        who.check_session(validate_session_id(parent))
+    if who.prefix is None:
+        page = await gw.store.list(parent=parent, limit=limit, cursor=cursor)
+        return _JSON({"items": [_header_dict(h) for h in page.items], "cursor": page.cursor})
+    items, cursor = await _tenant_page(gw, who.sees, parent, limit, cursor)
+    return _JSON({"items": [_header_dict(h) for h in items], "cursor": cursor})
+
+
+TENANT_SCAN_PAGES = 10
+"""Store pages a tenant's list reads per request at most; a page may come back short (with a
+cursor) when the tenant's sessions are sparse among many others."""
+
+
+async def _tenant_page(
+    gw: Gateway, sees: Callable[[str], bool], parent: str | None, limit: int, cursor: str | None
+) -> tuple[list[SessionHeader], str | None]:
+    """One page of the sessions a tenant token sees: the store's pages, filtered."""
+    items: list[SessionHeader] = []
+    for _ in range(TENANT_SCAN_PAGES):
+        page = await gw.store.list(parent=parent, limit=limit - len(items), cursor=cursor)
+        for h in page.items:
+            if sees(h.id):
+                items.append(h)
+        cursor = page.cursor
+        if cursor is None or len(items) >= limit:
+            break
+    return items, cursor
+
+
+async def head(gw: Gateway, request: Request, sid: str) -> Response:
+    got = await gw.store.head(sid)
+    if got is None:
+        raise SessionNotFoundError(sid)
+    tags = {"ETag": f'"{got.n}"', "X-Session-Incarnation": got.header.incarnation}
+    return _JSON(_head_dict(got), headers=tags)
+
+
+async def entries(gw: Gateway, request: Request, sid: str) -> Response:
+    start = _int_arg(request, "start", 0)
+    stop = _int_arg(request, "stop", None)
+    limit = _int_arg(request, "limit", DEFAULT_ENTRY_LIMIT, 1, MAX_ENTRY_LIMIT)
+    assert start is not None and limit is not None
+    if stop is not None and stop < start:
+        raise _BadRequest(f"stop ({stop}) is before start ({start})")
+    got = await gw.store.head(sid)
+    if got is None:
+        raise SessionNotFoundError(sid)
+    end = min(got.n, start + limit, got.n if stop is None else stop)
+    page = await gw.store.read(sid, start, end, incarnation=got.header.incarnation) if end > start else []
+    want_end = got.n if stop is None else min(stop, got.n)
+    return _JSON({"n": got.n, "entries": page, "next": end if end < want_end else None})
+
+
+async def messages(gw: Gateway, request: Request, sid: str) -> Response:
+    fmt = request.query_params.get("format") or "openai"
+    if fmt not in FORMATS:
+        raise _BadRequest(f"format must be one of {', '.join(FORMATS)}")
+    if gw.custom_messages and await gw.store.head(sid) is None:  # Sessions.messages checks itself
+        raise SessionNotFoundError(sid)
+    msgs = await gw.get_messages(sid)
+    body: Any
+    if fmt == "openai":
+        body = to_openai(msgs)
+    elif fmt == "anthropic":
+        body = to_anthropic(msgs)
+    else:
+        body = list(msgs)
+    return _JSON({"session": sid, "format": fmt, "messages": body})
+
+
+async def events(gw: Gateway, request: Request, sid: str) -> Response:
+    last_id = request.headers.get("last-event-id")
+    if last_id:
+        if not _INT.fullmatch(last_id.strip()):
+            raise _BadRequest("Last-Event-ID must be an entry n")
+        start = int(last_id.strip()) + 1
+    else:
+        start = _int_arg(request, "start", 0) or 0
+    if await gw.store.head(sid) is None:
+        raise SessionNotFoundError(sid)
+    return _EventStream(
+        gw.store,
+        sid,
+        start,
+        heartbeat=gw.heartbeat,
+        draft_interval=gw.draft_interval,
+        streams=gw.streams,
+        drafts=gw.drafts,
+    )

@@ -1,0 +1,347 @@
+"""Server-Sent Events: a session's live tail (`_EventStream`), the store-wide notifications
+(`_StoreEventStream`), and the bookkeeping they share (open streams, the per-session draft poll)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ..errors import SessionError, SessionNotFoundError, SessionReplacedError, StoreUnavailableError
+from ..live import RETRYABLE, follow
+from ..model import Entry
+from ..store.memory import SessionStore
+from .auth import principal
+from .common import _error, _json, log
+
+
+class _Streams:
+    """The open SSE streams, so a shutting-down server can end them at once instead of waiting
+    for clients that never hang up."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.scopes: set[anyio.CancelScope] = set()
+        self.closing = False
+
+    def full(self) -> bool:
+        return self.closing or (self.limit is not None and len(self.scopes) >= self.limit)
+
+    def close_all(self) -> None:
+        self.closing = True
+        for s in list(self.scopes):
+            s.cancel()
+
+
+class _DraftSlot:
+    """The last draft read for one session, shared by its SSE clients: whoever finds it older
+    than `max_age` reads it again while the others wait on the lock and take that answer."""
+
+    def __init__(self) -> None:
+        self.lock = anyio.Lock()
+        self.raw = b"null"
+        self.read_at = -1e9
+        self.users = 0
+
+    async def get(self, store: SessionStore, session_id: str, max_age: float) -> bytes:
+        async with self.lock:
+            if time.monotonic() - self.read_at >= max_age:
+                self.raw = _json.encode(await store.get_draft(session_id))
+                self.read_at = time.monotonic()
+            return self.raw
+
+
+class _Drafts:
+    def __init__(self) -> None:
+        self.slots: dict[str, _DraftSlot] = {}
+
+    @contextlib.contextmanager
+    def use(self, session_id: str) -> Iterator[_DraftSlot]:
+        slot = self.slots.get(session_id)
+        if slot is None:
+            slot = self.slots[session_id] = _DraftSlot()
+        slot.users += 1
+        try:
+            yield slot
+        finally:
+            slot.users -= 1
+            if slot.users == 0:
+                del self.slots[session_id]
+
+
+def _default_stream_limit(store: SessionStore) -> int | None:
+    """Each SSE client holds one pooled connection in XREAD BLOCK; past the pool's size the next
+    command would fail with "Too many connections". Keep a margin for the short commands."""
+    pool = getattr(getattr(store, "client", None), "connection_pool", None)
+    size = getattr(pool, "max_connections", None)
+    if isinstance(size, int) and 0 < size < 1 << 30:
+        return max(1, size - max(4, size // 10))
+    return None
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+def _entry_event(e: Entry) -> bytes:
+    return b"id: %d\ndata: %b\n\n" % (e.n, _json.encode(e))
+
+
+Write = Callable[[bytes], Awaitable[None]]
+
+
+class _EventStream(Response):
+    """One SSE client: the backlog in pages, then a live tail (`follow`, so a dropped store
+    connection is retried and resumed without gap), a draft poller and a heartbeat.
+
+    All three write straight to the response under one lock. A slow client therefore slows its
+    own XREAD loop and no one else's, and nothing buffers without bound; and a new entry is on the
+    wire before the tail asks Redis for the next one."""
+
+    media_type = "text/event-stream"
+    IDLE_DRAFT_INTERVAL = 2.0
+    ACTIVE_WINDOW = 10.0  # seconds after the last entry or draft change during which drafts poll fast
+    BACKLOG_PAGE = 1000
+
+    def __init__(
+        self,
+        store: SessionStore,
+        session_id: str,
+        start: int,
+        *,
+        heartbeat: float,
+        draft_interval: float,
+        streams: _Streams,
+        drafts: _Drafts,
+    ) -> None:
+        # not Response.__init__: it would announce a Content-Length of 0
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.store = store
+        self.session_id = session_id
+        self.start = start
+        self.heartbeat = heartbeat
+        self.draft_interval = draft_interval
+        self.streams = streams
+        self.drafts = drafts
+        self._active_at = time.monotonic()
+        self._last_write = time.monotonic()
+        self._incarnation: str | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] == "HEAD":
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if self.streams.full():
+            busy = _error(503, "busy", "too many live streams; retry later", {"Retry-After": "5"})
+            await busy(scope, receive, send)
+            return
+        lock = anyio.Lock(fast_acquire=True)
+        async with anyio.create_task_group() as tg:
+            # counted before the first await: concurrent requests cannot all slip under the limit
+            self.streams.scopes.add(tg.cancel_scope)
+
+            async def write(body: bytes) -> None:
+                async with lock:
+                    try:
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    except OSError:  # the client went away mid-write
+                        tg.cancel_scope.cancel()
+                    self._last_write = time.monotonic()
+
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
+                # the first bytes flush the headers through any buffering proxy at once
+                await write(b"retry: 1000\n: open\n\n")
+                tg.start_soon(self._drafts, write)
+                tg.start_soon(self._heartbeats, write)
+                await self._entries(write)  # returns when the session is deleted
+                tg.cancel_scope.cancel()
+            finally:
+                self.streams.scopes.discard(tg.cancel_scope)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1), contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                scope.cancel()
+                return
+
+    async def _entries(self, write: Write) -> None:
+        def on_retry(exc: BaseException, wait: float, at: int) -> None:
+            log.warning("tail of %r dropped (%s); resuming at n=%d in %.2fs", self.session_id, exc, at, wait)
+
+        try:
+            nxt = await self._backlog(write)
+            tail = follow(self.store, self.session_id, nxt, on_retry=on_retry, incarnation=self._incarnation)
+            async with contextlib.aclosing(tail) as entries:
+                async for e in entries:
+                    self._active_at = time.monotonic()
+                    await write(_entry_event(e))
+        except SessionReplacedError:
+            # the id was deleted and created again: this stream's session is gone for good
+            await write(b"event: replaced\ndata: %b\n\n" % _json.encode({"session": self.session_id}))
+        except SessionNotFoundError:
+            pass
+        except SessionError as exc:  # a corrupt log: say so, then end the stream
+            log.exception("tail of %r failed", self.session_id)
+            await write(b"event: error\ndata: %b\n\n" % _json.encode({"error": type(exc).__name__}))
+        await write(b"event: end\ndata: {}\n\n")
+
+    async def _backlog(self, write: Write) -> int:
+        """Send what is already stored, a page per write; the n the live tail starts at.
+
+        A reconnecting viewer of a long session catches up in a few large reads and writes, not
+        one per entry. A store error here is left to the live tail, which retries it."""
+        nxt = self.start
+        try:
+            while True:
+                head = await self.store.head(self.session_id)
+                if head is None:
+                    return nxt
+                if self._incarnation is None:
+                    self._incarnation = head.header.incarnation  # the session this stream follows
+                elif head.header.incarnation != self._incarnation:
+                    raise SessionReplacedError(self.session_id)
+                if nxt >= head.n:
+                    return nxt
+                page = await self.store.read(
+                    self.session_id, nxt, min(head.n, nxt + self.BACKLOG_PAGE), incarnation=self._incarnation
+                )
+                if not page:
+                    return nxt
+                await write(b"".join([_entry_event(e) for e in page]))
+                nxt = page[-1].n + 1
+        except RETRYABLE:
+            return nxt
+
+    async def _drafts(self, write: Write) -> None:
+        """Send the draft when it changes. Polled fast while the session is active, slower when
+        idle; the clients of one session share each poll (`_Drafts`), so fifty viewers of one
+        session cost one GET per interval, not fifty."""
+        with self.drafts.use(self.session_id) as slot:
+            last = b"null"
+            interval = self.draft_interval
+            while True:
+                try:
+                    raw = await slot.get(self.store, self.session_id, max_age=self.draft_interval * 0.9)
+                except SessionNotFoundError:
+                    return
+                except StoreUnavailableError:
+                    await anyio.sleep(self.IDLE_DRAFT_INTERVAL)
+                    continue
+                now = time.monotonic()
+                if raw != last:
+                    last = raw
+                    self._active_at = now
+                    await write(b'event: draft\ndata: {"draft":%b}\n\n' % raw)
+                active = now - self._active_at < self.ACTIVE_WINDOW
+                interval = self.draft_interval if active else min(interval * 1.5, self.IDLE_DRAFT_INTERVAL)
+                await anyio.sleep(interval)
+
+    async def _heartbeats(self, write: Write) -> None:
+        while True:
+            idle = time.monotonic() - self._last_write
+            if idle >= self.heartbeat:
+                await write(b": ping\n\n")
+                idle = 0.0
+            await anyio.sleep(self.heartbeat - idle)
+
+
+# --------------------------------------------------------------------------- store-wide events
+
+
+def _store_events_route(store: SessionStore, heartbeat: float) -> Callable[[Request], Awaitable[Response]]:
+    """``GET /events``: the store's notifications as SSE (``event: session-branch`` with
+    ``{parent, session, at}``), so a viewer updates its branch tree and session list at once."""
+
+    async def store_events(request: Request) -> Response:
+        who = principal(request.scope)
+        return _StoreEventStream(store, heartbeat, None if who.prefix is None else who.sees)
+
+    return store_events
+
+
+async def _store_notifications(store: SessionStore) -> Any:
+    """Each notification published on the store's ``{prefix}:events`` channel, as a dict; across
+    dropped connections (resubscribing). Stores without pub/sub (memory, cluster) yield nothing."""
+    from redis.asyncio import Redis
+
+    client, keys = getattr(store, "client", None), getattr(store, "keys", None)
+    if not isinstance(client, Redis) or keys is None:
+        await anyio.sleep_forever()
+        return
+    while True:
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(keys.events)
+            async for message in pubsub.listen():
+                with contextlib.suppress(msgspec.DecodeError):
+                    body = msgspec.json.decode(message["data"])
+                    if isinstance(body, dict) and isinstance(body.get("event"), str):
+                        yield body
+        except RETRYABLE:
+            await anyio.sleep(1.0)
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class _StoreEventStream(Response):
+    """One client of ``/events``: store notifications, with heartbeats."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, store: SessionStore, heartbeat: float, sees: Callable[[str], bool] | None = None) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.store = store
+        self.heartbeat = heartbeat
+        self.sees = sees  # a tenant's token: only notifications about its own sessions
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        if scope["method"] == "HEAD":
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+
+        async def body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        with contextlib.suppress(OSError):
+            async with anyio.create_task_group() as tg:
+
+                async def disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                async def heartbeats() -> None:
+                    while True:
+                        await anyio.sleep(self.heartbeat)
+                        await body(b": ping\n\n")
+
+                tg.start_soon(disconnect)
+                tg.start_soon(heartbeats)
+                await body(b"retry: 1000\n: open\n\n")
+                async for event in _store_notifications(self.store):
+                    if self.sees is not None and not all(
+                        self.sees(v) for k, v in event.items() if k in ("session", "parent") and isinstance(v, str)
+                    ):
+                        continue
+                    name = str(event.pop("event")).encode()
+                    await body(b"event: %b\ndata: %b\n\n" % (name, _json.encode(event)))
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1), contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

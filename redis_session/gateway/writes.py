@@ -1,0 +1,275 @@
+"""The write routes: create, append, branch, fork, delete, draft, repair.
+
+Every write goes through the same store and `Sessions` calls as Python code does, so it is
+validated by the same rules and lands atomically or not at all. Concurrency is HTTP's:
+``If-Match: "<n>"`` is the expected n (none or ``*``: append at the end), a stale one answers 412
+with the actual n (body and ``ETag``); every success answers the new n as ``ETag``. An
+``X-Session-Incarnation`` (or ``If-Match: "<n>;<incarnation>"``) pins the life of the id: a
+session deleted and created again since answers 409 ``session_replaced``. ``Idempotency-Key`` is
+the store's idempotency key: a retried append returns the entries it wrote, never writes twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import (
+    IdempotencyKeyReusedError,
+    InvalidEntryError,
+    SessionAlreadyExistsError,
+    SessionConflictError,
+    SessionForkError,
+    SessionNotFoundError,
+    SessionReplacedError,
+)
+from ..keys import validate_session_id
+from ..model import Entry, NewEntry, SessionHead, Surface
+from ..sessions import Session
+from .auth import principal
+from .body import (
+    BranchIn,
+    CreateIn,
+    ForkIn,
+    Preconditions,
+    TooLarge,
+    Unprocessable,
+    convert,
+    decode_json,
+    entry_error,
+    parse_entries,
+    preconditions,
+    read_body,
+)
+from .common import _JSON, _head_dict
+from .context import Gateway
+
+
+def _tags(n: int, incarnation: str | None) -> dict[str, str]:
+    headers = {"ETag": f'"{n}"'}
+    if incarnation:
+        headers["X-Session-Incarnation"] = incarnation
+    return headers
+
+
+def _created(head: SessionHead) -> Response:
+    return _JSON(_head_dict(head), status_code=201, headers=_tags(head.n, head.header.incarnation))
+
+
+def _written(entries: Sequence[Entry], n: int, incarnation: str | None, status: int = 201) -> Response:
+    return _JSON({"n": n, "entries": entries}, status_code=status, headers=_tags(n, incarnation))
+
+
+def _head_of(s: Session) -> SessionHead:
+    return SessionHead(header=s.header, n=s.n, updated_at=s.header.created_at, last_cut=s.last_cut)
+
+
+def _keyed_id(parent: str, key: str | None) -> str | None:
+    """The child id a keyed branch or fork gets when none is given: the same for every retry of
+    the request, so a retry finds the child the first attempt made instead of making another."""
+    if key is None:
+        return None
+    return f"{parent}:branch:{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+# --------------------------------------------------------------------------- append
+
+
+async def append(gw: Gateway, request: Request, sid: str) -> Response:
+    cond = preconditions(request)
+    batch, base = parse_entries(await read_body(request, gw.max_body), gw.max_batch)
+    try:
+        stored = await _put(gw, sid, cond, batch)
+    except InvalidEntryError as e:
+        raise entry_error(e, base) from None
+    return _written(stored, stored[-1].n + 1, cond.incarnation)
+
+
+async def _put(gw: Gateway, sid: str, cond: Preconditions, batch: list[NewEntry]) -> list[Entry]:
+    store, expected, key = gw.store, cond.expected, cond.idempotency_key
+    if expected is not None and any(e.surface is not None for e in batch):
+        # a surface op is checked against the projection it was written for, as a Session handle
+        # does (check_surface at n, then the put with expected_n = n)
+        head = await store.head(sid)
+        if head is None:
+            raise SessionNotFoundError(sid)
+        if cond.incarnation is not None and head.header.incarnation != cond.incarnation:
+            raise SessionReplacedError(sid)
+        if head.n < expected:  # no retry of an earlier request can be behind the log
+            raise SessionConflictError(sid, expected, head.n)
+        if head.n == expected:
+            return await Session(gw.sessions, head).append_many(batch, idempotency_key=key)
+    return await store.put(sid, expected, batch, idempotency_key=key, incarnation=cond.incarnation)
+
+
+# --------------------------------------------------------------------------- create, branch, fork
+
+
+async def create(gw: Gateway, request: Request) -> Response:
+    who = principal(request.scope)
+    cond = preconditions(request)
+    body = decode_json(await read_body(request, gw.max_body))
+    if isinstance(body, dict) and ("parent" in body or "at" in body):
+        raise Unprocessable("a branch is made with POST /sessions/{parent}/branch {at, id?}", "$.parent")
+    req = convert(body, CreateIn)
+    sid = req.id if req.id is not None else f"{who.prefix or ''}session-{uuid.uuid4().hex}"
+    who.check_new_id(validate_session_id(sid))
+    batch = [e.new() for e in req.entries]
+    if len(batch) > gw.max_batch:
+        raise TooLarge(f"a batch holds at most {gw.max_batch} entries", "batch_too_large")
+    try:
+        s = await gw.sessions.create(
+            sid, title=req.title, origin=req.origin, delegation_depth=req.delegation_depth, ttl=req.ttl, entries=batch
+        )
+    except InvalidEntryError as e:
+        raise entry_error(e, "$.entries") from None
+    except SessionAlreadyExistsError:
+        if cond.idempotency_key is None:
+            raise
+        head = await _replayed_create(gw, sid, req, batch)
+        if head is None:
+            raise
+        return _created(head)
+    return _created(_head_of(s))
+
+
+def _same_entries(stored: Sequence[Entry], batch: Sequence[NewEntry]) -> bool:
+    def norm(e: NewEntry) -> tuple[Any, ...]:
+        surface = None if e.surface is None else msgspec.to_builtins(msgspec.convert(e.surface, Surface))
+        return (e.type, e.data, e.meta, surface)
+
+    def stored_norm(e: Entry) -> tuple[Any, ...]:
+        surface = None if e.surface is None else msgspec.to_builtins(e.surface)
+        return (e.type, e.data, e.meta, surface)
+
+    return len(stored) == len(batch) and all(
+        stored_norm(s) == norm(b) and (b.time is None or b.time == s.time) for s, b in zip(stored, batch, strict=True)
+    )
+
+
+async def _replayed_create(gw: Gateway, sid: str, req: CreateIn, batch: list[NewEntry]) -> SessionHead | None:
+    """The session a keyed create finds already there, when it is what this create makes (a
+    retry whose first attempt landed): same header fields, same first entries. Else None."""
+    head = await gw.store.head(sid)
+    if head is None:
+        return None
+    h = head.header
+    same_header = (h.parent, h.title, h.origin, h.delegation_depth) == (
+        None,
+        req.title,
+        req.origin,
+        req.delegation_depth or 0,
+    )
+    if not same_header or head.n < len(batch):
+        return None
+    stored = await gw.store.read(sid, 0, len(batch), incarnation=h.incarnation) if batch else []
+    return head if _same_entries(stored, batch) else None
+
+
+async def branch(gw: Gateway, request: Request, sid: str) -> Response:
+    who = principal(request.scope)
+    cond = preconditions(request)
+    req = convert(decode_json(await read_body(request, gw.max_body)), BranchIn)
+    child = req.id if req.id is not None else _keyed_id(sid, cond.idempotency_key)
+    if child is not None:
+        who.check_new_id(validate_session_id(child))
+    try:
+        s = await gw.sessions.branch(
+            sid, req.at, branch_id=child, delegation_depth=req.delegation_depth, title=req.title, origin=req.origin
+        )
+    except SessionAlreadyExistsError:
+        head = await _replayed_branch(gw, cond, child, sid, req.at)
+        if head is None:
+            raise
+        return _created(head)
+    return _created(_head_of(s))
+
+
+async def _replayed_branch(
+    gw: Gateway, cond: Preconditions, child: str | None, parent: str, at: int | None
+) -> SessionHead | None:
+    """The child a keyed branch or fork finds already there, when it is this request's (same
+    parent, same branch point): a retry whose first attempt landed. Else None."""
+    if cond.idempotency_key is None or child is None:
+        return None
+    head = await gw.store.head(child)
+    if head is None or head.header.parent != parent:
+        return None
+    if at is not None and head.header.at != at:
+        if child == _keyed_id(parent, cond.idempotency_key):
+            raise IdempotencyKeyReusedError(parent, cond.idempotency_key)
+        return None
+    return head
+
+
+async def fork(gw: Gateway, request: Request, sid: str) -> Response:
+    who = principal(request.scope)
+    cond = preconditions(request)
+    req = convert(decode_json(await read_body(request, gw.max_body)), ForkIn)
+    child = req.id if req.id is not None else _keyed_id(sid, cond.idempotency_key)
+    if child is not None:
+        who.check_new_id(validate_session_id(child))
+    try:
+        s = await gw.sessions.fork(sid, req.boundary, fork_id=child)
+    except SessionForkError as e:
+        at = None if req.boundary is None else req.boundary + 1
+        head = await _replayed_branch(gw, cond, child, sid, at) if e.code == "SESSION_ALREADY_EXISTS" else None
+        if head is None:
+            raise
+        return _created(head)
+    return _created(_head_of(s))
+
+
+# --------------------------------------------------------------------------- delete, draft, repair
+
+
+async def delete(gw: Gateway, request: Request, sid: str) -> Response:
+    """204, or 404. With If-Match / X-Session-Incarnation, the head is checked first (a guard
+    against deleting what the client did not see, not an atomic compare-and-delete)."""
+    cond = preconditions(request)
+    if cond.expected is not None or cond.incarnation is not None:
+        head = await gw.store.head(sid)
+        if head is None:
+            raise SessionNotFoundError(sid)
+        if cond.incarnation is not None and head.header.incarnation != cond.incarnation:
+            raise SessionReplacedError(sid)
+        if cond.expected is not None and head.n != cond.expected:
+            raise SessionConflictError(sid, cond.expected, head.n)
+    if not await gw.sessions.delete(sid):
+        raise SessionNotFoundError(sid)
+    return Response(status_code=204)
+
+
+async def get_draft(gw: Gateway, request: Request, sid: str) -> Response:
+    if await gw.store.head(sid) is None:
+        raise SessionNotFoundError(sid)
+    return _JSON({"draft": await gw.store.get_draft(sid)})
+
+
+async def put_draft(gw: Gateway, request: Request, sid: str) -> Response:
+    """The streaming draft other readers see (SSE ``event: draft``): a JSON object, or null to clear."""
+    raw = await read_body(request, gw.max_body)
+    if not raw.strip():
+        raise Unprocessable("the body is the draft: a JSON object, or null to clear it", "$")
+    body = decode_json(raw)
+    draft = None if body is None else convert(body, dict[str, Any])
+    try:
+        await gw.store.set_draft(sid, draft)
+    except InvalidEntryError as e:
+        raise entry_error(e, "$") from None
+    return Response(status_code=204)
+
+
+async def repair(gw: Gateway, request: Request, sid: str) -> Response:
+    """Close a turn a crashed writer left open (`Sessions.repair`); 409 while a live writer holds
+    the lease. Safe to retry: a repaired session has nothing left to close."""
+    entries = await gw.sessions.repair(sid)
+    head = await gw.store.head(sid)
+    n = entries[-1].n + 1 if entries else (head.n if head is not None else 0)
+    return _written(entries, n, head.header.incarnation if head is not None else None, status=200)
