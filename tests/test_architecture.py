@@ -22,6 +22,7 @@ INTERNALS = (
     "acquire_connection",
     "get_connection",
     "connection_kwargs",
+    "connection_pool",
     "NEVER_DECODE",
 )
 WIRE = {"redis/wire.py", "redis/cluster.py"}

@@ -56,7 +56,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..model import DEFAULT_MAX_BATCH
 from ..sessions import Sessions
 from ..snapshots import SnapshotCache
-from ..store.memory import SessionStore
+from ..store import SessionStore
 from . import reads
 from . import routes as routes_
 from .auth import SCOPES, Token, TokenSet, _TokenAuth

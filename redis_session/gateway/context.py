@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..sessions import Sessions
-from ..store.memory import SessionStore
+from ..store import SessionStore
 from .common import MessagesFn
 from .sse import _Drafts, _Streams
 

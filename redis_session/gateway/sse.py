@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from ..errors import SessionError, SessionNotFoundError, SessionReplacedError, StoreUnavailableError
 from ..live import RETRYABLE, follow
 from ..model import Entry
-from ..store.memory import SessionStore
+from ..store import SessionStore
 from .auth import principal
 from .common import _error, _json, log
 
@@ -79,9 +79,8 @@ class _Drafts:
 def _default_stream_limit(store: SessionStore) -> int | None:
     """Each SSE client holds one pooled connection in XREAD BLOCK; past the pool's size the next
     command would fail with "Too many connections". Keep a margin for the short commands."""
-    pool = getattr(getattr(store, "client", None), "connection_pool", None)
-    size = getattr(pool, "max_connections", None)
-    if isinstance(size, int) and 0 < size < 1 << 30:
+    size = getattr(store, "max_connections", None)
+    if isinstance(size, int) and size > 0:
         return max(1, size - max(4, size // 10))
     return None
 

@@ -78,7 +78,7 @@ from ..model import (
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
 from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .cluster import ClusterRouter
-from .wire import EVAL, EVALSHA, RAW, PooledWire, bulks, pack, raw_client, read_replies, socket_timeout
+from .wire import EVAL, EVALSHA, RAW, PooledWire, bulks, pack, pool_size, raw_client, read_replies, socket_timeout
 
 _json = msgspec.json.Encoder()
 _decode_any = msgspec.json.Decoder()
@@ -388,6 +388,12 @@ class RedisSessionStore(StoreRules):
         else:
             client = aioredis.Redis.from_url(url, **opts)
         return cls(client, prefix=prefix, owns_client=True, **kwargs)
+
+    @property
+    def max_connections(self) -> int | None:
+        """The size of the connection pool (None: unbounded, or a cluster client): each live tail
+        holds one connection in XREAD BLOCK, so servers of many tails bound them by it."""
+        return None if self.cluster else pool_size(self.client)
 
     async def aclose(self) -> None:
         if self._hint_task is not None and not self._hint_task.done():

@@ -103,6 +103,12 @@ def plain_replies(client: Any) -> Any:
     return client
 
 
+def pool_size(client: Any) -> int | None:
+    """How many connections the client's pool may open (None: unbounded, or not a pooled client)."""
+    size = getattr(getattr(client, "connection_pool", None), "max_connections", None)
+    return size if isinstance(size, int) and 0 < size < 1 << 30 else None
+
+
 def socket_timeout(client: aioredis.Redis | RedisCluster) -> float | None:
     """The client's socket timeout in seconds (None: no timeout)."""
     try:
