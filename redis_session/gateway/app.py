@@ -14,7 +14,9 @@ Routes (every one a GET; ``/openapi.json`` describes them)::
                                     draft, ``event: end`` when the session is deleted (after
                                     ``event: replaced`` when its id was deleted and created
                                     again: the stream never goes on with the new session), and
-                                    a ``: ping`` comment after `heartbeat` idle seconds
+                                    a ``: ping`` comment after `heartbeat` idle seconds;
+                                    ``&deltas=1`` adds ``event: delta`` (each delta of a streamed
+                                    answer) and ids become ``<n>/<live id>`` (resume both)
     /events                         SSE: store-wide notifications (``event: session-branch``)
 
 Ids in paths are percent-encoded (``/`` as ``%2F``); the raw path is decoded here, so ids with
@@ -63,8 +65,9 @@ from ..errors import (
     StoreUnavailableError,
 )
 from ..keys import validate_session_id
-from ..live import RETRYABLE, follow
+from ..live import RETRYABLE, follow, follow_deltas
 from ..model import Entry, SessionHead, SessionHeader
+from ..projection.chunks import Delta
 from ..projection.fold import Message, to_anthropic, to_openai
 from ..sessions import Sessions
 from ..snapshots import SnapshotCache
@@ -196,36 +199,38 @@ class _DraftSlot:
     """The last draft read for one session, shared by its SSE clients: whoever finds it older
     than `max_age` reads it again while the others wait on the lock and take that answer."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: bool = True) -> None:
         self.lock = anyio.Lock()
         self.raw = b"null"
         self.read_at = -1e9
         self.users = 0
+        self.live = live  # False: only set_draft's draft (the stream sends deltas itself)
 
     async def get(self, store: SessionStore, session_id: str, max_age: float) -> bytes:
         async with self.lock:
             if time.monotonic() - self.read_at >= max_age:
-                self.raw = _json.encode(await store.get_draft(session_id))
+                self.raw = _json.encode(await store.get_draft(session_id, live=self.live))
                 self.read_at = time.monotonic()
             return self.raw
 
 
 class _Drafts:
     def __init__(self) -> None:
-        self.slots: dict[str, _DraftSlot] = {}
+        self.slots: dict[tuple[str, bool], _DraftSlot] = {}
 
     @contextlib.contextmanager
-    def use(self, session_id: str) -> Iterator[_DraftSlot]:
-        slot = self.slots.get(session_id)
+    def use(self, session_id: str, live: bool = True) -> Iterator[_DraftSlot]:
+        key = (session_id, live)
+        slot = self.slots.get(key)
         if slot is None:
-            slot = self.slots[session_id] = _DraftSlot()
+            slot = self.slots[key] = _DraftSlot(live)
         slot.users += 1
         try:
             yield slot
         finally:
             slot.users -= 1
             if slot.users == 0:
-                del self.slots[session_id]
+                del self.slots[key]
 
 
 def _default_stream_limit(store: SessionStore) -> int | None:
@@ -337,7 +342,10 @@ def create_app(  # noqa: C901 - to split
 
     async def events(request: Request, sid: str) -> Response:
         last_id = request.headers.get("last-event-id")
-        if last_id:
+        live_after: str | None = None
+        if last_id and "/" in last_id:
+            start, live_after = _delta_cursor(last_id)
+        elif last_id:
             if not _INT.fullmatch(last_id.strip()):
                 raise _BadRequest("Last-Event-ID must be an entry n")
             start = int(last_id.strip()) + 1
@@ -346,8 +354,9 @@ def create_app(  # noqa: C901 - to split
         if await store.head(sid) is None:
             raise SessionNotFoundError(sid)
         return _EventStream(
-            store, sid, start, heartbeat=heartbeat, draft_interval=draft_interval, streams=streams, drafts=drafts
-        )
+            store, sid, start, heartbeat=heartbeat, draft_interval=draft_interval, streams=streams, drafts=drafts,
+            deltas=request.query_params.get("deltas") in ("1", "true"), live_after=live_after,
+        )  # fmt: skip
 
     def guarded(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """Map every expected failure to a JSON answer: bad input never becomes a 500."""
@@ -407,8 +416,53 @@ def create_app(  # noqa: C901 - to split
 # --------------------------------------------------------------------------- SSE
 
 
-def _entry_event(e: Entry) -> bytes:
+def _entry_event(e: Entry, cursor: str | None = None) -> bytes:
+    if cursor:
+        return b"id: %d/%b\ndata: %b\n\n" % (e.n, cursor.encode(), _json.encode(e))
     return b"id: %d\ndata: %b\n\n" % (e.n, _json.encode(e))
+
+
+# --------------------------------------------------------------------------- SSE deltas (§8.2)
+
+_DELTA_CURSOR = re.compile(r"(-1|[0-9]{1,15})/([0-9]{1,20}-[0-9]{1,20})")
+
+
+def _delta_cursor(last_id: str) -> tuple[int, str]:
+    """``<n>/<live id>`` (the id of every event of a ``?deltas=1`` stream once a delta was sent:
+    the last entry n and the last delta's live stream id) as (start, live_after)."""
+    m = _DELTA_CURSOR.fullmatch(last_id.strip())
+    if m is None:
+        raise _BadRequest("Last-Event-ID must be an entry n, or <n>/<live id> on a stream with deltas")
+    return int(m.group(1)) + 1, m.group(2)
+
+
+def _delta_event(last_n: int, d: Delta) -> bytes:
+    body: dict[str, Any] = {"answer": d.answer, "index": d.index, "kind": d.kind, "text": d.text}
+    if d.call_id is not None:
+        body["callId"] = d.call_id
+    if d.name is not None:
+        body["name"] = d.name
+    return b"event: delta\nid: %d/%b\ndata: %b\n\n" % (last_n, d.cursor.encode(), _json.encode(body))
+
+
+async def _stream_with_deltas(stream: _EventStream, write: Write, on_retry: Any) -> None:
+    """The live part of a ``?deltas=1`` stream: entries and ``event: delta`` as they come
+    (`follow_deltas`), every event id ``<last n>/<last delta's live id>`` so a reconnect with
+    Last-Event-ID resumes both without gap or repeat."""
+    nxt = await stream._backlog(write)
+    items = follow_deltas(
+        stream.store, stream.session_id, nxt, live_after=stream.live_after, on_retry=on_retry,
+        incarnation=stream._incarnation,
+    )  # fmt: skip
+    async with contextlib.aclosing(items) as live:
+        async for item in live:
+            stream._active_at = time.monotonic()
+            if isinstance(item, Delta):
+                stream.live_after = item.cursor
+                await write(_delta_event(nxt - 1, item))
+            else:
+                nxt = item.n + 1
+                await write(_entry_event(item, stream.live_after))
 
 
 Write = Callable[[bytes], Awaitable[None]]
@@ -437,6 +491,8 @@ class _EventStream(Response):
         draft_interval: float,
         streams: _Streams,
         drafts: _Drafts,
+        deltas: bool = False,
+        live_after: str | None = None,
     ) -> None:
         # not Response.__init__: it would announce a Content-Length of 0
         self.status_code = 200
@@ -452,6 +508,8 @@ class _EventStream(Response):
         self._active_at = time.monotonic()
         self._last_write = time.monotonic()
         self._incarnation: str | None = None
+        self.deltas = deltas  # `event: delta` too (`_stream_with_deltas`); drafts then only set_draft's
+        self.live_after = live_after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "HEAD":
@@ -501,12 +559,15 @@ class _EventStream(Response):
             log.warning("tail of %r dropped (%s); resuming at n=%d in %.2fs", self.session_id, exc, at, wait)
 
         try:
-            nxt = await self._backlog(write)
-            tail = follow(self.store, self.session_id, nxt, on_retry=on_retry, incarnation=self._incarnation)
-            async with contextlib.aclosing(tail) as entries:
-                async for e in entries:
-                    self._active_at = time.monotonic()
-                    await write(_entry_event(e))
+            if self.deltas:
+                await _stream_with_deltas(self, write, on_retry)
+            else:
+                nxt = await self._backlog(write)
+                tail = follow(self.store, self.session_id, nxt, on_retry=on_retry, incarnation=self._incarnation)
+                async with contextlib.aclosing(tail) as entries:
+                    async for e in entries:
+                        self._active_at = time.monotonic()
+                        await write(_entry_event(e))
         except SessionReplacedError:
             # the id was deleted and created again: this stream's session is gone for good
             await write(b"event: replaced\ndata: %b\n\n" % _json.encode({"session": self.session_id}))
@@ -539,7 +600,7 @@ class _EventStream(Response):
                 )
                 if not page:
                     return nxt
-                await write(b"".join([_entry_event(e) for e in page]))
+                await write(b"".join([_entry_event(e, self.live_after) for e in page]))
                 nxt = page[-1].n + 1
         except RETRYABLE:
             return nxt
@@ -548,7 +609,7 @@ class _EventStream(Response):
         """Send the draft when it changes. Polled fast while the session is active, slower when
         idle; the clients of one session share each poll (`_Drafts`), so fifty viewers of one
         session cost one GET per interval, not fifty."""
-        with self.drafts.use(self.session_id) as slot:
+        with self.drafts.use(self.session_id, live=not self.deltas) as slot:
             last = b"null"
             interval = self.draft_interval
             while True:
@@ -901,10 +962,20 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                     "as JSON; `event: draft` carries `{draft}` when the streaming draft changes; "
                     "`event: end` when the session is deleted (`event: replaced` first when it was replaced); "
                     "`: ping` comments after `heartbeat` "
-                    "idle seconds. Reconnect with `Last-Event-ID` (resumes at id + 1), else `start`.",
+                    "idle seconds. Reconnect with `Last-Event-ID` (resumes at id + 1), else `start`. "
+                    "With `deltas=1`, `event: delta` carries `{answer, index, kind, text, callId?, name?}` "
+                    "for each delta of a streamed answer, and event ids become `<n>/<live id>` "
+                    "(last entry n, last delta's live stream id) once a delta was sent; "
+                    "`Last-Event-ID` resumes both without gap or repeat.",
                     "parameters": [
                         sid,
                         nonneg("start", "first n (default 0)"),
+                        {
+                            "name": "deltas",
+                            "in": "query",
+                            "description": "1: also send streamed answers' deltas (`event: delta`)",
+                            "schema": {"type": "string", "enum": ["0", "1", "true"]},
+                        },
                         {
                             "name": "Last-Event-ID",
                             "in": "header",

@@ -364,7 +364,6 @@ def live_draft(records: Sequence[LiveRecord]) -> dict[str, Any] | None:
 
 
 __all__ = [
-    "live_draft",
     "CHUNK",
     "DELTA_KINDS",
     "INTERRUPTED",
@@ -379,6 +378,7 @@ __all__ = [
     "assemble_deltas",
     "chunk_row",
     "delta_chunk",
+    "live_draft",
     "new_answer_id",
     "open_answers",
     "pack_chunks",

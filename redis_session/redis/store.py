@@ -1169,7 +1169,10 @@ class RedisSessionStore(StoreRules):
         while True:
             with _io():
                 resp, (deleted, inc_raw, born_raw) = await self._pipeline(
-                    ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, live_key, last_id, live_after),
+                    (
+                        "XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms,
+                        "STREAMS", key, live_key, last_id, live_after,
+                    ),  # fmt: skip
                     ("HMGET", hdr_key, "deleted", "incarnation", "created_at"),
                 )
             if inc_raw is None and born_raw is None:

@@ -39,7 +39,6 @@ from ..model import (
     new_incarnation,
     now_ms,
 )
-
 from ..projection.chunks import LiveRecord, live_draft
 
 IDEMPOTENCY_WINDOW = 1024
