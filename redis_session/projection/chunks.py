@@ -182,9 +182,7 @@ def _unpacked(element: Any) -> Any:
     return {"type": "text-delta", "text": element} if isinstance(element, str) else element
 
 
-def chunk_row(
-    chunks: Sequence[Any], *, turn: int | None, step: int | None, answer: str | None, seq: int
-) -> NewEntry:
+def chunk_row(chunks: Sequence[Any], *, turn: int | None, step: int | None, answer: str | None, seq: int) -> NewEntry:
     """One packed ``assistant/chunk`` row holding `chunks` (dsh StreamChunks), the first of them
     delta number `seq` of `answer`."""
     data: dict[str, Any] = {}

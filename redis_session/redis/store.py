@@ -1167,12 +1167,10 @@ class RedisSessionStore(StoreRules):
         key, live_key, hdr_key = self.keys.log(session_id), self.keys.live(session_id), self.keys.hdr(session_id)
         last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
         while True:
+            xread = ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, live_key)
             with _io():
                 resp, (deleted, inc_raw, born_raw) = await self._pipeline(
-                    (
-                        "XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms,
-                        "STREAMS", key, live_key, last_id, live_after,
-                    ),  # fmt: skip
+                    (*xread, last_id, live_after),
                     ("HMGET", hdr_key, "deleted", "incarnation", "created_at"),
                 )
             if inc_raw is None and born_raw is None:
