@@ -100,9 +100,11 @@ for i = 0, count - 1 do
 end
 
 local last_cut = nil
+local hint = false  -- a batch of chunk rows only changes no projection: no feed hint for it
 for i = 0, count - 1 do
   local p = base + 6 * i
   local typ, tm = ARGV[p], ARGV[p + 1]
+  if typ ~= 'assistant/chunk' then hint = true end
   if tm == '' then tm = string.format('%d', now) end
   local f = {'type', typ, 'time', tm, 'data', ARGV[p + 2]}
   if ARGV[p + 3] ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[p + 3] end
@@ -155,7 +157,7 @@ if ttl ~= '' and redis.call('ZCARD', KEYS[6]) == 0 then
   if live_ttl == -1 or live_ttl > tonumber(ttl) then redis.call('PEXPIRE', KEYS[8], ttl) end
 end
 
-if KEYS[9] and count > 0 then
+if KEYS[9] and hint then
   redis.call('XADD', KEYS[9], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', string.format('%d', new_n))
 end
 

@@ -68,7 +68,7 @@ from .model import (
     kind_of,
     now_ms,
 )
-from .projection.chunks import Delta, LiveRecord
+from .projection.chunks import Delta, LiveRecord, open_answers
 from .projection.fold import Message, ProjectionState, check_surface, history, openai_messages
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
@@ -701,8 +701,9 @@ class Session:
         """Close a turn a crashed writer left open (dsh ``interruptedTurnClosers``): synthetic
         error results for unanswered tool calls, ``step/end``, ``turn/end {interrupted}``.
 
-        First, every streamed answer whose writer died (open on the live stream, nothing new on
-        it for `stale_after` seconds) is closed: the deltas the log lacks are packed from the live
+        Nothing is done while a streamed answer is still live (something new on the live stream
+        less than `stale_after` seconds ago). First, every streamed answer whose writer died (open
+        on the live stream, nothing new on it for `stale_after` seconds) is closed: the deltas the log lacks are packed from the live
         stream into chunk rows, followed by an ``assistant/interrupted`` mark (reason ``crashed``).
 
         Returns the entries appended ([] when no turn is open). When this handle holds the lease
@@ -717,6 +718,8 @@ class Session:
             closers = interrupted_turn_closers(entries)
             records = await self._store.read_live(self.id)
             dead = dead_answers(records, stale_ms=round(stale_after * 1000), now_ms=now_ms())
+            if len(open_answers(records)) > len(dead):
+                return []  # an answer is still streaming: its writer is alive (or died < stale_after ago)
             if not closers and not dead:
                 return []
             try:

@@ -26,6 +26,7 @@ A writer that dies without either leaves an open answer; its live records expire
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
@@ -113,7 +114,7 @@ class AnswerStream:
         self._full = anyio.Event()
         self._expired_at = 0.0
         self._begin_id: str | None = None
-        self._tg: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
     # ------------------------------------------------------------------ writing
@@ -149,7 +150,7 @@ class AnswerStream:
     def _add(self, kind: str, text: str, call_id: str | None, name: str | None) -> None:
         if not isinstance(text, str):
             raise TypeError(f"a delta is a str, got {type(text).__name__}")
-        if self._closed or self._tg is None:
+        if self._closed or not self._tasks:
             raise RuntimeError("this answer stream is not open (use `async with s.stream(...)`)")
         index = len(self._chunks)
         self._chunks.append(delta_chunk(kind, text, call_id, name))
@@ -245,10 +246,10 @@ class AnswerStream:
             self._begin_id = ids[0] if ids else None
         except Exception as e:
             log.warning("the live stream of %r is unavailable: %s", self.session_id, e)
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._send_loop)
-        self._tg.start_soon(self._flush_loop)
+        # plain asyncio tasks, not a task group: the block's own cancellation must not cut a
+        # write in flight short, and its exit must wait for them (see __aexit__)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._send_loop()), loop.create_task(self._flush_loop())]
         return self
 
     async def __aexit__(
@@ -257,12 +258,13 @@ class AnswerStream:
         # Stop both loops, letting a flush or a send in flight finish (a write is never cut
         # short: its outcome would be unknown), even while this task is being cancelled.
         self._closed = True
-        self._tg.cancel_scope.shield = True
         self._send_wake.set()
         self._have_chunks.set()
         self._full.set()
-        await self._tg.__aexit__(None, None, None)
         with anyio.CancelScope(shield=True):
+            for result in await asyncio.gather(*self._tasks, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    log.warning("answer %s of %r: a background write failed: %r", self.answer, self.session_id, result)
             # every delta is live before the entry that closes the answer lands
             await self._send_pending()
             if exc_type is None:

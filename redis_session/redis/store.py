@@ -723,8 +723,8 @@ class RedisSessionStore(StoreRules):
             code = int(res[0])
             if code == 0:
                 first, now = int(res[1]), int(res[2])
-                if self.feed and self.cluster and batch:
-                    self._feed_cluster(session_id, first + len(batch))
+                if self.feed and self.cluster and any(enc.type != "assistant/chunk" for enc in batch):
+                    self._feed_cluster(session_id, first + len(batch))  # chunk rows change no projection
                 return self._check_durable(
                     session_id, [enc.stored(first + i, now) for i, enc in enumerate(batch)], acks
                 )
@@ -1169,14 +1169,20 @@ class RedisSessionStore(StoreRules):
         while True:
             xread = ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, live_key)
             with _io():
-                resp, (deleted, inc_raw, born_raw) = await self._pipeline(
-                    (*xread, last_id, live_after),
-                    ("HMGET", hdr_key, "deleted", "incarnation", "created_at"),
-                )
-            if inc_raw is None and born_raw is None:
-                return
-            self._check_incarnation(session_id, inc, inc_raw, born_raw)
+                resp = await self._raw(*xread, last_id, live_after)
             log_rows, live_rows = _xread_by_key(resp, key, live_key)
+            deleted = None
+            if log_rows or not live_rows:
+                # Entries, or an idle wake-up: is it still this session? (A delta needs no such
+                # round trip: after a re-creation the live stream starts with a begin record of
+                # the new incarnation, which `tail_deltas` refuses.)
+                with _io():
+                    deleted, inc_raw, born_raw = await self._raw(
+                        "HMGET", hdr_key, "deleted", "incarnation", "created_at"
+                    )
+                if inc_raw is None and born_raw is None:
+                    return
+                self._check_incarnation(session_id, inc, inc_raw, born_raw)
             if live_rows:  # first: an answer's deltas are all on the live stream before its message lands
                 for r in _live_records(live_rows):
                     yield r
