@@ -316,8 +316,8 @@ def main() -> None:
                     "yes" if r["complete"] else "NO",
                 ])  # fmt: skip
             print_table(
-                ["way", "deltas/s", "cmdstat us/delta", "vs raw", "process us/delta", "vs raw", "mem B/delta", "vs entries", "p50 ms", "p99 ms",
-                 "p50 vs raw", "complete"],
+                ["way", "deltas/s", "cmdstat us/delta", "vs raw", "process us/delta", "vs raw", "mem B/delta",
+                 "vs entries", "p50 ms", "p99 ms", "p50 vs raw", "complete"],
                 rows,
             )  # fmt: skip
             for r in results:

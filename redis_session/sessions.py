@@ -703,8 +703,9 @@ class Session:
 
         Nothing is done while a streamed answer is still live (something new on the live stream
         less than `stale_after` seconds ago). First, every streamed answer whose writer died (open
-        on the live stream, nothing new on it for `stale_after` seconds) is closed: the deltas the log lacks are packed from the live
-        stream into chunk rows, followed by an ``assistant/interrupted`` mark (reason ``crashed``).
+        on the live stream, nothing new on it for `stale_after` seconds) is closed: the deltas
+        the log lacks are packed from the live stream into chunk rows, followed by an
+        ``assistant/interrupted`` mark (reason ``crashed``).
 
         Returns the entries appended ([] when no turn is open). When this handle holds the lease
         the open turn is its own (a restarted writer) and it closes it; otherwise it takes the

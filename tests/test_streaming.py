@@ -6,15 +6,15 @@ and the cluster where the API allows."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import httpx
+import msgspec
 import pytest
+from test_gateway import path, sse
 
 from redis_session import Delta, MemorySessionStore, RedisSessionStore, SessionHeader, Sessions, pack_chunks, project
 from redis_session.live import follow_deltas
@@ -22,7 +22,6 @@ from redis_session.model import NewEntry
 from redis_session.projection.chunks import CHUNK, INTERRUPTED, replay, unpack_row
 
 from support import running_gateway
-from test_gateway import path, sse
 
 pytestmark = pytest.mark.anyio
 
@@ -243,15 +242,13 @@ anyio.run(main)
 
 
 async def test_a_writer_that_dies_is_closed_by_repair(redis_url: str, redis_store: RedisSessionStore) -> None:
-    proc = subprocess.run(
+    proc = await anyio.run_process(
         [sys.executable, "-c", WRITER, redis_url, redis_store.prefix],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        check=False,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 9, proc.stderr
-    answer = proc.stdout.strip()
+    answer = proc.stdout.decode().strip()
     sessions = Sessions(redis_store)
     before = await redis_store.read("dead")
     flushed = len(replay(before).get(answer, []))
