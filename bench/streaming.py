@@ -106,6 +106,9 @@ async def _raw(url: str, prefix: str, trackers: list[Tracker], rate: float) -> b
     return True
 
 
+FLUSH = 0.1  # the writer's flush_interval (the library's default); --flush changes it
+
+
 async def _stream(url: str, prefix: str, trackers: list[Tracker], rate: float) -> bool:
     store = RedisSessionStore.from_url(url, prefix=prefix, client_options={"max_connections": 4 * len(trackers) + 8})
     sessions = Sessions(store)
@@ -122,7 +125,7 @@ async def _stream(url: str, prefix: str, trackers: list[Tracker], rate: float) -
     async def writer(t: Tracker) -> None:
         s = handles[t.sid]
         await anyio.sleep(random.random() / rate)
-        async with s.stream(turn=1, step=1, grace=GRACE) as w:
+        async with s.stream(turn=1, step=1, grace=GRACE, flush_interval=FLUSH) as w:
             for i, d in enumerate(t.deltas):
                 t.sent_at[i] = time.perf_counter()
                 await w.delta(d)
@@ -194,8 +197,12 @@ async def _run(trackers: list[Tracker], reader: Any, writer: Any) -> None:
 WAYS = {"raw": _raw, "stream": _stream, "entries": _entries}
 
 
-async def run_sessions(url: str, prefix: str, way: str, sids: list[str], deltas: int, rate: float) -> dict[str, Any]:
+async def run_sessions(
+    url: str, prefix: str, way: str, sids: list[str], deltas: int, rate: float, flush: float = 0.1
+) -> dict[str, Any]:
     """One process's share of a run: its answers, their readers; latencies and completeness."""
+    global FLUSH
+    FLUSH = flush
     trackers = [Tracker(sid, deltas_for(sid, deltas)) for sid in sids]
     started = time.perf_counter()
     log_ok = await WAYS[way](url, prefix, trackers, rate)
@@ -209,7 +216,7 @@ async def run_sessions(url: str, prefix: str, way: str, sids: list[str], deltas:
     }
 
 
-def _worker(args: tuple[str, str, str, list[str], int, float]) -> dict[str, Any]:
+def _worker(args: tuple[str, str, str, list[str], int, float, float]) -> dict[str, Any]:
     return anyio.run(run_sessions, *args)
 
 
@@ -255,14 +262,14 @@ async def _memory(url: str, prefix: str) -> int:
     return total
 
 
-def run_way(url: str, way: str, sessions: int, deltas: int, rate: float, procs: int) -> dict[str, Any]:
+def run_way(url: str, way: str, sessions: int, deltas: int, rate: float, procs: int, flush: float) -> dict[str, Any]:
     prefix = unique_prefix()
     sids = [f"{way}-{i}" for i in range(sessions)]
     shares = [sids[i::procs] for i in range(procs)]
     cpu0 = anyio.run(_reset, url)
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(procs) as pool:
-        parts = pool.map(_worker, [(url, prefix, way, share, deltas, rate) for share in shares])
+        parts = pool.map(_worker, [(url, prefix, way, share, deltas, rate, flush) for share in shares])
     usec, per = anyio.run(_cpu_usec, url)
     process_us = per.pop("_process")[0] - cpu0 * 1e6
     usec = sum(u for u, _ in per.values())
@@ -298,13 +305,16 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=50.0)
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--ways", nargs="+", default=["raw", "stream", "entries"])
+    p.add_argument("--flush", type=float, default=0.1, help="the stream writer's flush_interval (s)")
     args = p.parse_args()
     with server(args.url) as url:
         for s in args.sessions:
-            results = [run_way(url, w, s, args.deltas, args.rate, args.procs) for w in args.ways]
+            results = [run_way(url, w, s, args.deltas, args.rate, args.procs, args.flush) for w in args.ways]
             base = next((r for r in results if r["way"] == "raw"), results[0])
             entry = next((r for r in results if r["way"] == "entries"), None)
-            print(f"\nS={s} answers x {args.deltas} deltas at ~{args.rate:g}/s, one reader each")
+            print(
+                f"\nS={s} answers x {args.deltas} deltas at ~{args.rate:g}/s, one reader each, flush {args.flush:g} s"
+            )
             rows = []
             for r in results:
                 mem = f"{r['mem_b']:.1f}" + ("" if r["mem_later_b"] is None else f" ({r['mem_later_b']:.1f})")
