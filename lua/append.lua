@@ -5,7 +5,9 @@
 -- KEYS[3] idem   ZSET    {prefix}:{id}:idem  idempotency key -> first_n * 65536 + batch length, and
 --                                            "<key>\0<digest>" at the same score (the batch it names)
 -- KEYS[4..7]     proj, draft, kids, lease    (only touched to refresh a session TTL)
--- KEYS[8] feed   STREAM  optional change-feed shard (standalone servers only: another slot)
+-- KEYS[8] live   STREAM  {prefix}:{id}:live  streamed answers in flight (deleted on create; an
+--                                            ephemeral session's TTL caps its expiry)
+-- KEYS[9] feed   STREAM  optional change-feed shard (standalone servers only: another slot)
 --
 -- ARGV[1] mode         "append" | "create"
 -- ARGV[2] expected_n   "" = append at the end whatever n is
@@ -51,7 +53,7 @@ local base
 if mode == 'create' then
   if redis.call('EXISTS', hdr) == 1 then return {5} end
   -- leftovers of an expired or half-purged session must not leak into the new one
-  redis.call('DEL', log, idem, KEYS[4], KEYS[5], KEYS[7])
+  redis.call('DEL', log, idem, KEYS[4], KEYS[5], KEYS[7], KEYS[8])
   local nhdr = tonumber(ARGV[8])
   local fields = {}
   n = 0
@@ -98,9 +100,11 @@ for i = 0, count - 1 do
 end
 
 local last_cut = nil
+local hint = false  -- a batch of chunk rows only changes no projection: no feed hint for it
 for i = 0, count - 1 do
   local p = base + 6 * i
   local typ, tm = ARGV[p], ARGV[p + 1]
+  if typ ~= 'assistant/chunk' then hint = true end
   if tm == '' then tm = string.format('%d', now) end
   local f = {'type', typ, 'time', tm, 'data', ARGV[p + 2]}
   if ARGV[p + 3] ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[p + 3] end
@@ -148,10 +152,13 @@ end
 -- its own (shorter) expiry, and a session with live branches is kept for them (see link.lua).
 if ttl ~= '' and redis.call('ZCARD', KEYS[6]) == 0 then
   for k = 1, 6 do redis.call('PEXPIRE', KEYS[k], ttl) end
+  -- the live stream keeps its own short expiry; it never outlives the session
+  local live_ttl = redis.call('PTTL', KEYS[8])
+  if live_ttl == -1 or live_ttl > tonumber(ttl) then redis.call('PEXPIRE', KEYS[8], ttl) end
 end
 
-if KEYS[8] and count > 0 then
-  redis.call('XADD', KEYS[8], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', string.format('%d', new_n))
+if KEYS[9] and hint then
+  redis.call('XADD', KEYS[9], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', string.format('%d', new_n))
 end
 
 return {0, n, now}

@@ -1,6 +1,6 @@
 -- delete.lua: delete one session, or hide it (a tombstone) while live branches still read it.
 --
--- KEYS[1..7] hdr, log, idem, proj, draft, kids, lease of the session  ({prefix}:{id}:*)
+-- KEYS[1..8] hdr, log, idem, proj, draft, kids, lease, live of the session  ({prefix}:{id}:*)
 -- ARGV       none
 --
 -- Returns {0}                                  absent (or already hidden)
@@ -12,8 +12,8 @@ if redis.call('ZCARD', KEYS[6]) > 0 then
   redis.call('HSET', KEYS[1], 'deleted', '1')
   redis.call('PERSIST', KEYS[1])
   redis.call('PERSIST', KEYS[2])
-  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[7])
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[7], KEYS[8])
   return {1, h[3]}
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
 return {2, h[3], h[4] or ''}

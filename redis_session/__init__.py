@@ -43,11 +43,13 @@ from .model import (
     Vocabulary,
 )
 from .projection import Message, history, project, to_anthropic, to_openai
+from .projection.chunks import Delta, pack_chunks
 from .projection.invariants import Problem, check_invariants
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .redis import RedisSessionStore, open_store, resolve_url
 from .sessions import DoctorReport, Session, SessionLease, Sessions, connect
 from .store import MemorySessionStore, SessionStore
+from .streaming import AnswerStream
 
 try:
     __version__ = version("redis-session")
@@ -56,6 +58,8 @@ except PackageNotFoundError:  # pragma: no cover - a source tree that was never 
 
 __all__ = [
     "AccessDeniedError",
+    "AnswerStream",
+    "Delta",
     "DoctorReport",
     "DurabilityError",
     "Entry",
@@ -93,6 +97,7 @@ __all__ = [
     "connect",
     "history",
     "open_store",
+    "pack_chunks",
     "project",
     "reconstruct_request",
     "resolve_url",

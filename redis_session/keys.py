@@ -12,6 +12,8 @@ All keys of one session share the hash tag ``{<id>}`` so each script touches one
     {prefix}:{<id>}:kids    ZSET    live branches of this session (list index, lexicographic)
     {prefix}:{<id>}:draft   STRING  the streaming assistant draft (JSON)
     {prefix}:{<id>}:lease   STRING  the writer lease token
+    {prefix}:{<id>}:live    STREAM  streamed answers in flight: begin, deltas, end records (plain
+                                    XADD, MAXLEN-capped, PEXPIRE: a dead writer's records vanish)
 
 Cross-session keys (never needed for an append's correctness)::
 
@@ -116,6 +118,9 @@ class Keys:
         """HASH of the counters every compactor worker of `group` adds to."""
         return f"{self.prefix}:compactor:{group}:stats"
 
+    def live(self, session_id: str) -> str:
+        return self._k(session_id, "live")
+
     def session_keys(self, session_id: str) -> list[str]:
         """Every per-session key, in the order the Lua scripts take them."""
         return [
@@ -126,6 +131,7 @@ class Keys:
             self.draft(session_id),
             self.kids(session_id),
             self.lease(session_id),
+            self.live(session_id),
         ]
 
     def sessions(self, session_id: str) -> str:

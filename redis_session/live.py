@@ -18,7 +18,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import SessionNotFoundError, SessionReplacedError
 from .model import Entry
+from .projection.chunks import Delta
 from .store import SessionStore
+from .streaming import tail_deltas
 
 # StoreUnavailableError is an OSError (ConnectionError); redis-py's own errors are listed for
 # stores that let one through (a cluster client's MOVED storm, a pool at its limit).
@@ -95,6 +97,70 @@ async def follow(
         except RETRYABLE as exc:
             dropped = True
             wait = delay * (0.5 + random.random())  # jitter: many readers must not reconnect in step
+            if on_retry is not None:
+                on_retry(exc, wait, nxt)
+            await anyio.sleep(wait)
+            delay = min(delay * 2, max_backoff)
+
+
+async def follow_deltas(
+    store: SessionStore,
+    session_id: str,
+    start: int = 0,
+    *,
+    live_after: str | None = None,
+    on_retry: RetryHook | None = None,
+    min_backoff: float = 0.05,
+    max_backoff: float = 5.0,
+    incarnation: str | None = None,
+) -> AsyncGenerator[Entry | Delta, None]:
+    """`follow`, plus the deltas of streamed answers (`Delta`) as they are streamed
+    (`streaming.tail_deltas`): a reader arriving mid-answer gets the answer so far, then the rest.
+
+    Across connection drops it resumes at the last delivered n + 1 and right after the last
+    delivered delta's `cursor`, so entries and deltas both arrive exactly once and in order.
+    Pass `live_after` (a `Delta.cursor`) with `start` to resume a reader of an earlier call.
+
+    >>> async for item in follow_deltas(store, "chat-1", start=s.n):
+    ...     if isinstance(item, Delta):
+    ...         print(item.text, end="")
+    """
+    nxt = start
+    delay = min_backoff
+    dropped = False
+    while True:
+        try:
+            if incarnation is None:
+                head = await store.head(session_id)
+                if head is None:
+                    raise SessionNotFoundError(session_id)
+                incarnation = head.header.incarnation
+            tail = tail_deltas(store, session_id, nxt, incarnation=incarnation, live_after=live_after)
+            async with _closing(tail) as items:
+                async for item in items:
+                    if isinstance(item, Delta):
+                        live_after = item.cursor
+                        yield item
+                        continue
+                    if item.n < nxt:
+                        continue
+                    if item.n > nxt:
+                        for missing in await store.read(session_id, nxt, item.n, incarnation=incarnation):
+                            yield missing
+                            nxt = missing.n + 1
+                    yield item
+                    nxt = item.n + 1
+                    delay = min_backoff
+            return
+        except SessionReplacedError:
+            raise
+        except SessionNotFoundError:
+            if dropped:
+                return
+            raise
+        except RETRYABLE as exc:
+            dropped = True
+            wait = delay * (0.5 + random.random())
             if on_retry is not None:
                 on_retry(exc, wait, nxt)
             await anyio.sleep(wait)

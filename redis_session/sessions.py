@@ -65,13 +65,25 @@ from .model import (
     as_new_entry,
     encode_batch,
     kind_of,
+    now_ms,
 )
+from .projection.chunks import Delta, LiveRecord, open_answers
 from .projection.fold import Message, ProjectionState, check_surface, history, openai_messages
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
 from .snapshots import SnapshotCache, load_state, read_entries
 from .store import InspectableStore, MemorySessionStore, SessionStore, sequence_problems
+from .streaming import (
+    DEFAULT_FLUSH_INTERVAL,
+    DEFAULT_GRACE,
+    DEFAULT_LIVE_TTL,
+    DEFAULT_MAX_CHUNKS,
+    AnswerStream,
+    close_dead_answers,
+    dead_answers,
+    tail_deltas,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +94,8 @@ READ_PAGE = 50_000
 DEFAULT_LEASE_TTL = 30.0
 DEFAULT_EPHEMERAL_TTL = 3600.0
 BRANCH_EVENT = "session-branch"
+#: An open streamed answer with nothing new on its live stream for this long has a dead writer.
+DEFAULT_STALE_ANSWER = 30.0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -594,6 +608,18 @@ class Session:
             return self._store.tail(self.id, self._n if start is None else start)
         return self._store.tail(self.id, self._n if start is None else start, incarnation=self._header.incarnation)
 
+    def tail_deltas(self, start: int | None = None, *, live_after: str | None = None) -> AsyncIterator[Entry | Delta]:
+        """`tail`, plus the deltas of streamed answers as they are streamed (`Delta`): a reader
+        arriving mid-answer gets the answer so far, then the rest (see `streaming.tail_deltas`;
+        `live.follow_deltas` also survives dropped connections)."""
+        return tail_deltas(
+            self._store,
+            self.id,
+            self._n if start is None else start,
+            incarnation=self._header.incarnation or None,
+            live_after=live_after,
+        )
+
     async def refresh(self) -> int:
         """Catch up with other writers: re-read the head and fold the new entries into the loaded
         projection (if any). Returns the new n.
@@ -617,8 +643,41 @@ class Session:
             self._header, self._n, self._last_cut = head.header, head.n, head.last_cut
             return self._n
 
+    def stream(
+        self,
+        *,
+        turn: int | None = None,
+        step: int | None = None,
+        flush_interval: float = DEFAULT_FLUSH_INTERVAL,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+        live_ttl: float = DEFAULT_LIVE_TTL,
+        grace: float = DEFAULT_GRACE,
+        meta: Mapping[str, Any] | None = None,
+    ) -> AnswerStream:
+        """``async with s.stream(turn=1, step=1) as w: await w.delta("Hel")`` — stream one
+        assistant answer (see `redis_session.streaming`): each delta reaches tailing readers at
+        once on the session's live stream and lands in the log packed into ``assistant/chunk``
+        rows (every `flush_interval` s or `max_chunks` deltas); a clean exit appends the
+        ``assistant/message`` with this handle's n as expected_n, an error or a cancellation an
+        ``assistant/interrupted`` mark."""
+        return AnswerStream(
+            self._store,
+            self.id,
+            write=self._write,
+            position=lambda: self._n,
+            incarnation=self._header.incarnation or None,
+            turn=turn,
+            step=step,
+            flush_interval=flush_interval,
+            max_chunks=max_chunks,
+            live_ttl=live_ttl,
+            grace=grace,
+            meta=None if meta is None else dict(meta),
+        )
+
     async def draft(self) -> dict[str, Any] | None:
-        """The streaming assistant draft other readers can see (None when there is none)."""
+        """The streaming assistant draft other readers can see (None when there is none): the
+        open streamed answer so far, else what `set_draft` left."""
         return await self._store.get_draft(self.id)
 
     async def set_draft(self, draft: Mapping[str, Any] | None) -> None:
@@ -635,9 +694,17 @@ class Session:
     def lease_held(self) -> bool:
         return self._lease is not None and self._lease.held
 
-    async def repair(self, *, lease_ttl: float = DEFAULT_LEASE_TTL) -> builtins.list[Entry]:
+    async def repair(
+        self, *, lease_ttl: float = DEFAULT_LEASE_TTL, stale_after: float = DEFAULT_STALE_ANSWER
+    ) -> builtins.list[Entry]:
         """Close a turn a crashed writer left open (dsh ``interruptedTurnClosers``): synthetic
         error results for unanswered tool calls, ``step/end``, ``turn/end {interrupted}``.
+
+        Nothing is done while a streamed answer is still live (something new on the live stream
+        less than `stale_after` seconds ago). First, every streamed answer whose writer died (open
+        on the live stream, nothing new on it for `stale_after` seconds) is closed: the deltas
+        the log lacks are packed from the live stream into chunk rows, followed by an
+        ``assistant/interrupted`` mark (reason ``crashed``).
 
         Returns the entries appended ([] when no turn is open). When this handle holds the lease
         the open turn is its own (a restarted writer) and it closes it; otherwise it takes the
@@ -647,17 +714,22 @@ class Session:
         last_conflict: SessionConflictError | None = None
         for _ in range(3):
             await self.refresh()
-            closers = interrupted_turn_closers(await self.read())
-            if not closers:
+            entries = await self.read()
+            closers = interrupted_turn_closers(entries)
+            records = await self._store.read_live(self.id)
+            dead = dead_answers(records, stale_ms=round(stale_after * 1000), now_ms=now_ms())
+            if len(open_answers(records)) > len(dead):
+                return []  # an answer is still streaming: its writer is alive (or died < stale_after ago)
+            if not closers and not dead:
                 return []
             try:
                 if self.lease_held:
-                    return await self._write(closers)
+                    return await self._repair_now(entries, records, dead)
                 token = uuid.uuid4().hex
                 if not await self._store.acquire_lease(self.id, token, _ttl_ms(lease_ttl)):
                     raise LeaseHeldError(f"session {self.id!r} has a live writer (its lease is held): not repairing")
                 try:
-                    return await self._write(closers)
+                    return await self._repair_now(entries, records, dead)
                 finally:
                     with anyio.CancelScope(shield=True):
                         await self._store.release_lease(self.id, token)
@@ -665,6 +737,15 @@ class Session:
                 last_conflict = e
         assert last_conflict is not None
         raise last_conflict
+
+    async def _repair_now(
+        self, entries: Sequence[Entry], records: Sequence[LiveRecord], dead: Sequence[str]
+    ) -> builtins.list[Entry]:
+        out = await close_dead_answers(self._store, self.id, self._write, entries, records, dead) if dead else []
+        closers = interrupted_turn_closers([*entries, *out])
+        if closers:
+            out.extend(await self._write(closers))
+        return out
 
     async def branch(
         self,
@@ -919,7 +1000,9 @@ class Sessions:
             raise SessionNotFoundError(session_id)
         return (await load_projection(self.store, head, self.snapshot_cache)).messages()
 
-    async def repair(self, session_id: str, *, lease_ttl: float = DEFAULT_LEASE_TTL) -> builtins.list[Entry]:
+    async def repair(
+        self, session_id: str, *, lease_ttl: float = DEFAULT_LEASE_TTL, stale_after: float = DEFAULT_STALE_ANSWER
+    ) -> builtins.list[Entry]:
         """Repair what a crashed writer left: stale child links (a branch cut short between its two
         steps; see `SessionStore.repair_links`; a deleted session kept only by them is purged),
         then an open turn (see `Session.repair`). Returns the entries appended."""
@@ -929,7 +1012,7 @@ class Sessions:
             if removed:
                 return []
             raise SessionNotFoundError(session_id)
-        return await Session(self, head).repair(lease_ttl=lease_ttl)
+        return await Session(self, head).repair(lease_ttl=lease_ttl, stale_after=stale_after)
 
     async def doctor(self, session_id: str) -> DoctorReport:
         return await doctor(self.store, session_id)

@@ -22,7 +22,9 @@ from rich.console import Console
 
 from ..errors import SessionConflictError
 from ..model import NewEntry
+from ..projection.chunks import Delta, unpack_row
 from ..retry import conflict_backoff
+from ..streaming import tail_deltas
 from .scripts import SCRIPTS, ToolStep, Turn
 
 
@@ -60,10 +62,7 @@ async def _turn(s: Any, number: int, turn: Turn, stats: Stats, pace: float) -> N
         await _tool_step(s, number, step, tool, stats, pace)
     step += 1
     stats.entries += len(await s.append("step/start", {"turn": number, "step": step}))
-    await _stream(s, number, step, turn.answer, stats, pace)
-    stats.entries += len(
-        await s.commit({"turn": number, "step": step, "content": [{"type": "text", "text": turn.answer}]})
-    )
+    await _stream(s, number, step, turn.answer, stats, pace)  # ends with the assistant/message
     stats.entries += len(
         await s.append_many(
             [
@@ -79,20 +78,10 @@ async def _tool_step(s: Any, turn: int, step: int, tool: ToolStep, stats: Stats,
     call_id = f"call_{random.randrange(16**8):08x}"
     args = json.dumps(tool.args)
     stats.entries += len(await s.append("step/start", {"turn": turn, "step": step}))
-    await _stream(s, turn, step, tool.thought, stats, pace)
-    content = [
-        {"type": "text", "text": tool.thought},
-        {"type": "tool-call", "id": call_id, "name": tool.tool, "arguments": args},
-    ]
+    # the thought and the call's arguments stream; the writer commits the assistant/message
+    await _stream(s, turn, step, tool.thought, stats, pace, call=(call_id, tool.tool, args))
     call = {"turn": turn, "step": step, "callId": call_id, "name": tool.tool, "arguments": args}
-    stats.entries += len(
-        await s.append_many(
-            [
-                NewEntry("assistant/message", {"turn": turn, "step": step, "content": content}),
-                NewEntry("tool/call", call),
-            ]
-        )
-    )
+    stats.entries += len(await s.append("tool/call", call))
     await anyio.sleep(pace * 20)  # the tool runs
     result = {
         "turn": turn,
@@ -106,16 +95,23 @@ async def _tool_step(s: Any, turn: int, step: int, tool: ToolStep, stats: Stats,
     )
 
 
-async def _stream(s: Any, turn: int, step: int, text: str, stats: Stats, pace: float) -> None:
-    """Stream `text` a word at a time: a chunk entry each, and the draft a tailing UI shows."""
-    so_far = ""
-    for word in text.split(" "):
-        piece = (" " if so_far else "") + word
-        so_far += piece
-        await s.append("assistant/chunk", {"turn": turn, "step": step, "chunk": {"type": "text-delta", "text": piece}})
-        await s.set_draft({"turn": turn, "step": step, "text": so_far})
-        stats.entries += 1
-        await anyio.sleep(pace)
+async def _stream(
+    s: Any, turn: int, step: int, text: str, stats: Stats, pace: float, call: tuple[str, str, str] | None = None
+) -> None:
+    """Stream `text` a word at a time (and a tool call's arguments, in pieces) with the streaming
+    writer: each word reaches tailing readers at once, the log gets a few packed chunk rows and,
+    on exit, the assistant message."""
+    before = s.n
+    async with s.stream(turn=turn, step=step) as w:
+        for i, word in enumerate(text.split(" ")):
+            await w.delta((" " if i else "") + word)
+            await anyio.sleep(pace)
+        if call is not None:
+            call_id, name, args = call
+            for i in range(0, len(args), 8):
+                await w.tool_call_delta(call_id, name if i == 0 else None, args[i : i + 8])
+                await anyio.sleep(pace / 2)
+    stats.entries += s.n - before
 
 
 async def _report(sessions: Any, shared_id: str, pod: int, note: str, stats: Stats) -> None:
@@ -197,13 +193,21 @@ async def _print_tail(store: Any, session_id: str, console: Console) -> None:
         title = f"branch of {escape(hd.parent)} at {hd.at}"
     console.rule(f"[dim]{escape(session_id)}[/dim] {title}", style="dim")
     streaming = False
-    async for e in store.tail(session_id, start):
-        if e.type == "assistant/chunk":
-            chunk = e.data.get("chunk") or {}
+    live: set[str] = set()  # answers printed from their live deltas (their chunk rows are not)
+    async for e in tail_deltas(store, session_id, start):
+        if isinstance(e, Delta) or e.type == "assistant/chunk":
+            if isinstance(e, Delta):
+                live.add(e.answer)
+                pieces = [e.text] if e.kind == "text" else []
+            elif e.data.get("answer") in live:
+                continue
+            else:
+                pieces = [c.get("text", "") for c in unpack_row(e.data) if c.get("type") == "text-delta"]
             if not streaming:
-                console.print(f"[dim]#{e.n:<4}[/dim] [bold blue]assistant[/bold blue] ", end="", highlight=False)
+                label = "" if isinstance(e, Delta) else f"#{e.n:<4}"
+                console.print(f"[dim]{label:<5}[/dim] [bold blue]assistant[/bold blue] ", end="", highlight=False)
                 streaming = True
-            console.print(chunk.get("text", ""), end="", style="blue", highlight=False, markup=False)
+            console.print("".join(pieces), end="", style="blue", highlight=False, markup=False)
             continue
         if streaming:
             console.print()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import time
 from typing import Any
 
 from rich.console import Console
@@ -15,8 +16,9 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import SessionNotFoundError
-from ..live import follow
+from ..live import follow, follow_deltas
 from ..model import Entry
+from ..projection.chunks import Delta, unpack_row
 from ..store.memory import SessionStore
 
 # --------------------------------------------------------------------------- rendering
@@ -161,8 +163,9 @@ class TailRenderer:
     def __init__(self, console: Console, *, messages: bool = False) -> None:
         self.console = console
         self.messages = messages
-        self._stream_key: tuple[Any, Any] | None = None  # (turn, step) of the open chunk line
+        self._stream_key: tuple[Any, Any] | None = None  # (turn, step) or ("answer", id) of the open line
         self._streamed: list[str] = []
+        self._live_answers: set[str] = set()  # answers shown from their live deltas
 
     # -- chunk line
     def _open_stream(self, e: Entry) -> None:
@@ -185,15 +188,43 @@ class TailRenderer:
             self.console.print(soft_wrap=True)
             self._stream_key = None
 
+    # -- live deltas
+    def render_delta(self, d: Delta) -> None:
+        """A delta of a streamed answer, inline on the answer's line (its chunk rows, landing in
+        the log meanwhile, are then not printed again)."""
+        self._live_answers.add(d.answer)
+        key = ("answer", d.answer)
+        if self._stream_key != key:
+            self.close_stream()
+            self._stream_key = key
+            self._streamed = []
+            label = Text()
+            if not self.messages:
+                label.append(f"{'':>6} ", style="dim")
+                label.append(_clock(int(time.time() * 1000)) + " ", style="dim")
+            label.append("assistant ▸ ", style="bold cyan")
+            self.console.print(label, end="", soft_wrap=True)
+        if d.kind == "tool-call":
+            text, style = (f"[{d.name}] " if d.name else "") + d.text, "dim cyan"
+        else:
+            text, style = d.text, "dim italic" if d.kind == "reasoning" else ""
+        if text:
+            self.console.print(Text(text, style=style), end="", soft_wrap=True)
+        if d.kind == "text":
+            self._streamed.append(d.text)
+
     # -- entries
     def render(self, e: Entry) -> None:
         if e.type == "assistant/chunk":
-            piece = chunk_text(e.data)
-            if piece is None or not piece[0]:
-                return
-            self._open_stream(e)
-            self.console.print(Text(piece[0], style="dim italic" if piece[1] else ""), end="", soft_wrap=True)
-            self._streamed.append(piece[0])
+            if e.data.get("answer") in self._live_answers:
+                return  # shown live, delta by delta
+            for c in unpack_row(e.data):
+                piece = chunk_text({"chunk": c})
+                if piece is None or not piece[0]:
+                    continue
+                self._open_stream(e)
+                self.console.print(Text(piece[0], style="dim italic" if piece[1] else ""), end="", soft_wrap=True)
+                self._streamed.append(piece[0])
             return
         streamed = "".join(self._streamed) if self._stream_key is not None else None
         self.close_stream()
@@ -270,11 +301,14 @@ async def run_tail(
     stop_after: int | None = None,
     *,
     max_backoff: float = 5.0,
+    deltas: bool = True,
 ) -> int:
     """Print a session live until it is deleted (or `stop_after` entries were shown).
 
-    `start` is the first n to show (default: the end, so only new entries). Chunks of one step
-    form the assistant's text inline. A dropped connection is reported and retried with backoff,
+    `start` is the first n to show (default: the end, so only new entries). A streamed answer
+    shows delta by delta as it is streamed (`deltas`; an answer already under way shows from its
+    start); chunk rows of the log form the assistant's text inline otherwise. A dropped
+    connection is reported and retried with backoff,
     resuming at the last shown n + 1: nothing is lost or shown twice. Returns the n to resume at.
     Raises `SessionNotFoundError` when the session does not exist.
     """
@@ -301,9 +335,14 @@ async def run_tail(
     shown = 0
     try:
         async with contextlib.aclosing(
-            follow(store, session_id, nxt, on_retry=on_retry, max_backoff=max_backoff)
+            follow_deltas(store, session_id, nxt, on_retry=on_retry, max_backoff=max_backoff)
+            if deltas
+            else follow(store, session_id, nxt, on_retry=on_retry, max_backoff=max_backoff)
         ) as entries:
             async for e in entries:
+                if isinstance(e, Delta):
+                    view.render_delta(e)
+                    continue
                 view.render(e)
                 nxt = e.n + 1
                 shown += 1

@@ -23,7 +23,9 @@ Routes (``/openapi.json`` describes them)::
                                         draft, ``event: end`` when the session is deleted (after
                                         ``event: replaced`` when its id was deleted and created
                                         again: the stream never goes on with the new session), and
-                                        a ``: ping`` comment after `heartbeat` idle seconds
+                                        a ``: ping`` comment after `heartbeat` idle seconds;
+                                    ``&deltas=1`` adds ``event: delta`` (each delta of a streamed
+                                    answer) and ids become ``<n>/<live id>`` (resume both)
     GET  /events                        SSE: store-wide notifications (``event: session-branch``)
 
 Ids in paths are percent-encoded (``/`` as ``%2F``); the raw path is decoded here, so ids with

@@ -152,10 +152,20 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                     "as JSON; `event: draft` carries `{draft}` when the streaming draft changes; "
                     "`event: end` when the session is deleted (`event: replaced` first when it was replaced); "
                     "`: ping` comments after `heartbeat` "
-                    "idle seconds. Reconnect with `Last-Event-ID` (resumes at id + 1), else `start`.",
+                    "idle seconds. Reconnect with `Last-Event-ID` (resumes at id + 1), else `start`. "
+                    "With `deltas=1`, `event: delta` carries `{answer, index, kind, text, callId?, name?}` "
+                    "for each delta of a streamed answer, and event ids become `<n>/<live id>` "
+                    "(last entry n, last delta's live stream id) once a delta was sent; "
+                    "`Last-Event-ID` resumes both without gap or repeat.",
                     "parameters": [
                         sid,
                         nonneg("start", "first n (default 0)"),
+                        {
+                            "name": "deltas",
+                            "in": "query",
+                            "description": "1: also send streamed answers' deltas (`event: delta`)",
+                            "schema": {"type": "string", "enum": ["0", "1", "true"]},
+                        },
                         {
                             "name": "Last-Event-ID",
                             "in": "header",

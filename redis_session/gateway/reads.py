@@ -26,7 +26,7 @@ from .common import (
 )
 from .context import Gateway
 from .openapi import openapi
-from .sse import _EventStream
+from .sse import _delta_cursor, _EventStream
 from .viewer import _viewer
 
 
@@ -129,7 +129,13 @@ async def messages(gw: Gateway, request: Request, sid: str) -> Response:
 
 async def events(gw: Gateway, request: Request, sid: str) -> Response:
     last_id = request.headers.get("last-event-id")
-    if last_id:
+    live_after: str | None = None
+    if last_id and "/" in last_id:
+        cursor = _delta_cursor(last_id)
+        if cursor is None:
+            raise _BadRequest("Last-Event-ID must be an entry n, or <n>/<live id> on a stream with deltas")
+        start, live_after = cursor
+    elif last_id:
         if not _INT.fullmatch(last_id.strip()):
             raise _BadRequest("Last-Event-ID must be an entry n")
         start = int(last_id.strip()) + 1
@@ -145,4 +151,6 @@ async def events(gw: Gateway, request: Request, sid: str) -> Response:
         draft_interval=gw.draft_interval,
         streams=gw.streams,
         drafts=gw.drafts,
+        deltas=request.query_params.get("deltas") in ("1", "true"),
+        live_after=live_after,
     )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -15,8 +16,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..errors import SessionError, SessionNotFoundError, SessionReplacedError, StoreUnavailableError
-from ..live import RETRYABLE, follow
+from ..live import RETRYABLE, follow, follow_deltas
 from ..model import Entry
+from ..projection.chunks import Delta
 from ..store import SessionStore
 from .auth import principal
 from .common import _error, _json, log
@@ -44,36 +46,38 @@ class _DraftSlot:
     """The last draft read for one session, shared by its SSE clients: whoever finds it older
     than `max_age` reads it again while the others wait on the lock and take that answer."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: bool = True) -> None:
         self.lock = anyio.Lock()
         self.raw = b"null"
         self.read_at = -1e9
         self.users = 0
+        self.live = live  # False: only set_draft's draft (the stream sends deltas itself)
 
     async def get(self, store: SessionStore, session_id: str, max_age: float) -> bytes:
         async with self.lock:
             if time.monotonic() - self.read_at >= max_age:
-                self.raw = _json.encode(await store.get_draft(session_id))
+                self.raw = _json.encode(await store.get_draft(session_id, live=self.live))
                 self.read_at = time.monotonic()
             return self.raw
 
 
 class _Drafts:
     def __init__(self) -> None:
-        self.slots: dict[str, _DraftSlot] = {}
+        self.slots: dict[tuple[str, bool], _DraftSlot] = {}
 
     @contextlib.contextmanager
-    def use(self, session_id: str) -> Iterator[_DraftSlot]:
-        slot = self.slots.get(session_id)
+    def use(self, session_id: str, live: bool = True) -> Iterator[_DraftSlot]:
+        key = (session_id, live)
+        slot = self.slots.get(key)
         if slot is None:
-            slot = self.slots[session_id] = _DraftSlot()
+            slot = self.slots[key] = _DraftSlot(live)
         slot.users += 1
         try:
             yield slot
         finally:
             slot.users -= 1
             if slot.users == 0:
-                del self.slots[session_id]
+                del self.slots[key]
 
 
 def _default_stream_limit(store: SessionStore) -> int | None:
@@ -88,11 +92,56 @@ def _default_stream_limit(store: SessionStore) -> int | None:
 # --------------------------------------------------------------------------- SSE
 
 
-def _entry_event(e: Entry) -> bytes:
+def _entry_event(e: Entry, cursor: str | None = None) -> bytes:
+    if cursor:
+        return b"id: %d/%b\ndata: %b\n\n" % (e.n, cursor.encode(), _json.encode(e))
     return b"id: %d\ndata: %b\n\n" % (e.n, _json.encode(e))
 
 
 Write = Callable[[bytes], Awaitable[None]]
+
+
+# --------------------------------------------------------------------------- SSE deltas (§8.2)
+
+_DELTA_CURSOR = re.compile(r"(-1|[0-9]{1,15})/([0-9]{1,20}-[0-9]{1,20})")
+
+
+def _delta_cursor(last_id: str) -> tuple[int, str] | None:
+    """``<n>/<live id>`` (the id of every event of a ``?deltas=1`` stream once a delta was sent:
+    the last entry n and the last delta's live stream id) as (start, live_after); None if malformed."""
+    m = _DELTA_CURSOR.fullmatch(last_id.strip())
+    if m is None:
+        return None
+    return int(m.group(1)) + 1, m.group(2)
+
+
+def _delta_event(last_n: int, d: Delta) -> bytes:
+    body: dict[str, Any] = {"answer": d.answer, "index": d.index, "kind": d.kind, "text": d.text}
+    if d.call_id is not None:
+        body["callId"] = d.call_id
+    if d.name is not None:
+        body["name"] = d.name
+    return b"event: delta\nid: %d/%b\ndata: %b\n\n" % (last_n, d.cursor.encode(), _json.encode(body))
+
+
+async def _stream_with_deltas(stream: _EventStream, write: Write, on_retry: Any) -> None:
+    """The live part of a ``?deltas=1`` stream: entries and ``event: delta`` as they come
+    (`follow_deltas`), every event id ``<last n>/<last delta's live id>`` so a reconnect with
+    Last-Event-ID resumes both without gap or repeat."""
+    nxt = await stream._backlog(write)
+    items = follow_deltas(
+        stream.store, stream.session_id, nxt, live_after=stream.live_after, on_retry=on_retry,
+        incarnation=stream._incarnation,
+    )  # fmt: skip
+    async with contextlib.aclosing(items) as live:
+        async for item in live:
+            stream._active_at = time.monotonic()
+            if isinstance(item, Delta):
+                stream.live_after = item.cursor
+                await write(_delta_event(nxt - 1, item))
+            else:
+                nxt = item.n + 1
+                await write(_entry_event(item, stream.live_after))
 
 
 class _EventStream(Response):
@@ -118,6 +167,8 @@ class _EventStream(Response):
         draft_interval: float,
         streams: _Streams,
         drafts: _Drafts,
+        deltas: bool = False,
+        live_after: str | None = None,
     ) -> None:
         # not Response.__init__: it would announce a Content-Length of 0
         self.status_code = 200
@@ -133,6 +184,8 @@ class _EventStream(Response):
         self._active_at = time.monotonic()
         self._last_write = time.monotonic()
         self._incarnation: str | None = None
+        self.deltas = deltas  # `event: delta` too (`_stream_with_deltas`); drafts then only set_draft's
+        self.live_after = live_after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "HEAD":
@@ -182,12 +235,15 @@ class _EventStream(Response):
             log.warning("tail of %r dropped (%s); resuming at n=%d in %.2fs", self.session_id, exc, at, wait)
 
         try:
-            nxt = await self._backlog(write)
-            tail = follow(self.store, self.session_id, nxt, on_retry=on_retry, incarnation=self._incarnation)
-            async with contextlib.aclosing(tail) as entries:
-                async for e in entries:
-                    self._active_at = time.monotonic()
-                    await write(_entry_event(e))
+            if self.deltas:
+                await _stream_with_deltas(self, write, on_retry)
+            else:
+                nxt = await self._backlog(write)
+                tail = follow(self.store, self.session_id, nxt, on_retry=on_retry, incarnation=self._incarnation)
+                async with contextlib.aclosing(tail) as entries:
+                    async for e in entries:
+                        self._active_at = time.monotonic()
+                        await write(_entry_event(e))
         except SessionReplacedError:
             # the id was deleted and created again: this stream's session is gone for good
             await write(b"event: replaced\ndata: %b\n\n" % _json.encode({"session": self.session_id}))
@@ -220,7 +276,7 @@ class _EventStream(Response):
                 )
                 if not page:
                     return nxt
-                await write(b"".join([_entry_event(e) for e in page]))
+                await write(b"".join([_entry_event(e, self.live_after) for e in page]))
                 nxt = page[-1].n + 1
         except RETRYABLE:
             return nxt
@@ -229,7 +285,7 @@ class _EventStream(Response):
         """Send the draft when it changes. Polled fast while the session is active, slower when
         idle; the clients of one session share each poll (`_Drafts`), so fifty viewers of one
         session cost one GET per interval, not fifty."""
-        with self.drafts.use(self.session_id) as slot:
+        with self.drafts.use(self.session_id, live=not self.deltas) as slot:
             last = b"null"
             interval = self.draft_interval
             while True:

@@ -75,6 +75,7 @@ from ..model import (
     new_incarnation,
     now_ms,
 )
+from ..projection.chunks import LiveRecord, live_draft
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
 from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .cluster import ClusterRouter
@@ -236,6 +237,28 @@ def _xread_rows(resp: Any) -> builtins.list[Any]:
     return cast(builtins.list[Any], resp[0][1])
 
 
+def _xread_by_key(resp: Any, *keys: str) -> builtins.list[builtins.list[Any]]:
+    """An XREAD reply over several streams, as each key's rows (in `keys` order)."""
+    out: builtins.list[builtins.list[Any]] = [[] for _ in keys]
+    if not resp:
+        return out
+    pairs = resp.items() if isinstance(resp, dict) else resp
+    for k, rows in pairs:
+        name = _s(k)
+        for i, key in enumerate(keys):
+            if name == key:
+                out[i] = builtins.list(rows)
+    return out
+
+
+def _live_records(rows: Any) -> builtins.list[LiveRecord]:
+    out: builtins.list[LiveRecord] = []
+    for rid, f in rows or ():
+        d = f if isinstance(f, dict) else dict(zip(f[::2], f[1::2], strict=False))
+        out.append(LiveRecord.from_fields(_s(rid) or "", {_s(k) or "": _s(v) or "" for k, v in d.items()}))
+    return out
+
+
 class _Hdr(msgspec.Struct):
     header: SessionHeader
     n: int
@@ -334,6 +357,7 @@ class RedisSessionStore(StoreRules):
         index_shards: int = 4,
         feed_maxlen: int = 100_000,
         block_ms: int = 5_000,
+        live_maxlen: int = 100_000,
         durability: str = "none",
         wait_timeout_ms: int = 2_000,
         owns_client: bool = False,
@@ -360,6 +384,7 @@ class RedisSessionStore(StoreRules):
         self.feed = feed
         self.feed_maxlen = feed_maxlen
         self.block_ms = block_ms
+        self.live_maxlen = live_maxlen
         self._owns_client = owns_client
         # The fast path: the pool of a standalone client (None on a cluster: redis-py routes).
         self._pool = None if isinstance(self.client, RedisCluster) else PooledWire(self.client)
@@ -653,8 +678,8 @@ class RedisSessionStore(StoreRules):
             code = int(res[0])
             if code == 0:
                 first, now = int(res[1]), int(res[2])
-                if self.feed and self.cluster and batch:
-                    self._feed_cluster(session_id, first + len(batch))
+                if self.feed and self.cluster and any(enc.type != "assistant/chunk" for enc in batch):
+                    self._feed_cluster(session_id, first + len(batch))  # chunk rows change no projection
                 return self._check_durable(
                     session_id, [enc.stored(first + i, now) for i, enc in enumerate(batch)], acks
                 )
@@ -1004,14 +1029,22 @@ class RedisSessionStore(StoreRules):
             if deleted is not None:
                 return
 
-    async def get_draft(self, session_id: str) -> dict[str, Any] | None:
+    async def get_draft(self, session_id: str, *, live: bool = True) -> dict[str, Any] | None:
+        """The open streamed answer so far (from the live stream, see `live_draft`), else the
+        legacy draft `set_draft` wrote; with ``live=False`` only the latter."""
         validate_session_id(session_id)
         with _io():
-            (n_raw, deleted), raw = await self._pipeline(
-                ("HMGET", self.keys.hdr(session_id), "n", "deleted"), ("GET", self.keys.draft(session_id))
+            (n_raw, deleted), raw, *rows = await self._pipeline(
+                ("HMGET", self.keys.hdr(session_id), "n", "deleted"),
+                ("GET", self.keys.draft(session_id)),
+                *([("XRANGE", self.keys.live(session_id), "-", "+")] if live else []),
             )
         if n_raw is None or deleted is not None:
             raise SessionNotFoundError(session_id)
+        if rows:
+            streamed = live_draft(_live_records(rows[0]))
+            if streamed is not None:
+                return streamed
         return None if raw is None else _draft_decoder.decode(raw)
 
     async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None:
@@ -1021,6 +1054,101 @@ class RedisSessionStore(StoreRules):
             ok = await self._eval("draft", [self.keys.hdr(session_id), self.keys.draft(session_id)], [raw])
         if int(ok) != 1:
             raise SessionNotFoundError(session_id)
+
+    # ------------------------------------------------------------------ live stream (§8.2)
+
+    async def live_add(
+        self,
+        session_id: str,
+        records: Sequence[LiveRecord],
+        *,
+        expire_ms: int | None = None,
+        trim_before: str | None = None,
+    ) -> builtins.list[str]:
+        """XADD `records` to the session's live stream in one round trip (plain commands, no
+        script: MAXLEN-capped at `live_maxlen`), then trim records before stream id
+        `trim_before` (XTRIM MINID) and set its expiry; the records' stream ids.
+
+        Never re-sent: a lost reply raises `StoreUnavailableError` (a resend could repeat deltas)."""
+        validate_session_id(session_id)
+        key = self.keys.live(session_id)
+        cmds: builtins.list[Sequence[Any]] = [
+            ("XADD", key, "MAXLEN", "~", self.live_maxlen, "*", *r.fields()) for r in records
+        ]
+        if trim_before is not None:
+            cmds.append(("XTRIM", key, "MINID", trim_before))
+        if expire_ms is not None:
+            cmds.append(("PEXPIRE", key, expire_ms))
+        if not cmds:
+            return []
+        with _io():
+            replies = await self._send_write(key, b"".join([pack(c) for c in cmds]), len(cmds))
+        return [_s(r) or "" for r in replies[: len(records)]]
+
+    async def read_live(self, session_id: str, after: str | None = None) -> builtins.list[LiveRecord]:
+        """The live stream's records (after stream id `after`, else all), oldest first."""
+        validate_session_id(session_id)
+        lo = "-" if after is None else "(" + after
+        with _io():
+            rows = await self._raw("XRANGE", self.keys.live(session_id), lo, "+")
+        return _live_records(rows)
+
+    async def tail_live(
+        self, session_id: str, start: int = 0, *, live_after: str = "0-0", incarnation: str | None = None
+    ) -> AsyncIterator[Entry | LiveRecord]:
+        """`tail`, plus the live stream's records after stream id `live_after`: one XREAD BLOCK
+        on both keys (one slot), so entries and live records come in the order they landed."""
+        validate_session_id(session_id)
+        check_read(session_id, start, None)
+        with _io():
+            h = await self._hdr(session_id)
+        if h is None or h.deleted:
+            raise SessionNotFoundError(session_id)
+        inc = h.header.incarnation
+        if incarnation is not None and incarnation != inc:
+            raise SessionReplacedError(session_id)
+        at = h.header.at or 0
+        nxt = start
+        if nxt < at:
+            for e in await self.read(session_id, nxt, at, incarnation=inc):
+                yield e
+            nxt = at
+        key, live_key, hdr_key = self.keys.log(session_id), self.keys.live(session_id), self.keys.hdr(session_id)
+        last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
+        while True:
+            xread = ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, live_key)
+            with _io():
+                resp = await self._raw(*xread, last_id, live_after)
+            log_rows, live_rows = _xread_by_key(resp, key, live_key)
+            deleted = None
+            if log_rows or not live_rows:
+                # Entries, or an idle wake-up: is it still this session? (A delta needs no such
+                # round trip: after a re-creation the live stream starts with a begin record of
+                # the new incarnation, which `tail_deltas` refuses.)
+                with _io():
+                    deleted, inc_raw, born_raw = await self._raw(
+                        "HMGET", hdr_key, "deleted", "incarnation", "created_at"
+                    )
+                if inc_raw is None and born_raw is None:
+                    return
+                self._check_incarnation(session_id, inc, inc_raw, born_raw)
+            if live_rows:  # first: an answer's deltas are all on the live stream before its message lands
+                for r in _live_records(live_rows):
+                    yield r
+                live_after = _s(live_rows[-1][0]) or live_after
+            if log_rows:
+                batch = rows_to_entries(log_rows)
+                if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
+                    raise SessionError(
+                        f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
+                        f"(got {batch[0].n}..{batch[-1].n}); run `redis-session doctor`"
+                    )
+                for e in batch:
+                    yield e
+                nxt = batch[-1].n + 1
+                last_id = _s(log_rows[-1][0]) or last_id
+            if deleted is not None:
+                return
 
     async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool:
         validate_session_id(session_id)

@@ -38,6 +38,7 @@ from ..model import (
     new_incarnation,
     now_ms,
 )
+from ..projection.chunks import LiveRecord, live_draft
 from .protocol import IDEMPOTENCY_WINDOW, StorageCheck
 from .protocol import SessionStore as SessionStore  # re-exported: modules import it from here
 from .rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
@@ -56,6 +57,9 @@ class _MemSession:
         "kids",
         "last_cut",
         "lease",
+        "live",
+        "live_expires_at",
+        "live_seq",
         "n",
         "proj",
         "segments",
@@ -78,10 +82,26 @@ class _MemSession:
         self.ttl_ms = ttl_ms
         self.expires_at: int | None = None  # ms on the store's clock
         self.proj: tuple[int, bytes] | None = None
+        self.live: list[LiveRecord] = []
+        self.live_seq = 0
+        self.live_expires_at: float | None = None
         self.changed = anyio.Event()
+
+    def live_records(self) -> list[LiveRecord]:
+        if self.live_expires_at is not None and self.live_expires_at <= anyio.current_time():
+            self.live, self.live_expires_at = [], None
+        return self.live
 
     def head(self) -> SessionHead:
         return SessionHead(header=self.header, n=self.n, updated_at=self.updated_at, last_cut=self.last_cut)
+
+
+def _live_seq(rid: str) -> int:
+    """A live stream id "<ms>-<seq>" as one comparable int; anything else reads as the start."""
+    ms, _, seq = rid.partition("-")
+    if not ms.isdigit():
+        return 0
+    return (int(ms) << 20) + (int(seq) if seq.isdigit() else 0)
 
 
 class MemorySessionStore(StoreRules):
@@ -282,6 +302,7 @@ class MemorySessionStore(StoreRules):
                 s.draft = None
                 s.proj = None
                 s.lease = None
+                s.live = []
                 old, s.changed = s.changed, anyio.Event()
                 old.set()
             else:
@@ -325,11 +346,85 @@ class MemorySessionStore(StoreRules):
                 continue
             await changed.wait()
 
-    async def get_draft(self, session_id: str) -> dict[str, Any] | None:
+    async def get_draft(self, session_id: str, *, live: bool = True) -> dict[str, Any] | None:
         s = self._get(validate_session_id(session_id))
         if s is None:
             raise SessionNotFoundError(session_id)
+        if live:
+            streamed = live_draft(s.live_records())
+            if streamed is not None:
+                return streamed
         return s.draft
+
+    async def live_add(
+        self,
+        session_id: str,
+        records: Sequence[LiveRecord],
+        *,
+        expire_ms: int | None = None,
+        trim_before: str | None = None,
+    ) -> builtins.list[str]:
+        validate_session_id(session_id)
+        s = self._sessions.get(session_id)
+        if s is None or s.deleted:
+            return []  # Redis would keep them in an orphan key until it expires: nobody reads it
+        live = s.live_records()
+        ids = []
+        for r in records:
+            # ids as Redis makes them: "<ms>-<seq>", increasing
+            ms = max(now_ms(), s.live_seq >> 20)
+            s.live_seq = max(s.live_seq + 1, ms << 20)
+            rid = f"{s.live_seq >> 20}-{s.live_seq & 0xFFFFF}"
+            live.append(msgspec.structs.replace(r, id=rid))
+            ids.append(rid)
+        if trim_before is not None:
+            floor = _live_seq(trim_before)
+            s.live = [r for r in live if _live_seq(r.id) >= floor]
+        if expire_ms is not None:
+            s.live_expires_at = anyio.current_time() + expire_ms / 1000
+        if records:
+            old, s.changed = s.changed, anyio.Event()
+            old.set()
+        return ids
+
+    async def read_live(self, session_id: str, after: str | None = None) -> builtins.list[LiveRecord]:
+        validate_session_id(session_id)
+        s = self._get(session_id)
+        if s is None:
+            return []
+        floor = -1 if after is None else _live_seq(after)
+        return [r for r in s.live_records() if _live_seq(r.id) > floor]
+
+    async def tail_live(
+        self, session_id: str, start: int = 0, *, live_after: str = "0-0", incarnation: str | None = None
+    ) -> AsyncIterator[Entry | LiveRecord]:
+        validate_session_id(session_id)
+        check_read(session_id, start, None)
+        s = self._get(session_id)
+        if s is None:
+            raise SessionNotFoundError(session_id)
+        if incarnation is not None and incarnation != s.header.incarnation:
+            raise SessionReplacedError(session_id)
+        nxt, seen = start, _live_seq(live_after)
+        while True:
+            s2 = self._get(session_id)
+            if s2 is None:
+                return
+            if s2 is not s:
+                raise SessionReplacedError(session_id)
+            changed = s.changed
+            fresh = [r for r in s.live_records() if _live_seq(r.id) > seen]
+            for r in fresh:
+                seen = _live_seq(r.id)
+                yield r
+            if nxt < s.n:
+                batch = await self.read(session_id, nxt, min(s.n, nxt + 1000))
+                for e in batch:
+                    yield e
+                nxt = batch[-1].n + 1 if batch else s.n
+                continue
+            if not fresh:
+                await changed.wait()
 
     async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None:
         validate_session_id(session_id)

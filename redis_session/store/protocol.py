@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from ..model import Entry, NewEntryLike, Page, SessionHead, SessionHeader, Vocabulary
+from ..projection.chunks import LiveRecord
 from ..projection.invariants import Problem
 
 #: how many idempotency keys a session remembers (the oldest go first)
@@ -83,9 +84,34 @@ class SessionStore(Protocol):
         (or than `incarnation`)."""
         ...
 
-    async def get_draft(self, session_id: str) -> dict[str, Any] | None: ...
+    async def get_draft(self, session_id: str, *, live: bool = True) -> dict[str, Any] | None:
+        """The open streamed answer so far (`live_draft` of the live stream), else the draft
+        `set_draft` left; with ``live=False`` only the latter."""
+        ...
 
     async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None: ...
+
+    async def live_add(
+        self,
+        session_id: str,
+        records: Sequence[LiveRecord],
+        *,
+        expire_ms: int | None = None,
+        trim_before: str | None = None,
+    ) -> builtins.list[str]:
+        """Add records to the session's live stream (no log write, no script); drop records
+        before stream id `trim_before`; the stream expires `expire_ms` from now. Their ids."""
+        ...
+
+    async def read_live(self, session_id: str, after: str | None = None) -> builtins.list[LiveRecord]:
+        """The live stream's records after stream id `after` (else all), oldest first."""
+        ...
+
+    def tail_live(
+        self, session_id: str, start: int = 0, *, live_after: str = "0-0", incarnation: str | None = None
+    ) -> AsyncIterator[Entry | LiveRecord]:
+        """`tail`, interleaved with the live records after `live_after` as they land."""
+        ...
 
     async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool: ...
 

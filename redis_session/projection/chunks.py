@@ -1,0 +1,385 @@
+"""Streamed answers, pure (no I/O): deltas, the live records that carry them, and the packed
+``assistant/chunk`` rows that keep them in the log (docs/design.md §8.2).
+
+A streamed answer has an id (`new_answer_id`). Its deltas are numbered 0, 1, 2 … and travel twice:
+
+- **live**, one record each on the session's ``live`` stream (`LiveRecord`: a ``begin``, the
+  deltas, an ``end`` naming the n of the entry that closed the answer), for tailing readers;
+- **durable**, many per ``assistant/chunk`` row in the log (`chunk_row`)::
+
+      {"turn": 1, "step": 1, "answer": "a1b2c3d4e5", "seq": 40, "chunks": ["Let ", "me ", …]}
+
+  ``seq`` is the index of the row's first delta in its answer; each element of ``chunks`` is a
+  dsh ``StreamChunk`` object, or a bare string for the commonest one,
+  ``{"type": "text-delta", "text": s}`` (a third of the bytes of an entry per delta).
+
+`unpack_row` turns a row (packed or a classic one-chunk row) back into dsh chunks, so a replay of
+the log yields every delta in order; `assemble` builds the assistant message content from
+chunks. The projection never looks at chunk rows (they are marks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from msgspec import Struct
+
+from ..model import NewEntry
+
+CHUNK = "assistant/chunk"
+INTERRUPTED = "assistant/interrupted"
+
+TEXT = "text"
+REASONING = "reasoning"
+TOOL_CALL = "tool-call"
+DELTA_KINDS = (TEXT, REASONING, TOOL_CALL)
+
+# live wire codes of the record kinds
+_KIND_CODE = {TEXT: "t", REASONING: "r", TOOL_CALL: "c"}
+_CODE_KIND = {v: k for k, v in _KIND_CODE.items()}
+
+
+def new_answer_id() -> str:
+    """A fresh answer id: 10 hex digits (unique enough within one session's live window)."""
+    return os.urandom(5).hex()
+
+
+class Delta(Struct, frozen=True, kw_only=True):
+    """One streamed delta as a reader gets it (`live.follow(..., deltas=True)`).
+
+    `answer` names the answer (its chunk rows and its closing entry carry the same id), `index`
+    is the delta's place in it (0, 1, 2 …), `kind` one of ``text``, ``reasoning``, ``tool-call``
+    (`call_id` and `name` set; `text` is a piece of the call's JSON arguments). `cursor` is the
+    live stream id it came with (resume after it)."""
+
+    answer: str
+    index: int
+    kind: str
+    text: str
+    call_id: str | None = None
+    name: str | None = None
+    cursor: str = ""
+
+    def chunk(self) -> dict[str, Any]:
+        """The dsh ``StreamChunk`` of this delta."""
+        return delta_chunk(self.kind, self.text, self.call_id, self.name)
+
+
+class LiveRecord(Struct, frozen=True, kw_only=True):
+    """One record of a session's live stream: ``kind`` is ``begin``, ``end`` or a delta kind.
+
+    begin: `turn`, `step`, `n` (the log's n when the answer began), `incarnation`.
+    delta: `index`, `text` (+ `call_id`, `name` for a tool call).
+    end:   `n` (the entry that closed the answer: its message or its interrupted mark), `index`
+           (how many deltas it had), `reason` (``committed``, ``interrupted``)."""
+
+    answer: str
+    kind: str
+    id: str = ""
+    index: int | None = None
+    text: str = ""
+    call_id: str | None = None
+    name: str | None = None
+    turn: int | None = None
+    step: int | None = None
+    n: int | None = None
+    incarnation: str | None = None
+    reason: str | None = None
+
+    @property
+    def is_delta(self) -> bool:
+        return self.kind in _KIND_CODE
+
+    def delta(self) -> Delta:
+        assert self.index is not None
+        return Delta(
+            answer=self.answer,
+            index=self.index,
+            kind=self.kind,
+            text=self.text,
+            call_id=self.call_id,
+            name=self.name,
+            cursor=self.id,
+        )
+
+    def fields(self) -> list[str]:
+        """The record as XADD field/value pairs (short names: a delta is ``a i t`` only)."""
+        f = ["a", self.answer]
+        if self.kind == TEXT:
+            return [*f, "i", str(self.index), "t", self.text]
+        if self.kind in _KIND_CODE:
+            f += ["k", _KIND_CODE[self.kind], "i", str(self.index), "t", self.text]
+            if self.call_id is not None:
+                f += ["c", self.call_id]
+            if self.name is not None:
+                f += ["m", self.name]
+            return f
+        f += ["k", "b" if self.kind == "begin" else "e"]
+        for name, value in (
+            ("i", self.index),
+            ("turn", self.turn),
+            ("step", self.step),
+            ("n", self.n),
+            ("inc", self.incarnation),
+            ("r", self.reason),
+        ):
+            if value is not None:
+                f += [name, str(value)]
+        return f
+
+    @classmethod
+    def from_fields(cls, rid: str, f: Mapping[str, str]) -> LiveRecord:
+        code = f.get("k", "t")
+        kind = _CODE_KIND.get(code) or ("begin" if code == "b" else "end" if code == "e" else code)
+
+        def num(key: str) -> int | None:
+            v = f.get(key)
+            return None if v is None or not v.lstrip("-").isdigit() else int(v)
+
+        return cls(
+            answer=f.get("a", ""),
+            kind=kind,
+            id=rid,
+            index=num("i"),
+            text=f.get("t", ""),
+            call_id=f.get("c"),
+            name=f.get("m"),
+            turn=num("turn"),
+            step=num("step"),
+            n=num("n"),
+            incarnation=f.get("inc"),
+            reason=f.get("r"),
+        )
+
+
+def delta_chunk(kind: str, text: str, call_id: str | None = None, name: str | None = None) -> dict[str, Any]:
+    """The dsh ``StreamChunk`` of a delta."""
+    if kind == TEXT:
+        return {"type": "text-delta", "text": text}
+    if kind == REASONING:
+        return {"type": "reasoning-delta", "text": text}
+    if kind == TOOL_CALL:
+        c: dict[str, Any] = {"type": "tool-call-delta", "callId": call_id}
+        if name is not None:
+            c["name"] = name
+        c["argsDelta"] = text
+        return c
+    raise ValueError(f"unknown delta kind {kind!r}")
+
+
+def _packed(chunk: Any) -> Any:
+    """A chunk as a row element: a plain text delta shrinks to its string."""
+    if isinstance(chunk, dict) and chunk.get("type") == "text-delta" and len(chunk) == 2 and "text" in chunk:
+        text = chunk["text"]
+        if isinstance(text, str):
+            return text
+    return chunk
+
+
+def _unpacked(element: Any) -> Any:
+    return {"type": "text-delta", "text": element} if isinstance(element, str) else element
+
+
+def chunk_row(chunks: Sequence[Any], *, turn: int | None, step: int | None, answer: str | None, seq: int) -> NewEntry:
+    """One packed ``assistant/chunk`` row holding `chunks` (dsh StreamChunks), the first of them
+    delta number `seq` of `answer`."""
+    data: dict[str, Any] = {}
+    if turn is not None:
+        data["turn"] = turn
+    if step is not None:
+        data["step"] = step
+    if answer is not None:
+        data["answer"] = answer
+    data["seq"] = seq
+    data["chunks"] = [_packed(c) for c in chunks]
+    return NewEntry(CHUNK, data)
+
+
+def unpack_row(data: Mapping[str, Any]) -> list[Any]:
+    """The dsh StreamChunks of one ``assistant/chunk`` row's data: a packed row's ``chunks``, or
+    a classic row's single ``chunk`` (as it is)."""
+    packed = data.get("chunks")
+    if isinstance(packed, list):
+        return [_unpacked(e) for e in packed]
+    if "chunk" in data:
+        return [data["chunk"]]
+    return []
+
+
+def replay(entries: Iterable[Any]) -> dict[str, list[Any]]:
+    """Every streamed answer's chunks in order, from log entries (any ``Entry``-like objects with
+    ``type`` and ``data``): ``{answer id: [chunk, …]}``. Rows without an answer id (imported,
+    classic) are keyed ``"<turn>/<step>"``."""
+    out: dict[str, list[Any]] = {}
+    for e in entries:
+        if e.type != CHUNK or not isinstance(e.data, Mapping):
+            continue
+        key = e.data.get("answer")
+        if not isinstance(key, str):
+            key = f"{e.data.get('turn')}/{e.data.get('step')}"
+        out.setdefault(key, []).extend(unpack_row(e.data))
+    return out
+
+
+def assemble(chunks: Iterable[Any]) -> list[dict[str, Any]]:
+    """Assistant message content built from dsh chunks: a ``reasoning`` block, a ``text`` block,
+    then one ``tool-call`` block per call id (in order of first appearance); empty parts left out.
+    Chunks of other types are ignored."""
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: dict[str, dict[str, Any]] = {}
+    for c in chunks:
+        if not isinstance(c, Mapping):
+            continue
+        t = c.get("type")
+        piece = c.get("text", c.get("delta", c.get("textDelta")))
+        if t == "text-delta" and isinstance(piece, str):
+            text.append(piece)
+        elif t == "reasoning-delta" and isinstance(piece, str):
+            reasoning.append(piece)
+        elif t == "tool-call-delta":
+            cid = str(c.get("callId") or c.get("id") or "")
+            call = calls.setdefault(cid, {"type": "tool-call", "id": cid, "name": "", "arguments": ""})
+            if c.get("name"):
+                call["name"] = c["name"]
+            args = c.get("argsDelta", c.get("argsTextDelta"))
+            if isinstance(args, str):
+                call["arguments"] += args
+    blocks: list[dict[str, Any]] = []
+    if reasoning:
+        blocks.append({"type": "reasoning", "text": "".join(reasoning)})
+    if text:
+        blocks.append({"type": "text", "text": "".join(text)})
+    blocks.extend(calls.values())
+    return blocks
+
+
+def assemble_deltas(deltas: Iterable[Delta]) -> list[dict[str, Any]]:
+    return assemble(d.chunk() for d in deltas)
+
+
+class PackedChunks(Struct, frozen=True):
+    """What `pack_chunks` made: the entries to write and, for each input position, the position
+    of the entry that holds it (a chunk maps to its row)."""
+
+    entries: list[NewEntry]
+    positions: list[int]
+
+
+def pack_chunks(entries: Sequence[Any], *, max_chunks: int = 256) -> PackedChunks:
+    """Pack runs of consecutive ``assistant/chunk`` entries of one turn and step into rows of at
+    most `max_chunks` chunks (for importers: a dsh file holds one event per chunk).
+
+    `entries` are `NewEntry` objects (or anything with ``type``, ``data``, ``time``); other
+    entries pass through unchanged. A row keeps its first chunk's time, and ``seq`` is the
+    input position of its first chunk, so every chunk's original position stays recoverable:
+    ``row.data["seq"] + i`` for the i-th chunk of the row (with `positions` to remap
+    ``sourceEventSeqs`` that named chunks)."""
+    out: list[NewEntry] = []
+    positions: list[int] = []
+    run: list[Any] = []
+    run_key: tuple[Any, Any] | None = None
+    run_start = 0
+    run_time: int | None = None
+
+    def close() -> None:
+        nonlocal run, run_key
+        if run:
+            turn, step = run_key or (None, None)
+            row = chunk_row(run, turn=turn, step=step, answer=None, seq=run_start)
+            out.append(NewEntry(row.type, row.data, time=run_time))
+        run, run_key = [], None
+
+    for i, e in enumerate(entries):
+        data = e.data if isinstance(e.data, Mapping) else None
+        is_chunk = e.type == CHUNK and data is not None and set(data) <= {"turn", "step", "chunk"} and "chunk" in data
+        if not is_chunk:
+            close()
+            positions.append(len(out))
+            out.append(e if isinstance(e, NewEntry) else NewEntry(e.type, e.data, getattr(e, "meta", None)))
+            continue
+        assert data is not None
+        key = (data.get("turn"), data.get("step"))
+        if run and (key != run_key or len(run) >= max_chunks):
+            close()
+        if not run:
+            run_key, run_start, run_time = key, i, getattr(e, "time", None)
+        positions.append(len(out))
+        run.append(data["chunk"])
+    close()
+    return PackedChunks(out, positions)
+
+
+def answers_to_skip(records: Iterable[LiveRecord], start: int, incarnation: str | None) -> set[str]:
+    """Answers of a live backlog a reader starting at log position `start` must not be sent as
+    deltas: those already closed before `start` (their entries are behind the reader), and those
+    begun by another incarnation of the session."""
+    skip: set[str] = set()
+    for r in records:
+        if r.kind == "end" and r.n is not None and r.n < start:
+            skip.add(r.answer)
+        elif r.kind == "begin" and incarnation and r.incarnation and r.incarnation != incarnation:
+            skip.add(r.answer)
+    return skip
+
+
+def open_answers(records: Sequence[LiveRecord]) -> dict[str, tuple[LiveRecord | None, list[Delta]]]:
+    """Every answer of a live backlog without an end: its begin (None if trimmed) and deltas."""
+    out: dict[str, tuple[LiveRecord | None, list[Delta]]] = {}
+    ended: set[str] = set()
+    for r in records:
+        if r.kind == "end":
+            ended.add(r.answer)
+            out.pop(r.answer, None)
+        elif r.answer in ended:
+            continue
+        elif r.kind == "begin":
+            out[r.answer] = (r, out.get(r.answer, (None, []))[1])
+        elif r.is_delta:
+            out.setdefault(r.answer, (None, []))[1].append(r.delta())
+    return out
+
+
+def live_draft(records: Sequence[LiveRecord]) -> dict[str, Any] | None:
+    """The draft view of a live backlog: the last open answer so far, as
+    ``{"answer", "turn", "step", "content"}`` (content: the text, or blocks when the answer has
+    reasoning or tool calls), or None when no answer is open."""
+    answers = open_answers(records)
+    if not answers:
+        return None
+    answer, (begin, deltas) = list(answers.items())[-1]
+    blocks = assemble_deltas(deltas)
+    content: Any = blocks
+    if all(b["type"] == "text" for b in blocks):
+        content = blocks[0]["text"] if blocks else ""
+    draft: dict[str, Any] = {"answer": answer}
+    if begin is not None:
+        draft["turn"], draft["step"] = begin.turn, begin.step
+    draft["content"] = content
+    return draft
+
+
+__all__ = [
+    "CHUNK",
+    "DELTA_KINDS",
+    "INTERRUPTED",
+    "REASONING",
+    "TEXT",
+    "TOOL_CALL",
+    "Delta",
+    "LiveRecord",
+    "PackedChunks",
+    "answers_to_skip",
+    "assemble",
+    "assemble_deltas",
+    "chunk_row",
+    "delta_chunk",
+    "live_draft",
+    "new_answer_id",
+    "open_answers",
+    "pack_chunks",
+    "replay",
+    "unpack_row",
+]

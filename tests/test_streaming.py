@@ -1,0 +1,370 @@
+"""Streamed answers (docs/design.md §8.2): the live path (deltas to tailing readers without a
+script), the durable path (packed chunk rows), readers joining mid-answer and resuming, the SSE
+`event: delta`, interruption, a writer that dies, repair and key cleanup. Memory, a real server
+and the cluster where the API allows."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+import pytest
+from test_gateway import path, sse
+
+from redis_session import Delta, MemorySessionStore, RedisSessionStore, SessionHeader, Sessions, pack_chunks, project
+from redis_session.live import follow_deltas
+from redis_session.model import NewEntry
+from redis_session.projection.chunks import CHUNK, INTERRUPTED, replay, unpack_row
+
+from support import running_gateway
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = [f"w{i} " for i in range(60)]
+
+
+async def _open(store: Any, sid: str = "chat") -> Any:
+    s = await Sessions(store).open(sid)
+    await s.append_many(
+        [("turn/start", {"turn": 1}), ("user/message", {"content": "hi"}), ("step/start", {"turn": 1, "step": 1})]
+    )
+    return s
+
+
+async def _stream(s: Any, words: list[str], pause: float = 0.002, **opts: Any) -> Any:
+    async with s.stream(turn=1, step=1, **opts) as w:
+        for word in words:
+            await w.delta(word)
+            await anyio.sleep(pause)
+    return w
+
+
+def _texts(items: list[Any]) -> list[str]:
+    return [d.text for d in items if isinstance(d, Delta)]
+
+
+async def test_a_stream_lands_as_packed_rows_and_one_message(store: Any) -> None:
+    s = await _open(store)
+    w = await _stream(s, WORDS, max_chunks=16)
+    entries = await s.read()
+    rows = [e for e in entries if e.type == CHUNK]
+    assert 4 <= len(rows) < len(WORDS)  # many deltas per row (max_chunks caps a row)
+    assert all(len(r.data["chunks"]) <= 16 and r.data["answer"] == w.answer for r in rows)
+    assert [c["text"] for c in replay(entries)[w.answer]] == WORDS  # every delta, in order
+    assert [r.data["seq"] for r in rows] == sorted(r.data["seq"] for r in rows)
+    message = entries[-1]
+    assert message.type == "assistant/message" and message.meta == {"answer": w.answer}
+    assert message.data["content"] == [{"type": "text", "text": "".join(WORDS)}]
+    assert w.message == message and [e.n for e in entries] == list(range(len(entries)))  # n contiguous
+    # the projection never sees chunks: the same with and without them
+    marks = [msgspec.structs.replace(e, type="test/mark", data={}) if e.type == CHUNK else e for e in entries]
+    assert project(entries) == project(marks)
+    assert (await s.messages())[-1].text == "".join(WORDS)
+    assert await s.draft() is None  # the answer is closed: no draft
+
+
+async def test_reasoning_and_tool_call_deltas_assemble(store: Any) -> None:
+    s = await _open(store)
+    async with s.stream(turn=1, step=1) as w:
+        await w.reasoning("think ")
+        await w.reasoning("hard")
+        await w.delta("Let me look.")
+        await w.tool_call_delta("c1", "bash", '{"cmd"')
+        await w.tool_call_delta("c1", None, ': "ls"}')
+    assert w.message is not None
+    assert w.message.data["content"] == [
+        {"type": "reasoning", "text": "think hard"},
+        {"type": "text", "text": "Let me look."},
+        {"type": "tool-call", "id": "c1", "name": "bash", "arguments": '{"cmd": "ls"}'},
+    ]
+
+
+async def test_a_reader_arriving_mid_answer_gets_it_all_once_then_the_message(store: Any) -> None:
+    s = await _open(store)
+    got: list[Any] = []
+    half = anyio.Event()
+
+    async def reader() -> None:
+        await half.wait()
+        async for item in follow_deltas(store, "chat", s.n):
+            got.append(item)
+            if not isinstance(item, Delta) and item.type == "assistant/message":
+                return
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            async with s.stream(turn=1, step=1, flush_interval=0.01) as w:
+                for i, word in enumerate(WORDS):
+                    await w.delta(word)
+                    if i == 30:
+                        await anyio.sleep(0.1)  # rows of the first half are in the log by now
+                        half.set()
+                    await anyio.sleep(0.002)
+    deltas = [d for d in got if isinstance(d, Delta)]
+    assert [d.index for d in deltas] == list(range(len(WORDS)))
+    assert _texts(got) == WORDS
+
+
+async def test_a_reader_resumes_after_its_last_delta_without_gap_or_repeat(store: Any) -> None:
+    s = await _open(store)
+    first: list[Any] = []
+    cut = anyio.Event()
+
+    async def reader() -> None:
+        async for item in follow_deltas(store, "chat", s.n):
+            first.append(item)
+            if sum(isinstance(x, Delta) for x in first) == 20:
+                cut.set()
+                return
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await anyio.sleep(0.05)
+            async with s.stream(turn=1, step=1, flush_interval=0.01) as w:
+                for i, word in enumerate(WORDS):
+                    await w.delta(word)
+                    await anyio.sleep(0.002)
+                    if i == 40:
+                        await cut.wait()
+        last_n = max([e.n for e in first if not isinstance(e, Delta)], default=s.n - 1 - len(first))
+        cursor = [d for d in first if isinstance(d, Delta)][-1].cursor
+        rest: list[Any] = []
+        async for item in follow_deltas(store, "chat", last_n + 1 if last_n >= 0 else 0, live_after=cursor):
+            rest.append(item)
+            if not isinstance(item, Delta) and item.type == "assistant/message":
+                break
+    assert _texts(first) + _texts(rest) == WORDS
+    assert w.message is not None
+
+
+async def test_a_cancelled_writer_leaves_an_interrupted_mark_and_its_chunks(store: Any) -> None:
+    s = await _open(store)
+    with anyio.move_on_after(0.3):
+        async with s.stream(turn=1, step=1, flush_interval=0.02, grace=0.3) as w:
+            for word in WORDS * 100:
+                await w.delta(word)
+                await anyio.sleep(0.005)
+    assert w.message is None and w.interrupted is not None
+    entries = await s.read()
+    mark = entries[-1]
+    assert mark.type == INTERRUPTED and mark.data["reason"] == "cancelled" and mark.meta == {"answer": w.answer}
+    sent = [c["text"] for c in replay(entries)[w.answer]]
+    assert len(sent) == mark.data["deltas"] == w.count > 0
+    assert mark.data["content"] == [{"type": "text", "text": "".join(sent)}]
+    assert await s.draft() is None
+    if isinstance(store, RedisSessionStore):
+        live = store.keys.live("chat")
+        assert 0 < await store.client.pttl(live) <= 300  # gone within the grace
+        await anyio.sleep(0.5)
+        assert not await store.client.exists(live)
+    await s.append_many([("step/end", {"turn": 1, "step": 1}), ("turn/end", {"turn": 1, "reason": "aborted"})])
+    assert await s.check_invariants() == []
+
+
+async def test_an_error_in_the_body_is_raised_after_the_mark(store: Any) -> None:
+    s = await _open(store)
+    with pytest.raises(ZeroDivisionError):
+        async with s.stream(turn=1, step=1) as w:
+            await w.delta("so far")
+            1 / 0  # noqa: B018
+    assert (await s.read())[-1].data["reason"] == "error"
+
+
+async def test_get_draft_is_the_open_answer_and_set_draft_still_works(store: Any) -> None:
+    s = await _open(store)
+    await s.set_draft({"content": "legacy"})
+    assert await s.draft() == {"content": "legacy"}
+    async with s.stream(turn=1, step=1) as w:
+        await w.delta("Hel")
+        await w.delta("lo")
+        await anyio.sleep(0.05)  # the sender pipelines in the background
+        assert await s.draft() == {"answer": w.answer, "turn": 1, "step": 1, "content": "Hello"}
+        assert await store.get_draft("chat", live=False) == {"content": "legacy"}
+    assert await s.draft() == {"content": "legacy"}  # the answer closed: the legacy draft again
+    await s.set_draft(None)
+    assert await s.draft() is None
+
+
+async def test_deleting_a_session_leaves_no_live_key(redis_store: RedisSessionStore) -> None:
+    s = await _open(redis_store)
+    live = redis_store.keys.live("chat")
+    async with s.stream(turn=1, step=1) as w:
+        await w.delta("x")
+        await anyio.sleep(0.05)
+        assert await redis_store.client.exists(live)
+    assert await redis_store.delete("chat")
+    assert await redis_store.client.keys(f"{redis_store.prefix}:{{chat}}:*") == []
+    # and a create never inherits a predecessor's live records
+    await redis_store.live_add("again", [], expire_ms=1000)
+    await redis_store.client.xadd(redis_store.keys.live("again"), {"a": "old", "i": "0", "t": "stale"})
+    await redis_store.create(SessionHeader(id="again"))
+    assert not await redis_store.client.exists(redis_store.keys.live("again"))
+
+
+async def test_an_ephemeral_session_caps_the_live_expiry(redis_store: RedisSessionStore) -> None:
+    s = await Sessions(redis_store).open("eph", ephemeral=True, ttl=2)
+    async with s.stream(live_ttl=60) as w:
+        await w.delta("x")
+        await anyio.sleep(0.05)
+        await s.enqueue("test/mark", {})  # any append refreshes the session TTL and caps the live one
+        assert 0 < await redis_store.client.pttl(redis_store.keys.live("eph")) <= 2000
+
+
+WRITER = """
+import os, sys, anyio
+from redis_session import RedisSessionStore, Sessions
+
+async def main():
+    store = RedisSessionStore.from_url(sys.argv[1], prefix=sys.argv[2])
+    s = await Sessions(store).open("dead")
+    await s.append_many([("turn/start", {"turn": 1}), ("step/start", {"turn": 1, "step": 1})])
+    async with s.stream(turn=1, step=1, flush_interval=0.05) as w:
+        for i in range(40):
+            await w.delta(f"d{i} ")
+            await anyio.sleep(0.005)
+        await anyio.sleep(0.2)   # the first rows are flushed
+        for i in range(40, 50):
+            await w.delta(f"d{i} ")
+        await anyio.sleep(0.03)  # live, not flushed yet
+        print(w.answer, flush=True)
+        os._exit(9)              # the process dies: no exit, no close
+
+anyio.run(main)
+"""
+
+
+async def test_a_writer_that_dies_is_closed_by_repair(redis_url: str, redis_store: RedisSessionStore) -> None:
+    proc = await anyio.run_process(
+        [sys.executable, "-c", WRITER, redis_url, redis_store.prefix],
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 9, proc.stderr
+    answer = proc.stdout.decode().strip()
+    sessions = Sessions(redis_store)
+    before = await redis_store.read("dead")
+    flushed = len(replay(before).get(answer, []))
+    assert 0 < flushed < 50  # some deltas only on the live stream
+    assert await sessions.repair("dead", stale_after=60) == []  # too fresh: its writer may be alive
+    appended = await sessions.repair("dead", stale_after=0)
+    types = [e.type for e in appended]
+    assert types[-3:] == [INTERRUPTED, "step/end", "turn/end"] and CHUNK in types
+    entries = await redis_store.read("dead")
+    assert [c["text"] for c in replay(entries)[answer]] == [f"d{i} " for i in range(50)]
+    mark = next(e for e in entries if e.type == INTERRUPTED)
+    assert mark.data["reason"] == "crashed" and mark.data["deltas"] == 50
+    assert await redis_store.get_draft("dead") is None
+    assert await sessions.repair("dead", stale_after=0) == []
+    assert 0 < await redis_store.client.pttl(redis_store.keys.live("dead")) <= 60_000  # expires
+
+
+async def test_sse_sends_deltas_and_resumes_them_with_last_event_id(redis_store: RedisSessionStore) -> None:
+    s = await _open(redis_store)
+    first: list[dict[str, Any]] = []
+    with anyio.fail_after(30):
+        async with (
+            running_gateway(redis_store, heartbeat=5) as base,
+            httpx.AsyncClient(base_url=base) as client,
+            anyio.create_task_group() as tg,
+        ):
+            started = anyio.Event()
+
+            async def write() -> None:
+                await started.wait()
+                await _stream(s, WORDS, pause=0.01, flush_interval=0.02)
+
+            tg.start_soon(write)
+            async with client.stream("GET", path("chat", "events") + "?deltas=1") as r:
+                async for ev in sse(r):
+                    if ev.get("comment") == "open":
+                        started.set()
+                    if "id" in ev:
+                        first.append(ev)
+                    if sum(e.get("event") == "delta" for e in first) == 25:
+                        break
+            last_id = first[-1]["id"]
+            rest: list[dict[str, Any]] = []
+            async with client.stream(
+                "GET", path("chat", "events") + "?deltas=1", headers={"Last-Event-ID": last_id}
+            ) as r:
+                async for ev in sse(r):
+                    if "id" in ev:
+                        rest.append(ev)
+                    if ev.get("event") is None and "data" in ev and ev["data"].get("type") == "assistant/message":
+                        break
+    deltas = [e["data"] for e in first + rest if e.get("event") == "delta"]
+    assert [d["index"] for d in deltas] == list(range(len(WORDS)))
+    assert "".join(d["text"] for d in deltas) == "".join(WORDS)
+    entry_ns = [e["data"]["n"] for e in first + rest if e.get("event") is None]
+    assert entry_ns == list(range(entry_ns[0], entry_ns[-1] + 1))  # entries: no gap, no repeat
+    assert all("/" in e["id"] for e in rest)
+
+
+async def test_the_cluster_keeps_the_live_stream_in_the_session_slot(cluster_url: str, prefix: str) -> None:
+    store = RedisSessionStore.from_url(cluster_url, prefix=prefix, cluster=True)
+    try:
+        s = await _open(store, "clustered")
+        got: list[Any] = []
+
+        async def reader() -> None:
+            async for item in follow_deltas(store, "clustered", s.n):
+                got.append(item)
+                if not isinstance(item, Delta) and item.type == "assistant/message":
+                    return
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader)
+                await anyio.sleep(0.2)
+                await _stream(s, WORDS)
+        assert _texts(got) == WORDS
+        assert await store.delete("clustered")
+    finally:
+        await store.aclose()
+
+
+def test_pack_chunks_packs_runs_and_keeps_positions() -> None:
+    chunk = {"type": "text-delta", "index": 0, "text": "a"}
+    entries = [
+        NewEntry("turn/start", {"turn": 1}),
+        *[NewEntry(CHUNK, {"turn": 1, "step": 1, "chunk": {**chunk, "text": str(i)}}, time=100 + i) for i in range(5)],
+        NewEntry(CHUNK, {"turn": 1, "step": 2, "chunk": {"type": "text-delta", "text": "x"}}),
+        NewEntry("assistant/message", {"content": "01234"}),
+    ]
+    packed = pack_chunks(entries, max_chunks=3)
+    types = [e.type for e in packed.entries]
+    assert types == ["turn/start", CHUNK, CHUNK, CHUNK, "assistant/message"]
+    assert packed.positions == [0, 1, 1, 1, 2, 2, 3, 4]
+    rows = packed.entries[1:4]
+    assert [r.data["seq"] for r in rows] == [1, 4, 6] and rows[0].time == 100
+    assert [c["text"] for r in rows for c in unpack_row(r.data)] == ["0", "1", "2", "3", "4", "x"]
+    assert rows[0].data["chunks"][0] == {**chunk, "text": "0"}  # kept as it was (index and all)
+    assert rows[2].data["chunks"] == ["x"]  # a bare text delta packs to its string
+
+
+async def test_memory_store_has_the_live_path_too() -> None:
+    store = MemorySessionStore()
+    s = await _open(store)
+    w = await _stream(s, WORDS[:5])
+    assert [c["text"] for c in replay(await s.read())[w.answer]] == WORDS[:5]
+    assert (await store.read_live("chat"))[-1].kind == "end"
+
+
+def test_the_short_bench_delivers_every_delta_once_and_replays_the_log(redis_url: str) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import streaming as bench  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    for way in ("raw", "stream"):
+        res = anyio.run(bench.run_sessions, redis_url, f"benchtest{way}", way, [f"s{i}" for i in range(4)], 60, 200.0)
+        assert res["complete"] and res["log_ok"], (way, res["incomplete"])
+        assert res["deltas"] == 240
