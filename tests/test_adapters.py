@@ -20,6 +20,8 @@ import redis
 from redis_session import MemorySessionStore, NewEntry, RedisSessionStore, SessionHeader
 from redis_session.projection import project, to_openai
 
+from support import require_extra
+
 pytestmark = pytest.mark.anyio
 
 
@@ -39,7 +41,7 @@ def _warm_up() -> None:
 @pytest.fixture
 def Ev() -> Any:
     """`RedisEventSession`, when the SDK is installed (the `openai-agents` extra)."""
-    pytest.importorskip("agents")
+    require_extra("agents", "openai-agents")
     from redis_session.adapters.openai_agents import RedisEventSession
 
     return RedisEventSession
@@ -271,7 +273,7 @@ async def test_runner_uses_the_session(store: Any, Ev: Any) -> None:
 @pytest.fixture
 def lc() -> Any:
     """langchain_core.messages, when LangChain is installed (the `langchain` extra)."""
-    return pytest.importorskip("langchain_core.messages")
+    return require_extra("langchain_core.messages", "langchain")
 
 
 @pytest.fixture

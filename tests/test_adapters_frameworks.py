@@ -19,7 +19,7 @@ import redis
 
 from redis_session import MemorySessionStore, RedisSessionStore
 
-from support import SkewClock, let_pass
+from support import SkewClock, let_pass, require_extra
 
 pytestmark = pytest.mark.anyio
 
@@ -63,7 +63,7 @@ def _cleanup_sync(url: str, prefix: str) -> None:
 
 @pytest.fixture
 def Ev() -> Any:
-    pytest.importorskip("agents")
+    require_extra("agents", "openai-agents")
     from redis_session.adapters.openai_agents import RedisEventSession
 
     return RedisEventSession
@@ -221,7 +221,7 @@ async def test_close_of_a_from_url_session_makes_later_calls_raise(
 
 @pytest.fixture
 def History() -> Any:
-    pytest.importorskip("langchain_core.messages")
+    require_extra("langchain_core.messages", "langchain")
     from redis_session.adapters.langchain import RedisChatMessageHistory
 
     return RedisChatMessageHistory

@@ -16,18 +16,20 @@ import pytest
 
 from redis_session import MemorySessionStore, RedisSessionStore
 
-pytest.importorskip("langgraph.checkpoint.base")
+from support import require_extra
 
-from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolMessage
-from langchain_core.tools import tool
-from langgraph.graph import END, START, StateGraph
-from langgraph.graph.message import add_messages
-from langgraph.prebuilt import ToolNode, tools_condition
-from langgraph.types import Command, interrupt
+require_extra("langgraph.checkpoint.base", "langgraph")
 
-from redis_session.adapters.langgraph import CHECKPOINT, PART, WRITE, RedisEventSaver
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolMessage  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+from langgraph.graph import END, START, StateGraph  # noqa: E402
+from langgraph.graph.message import add_messages  # noqa: E402
+from langgraph.prebuilt import ToolNode, tools_condition  # noqa: E402
+from langgraph.types import Command, interrupt  # noqa: E402
 
-from support import SkewClock, let_pass
+from redis_session.adapters.langgraph import CHECKPOINT, PART, WRITE, RedisEventSaver  # noqa: E402
+
+from support import SkewClock, let_pass  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
