@@ -84,11 +84,12 @@ class _MemSession:
         self.proj: tuple[int, bytes] | None = None
         self.live: list[LiveRecord] = []
         self.live_seq = 0
-        self.live_expires_at: float | None = None
+        self.live_expires_at: int | None = None  # ms on the store's clock
         self.changed = anyio.Event()
 
-    def live_records(self) -> list[LiveRecord]:
-        if self.live_expires_at is not None and self.live_expires_at <= anyio.current_time():
+    def live_records(self, now: int) -> list[LiveRecord]:
+        """The live stream's records, as of `now` (ms on the store's clock): gone once expired."""
+        if self.live_expires_at is not None and self.live_expires_at <= now:
             self.live, self.live_expires_at = [], None
         return self.live
 
@@ -351,7 +352,7 @@ class MemorySessionStore(StoreRules):
         if s is None:
             raise SessionNotFoundError(session_id)
         if live:
-            streamed = live_draft(s.live_records())
+            streamed = live_draft(s.live_records(self.clock()))
             if streamed is not None:
                 return streamed
         return s.draft
@@ -368,11 +369,11 @@ class MemorySessionStore(StoreRules):
         s = self._sessions.get(session_id)
         if s is None or s.deleted:
             return []  # Redis would keep them in an orphan key until it expires: nobody reads it
-        live = s.live_records()
+        live = s.live_records(self.clock())
         ids = []
         for r in records:
             # ids as Redis makes them: "<ms>-<seq>", increasing
-            ms = max(now_ms(), s.live_seq >> 20)
+            ms = max(self.clock(), s.live_seq >> 20)
             s.live_seq = max(s.live_seq + 1, ms << 20)
             rid = f"{s.live_seq >> 20}-{s.live_seq & 0xFFFFF}"
             live.append(msgspec.structs.replace(r, id=rid))
@@ -381,7 +382,7 @@ class MemorySessionStore(StoreRules):
             floor = _live_seq(trim_before)
             s.live = [r for r in live if _live_seq(r.id) >= floor]
         if expire_ms is not None:
-            s.live_expires_at = anyio.current_time() + expire_ms / 1000
+            s.live_expires_at = self.clock() + expire_ms
         if records:
             old, s.changed = s.changed, anyio.Event()
             old.set()
@@ -393,7 +394,7 @@ class MemorySessionStore(StoreRules):
         if s is None:
             return []
         floor = -1 if after is None else _live_seq(after)
-        return [r for r in s.live_records() if _live_seq(r.id) > floor]
+        return [r for r in s.live_records(self.clock()) if _live_seq(r.id) > floor]
 
     async def tail_live(
         self, session_id: str, start: int = 0, *, live_after: str = "0-0", incarnation: str | None = None
@@ -413,7 +414,7 @@ class MemorySessionStore(StoreRules):
             if s2 is not s:
                 raise SessionReplacedError(session_id)
             changed = s.changed
-            fresh = [r for r in s.live_records() if _live_seq(r.id) > seen]
+            fresh = [r for r in s.live_records(self.clock()) if _live_seq(r.id) > seen]
             for r in fresh:
                 seen = _live_seq(r.id)
                 yield r
