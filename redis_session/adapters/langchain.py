@@ -99,24 +99,9 @@ def _content(content: Any) -> str | list[dict[str, Any]]:
     return [{"type": "text", "text": p} if isinstance(p, str) else dict(p) for p in content or ()]
 
 
-def to_chat_message(message: BaseMessage) -> dict[str, Any]:  # noqa: C901 - to split
+def to_chat_message(message: BaseMessage) -> dict[str, Any]:
     """A LangChain message as the data of a ``message`` entry (see the module docstring)."""
-    if isinstance(message, HumanMessage):
-        role = "user"
-    elif isinstance(message, AIMessage):
-        role = "assistant"
-    elif isinstance(message, SystemMessage):
-        role = "system"
-    elif isinstance(message, (ToolMessage, FunctionMessage)):
-        role = "tool"
-    elif isinstance(message, ChatMessage):
-        if message.role not in _ROLES:
-            raise ValueError(
-                f"a ChatMessage with role {message.role!r} has no chat-message equivalent (use one of {sorted(_ROLES)})"
-            )
-        role = _ROLES[message.role]
-    else:
-        raise ValueError(f"unsupported message type {type(message).__name__}")
+    role = _chat_role(message)
     data: dict[str, Any] = {"role": role, "content": _content(message.content)}
     if message.name:
         data["name"] = message.name
@@ -125,36 +110,67 @@ def to_chat_message(message: BaseMessage) -> dict[str, Any]:  # noqa: C901 - to 
         lc["role"] = message.role
     if message.id is not None:
         lc["id"] = message.id
-    for key in ("additional_kwargs", "response_metadata"):
+    _put_json(lc, message, ("additional_kwargs", "response_metadata"))
+    if isinstance(message, AIMessage):
+        _put_ai_fields(message, data, lc)
+    if isinstance(message, ToolMessage):
+        _put_tool_fields(message, data, lc)
+    data["langchain"] = lc
+    return data
+
+
+def _chat_role(message: BaseMessage) -> str:
+    """The chat-message role of a LangChain message; ValueError when it has none."""
+    if isinstance(message, HumanMessage):
+        return "user"
+    if isinstance(message, AIMessage):
+        return "assistant"
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, (ToolMessage, FunctionMessage)):
+        return "tool"
+    if isinstance(message, ChatMessage):
+        if message.role not in _ROLES:
+            raise ValueError(
+                f"a ChatMessage with role {message.role!r} has no chat-message equivalent (use one of {sorted(_ROLES)})"
+            )
+        return _ROLES[message.role]
+    raise ValueError(f"unsupported message type {type(message).__name__}")
+
+
+def _put_json(lc: dict[str, Any], message: BaseMessage, keys: tuple[str, ...]) -> None:
+    """`message`'s fields `keys` into `lc`, each when it is set and lossless JSON."""
+    for key in keys:
         value = _json_or_none(getattr(message, key, None) or None)
         if value:
             lc[key] = value
-    if isinstance(message, AIMessage):
-        if message.tool_calls:
-            data["tool_calls"] = [
-                {
-                    "id": call.get("id") or "",
-                    "type": "function",
-                    "function": {"name": call["name"], "arguments": json.dumps(call["args"], ensure_ascii=False)},
-                }
-                for call in message.tool_calls
-            ]
-        reasoning = message.additional_kwargs.get("reasoning_content")
-        if isinstance(reasoning, str) and reasoning:
-            data["reasoning_content"] = reasoning
-        for key in ("usage_metadata", "invalid_tool_calls"):
-            value = _json_or_none(getattr(message, key, None) or None)
-            if value:
-                lc[key] = value
-    if isinstance(message, ToolMessage):
-        data["tool_call_id"] = message.tool_call_id
-        if message.status != "success":
-            lc["status"] = message.status
-        artifact = _json_or_none(message.artifact)
-        if artifact is not None:
-            lc["artifact"] = artifact
-    data["langchain"] = lc
-    return data
+
+
+def _put_ai_fields(message: AIMessage, data: dict[str, Any], lc: dict[str, Any]) -> None:
+    """An AIMessage's tool calls and reasoning into `data`, its usage and invalid calls into `lc`."""
+    if message.tool_calls:
+        data["tool_calls"] = [
+            {
+                "id": call.get("id") or "",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["args"], ensure_ascii=False)},
+            }
+            for call in message.tool_calls
+        ]
+    reasoning = message.additional_kwargs.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        data["reasoning_content"] = reasoning
+    _put_json(lc, message, ("usage_metadata", "invalid_tool_calls"))
+
+
+def _put_tool_fields(message: ToolMessage, data: dict[str, Any], lc: dict[str, Any]) -> None:
+    """A ToolMessage's call id into `data`, its status (unless success) and artifact into `lc`."""
+    data["tool_call_id"] = message.tool_call_id
+    if message.status != "success":
+        lc["status"] = message.status
+    artifact = _json_or_none(message.artifact)
+    if artifact is not None:
+        lc["artifact"] = artifact
 
 
 def _args(arguments: Any) -> dict[str, Any]:
