@@ -183,12 +183,27 @@ def _args(arguments: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"_value": value}
 
 
-def from_chat_message(data: dict[str, Any]) -> BaseMessage:  # noqa: C901 - to split
+def from_chat_message(data: dict[str, Any]) -> BaseMessage:
     """The LangChain message of a chat message (a ``message`` entry's data, or an OpenAI-format
     message); the ``langchain`` extras, when present, restore what the format cannot hold."""
     lc = data.get("langchain") if isinstance(data.get("langchain"), dict) else {}
     assert isinstance(lc, dict)
     role = data.get("role")
+    kwargs = _message_kwargs(data, lc)
+    kind = lc.get("type")
+    if kind == "chat" and isinstance(lc.get("role"), str):
+        return ChatMessage(role=lc["role"], **kwargs)
+    if role == "assistant":
+        return _ai_message(data, lc, kwargs)
+    if role == "tool":
+        return _tool_message(data, lc, kind, kwargs)
+    if role == "system":
+        return SystemMessage(**kwargs)
+    return HumanMessage(**kwargs)
+
+
+def _message_kwargs(data: dict[str, Any], lc: dict[str, Any]) -> dict[str, Any]:
+    """The fields every LangChain message takes: content, name, id, and the dict extras."""
     content = data.get("content")
     if content is None:
         content = ""
@@ -200,40 +215,41 @@ def from_chat_message(data: dict[str, Any]) -> BaseMessage:  # noqa: C901 - to s
     for key in ("additional_kwargs", "response_metadata"):
         if isinstance(lc.get(key), dict):
             kwargs[key] = lc[key]
-    kind = lc.get("type")
-    if kind == "chat" and isinstance(lc.get("role"), str):
-        return ChatMessage(role=lc["role"], **kwargs)
-    if role == "assistant":
-        calls = []
-        for call in data.get("tool_calls") or ():
-            fn = call.get("function") or {}
-            calls.append(
-                {
-                    "name": fn.get("name") or "",
-                    "args": _args(fn.get("arguments")),
-                    "id": call.get("id") or None,
-                    "type": "tool_call",
-                }
-            )
-        if calls:
-            kwargs["tool_calls"] = calls
-        if data.get("reasoning_content") and "additional_kwargs" not in kwargs:
-            kwargs["additional_kwargs"] = {"reasoning_content": data["reasoning_content"]}
-        for key in ("usage_metadata", "invalid_tool_calls"):
-            if lc.get(key):
-                kwargs[key] = lc[key]
-        return AIMessage(**kwargs)
-    if role == "tool":
-        if kind == "function":
-            return FunctionMessage(**{**kwargs, "name": data.get("name") or ""})
-        if lc.get("status") in ("success", "error"):
-            kwargs["status"] = lc["status"]
-        if "artifact" in lc:
-            kwargs["artifact"] = lc["artifact"]
-        return ToolMessage(tool_call_id=data.get("tool_call_id") or "", **kwargs)
-    if role == "system":
-        return SystemMessage(**kwargs)
-    return HumanMessage(**kwargs)
+    return kwargs
+
+
+def _ai_message(data: dict[str, Any], lc: dict[str, Any], kwargs: dict[str, Any]) -> AIMessage:
+    """An assistant chat message as an AIMessage: its tool calls, reasoning, usage."""
+    calls = []
+    for call in data.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        calls.append(
+            {
+                "name": fn.get("name") or "",
+                "args": _args(fn.get("arguments")),
+                "id": call.get("id") or None,
+                "type": "tool_call",
+            }
+        )
+    if calls:
+        kwargs["tool_calls"] = calls
+    if data.get("reasoning_content") and "additional_kwargs" not in kwargs:
+        kwargs["additional_kwargs"] = {"reasoning_content": data["reasoning_content"]}
+    for key in ("usage_metadata", "invalid_tool_calls"):
+        if lc.get(key):
+            kwargs[key] = lc[key]
+    return AIMessage(**kwargs)
+
+
+def _tool_message(data: dict[str, Any], lc: dict[str, Any], kind: Any, kwargs: dict[str, Any]) -> BaseMessage:
+    """A tool chat message as a ToolMessage (a FunctionMessage when it was stored from one)."""
+    if kind == "function":
+        return FunctionMessage(**{**kwargs, "name": data.get("name") or ""})
+    if lc.get("status") in ("success", "error"):
+        kwargs["status"] = lc["status"]
+    if "artifact" in lc:
+        kwargs["artifact"] = lc["artifact"]
+    return ToolMessage(tool_call_id=data.get("tool_call_id") or "", **kwargs)
 
 
 # --------------------------------------------------------------------------- the history
