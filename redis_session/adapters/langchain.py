@@ -99,24 +99,9 @@ def _content(content: Any) -> str | list[dict[str, Any]]:
     return [{"type": "text", "text": p} if isinstance(p, str) else dict(p) for p in content or ()]
 
 
-def to_chat_message(message: BaseMessage) -> dict[str, Any]:  # noqa: C901 - to split
+def to_chat_message(message: BaseMessage) -> dict[str, Any]:
     """A LangChain message as the data of a ``message`` entry (see the module docstring)."""
-    if isinstance(message, HumanMessage):
-        role = "user"
-    elif isinstance(message, AIMessage):
-        role = "assistant"
-    elif isinstance(message, SystemMessage):
-        role = "system"
-    elif isinstance(message, (ToolMessage, FunctionMessage)):
-        role = "tool"
-    elif isinstance(message, ChatMessage):
-        if message.role not in _ROLES:
-            raise ValueError(
-                f"a ChatMessage with role {message.role!r} has no chat-message equivalent (use one of {sorted(_ROLES)})"
-            )
-        role = _ROLES[message.role]
-    else:
-        raise ValueError(f"unsupported message type {type(message).__name__}")
+    role = _chat_role(message)
     data: dict[str, Any] = {"role": role, "content": _content(message.content)}
     if message.name:
         data["name"] = message.name
@@ -125,36 +110,67 @@ def to_chat_message(message: BaseMessage) -> dict[str, Any]:  # noqa: C901 - to 
         lc["role"] = message.role
     if message.id is not None:
         lc["id"] = message.id
-    for key in ("additional_kwargs", "response_metadata"):
+    _put_json(lc, message, ("additional_kwargs", "response_metadata"))
+    if isinstance(message, AIMessage):
+        _put_ai_fields(message, data, lc)
+    if isinstance(message, ToolMessage):
+        _put_tool_fields(message, data, lc)
+    data["langchain"] = lc
+    return data
+
+
+def _chat_role(message: BaseMessage) -> str:
+    """The chat-message role of a LangChain message; ValueError when it has none."""
+    if isinstance(message, HumanMessage):
+        return "user"
+    if isinstance(message, AIMessage):
+        return "assistant"
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, (ToolMessage, FunctionMessage)):
+        return "tool"
+    if isinstance(message, ChatMessage):
+        if message.role not in _ROLES:
+            raise ValueError(
+                f"a ChatMessage with role {message.role!r} has no chat-message equivalent (use one of {sorted(_ROLES)})"
+            )
+        return _ROLES[message.role]
+    raise ValueError(f"unsupported message type {type(message).__name__}")
+
+
+def _put_json(lc: dict[str, Any], message: BaseMessage, keys: tuple[str, ...]) -> None:
+    """`message`'s fields `keys` into `lc`, each when it is set and lossless JSON."""
+    for key in keys:
         value = _json_or_none(getattr(message, key, None) or None)
         if value:
             lc[key] = value
-    if isinstance(message, AIMessage):
-        if message.tool_calls:
-            data["tool_calls"] = [
-                {
-                    "id": call.get("id") or "",
-                    "type": "function",
-                    "function": {"name": call["name"], "arguments": json.dumps(call["args"], ensure_ascii=False)},
-                }
-                for call in message.tool_calls
-            ]
-        reasoning = message.additional_kwargs.get("reasoning_content")
-        if isinstance(reasoning, str) and reasoning:
-            data["reasoning_content"] = reasoning
-        for key in ("usage_metadata", "invalid_tool_calls"):
-            value = _json_or_none(getattr(message, key, None) or None)
-            if value:
-                lc[key] = value
-    if isinstance(message, ToolMessage):
-        data["tool_call_id"] = message.tool_call_id
-        if message.status != "success":
-            lc["status"] = message.status
-        artifact = _json_or_none(message.artifact)
-        if artifact is not None:
-            lc["artifact"] = artifact
-    data["langchain"] = lc
-    return data
+
+
+def _put_ai_fields(message: AIMessage, data: dict[str, Any], lc: dict[str, Any]) -> None:
+    """An AIMessage's tool calls and reasoning into `data`, its usage and invalid calls into `lc`."""
+    if message.tool_calls:
+        data["tool_calls"] = [
+            {
+                "id": call.get("id") or "",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["args"], ensure_ascii=False)},
+            }
+            for call in message.tool_calls
+        ]
+    reasoning = message.additional_kwargs.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        data["reasoning_content"] = reasoning
+    _put_json(lc, message, ("usage_metadata", "invalid_tool_calls"))
+
+
+def _put_tool_fields(message: ToolMessage, data: dict[str, Any], lc: dict[str, Any]) -> None:
+    """A ToolMessage's call id into `data`, its status (unless success) and artifact into `lc`."""
+    data["tool_call_id"] = message.tool_call_id
+    if message.status != "success":
+        lc["status"] = message.status
+    artifact = _json_or_none(message.artifact)
+    if artifact is not None:
+        lc["artifact"] = artifact
 
 
 def _args(arguments: Any) -> dict[str, Any]:
@@ -167,12 +183,27 @@ def _args(arguments: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"_value": value}
 
 
-def from_chat_message(data: dict[str, Any]) -> BaseMessage:  # noqa: C901 - to split
+def from_chat_message(data: dict[str, Any]) -> BaseMessage:
     """The LangChain message of a chat message (a ``message`` entry's data, or an OpenAI-format
     message); the ``langchain`` extras, when present, restore what the format cannot hold."""
     lc = data.get("langchain") if isinstance(data.get("langchain"), dict) else {}
     assert isinstance(lc, dict)
     role = data.get("role")
+    kwargs = _message_kwargs(data, lc)
+    kind = lc.get("type")
+    if kind == "chat" and isinstance(lc.get("role"), str):
+        return ChatMessage(role=lc["role"], **kwargs)
+    if role == "assistant":
+        return _ai_message(data, lc, kwargs)
+    if role == "tool":
+        return _tool_message(data, lc, kind, kwargs)
+    if role == "system":
+        return SystemMessage(**kwargs)
+    return HumanMessage(**kwargs)
+
+
+def _message_kwargs(data: dict[str, Any], lc: dict[str, Any]) -> dict[str, Any]:
+    """The fields every LangChain message takes: content, name, id, and the dict extras."""
     content = data.get("content")
     if content is None:
         content = ""
@@ -184,40 +215,41 @@ def from_chat_message(data: dict[str, Any]) -> BaseMessage:  # noqa: C901 - to s
     for key in ("additional_kwargs", "response_metadata"):
         if isinstance(lc.get(key), dict):
             kwargs[key] = lc[key]
-    kind = lc.get("type")
-    if kind == "chat" and isinstance(lc.get("role"), str):
-        return ChatMessage(role=lc["role"], **kwargs)
-    if role == "assistant":
-        calls = []
-        for call in data.get("tool_calls") or ():
-            fn = call.get("function") or {}
-            calls.append(
-                {
-                    "name": fn.get("name") or "",
-                    "args": _args(fn.get("arguments")),
-                    "id": call.get("id") or None,
-                    "type": "tool_call",
-                }
-            )
-        if calls:
-            kwargs["tool_calls"] = calls
-        if data.get("reasoning_content") and "additional_kwargs" not in kwargs:
-            kwargs["additional_kwargs"] = {"reasoning_content": data["reasoning_content"]}
-        for key in ("usage_metadata", "invalid_tool_calls"):
-            if lc.get(key):
-                kwargs[key] = lc[key]
-        return AIMessage(**kwargs)
-    if role == "tool":
-        if kind == "function":
-            return FunctionMessage(**{**kwargs, "name": data.get("name") or ""})
-        if lc.get("status") in ("success", "error"):
-            kwargs["status"] = lc["status"]
-        if "artifact" in lc:
-            kwargs["artifact"] = lc["artifact"]
-        return ToolMessage(tool_call_id=data.get("tool_call_id") or "", **kwargs)
-    if role == "system":
-        return SystemMessage(**kwargs)
-    return HumanMessage(**kwargs)
+    return kwargs
+
+
+def _ai_message(data: dict[str, Any], lc: dict[str, Any], kwargs: dict[str, Any]) -> AIMessage:
+    """An assistant chat message as an AIMessage: its tool calls, reasoning, usage."""
+    calls = []
+    for call in data.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        calls.append(
+            {
+                "name": fn.get("name") or "",
+                "args": _args(fn.get("arguments")),
+                "id": call.get("id") or None,
+                "type": "tool_call",
+            }
+        )
+    if calls:
+        kwargs["tool_calls"] = calls
+    if data.get("reasoning_content") and "additional_kwargs" not in kwargs:
+        kwargs["additional_kwargs"] = {"reasoning_content": data["reasoning_content"]}
+    for key in ("usage_metadata", "invalid_tool_calls"):
+        if lc.get(key):
+            kwargs[key] = lc[key]
+    return AIMessage(**kwargs)
+
+
+def _tool_message(data: dict[str, Any], lc: dict[str, Any], kind: Any, kwargs: dict[str, Any]) -> BaseMessage:
+    """A tool chat message as a ToolMessage (a FunctionMessage when it was stored from one)."""
+    if kind == "function":
+        return FunctionMessage(**{**kwargs, "name": data.get("name") or ""})
+    if lc.get("status") in ("success", "error"):
+        kwargs["status"] = lc["status"]
+    if "artifact" in lc:
+        kwargs["artifact"] = lc["artifact"]
+    return ToolMessage(tool_call_id=data.get("tool_call_id") or "", **kwargs)
 
 
 # --------------------------------------------------------------------------- the history

@@ -1042,7 +1042,7 @@ def _legal_openai(out: list[dict[str, Any]], allow_pending: bool) -> list[dict[s
     return [m for m in fixed if m is not None]
 
 
-def _legal_anthropic(out: list[dict[str, Any]], allow_pending: bool) -> list[dict[str, Any]]:  # noqa: C901 - to split
+def _legal_anthropic(out: list[dict[str, Any]], allow_pending: bool) -> list[dict[str, Any]]:
     """Anthropic's pairing rule on merged, role-alternating messages (see `to_anthropic`)."""
     while True:
         changed = False
@@ -1050,36 +1050,9 @@ def _legal_anthropic(out: list[dict[str, Any]], allow_pending: bool) -> list[dic
         for i, msg in enumerate(out):
             blocks = msg["content"]
             if msg["role"] == "assistant":
-                nxt = out[i + 1] if i + 1 < len(out) else None
-                answered = (
-                    {b.get("tool_use_id") for b in nxt["content"] if b.get("type") == "tool_result"}
-                    if nxt is not None
-                    else None
-                )
-                seen: set[Any] = set()
-                keep = []
-                for b in blocks:
-                    if b.get("type") == "tool_use":
-                        bid = b.get("id")
-                        # a turn whose tools still run: results of this message only, or none
-                        pending_ok = allow_pending and (
-                            nxt is None
-                            or (i + 2 == len(out) and all(b.get("type") == "tool_result" for b in nxt["content"]))
-                        )
-                        if bid in seen or not (pending_ok or (answered is not None and bid in answered)):
-                            continue
-                        seen.add(bid)
-                    keep.append(b)
+                keep = _answered_calls(out, i, allow_pending)
             else:
-                prev = fixed[-1] if fixed and fixed[-1]["role"] == "assistant" else None
-                calls = {b.get("id") for b in prev["content"] if b.get("type") == "tool_use"} if prev else set()
-                keep = []
-                for b in blocks:
-                    if b.get("type") == "tool_result":
-                        if b.get("tool_use_id") not in calls:
-                            continue
-                        calls.discard(b.get("tool_use_id"))
-                    keep.append(b)
+                keep = _called_results(blocks, fixed)
             if len(keep) != len(blocks):
                 changed = True
             if not keep or (
@@ -1098,6 +1071,45 @@ def _legal_anthropic(out: list[dict[str, Any]], allow_pending: bool) -> list[dic
         if not changed:
             return fixed
         out = fixed
+
+
+def _answered_calls(out: list[dict[str, Any]], i: int, allow_pending: bool) -> list[Any]:
+    """The blocks of the assistant message `out[i]` that stay: its tool_use blocks only when the
+    next message answers them (or, with `allow_pending`, a turn whose tools still run), once."""
+    blocks = out[i]["content"]
+    nxt = out[i + 1] if i + 1 < len(out) else None
+    answered = (
+        {b.get("tool_use_id") for b in nxt["content"] if b.get("type") == "tool_result"} if nxt is not None else None
+    )
+    seen: set[Any] = set()
+    keep = []
+    for b in blocks:
+        if b.get("type") == "tool_use":
+            bid = b.get("id")
+            # a turn whose tools still run: results of this message only, or none
+            pending_ok = allow_pending and (
+                nxt is None or (i + 2 == len(out) and all(b.get("type") == "tool_result" for b in nxt["content"]))
+            )
+            if bid in seen or not (pending_ok or (answered is not None and bid in answered)):
+                continue
+            seen.add(bid)
+        keep.append(b)
+    return keep
+
+
+def _called_results(blocks: list[Any], fixed: list[dict[str, Any]]) -> list[Any]:
+    """The blocks of a user (non-assistant) message that stay after `fixed` so far: its
+    tool_result blocks only for a call of the assistant message just before it, once."""
+    prev = fixed[-1] if fixed and fixed[-1]["role"] == "assistant" else None
+    calls = {b.get("id") for b in prev["content"] if b.get("type") == "tool_use"} if prev else set()
+    keep = []
+    for b in blocks:
+        if b.get("type") == "tool_result":
+            if b.get("tool_use_id") not in calls:
+                continue
+            calls.discard(b.get("tool_use_id"))
+        keep.append(b)
+    return keep
 
 
 def _result_text(content: Any) -> str:

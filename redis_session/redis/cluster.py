@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -73,6 +74,16 @@ class _NotSent(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+@dataclass
+class _SendState:
+    """One `ClusterRouter.send` call's retry state: its budget and what it has used of it."""
+
+    deadline: float
+    hops: int = 0  # redirects followed without a pause
+    sleeps: int = 0
+    last: BaseException | None = None
 
 
 class ClusterRouter:
@@ -171,9 +182,7 @@ class ClusterRouter:
 
     # ------------------------------------------------------------------ send
 
-    async def send(  # noqa: C901 - one reply classifier; to split
-        self, route_key: str | bytes, packed: bytes, count: int, soft_tail: bool = False
-    ) -> list[Any]:
+    async def send(self, route_key: str | bytes, packed: bytes, count: int, soft_tail: bool = False) -> list[Any]:
         """Send `packed` (`count` commands) to the owner of `route_key`'s slot; the raw replies.
 
         Resends only what the server certainly did not run (see the module docstring); a
@@ -184,69 +193,86 @@ class ClusterRouter:
             self._stale = None
             await self._reload_quietly(failed, epoch)
         slot = key_slot(route_key.encode() if isinstance(route_key, str) else route_key)
-        deadline = time.monotonic() + self.budget
+        state = _SendState(deadline=time.monotonic() + self.budget)
         asking: Any = None  # the ASK target for the next attempt only
-        hops = 0  # redirects followed without a pause
-        sleeps = 0
-        last: BaseException | None = None
         while True:
-            pause = True
             if asking is not None:
                 node, payload, n = asking, _ASKING + packed, count + 1
                 asking = None
             else:
                 node, payload, n = self._owner(slot), packed, count
             if node is None:  # no owner known for the slot (mid-failover): reload and wait
-                last = await self._reload_quietly(None, None) or last
-            else:
-                try:
-                    replies, error = await self._attempt(node, payload, n, soft_tail)
-                except _NotSent as ns:
-                    last = ns.error
-                    self._recycle(node)
-                    await self._backoff(sleeps, deadline, last)
-                    sleeps += 1
-                    last = await self._reload_quietly(node.name, None) or last
-                    continue
-                except MaxConnectionsError:
-                    raise  # the client's own pool limit: nothing was sent, the node is fine
-                except Exception:
-                    # The reply may be lost after the script ran: never resent here (the caller
-                    # retries with its idempotency key). Reload before the next send. (A
-                    # cancelled call only drops its own connection, in `_attempt`.)
-                    self._recycle(node)
-                    self._stale = (node.name, self._epoch())
-                    raise
-                if n != count:  # drop ASKING's own reply
-                    first = replies[0]
-                    replies = replies[1:]
-                    if isinstance(first, ResponseError):
-                        error = first
-                if not isinstance(error, _REDIRECTS):
-                    if error is not None:
-                        raise error
-                    return replies
-                last = error
-                if isinstance(error, MovedError):
-                    await self._moved(error)
-                    pause = hops >= 2
-                    hops += 1
-                elif isinstance(error, AskError):
-                    asking = self.client.nodes_manager.get_node(host=error.host, port=error.port)
-                    if asking is None:  # a node the table does not know yet
-                        await self._reload_quietly(None, None)
-                    pause = hops >= 2
-                    hops += 1
-                elif isinstance(error, ClusterDownError):
-                    await self._backoff(sleeps, deadline, last)
-                    sleeps += 1
-                    last = await self._reload_quietly(None, None) or last
-                    continue
-            if pause:
-                await self._backoff(sleeps, deadline, last)
-                sleeps += 1
-            elif time.monotonic() >= deadline:
-                self._give_up(last)
+                state.last = await self._reload_quietly(None, None) or state.last
+                await self._pause(state)
+                continue
+            try:
+                replies, error = await self._write(node, payload, n, count, soft_tail)
+            except _NotSent as ns:
+                state.last = ns.error
+                await self._pause(state)
+                state.last = await self._reload_quietly(node.name, None) or state.last
+                continue
+            if not isinstance(error, _REDIRECTS):
+                if error is not None:
+                    raise error
+                return replies
+            state.last = error
+            asking = await self._follow(error, state)
+
+    async def _write(self, node: Any, payload: bytes, n: int, count: int, soft_tail: bool) -> tuple[list[Any], Any]:
+        """One `_attempt` on `node`: the replies of the caller's `count` commands and the error to
+        act on (ASKING's own reply is dropped; its error, if any, wins). A connection that could
+        not be opened recycles the node's connections and raises `_NotSent`; a reply lost after
+        the write marks the topology stale and raises as is (never resent)."""
+        try:
+            replies, error = await self._attempt(node, payload, n, soft_tail)
+        except _NotSent:
+            self._recycle(node)
+            raise
+        except MaxConnectionsError:
+            raise  # the client's own pool limit: nothing was sent, the node is fine
+        except Exception:
+            # The reply may be lost after the script ran: never resent here (the caller
+            # retries with its idempotency key). Reload before the next send. (A
+            # cancelled call only drops its own connection, in `_attempt`.)
+            self._recycle(node)
+            self._stale = (node.name, self._epoch())
+            raise
+        if n != count:  # drop ASKING's own reply
+            first = replies[0]
+            replies = replies[1:]
+            if isinstance(first, ResponseError):
+                error = first
+        return replies, error
+
+    async def _follow(self, error: ResponseError, state: _SendState) -> Any:
+        """Follow a MOVED, ASK, TRYAGAIN or CLUSTERDOWN reply (the script did not run) before the
+        resend; the ASK target for the next attempt, or None."""
+        asking: Any = None
+        pause = True
+        if isinstance(error, MovedError):
+            await self._moved(error)
+            pause = state.hops >= 2
+            state.hops += 1
+        elif isinstance(error, AskError):
+            asking = self.client.nodes_manager.get_node(host=error.host, port=error.port)
+            if asking is None:  # a node the table does not know yet
+                await self._reload_quietly(None, None)
+            pause = state.hops >= 2
+            state.hops += 1
+        elif isinstance(error, ClusterDownError):
+            await self._pause(state)
+            state.last = await self._reload_quietly(None, None) or state.last
+            return None
+        if pause:
+            await self._pause(state)
+        elif time.monotonic() >= state.deadline:
+            self._give_up(state.last)
+        return asking
+
+    async def _pause(self, state: _SendState) -> None:
+        await self._backoff(state.sleeps, state.deadline, state.last)
+        state.sleeps += 1
 
     async def _backoff(self, sleeps: int, deadline: float, last: BaseException | None) -> None:
         left = deadline - time.monotonic()

@@ -753,7 +753,7 @@ class RedisSessionStore(StoreRules):
             )
         raise SessionError(f"unexpected reply from append.lua: {res!r}")
 
-    async def create(  # noqa: C901 - to split
+    async def create(
         self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
     ) -> SessionHead:
         batch = self._create_batch(header, entries, ttl_ms)
@@ -767,58 +767,12 @@ class RedisSessionStore(StoreRules):
         settle = ephemeral_parent = False  # a branch: whatever stops it after its link settles the link
         with _io():
             if header.parent is not None:
-                assert header.at is not None
-                # The id first, as the memory store and dsh do: a taken id wins over a bad parent.
-                if await self._raw("EXISTS", self.keys.hdr(sid)):
-                    raise SessionAlreadyExistsError(sid)
-                p = header.parent
                 settle = True
-                try:
-                    res = await self._link(p, header.at, member)
-                except BaseException:
-                    await self._settle_branch(p, header, member, created=False, shielded=True)
-                    raise
-                if int(res[0]) == 3:
-                    raise SessionNotFoundError(header.parent)
-                if int(res[0]) == 4:
-                    raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={int(res[1])}")
-                ephemeral_parent = len(res) > 5 and bool(res[5])
-                parent_at = _i(res[2] or None)
-                parent_segments = _segments_decoder.decode(res[3]) if res[3] else []
-                segments = lineage_for(header.parent, parent_at, parent_segments, header.at)
-            hdr_fields = _header_fields(header, segments)
-            argv: builtins.list[Any] = [
-                "create",
-                "",
-                "",
-                str(len(batch)),
-                str(self.feed_maxlen),
-                sid,
-                "" if ttl_ms is None else str(ttl_ms),
-                str(len(hdr_fields) // 2),
-                "",
-                *hdr_fields,
-            ]
-            try:
-                res = await self._append_script(sid, argv, batch, durable=bool(self._durable))
-                acks = self._last_acks  # taken before any other await: other tasks share the store
-            except BaseException:
-                if settle:  # an error, a cancellation, a lost reply: did the child land?
-                    await self._settle_branch(header.parent or "", header, member, created=None, shielded=True)
-                raise
-            code = int(res[0])
-            if code != 0:
-                if settle:
-                    await self._settle_branch(header.parent or "", header, member, created=None, shielded=True)
-                self._raise(code, res, sid, None, batch)
+                segments, ephemeral_parent = await self._create_link(header, member)
+            argv = self._create_argv(header, segments, batch, ttl_ms)
+            res, acks = await self._create_script(header, member, argv, batch, settle)
             now = int(res[2])
-            if header.parent is None:
-                await self._raw("ZADD", self.keys.sessions(sid), "0", member)
-            else:
-                with anyio.CancelScope(shield=True):  # the child landed: it gets listed and linked
-                    await self._settle_branch(header.parent, header, member, created=True)
-                if ephemeral_parent:
-                    await self.repair_links(header.parent)  # its TTL waits for its branches: none stale
+            await self._create_index(header, member, ephemeral_parent)
             if self.feed and self.cluster and batch:
                 self._feed_cluster(sid, first_n + len(batch))
             self._check_durable(sid, [enc.stored(first_n + i, now) for i, enc in enumerate(batch)], acks)
@@ -828,6 +782,86 @@ class RedisSessionStore(StoreRules):
             if enc.type == "cut":
                 last_cut = first_n + i
         return SessionHead(header=header, n=n, updated_at=now, last_cut=last_cut)
+
+    async def _create_link(self, header: SessionHeader, member: str) -> tuple[builtins.list[Segment], bool]:
+        """A branch's first step: link `member` in its parent's kids (settled, shielded, if that
+        is stopped); the child's lineage and whether the parent is ephemeral."""
+        assert header.parent is not None and header.at is not None
+        sid = header.id
+        # The id first, as the memory store and dsh do: a taken id wins over a bad parent.
+        if await self._raw("EXISTS", self.keys.hdr(sid)):
+            raise SessionAlreadyExistsError(sid)
+        p = header.parent
+        try:
+            res = await self._link(p, header.at, member)
+        except BaseException:
+            await self._settle_branch(p, header, member, created=False, shielded=True)
+            raise
+        if int(res[0]) == 3:
+            raise SessionNotFoundError(header.parent)
+        if int(res[0]) == 4:
+            raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={int(res[1])}")
+        ephemeral_parent = len(res) > 5 and bool(res[5])
+        parent_at = _i(res[2] or None)
+        parent_segments = _segments_decoder.decode(res[3]) if res[3] else []
+        return lineage_for(header.parent, parent_at, parent_segments, header.at), ephemeral_parent
+
+    def _create_argv(
+        self,
+        header: SessionHeader,
+        segments: Sequence[Segment],
+        batch: Sequence[EncodedEntry],
+        ttl_ms: int | None,
+    ) -> builtins.list[Any]:
+        """append.lua's fixed argv for a create (the header fields last)."""
+        hdr_fields = _header_fields(header, segments)
+        return [
+            "create",
+            "",
+            "",
+            str(len(batch)),
+            str(self.feed_maxlen),
+            header.id,
+            "" if ttl_ms is None else str(ttl_ms),
+            str(len(hdr_fields) // 2),
+            "",
+            *hdr_fields,
+        ]
+
+    async def _create_script(
+        self,
+        header: SessionHeader,
+        member: str,
+        argv: builtins.list[Any],
+        batch: Sequence[EncodedEntry],
+        settle: bool,
+    ) -> tuple[Any, Any]:
+        """Run the create script: its reply (success only) and the durability acks. A branch
+        (`settle`) that fails or is stopped here settles its link first (shielded)."""
+        sid = header.id
+        try:
+            res = await self._append_script(sid, argv, batch, durable=bool(self._durable))
+            acks = self._last_acks  # taken before any other await: other tasks share the store
+        except BaseException:
+            if settle:  # an error, a cancellation, a lost reply: did the child land?
+                await self._settle_branch(header.parent or "", header, member, created=None, shielded=True)
+            raise
+        code = int(res[0])
+        if code != 0:
+            if settle:
+                await self._settle_branch(header.parent or "", header, member, created=None, shielded=True)
+            self._raise(code, res, sid, None, batch)
+        return res, acks
+
+    async def _create_index(self, header: SessionHeader, member: str, ephemeral_parent: bool) -> None:
+        """The created session gets its index entry; a branch also keeps (or gets back) its link."""
+        if header.parent is None:
+            await self._raw("ZADD", self.keys.sessions(header.id), "0", member)
+        else:
+            with anyio.CancelScope(shield=True):  # the child landed: it gets listed and linked
+                await self._settle_branch(header.parent, header, member, created=True)
+            if ephemeral_parent:
+                await self.repair_links(header.parent)  # its TTL waits for its branches: none stale
 
     async def _link(self, parent: str, at: int, member: str) -> Any:
         """link.lua: check the parent and the branch point, record `member` in its kids."""
