@@ -113,11 +113,11 @@ async def read_side(url: str, seconds: float, total: int) -> list[list[Any]]:
         # a reader that holds the state from 10 entries ago (the projector has moved on since)
         older = ProjectionState()
         older.extend(await store.read("big", 0, total - 10))
-        created = (await store.head("big")).header.created_at  # type: ignore[union-attr]
+        incarnation = (await store.head("big")).header.incarnation  # type: ignore[union-attr]
         behind = SnapshotCache()
 
         async def loaded_behind() -> None:
-            behind.put("big", b"an older snapshot", older, created)
+            behind.put("big", b"an older snapshot", older, incarnation)
             state, _ = await load_messages(store, "big", cache=behind)
             state.messages()
 
@@ -160,7 +160,7 @@ async def read_side(url: str, seconds: float, total: int) -> list[list[Any]]:
 def spawn(url: str, prefix: str, consumer: str) -> subprocess.Popen[bytes]:
     """A worker process, as `redis-session projector` runs it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    args = ["--url", url, "--prefix", prefix, "--consumer", consumer, "--log-level", "WARNING"]
+    args = ["--url", url, "--prefix", prefix, "--consumer", consumer]
     return subprocess.Popen([sys.executable, "-m", "redis_session.cli", "projector", *args], env=env)
 
 

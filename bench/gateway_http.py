@@ -1,6 +1,9 @@
 """Appends through the HTTP gateway against the Python store directly, on the same server.
 
-    python bench/http.py [--url URL] [--seconds N] [--writers W]
+    python bench/gateway_http.py [--url URL] [--seconds N] [--writers W]
+
+(Not named ``http.py``: in bench/ that name would shadow the standard library's ``http`` package
+for every sibling bench, since running a script puts its folder first on ``sys.path``.)
 
 The gateway runs as its own process (``redis-session gateway``, as deployed); the client is
 httpx with keep-alive in this process. In interleaved rounds (gateway, store, gateway, …):
@@ -21,11 +24,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
-# this file is named like the standard library's `http` package: move its folder (which running a
-# script puts first on the path) to the end, so `import http.client` finds the standard library's
-sys.path.append(sys.path.pop(0))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anyio
 import httpx
