@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import zstandard
 
-from redis_session import MemorySessionStore
+from redis_session import MemorySessionStore, NewEntry, Sessions
 from redis_session.adapters.nanobot import SessionManager
 from redis_session.adapters.nanobot import summary_text as adapter_summary_text
 from redis_session.importers import (
@@ -27,8 +27,10 @@ from redis_session.importers import (
     key_to_session_id,
     session_id_to_key,
 )
+from redis_session.importers.dsh import dsh_seqs, expand_row
 from redis_session.importers.nanobot import summary_text
 from redis_session.projection import project, to_anthropic, to_openai
+from redis_session.projection.chunks import replay, row_times, unpack_row
 
 pytestmark = pytest.mark.anyio
 
@@ -191,13 +193,20 @@ DSH_FILE = SEED / "dsh" / "dsh-main.crashed.jsonl"
 async def test_dsh_crashed_file_imports_repaired_as_dsh_loads_it(store: Any) -> None:
     [res] = await import_path(store, DSH_FILE)
     expected = DSH["sessions"]["dsh-main"]
-    assert (res.session_id, res.format, res.entries) == ("dsh-main", "dsh", expected["n_events"])
+    # 50 events (47 kept, 3 closers); its two chunk events (seqs 3, 4) are one packed row
+    assert (res.session_id, res.format, res.entries) == ("dsh-main", "dsh", expected["n_events"] - 1)
     assert any("torn last line 49" in r for r in res.repaired)
     assert any("closed the open turn 6 with 3 entries" in r for r in res.repaired)
     entries = await store.read("dsh-main")
+    assert entries[3].type == "assistant/chunk" and entries[3].data["seq"] == 3
+    assert len(entries[3].data["chunks"]) == 2
     assert [e.type for e in entries[-3:]] == ["tool/result", "step/end", "turn/end"]
     assert entries[-1].data == {"turn": 6, "reason": {"kind": "interrupted"}}
-    assert entries[-3].surface is not None and entries[-3].surface.source_event_seqs == [46]
+    # the closer names the n of the tool/call (dsh seq 46); every entry keeps its dsh seq
+    assert entries[-3].surface is not None and entries[-3].surface.source_event_seqs == [45]
+    assert entries[45].type == "tool/call" and entries[45].meta == {"seq": 46}
+    assert [(e.meta or {}).get("seq", e.n) for e in entries if e.n != 3] == [*range(3), *range(5, 50)]
+    assert dsh_seqs(entries) == [0, 1, 2, 3, *range(5, 50)]
     assert dsh_messages(project(entries)) == expected["messages"]
 
 
@@ -223,7 +232,7 @@ async def test_dsh_zstd_file_imports_like_the_plain_one(tmp_path: Path) -> None:
     (folder / "dsh-main.jsonl.zstd").write_bytes(_zstd_frames(DSH_FILE))
     store = MemorySessionStore()
     [res] = await import_path(store, tmp_path)  # found in the folder by its suffix
-    assert res.path.endswith(".jsonl.zstd") and res.entries == 50
+    assert res.path.endswith(".jsonl.zstd") and res.entries == 49
     assert await store.read("dsh-main") == await plain.read("dsh-main")
     # a last frame cut short (here in its checksum) keeps the complete lines it holds, as dsh does
     (folder / "dsh-main.jsonl.zstd").write_bytes(_zstd_frames(DSH_FILE, tear=2))
@@ -235,7 +244,7 @@ async def test_dsh_zstd_file_imports_like_the_plain_one(tmp_path: Path) -> None:
     (folder / "dsh-main.jsonl.zstd").write_bytes(_zstd_frames(DSH_FILE, tear=40))
     cut = MemorySessionStore()
     [res] = await import_path(cut, folder / "dsh-main.jsonl.zstd")
-    assert res.entries == 42 and res.repaired == (
+    assert res.entries == 41 and res.repaired == (
         "the last zstd frame was cut short; kept its complete lines, as dsh does",
     )
     assert [m["content"][0]["text"] for m in dsh_messages(project(await cut.read("dsh-main")))][-1] == (
@@ -280,18 +289,19 @@ async def test_dsh_packed_chunk_rows_expand_to_their_events(tmp_path: Path) -> N
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     store = MemorySessionStore()
     await import_path(store, path)
-    chunks = [e for e in await store.read("packed") if e.type == "assistant/chunk"]
-    assert [(e.n, e.time, e.data["chunk"]["text"]) for e in chunks] == [
-        (2, t + 1, "a"),
-        (3, t + 2, "b"),
-        (4, t + 2, "c"),
-    ]
+    entries = await store.read("packed")
+    assert [e.type for e in entries] == ["turn/start", "step/start", "assistant/chunk", "step/end", "turn/end"]
+    row = entries[2]
+    assert (row.time, row.data["seq"], row.data["dt"]) == (t + 1, 2, [1, 0])
+    assert [c["text"] for c in unpack_row(row.data)] == ["a", "b", "c"]
+    assert row_times(row.time, row.data) == [t + 1, t + 2, t + 2]
+    assert [e.meta for e in entries[3:]] == [{"seq": 5}, {"seq": 6}]
 
 
 async def test_dsh_export_reimports_identically(store: Any, tmp_path: Path) -> None:
     await import_path(store, DSH_FILE)
     out = tmp_path / "back.jsonl"
-    assert await export_session(store, "dsh-main", out, format="dsh") == 50
+    assert await export_session(store, "dsh-main", out, format="dsh") == 49  # entries; 50 events
     first = json.loads(out.read_text().splitlines()[0])
     assert first == {
         "type": "session",
@@ -300,15 +310,217 @@ async def test_dsh_export_reimports_identically(store: Any, tmp_path: Path) -> N
         "createdAt": 1796098498665,
         "cwd": "/home/dev/project",
     }
-    # the committed events go back as dsh wrote them (type, seq, time, data, surface op)
-    keys = ("type", "seq", "time", "data", "surfaceOp")
+    # the committed events go back as dsh wrote them, field by field (the packed row as its two
+    # chunk events); then the import's repair: the closers, seqs 47-49, naming the tool/call's seq
     original = [json.loads(x) for x in DSH_FILE.read_text(encoding="utf-8").splitlines()[1:-1]]
-    exported = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()[1:48]]
-    assert [{k: e.get(k) for k in keys} for e in exported] == [{k: e.get(k) for k in keys} for e in original]
+    exported = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()[1:]]
+    assert exported[:47] == original
+    assert [(e["type"], e["seq"]) for e in exported[47:]] == [("tool/result", 47), ("step/end", 48), ("turn/end", 49)]
+    assert exported[47]["sourceEventSeqs"] == [46]
     again = MemorySessionStore()
     [res] = await import_path(again, out)
     assert res.repaired == ()  # nothing left to repair
     assert await again.read("dsh-main") == await store.read("dsh-main")
+
+
+def _streamed_dsh_file(t: int) -> list[dict[str, Any]]:
+    """A dsh log of 481 events, 460 of them chunk events: turn 1 streams reasoning, text and
+    tool-call deltas (one step), then a storage row, a chunk marked ignorable and more deltas
+    (step 2); turn 2 holds a context message naming a chunk and a replace of it; turn 3 was
+    cut off mid-answer by a crash (its 300 deltas, then a torn line)."""
+    out: list[dict[str, Any]] = [{"type": "session", "version": 0, "id": "streamed", "createdAt": t}]
+
+    def ev(type_: str, data: dict[str, Any], **extra: Any) -> None:
+        seq = len(out) - 1 if out[-1]["type"] == "session" else _next(out)
+        out.append({"type": type_, "seq": seq, "time": t + 3 * seq + seq % 2, "data": data, **extra})
+
+    def chunks(turn: int, step: int, n: int, make: Any) -> None:
+        for i in range(n):
+            ev("assistant/chunk", {"turn": turn, "step": step, "chunk": make(i)})
+
+    text = lambda s: [{"type": "text", "text": s}]  # noqa: E731
+    ev("turn/start", {"turn": 1, "trigger": {"kind": "message", "source": {"kind": "user"}}})
+    ev("user/message", {"content": text("go"), "source": {"kind": "user"}}, surfaceOp="append")
+    ev("step/start", {"turn": 1, "step": 1})
+    chunks(1, 1, 40, lambda i: {"type": "reasoning-delta", "index": 0, "text": f"r{i} "})
+    chunks(1, 1, 60, lambda i: {"type": "text-delta", "index": 1, "text": f"w{i} "})
+    chunks(1, 1, 20, lambda i: {"type": "tool-call-delta", "index": 2, "id": "c1", "argumentsDelta": f"{i}"})
+    call = {"type": "tool-call", "id": "c1", "name": "ls", "arguments": "{}"}
+    ev("assistant/message", {"turn": 1, "step": 1, "content": [*text("w"), call]}, surfaceOp="append")
+    ev("tool/call", {"turn": 1, "step": 1, "callId": "c1", "name": "ls", "arguments": "{}"})
+    result = {"turn": 1, "step": 1, "callId": "c1", "content": text("a.txt"), "isError": False}
+    ev("tool/result", result, surfaceOp="append", sourceEventSeqs=[_next(out) - 1])
+    ev("step/end", {"turn": 1, "step": 1})
+    ev("step/start", {"turn": 1, "step": 2})
+    seq0 = _next(out)
+    texts = [f"s{i} " for i in range(30)]
+    out.append(
+        {
+            "type": "text-chunks",
+            "seq0": seq0,
+            "time0": t + 3 * seq0,
+            "data": {"turn": 1, "step": 2, "index": 0, "dt": [2] * 29, "texts": texts},
+        }
+    )
+    ev("assistant/chunk", {"turn": 1, "step": 2, "chunk": {"type": "text-delta", "text": "?"}}, ignorable=True)
+    chunks(1, 2, 10, lambda i: {"type": "text-delta", "text": f"e{i} "})
+    ev("assistant/message", {"turn": 1, "step": 2, "content": text("done")}, surfaceOp="append")
+    ev("step/end", {"turn": 1, "step": 2})
+    ev("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
+    ev("turn/start", {"turn": 2, "trigger": {"kind": "injection", "source": {"kind": "plugin", "plugin": "w"}}})
+    ctx = {"content": text("changed"), "source": {"kind": "plugin", "plugin": "w"}}
+    ev("context/message", ctx, surfaceOp="append", sourceEventSeqs=[50, 60])  # two chunks of one row
+    replaced = _next(out) - 1
+    ev(
+        "context/message",
+        {**ctx, "content": text("changed twice")},
+        surfaceOp={"op": "replace", "start": replaced, "end": replaced},
+        sourceEventSeqs=[replaced],
+    )
+    ev("turn/end", {"turn": 2, "reason": {"kind": "completed"}})
+    ev("turn/start", {"turn": 3, "trigger": {"kind": "message", "source": {"kind": "user"}}})
+    ev("user/message", {"content": text("again"), "source": {"kind": "user"}}, surfaceOp="append")
+    ev("step/start", {"turn": 3, "step": 1})
+    chunks(3, 1, 300, lambda i: {"type": "text-delta", "text": f"x{i} "})
+    return out
+
+
+def _next(rows: list[dict[str, Any]]) -> int:
+    last = rows[-1]
+    return last["seq0"] + len(last["data"]["texts"]) if "seq0" in last else last["seq"] + 1
+
+
+def _dsh_events(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events dsh's loader sees in `rows` (its storage rows expanded)."""
+    return [e for r in rows[1:] for e in (expand_row(r) if "seq0" in r else [r])]
+
+
+async def test_dsh_chunk_events_import_packed_and_export_as_written(tmp_path: Path) -> None:
+    t = 1_800_000_000_000
+    rows = _streamed_dsh_file(t)
+    events = _dsh_events(rows)
+    assert [e["seq"] for e in events] == list(range(479))
+    path = tmp_path / "streamed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"type":"assistant/chunk","seq":479,"ti')
+    store = MemorySessionStore()
+    [res] = await import_path(store, path)
+    entries = await store.read("streamed")
+
+    # 479 events + 2 closers = 481 events in 26 entries
+    chunk_events = [e for e in events if e["type"] == "assistant/chunk"]
+    assert len(chunk_events) == 461 and res.entries == len(entries) == 26
+    rows_ = [e for e in entries if e.type == "assistant/chunk" and "chunks" in e.data]
+    assert [(e.data["seq"], len(e.data["chunks"])) for e in rows_] == [
+        (3, 120),
+        (128, 30),
+        (159, 10),
+        (179, 256),
+        (435, 44),
+    ]
+    assert [e.type for e in entries[-2:]] == ["step/end", "turn/end"]
+
+    # replay: every chunk, in order (the ignorable one stays a classic row of its own)
+    by_step: dict[str, list[Any]] = {}
+    for e in chunk_events:
+        by_step.setdefault(f"{e['data']['turn']}/{e['data']['step']}", []).append(e["data"]["chunk"])
+    assert replay(entries) == by_step
+
+    # every dsh seq is recoverable: a row's data.seq + i, another entry's meta.seq (or its n)
+    seq_of: dict[int, tuple[int, Any]] = {}
+    for e in entries:
+        if e.type == "assistant/chunk" and "chunks" in e.data:
+            times = row_times(e.time, e.data)
+            for i, c in enumerate(unpack_row(e.data)):
+                seq_of[e.data["seq"] + i] = (times[i], c)
+        else:
+            seq_of[(e.meta or {}).get("seq", e.n)] = (e.time, e.data.get("chunk", e.type))
+    assert sorted(seq_of) == list(range(481))
+    for ev in events:
+        assert seq_of[ev["seq"]] == (ev["time"], ev["data"].get("chunk", ev["type"]))
+    # ... and the walk over the log (what the export numbers by) agrees with both
+    assert dsh_seqs(entries) == [
+        e.data["seq"] if "chunks" in e.data else (e.meta or {}).get("seq", e.n) for e in entries
+    ]
+
+    # surfaces name the n of their entries; a seq inside a row is kept as written in meta
+    ctx, again = (e for e in entries if e.type == "context/message")
+    assert ctx.surface is not None and ctx.surface.source_event_seqs == [3]
+    assert ctx.meta == {"seq": 173, "sourceEventSeqs": [50, 60]}
+    assert again.surface is not None and again.surface.op.start == again.surface.op.end == ctx.n  # type: ignore[union-attr]
+    result = next(e for e in entries if e.type == "tool/result")
+    assert result.surface is not None and result.surface.source_event_seqs == [result.n - 1]
+
+    # the projection is what the unpacked events give
+    assert dsh_messages(project(entries)) == [
+        {"role": "user", "content": [{"type": "text", "text": "go"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "w"},
+                {"type": "tool-call", "id": "c1", "name": "ls", "arguments": "{}"},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool-result",
+                    "toolCallId": "c1",
+                    "content": [{"type": "text", "text": "a.txt"}],
+                    "isError": False,
+                }
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "done"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": x} for x in ('<context source="plugin">', "changed twice", "</context>")
+            ],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "again"}]},
+    ]
+
+    # export: dsh's own events back, field by field, seqs and times included; then the closers
+    out = tmp_path / "back.jsonl"
+    assert await export_session(store, "streamed", out, format="dsh") == 26
+    exported = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert exported[0] == rows[0]
+    assert exported[1:480] == events
+    last = events[-1]["time"]
+    assert exported[480:] == [
+        {"type": "step/end", "seq": 479, "time": last, "data": {"turn": 3, "step": 1}},
+        {"type": "turn/end", "seq": 480, "time": last, "data": {"turn": 3, "reason": {"kind": "interrupted"}}},
+    ]
+    again_store = MemorySessionStore()
+    [res] = await import_path(again_store, out)
+    assert res.repaired == () and await again_store.read("streamed") == entries
+
+
+async def test_dsh_packed_session_is_repaired_and_exported_with_its_seqs(tmp_path: Path) -> None:
+    """dsh crash repair on a packed log: the store's repair closes the turn after the rows, and the
+    export numbers the closers after the last chunk event."""
+    t = 1_800_000_000_000
+    rows = _streamed_dsh_file(t)
+    path = tmp_path / "streamed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = MemorySessionStore()
+    await import_path(store, path)
+    entries = await store.read("streamed")
+    sessions = Sessions(store)
+    s = await sessions.open("crashed")
+    await s.append_many([NewEntry(e.type, e.data, e.meta, e.surface, e.time) for e in entries[:-2]])
+    appended = await sessions.repair("crashed")
+    assert [e.type for e in appended] == ["step/end", "turn/end"]
+    assert await store.read("crashed") == [*entries[:-2], *appended]
+    out = tmp_path / "back.jsonl"
+    await export_session(store, "crashed", out, format="dsh")
+    exported = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert [(e["type"], e["seq"]) for e in exported[-3:]] == [
+        ("assistant/chunk", 478),
+        ("step/end", 479),
+        ("turn/end", 480),
+    ]
 
 
 # --------------------------------------------------------------------------- tutorial

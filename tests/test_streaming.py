@@ -19,7 +19,7 @@ from test_gateway import path, sse
 from redis_session import Delta, MemorySessionStore, RedisSessionStore, SessionHeader, Sessions, pack_chunks, project
 from redis_session.live import follow_deltas
 from redis_session.model import NewEntry
-from redis_session.projection.chunks import CHUNK, INTERRUPTED, replay, unpack_row
+from redis_session.projection.chunks import CHUNK, INTERRUPTED, replay, row_times, unpack_row
 
 from support import running_gateway
 
@@ -348,6 +348,21 @@ def test_pack_chunks_packs_runs_and_keeps_positions() -> None:
     assert [c["text"] for r in rows for c in unpack_row(r.data)] == ["0", "1", "2", "3", "4", "x"]
     assert rows[0].data["chunks"][0] == {**chunk, "text": "0"}  # kept as it was (index and all)
     assert rows[2].data["chunks"] == ["x"]  # a bare text delta packs to its string
+
+
+def test_pack_chunks_keeps_times_and_leaves_marked_chunks_and_big_runs_apart() -> None:
+    def c(text: str, time: int, **kw: object) -> NewEntry:
+        return NewEntry(CHUNK, {"turn": 1, "step": 1, "chunk": {"type": "text-delta", "text": text}}, time=time, **kw)  # type: ignore[arg-type]
+
+    entries = [c("a", 10), c("b", 13), c("c", 13), c("d", 20, meta={"ignorable": True}), c("e", 30), c("f", 30)]
+    packed = pack_chunks(entries)
+    assert [len(unpack_row(e.data)) for e in packed.entries] == [3, 1, 2]
+    first, marked, last = packed.entries
+    assert (first.time, first.data["dt"], row_times(first.time, first.data)) == (10, [3, 0], [10, 13, 13])
+    assert marked is entries[3]  # a chunk with meta is no classic row: it stays as it is
+    assert "dt" not in last.data and row_times(last.time, last.data) == [30, 30]
+    big = [c("x" * 1000, 0) for _ in range(10)]
+    assert [len(e.data["chunks"]) for e in pack_chunks(big, max_bytes=3000).entries] == [2, 2, 2, 2, 2]
 
 
 async def test_memory_store_has_the_live_path_too() -> None:

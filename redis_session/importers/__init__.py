@@ -445,8 +445,9 @@ async def export_session(
     `format` ``"redis-session"`` (ours: every entry, read back exactly by `import_path`), or the
     file of the system the session came from, as that system writes it: ``"nanobot"`` (a
     ``sessions/*.jsonl`` file: the messages nanobot's ``SessionManager`` loads, its metadata and
-    ``last_consolidated``), ``"dsh"`` (a dsh log: header line, one event per entry) or
-    ``"tutorial"`` (the harness's log). Importing the export gives the same session back.
+    ``last_consolidated``), ``"dsh"`` (a dsh log: header line, one event per entry, a packed
+    chunk row as its one-chunk events, seqs as dsh numbered them) or ``"tutorial"`` (the
+    harness's log). Importing the export gives the same session back.
 
     `out` is a text stream, or a path (written to a temporary file, then renamed into place).
     The export is a consistent snapshot at the session's n when it starts, even while others

@@ -5,8 +5,18 @@ Line 1 is ``{"type":"session","version":0,"id","createdAt",cwd?,parentSession?,s
 every further line is an event ``{type, seq, time, data, surfaceOp?, sourceEventSeqs?,
 ignorable?}`` with ``seq`` 0, 1, 2 …, or one of dsh's packed storage rows (``text-chunks``,
 ``reasoning-chunks``, ``tool-call-chunks``: a run of ``assistant/chunk`` events), expanded back
-into its events. Each event is the entry n=seq with its type, time, data and surface; the
-header's other fields go to ``origin``.
+into its events. Each event becomes an entry with its type, time, data and surface, except that
+runs of chunk events of one turn and step are packed into ``assistant/chunk`` rows
+(`projection.chunks.pack_chunks`: ``{turn, step, seq, chunks, dt?}``, up to 256 chunks or 64 KiB a
+row), so n and dsh's seq part ways after the first row. Every seq stays recoverable: a row's
+``seq`` is its first chunk's seq (``seq + i`` the i-th chunk's, ``dt`` their times), any other
+entry whose seq is not its n keeps it as ``meta.seq`` (`dsh_seqs` walks the log to the same
+numbers). Surface references (``sourceEventSeqs``, a replace's start/end) are remapped to n; one
+that named a chunk inside a row is also kept as written in ``meta.sourceEventSeqs``. The header's
+other fields go to ``origin``.
+
+The export (`export_lines`) writes a row back as its one-chunk events, numbers the events 0, 1,
+2 … and maps surface references back to seqs: a file imported from dsh goes back as dsh wrote it.
 
 **A file dsh loads imports as dsh loads it** (its ``scanLog`` + ``interruptedTurnClosers``):
 
@@ -24,16 +34,19 @@ The import reports both repairs (`ImportResult.repaired`).
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from ..errors import ImportFormatError
-from ..model import Entry, NewEntry, SessionHead, SessionHeader
+from ..model import Entry, NewEntry, SessionHead, SessionHeader, Surface, SurfaceReplace
+from ..projection.chunks import CHUNK, pack_chunks, row_times, unpack_row
 from ..projection.fold import Message
 from ..projection.invariants import interrupted_turn_closers
 from .common import Bad, Line, ParsedSession, Source, convert, json_object, number_ms
@@ -214,25 +227,73 @@ def parse(source: Source, session_id: str | None) -> ParsedSession:
     except Bad as e:
         raise ImportFormatError(source.path, first.no, f"bad header line: {e}") from None
     kept, notes = _committed(source)
-    entries: list[NewEntry] = []
+    events: list[NewEntry] = []  # one per dsh event: its position is its dsh seq
     lines: list[int] = []
     for no, obj in kept:
         try:
-            entries.append(_entry(obj, len(entries)))
+            events.append(_entry(obj, len(events)))
         except Bad as e:
             raise ImportFormatError(source.path, no, str(e), session_id=hdr.id) from None
         lines.append(no)
     closers = interrupted_turn_closers(
-        [Entry(i, e.time or 0, e.type, e.data if isinstance(e.data, dict) else {}) for i, e in enumerate(entries)]
+        [Entry(i, e.time or 0, e.type, e.data if isinstance(e.data, dict) else {}) for i, e in enumerate(events)]
     )
     if closers:
         names = ", ".join(c.type for c in closers)
         turn = closers[-1].data.get("turn")
         notes.append(f"closed the open turn {turn} with {len(closers)} entries ({names}), as dsh's load() does")
-        entries.extend(closers)
+        events.extend(closers)
         lines.extend([0] * len(closers))
+    entries, entry_lines = _pack(events, lines)
     header = SessionHeader(id=session_id or hdr.id, created_at=int(hdr.createdAt), origin=origin)
-    return ParsedSession(str(source.path), FORMAT, header, entries, lines, repaired=notes)
+    return ParsedSession(str(source.path), FORMAT, header, entries, entry_lines, repaired=notes)
+
+
+def _pack(events: list[NewEntry], lines: list[int]) -> tuple[list[NewEntry], list[int]]:
+    """The events (position = dsh seq) with their runs of chunk events packed into rows
+    (`pack_chunks`: a row's ``seq`` is its first chunk's dsh seq), every seq a surface names
+    remapped to the n of its entry, and each other entry's dsh seq kept as ``meta.seq`` where it
+    is not its n. A ``sourceEventSeqs`` naming a chunk inside a row (no n names it) is kept as
+    written in ``meta.sourceEventSeqs``, for the export."""
+    packed = pack_chunks(events)
+    pos = packed.positions
+    entries = list(packed.entries)
+    entry_lines = [0] * len(entries)
+    firsts = [0] * len(entries)  # the dsh seq of each entry's first event
+    for seq in range(len(events) - 1, -1, -1):
+        firsts[pos[seq]] = seq
+        entry_lines[pos[seq]] = lines[seq]
+    for n, e in enumerate(entries):
+        seq = firsts[n]
+        if e is not events[seq]:
+            continue  # a row: its data.seq is its first chunk's seq
+        if e.surface is not None:
+            e = _remapped(e, seq, pos, firsts)
+        if n != seq:
+            e = msgspec.structs.replace(e, meta={**(e.meta or {}), "seq": seq})
+        entries[n] = e
+    return entries, entry_lines
+
+
+def _remapped(e: NewEntry, seq: int, pos: list[int], firsts: list[int]) -> NewEntry:
+    """`e` with the dsh seqs its surface names as the n of their entries."""
+    try:
+        surface = e.surface if isinstance(e.surface, Surface) else msgspec.convert(e.surface, Surface)
+    except msgspec.ValidationError:
+        return e  # malformed: the validation reports it in the store's words
+    op, seqs = surface.op, surface.source_event_seqs
+    named = ([op.start, op.end] if isinstance(op, SurfaceReplace) else []) + list(seqs or ())
+    if any(s >= seq for s in named) or (seqs is not None and len(set(seqs)) != len(seqs)):
+        return e  # names no earlier event, or twice: the validation reports it as written
+    if isinstance(op, SurfaceReplace):
+        op = SurfaceReplace("replace", pos[op.start], pos[op.end])
+    meta = e.meta
+    if seqs is not None:
+        mapped = list(dict.fromkeys(pos[s] for s in seqs))
+        if [firsts[n] for n in mapped] != seqs:
+            meta = {**(meta or {}), "sourceEventSeqs": list(seqs)}
+        seqs = mapped
+    return msgspec.structs.replace(e, surface=Surface(op, seqs), meta=meta)
 
 
 # --------------------------------------------------------------------------- messages and export
@@ -257,32 +318,72 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _event(e: Entry) -> dict[str, Any]:
-    ev: dict[str, Any] = {"type": e.type, "seq": e.n, "time": e.time, "data": e.data}
+def dsh_seqs(entries: Sequence[Entry]) -> list[int]:
+    """The dsh seq of each entry's (first) event, as the export numbers them: seqs run 0, 1, 2 …
+    over the events, a packed chunk row standing for one event per chunk. For a session imported
+    from dsh these are the seqs of the file (a row's ``data.seq``, an entry's ``meta.seq`` where
+    it is not its n)."""
+    out: list[int] = []
+    seq = 0
+    for e in entries:
+        out.append(seq)
+        seq += len(unpack_row(e.data)) if _is_row(e) else 1
+    return out
+
+
+def _is_row(e: Entry) -> bool:
+    return e.type == CHUNK and isinstance(e.data, dict) and isinstance(e.data.get("chunks"), list)
+
+
+def _events(e: Entry, seq: int, seqs: Sequence[int]) -> Iterator[dict[str, Any]]:
+    """Entry `e` as dsh events from `seq` on (a packed chunk row as its one-chunk events);
+    `seqs` maps the n a surface names to its dsh seq."""
+    if _is_row(e):
+        d = e.data
+        head = {k: d[k] for k in ("turn", "step") if k in d}
+        for k, (chunk, time) in enumerate(zip(unpack_row(d), row_times(e.time, d), strict=True)):
+            yield {"type": CHUNK, "seq": seq + k, "time": time, "data": {**head, "chunk": chunk}}
+        return
+    ev: dict[str, Any] = {"type": e.type, "seq": seq, "time": e.time, "data": e.data}
+    meta = e.meta if isinstance(e.meta, dict) else {}
     if e.surface is not None:
         op = e.surface.op
-        ev["surfaceOp"] = op if isinstance(op, str) else {"op": op.op, "start": op.start, "end": op.end}
-        if e.surface.source_event_seqs is not None:
-            ev["sourceEventSeqs"] = list(e.surface.source_event_seqs)
-    if isinstance(e.meta, dict) and isinstance(e.meta.get("ignorable"), bool):
-        ev["ignorable"] = e.meta["ignorable"]
-    return ev
+        ev["surfaceOp"] = op if isinstance(op, str) else {"op": op.op, "start": seqs[op.start], "end": seqs[op.end]}
+        refs = e.surface.source_event_seqs
+        if refs is not None:
+            # as written when the import kept them (they named chunks inside a row) and still fit
+            written = meta.get("sourceEventSeqs")
+            fits = isinstance(written, list) and list(dict.fromkeys(_rows_of(written, seqs))) == refs
+            ev["sourceEventSeqs"] = list(written) if fits and isinstance(written, list) else [seqs[n] for n in refs]
+    if isinstance(meta.get("ignorable"), bool):
+        ev["ignorable"] = meta["ignorable"]
+    yield ev
+
+
+def _rows_of(written: list[Any], seqs: Sequence[int]) -> Iterator[int]:
+    """The n of the entry holding each dsh seq of `written` (`seqs`: first dsh seq per n)."""
+    for s in written:
+        yield bisect.bisect_right(seqs, s) - 1 if isinstance(s, int) and not isinstance(s, bool) and s >= 0 else -1
 
 
 def export_lines(head: SessionHead, entries: Sequence[Entry]) -> Iterator[str]:
-    """The session as a dsh JSONL log (header line, then one event per entry, seq = n).
+    """The session as a dsh JSONL log: the header line, then one event per entry, a packed chunk
+    row as one ``assistant/chunk`` event per chunk (times from its ``dt``), seqs 0, 1, 2 … and
+    surface references as those seqs (`dsh_seqs`).
 
-    The entries are written as they are: a session imported from dsh (or written with dsh's event
-    types) goes back unchanged; dsh's loader reads any other types but its invariants accept only
-    its own vocabulary."""
+    A session imported from dsh goes back as the file it came from (what the import's repair
+    added included); dsh's loader reads any other types but its invariants accept only its own
+    vocabulary."""
     origin = head.header.origin if isinstance(head.header.origin, dict) else {}
     first: dict[str, Any] = {"type": "session", "version": 0, "id": head.header.id, "createdAt": head.header.created_at}
     for k in ("cwd", "parentSession", "seedLength"):
         if k in origin:
             first[k] = origin[k]
     yield _js(first)
-    for e in entries:
-        yield _js(_event(e))
+    seqs = dsh_seqs(entries)
+    for e, seq in zip(entries, seqs, strict=True):
+        for ev in _events(e, seq, seqs):
+            yield _js(ev)
 
 
 def _js(value: Any) -> str:

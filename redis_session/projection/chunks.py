@@ -20,10 +20,12 @@ chunks. The projection never looks at chunk rows (they are marks).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 from msgspec import Struct
 
 from ..model import NewEntry
@@ -268,33 +270,47 @@ class PackedChunks(Struct, frozen=True):
     positions: list[int]
 
 
-def pack_chunks(entries: Sequence[Any], *, max_chunks: int = 256) -> PackedChunks:
+def pack_chunks(entries: Sequence[Any], *, max_chunks: int = 256, max_bytes: int | None = 64 << 10) -> PackedChunks:
     """Pack runs of consecutive ``assistant/chunk`` entries of one turn and step into rows of at
     most `max_chunks` chunks (for importers: a dsh file holds one event per chunk).
 
     `entries` are `NewEntry` objects (or anything with ``type``, ``data``, ``time``); other
-    entries pass through unchanged. A row keeps its first chunk's time, and ``seq`` is the
+    entries pass through unchanged, and so does a chunk entry with meta or surface metadata (it
+    is no classic one-chunk row). A row keeps its first chunk's time, and ``seq`` is the
     input position of its first chunk, so every chunk's original position stays recoverable:
     ``row.data["seq"] + i`` for the i-th chunk of the row (with `positions` to remap
-    ``sourceEventSeqs`` that named chunks)."""
+    ``sourceEventSeqs`` that named chunks). When the chunks' times differ, the row's ``dt`` lists
+    the ms from each chunk to the next (as dsh's own storage rows do; `row_times` reads them).
+    A row also closes before its chunks' JSON would pass `max_bytes` (a bigger chunk gets a row
+    of its own), so a row stays far below any entry size limit."""
     out: list[NewEntry] = []
     positions: list[int] = []
     run: list[Any] = []
+    times: list[Any] = []
     run_key: tuple[Any, Any] | None = None
     run_start = 0
-    run_time: int | None = None
+    run_bytes = 0
 
     def close() -> None:
-        nonlocal run, run_key
+        nonlocal run, run_key, times
         if run:
             turn, step = run_key or (None, None)
             row = chunk_row(run, turn=turn, step=step, answer=None, seq=run_start)
-            out.append(NewEntry(row.type, row.data, time=run_time))
-        run, run_key = [], None
+            if all(isinstance(t, int) for t in times) and len(set(times)) > 1:
+                row.data["dt"] = [b - a for a, b in itertools.pairwise(times)]
+            out.append(NewEntry(row.type, row.data, time=times[0]))
+        run, run_key, times = [], None, []
 
     for i, e in enumerate(entries):
         data = e.data if isinstance(e.data, Mapping) else None
-        is_chunk = e.type == CHUNK and data is not None and set(data) <= {"turn", "step", "chunk"} and "chunk" in data
+        is_chunk = (
+            e.type == CHUNK
+            and data is not None
+            and set(data) <= {"turn", "step", "chunk"}
+            and "chunk" in data
+            and getattr(e, "meta", None) is None
+            and getattr(e, "surface", None) is None
+        )
         if not is_chunk:
             close()
             positions.append(len(out))
@@ -302,14 +318,31 @@ def pack_chunks(entries: Sequence[Any], *, max_chunks: int = 256) -> PackedChunk
             continue
         assert data is not None
         key = (data.get("turn"), data.get("step"))
-        if run and (key != run_key or len(run) >= max_chunks):
+        size = len(msgspec.json.encode(_packed(data["chunk"]))) + 1 if max_bytes is not None else 0
+        if run and (
+            key != run_key or len(run) >= max_chunks or (max_bytes is not None and run_bytes + size > max_bytes)
+        ):
             close()
         if not run:
-            run_key, run_start, run_time = key, i, getattr(e, "time", None)
+            run_key, run_start, run_bytes = key, i, 0
         positions.append(len(out))
         run.append(data["chunk"])
+        times.append(getattr(e, "time", None))
+        run_bytes += size
     close()
     return PackedChunks(out, positions)
+
+
+def row_times(time: int, data: Mapping[str, Any]) -> list[int]:
+    """The time of each chunk of a row (entry time `time`): the row's ``dt`` applied, or `time`
+    for every chunk when it has none."""
+    count = len(unpack_row(data))
+    dt = data.get("dt")
+    out = [time] * count
+    if isinstance(dt, list) and len(dt) == count - 1 and all(isinstance(d, int) for d in dt):
+        for k, d in enumerate(dt, 1):
+            out[k] = out[k - 1] + d
+    return out
 
 
 def answers_to_skip(records: Iterable[LiveRecord], start: int, incarnation: str | None) -> set[str]:
@@ -381,5 +414,6 @@ __all__ = [
     "open_answers",
     "pack_chunks",
     "replay",
+    "row_times",
     "unpack_row",
 ]
