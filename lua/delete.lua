@@ -9,10 +9,12 @@
 local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'created_at', 'parent')
 if not h[1] or h[2] then return {0} end
 if redis.call('ZCARD', KEYS[6]) > 0 then
-  redis.call('HSET', KEYS[1], 'deleted', '1')
-  redis.call('PERSIST', KEYS[1])
-  redis.call('PERSIST', KEYS[2])
+  -- the tombstone is written last: a Redis user refused a DEL or PERSIST here (ACL) leaves the
+  -- session visible, never hidden with half its keys
   redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[7], KEYS[8])
+  redis.call('PERSIST', KEYS[2])
+  redis.call('PERSIST', KEYS[1])
+  redis.call('HSET', KEYS[1], 'deleted', '1')
   return {1, h[3]}
 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])

@@ -1,9 +1,8 @@
 """redis-session: a distributed event store for AI-agent sessions on Redis Streams.
 
 The public API is exactly `__all__` (see the README's API section); every other module and name
-is internal. Layers, bottom up (docs/design.md §0): `model`/`keys`/`errors` → `projection` (pure)
-→ `store` → `redis` → `snapshots` → `sessions` → `projector` → `importers`/`adapters` →
-`gateway` → `cli`.
+is internal. The layers, bottom up, and the one-way import rule are in docs/design.md §0
+(enforced by import-linter: `lint-imports`).
 
 >>> import redis_session
 >>> sessions = await redis_session.connect()          # $REDIS_URL, else the embedded server

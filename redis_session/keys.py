@@ -21,7 +21,7 @@ Cross-session keys (never needed for an append's correctness)::
                                     "<inverted created_at>:<id>", newest first; list() merges them
     {prefix}:feed:{<k>}     STREAM  change feed shard k: "session S reached n"
     {prefix}:events         PUBSUB  session-branch notifications
-    {prefix}:projector:{<group>}:stats  HASH  projector counters summed over workers
+    {prefix}:projector:<group>:stats  HASH  projector counters summed over workers
     {prefix}:compactor:{<group>}:stats  HASH  compactor counters summed over workers
 """
 

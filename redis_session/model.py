@@ -366,6 +366,18 @@ class TurnSkipData(_Schema):
     turn: int | None = None
 
 
+class AssistantInterruptedData(_Schema):
+    """A streamed answer cut short (docs/design.md §8.2): its id, why (cancelled, error, crashed),
+    how many deltas it had and the content they make; the chunk rows before it hold every delta."""
+
+    answer: str
+    reason: str
+    deltas: int
+    content: list[Any]
+    turn: int | None = None
+    step: int | None = None
+
+
 #: `None` as a schema means "any JSON object".
 DEFAULT_SCHEMAS: dict[str, Any] = {
     "user/message": UserMessageData,
@@ -380,6 +392,7 @@ DEFAULT_SCHEMAS: dict[str, Any] = {
     "step/start": StepData,
     "step/end": StepData,
     "assistant/chunk": AssistantChunkData,
+    "assistant/interrupted": AssistantInterruptedData,
     "tool/call": ToolCallData,
     "prompt/blocked": PromptBlockedData,
     "todo/write": TodoWriteData,

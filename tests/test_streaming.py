@@ -383,3 +383,18 @@ def test_the_short_bench_delivers_every_delta_once_and_replays_the_log(redis_url
         res = anyio.run(bench.run_sessions, redis_url, f"benchtest{way}", way, [f"s{i}" for i in range(4)], 60, 200.0)
         assert res["complete"] and res["log_ok"], (way, res["incomplete"])
         assert res["deltas"] == 240
+
+
+async def test_a_strict_vocabulary_accepts_the_interrupted_mark() -> None:
+    """`assistant/interrupted` is part of the vocabulary: a strict store takes a cancelled answer's mark."""
+    from redis_session import Sessions, Vocabulary
+
+    store = MemorySessionStore(vocabulary=Vocabulary(strict=True))
+    s = await Sessions(store).create("strict-1")
+    with anyio.CancelScope() as scope:
+        async with s.stream(turn=1, step=1) as w:
+            await w.delta("partial")
+            scope.cancel()
+            await anyio.sleep(1)
+    types = [e.type for e in await s.read()]
+    assert types[-1] == "assistant/interrupted" and "assistant/chunk" in types

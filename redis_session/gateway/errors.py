@@ -13,6 +13,8 @@
 422 idempotency_key_reused the key already landed a different batch (as the IETF
                            Idempotency-Key draft answers a reused key with another payload)
 503 unavailable            the store is unreachable (Retry-After)
+503 store_forbidden        the gateway's own Redis user may not do this (an ACL refusal: a
+                           deployment error, docs/security.md — not the caller's scope)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import (
+    AccessDeniedError,
     DurabilityError,
     IdempotencyKeyReusedError,
     InvalidEntryError,
@@ -78,6 +81,11 @@ def _unavailable(e: Exception) -> Response:
     return _error(503, "unavailable", "the store is unreachable", {"Retry-After": "2"})
 
 
+def _store_forbidden(e: Exception) -> Response:
+    log.error("the gateway's Redis user was refused (see docs/security.md): %s", e)
+    return _error(503, "store_forbidden", "the gateway's Redis user may not do this; nothing was written")
+
+
 def _internal(e: Exception) -> Response:
     log.exception("gateway request failed")
     return _error(500, "internal", type(e).__name__)
@@ -101,6 +109,7 @@ _HANDLERS: list[tuple[type[Exception] | tuple[type[Exception], ...], Callable[[E
     ((_BadRequest, InvalidSessionIdError), _simple(400, "bad_request")),
     ((Unprocessable, InvalidEntryError), _unprocessable),
     (DurabilityError, _simple(503, "not_durable")),
+    (AccessDeniedError, _store_forbidden),
     (StoreUnavailableError, _unavailable),
     (ValueError, _simple(400, "bad_request")),  # the store's own argument checks (limit, cursor, range)
     (SessionError, _internal),

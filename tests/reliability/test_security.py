@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,37 +37,34 @@ from redis_session import (
 from redis_session.redis.embedded import ServerProcess
 
 from ._util import free_port, tls_capable_binary, wait_for_port
+from support import wait_for
 
 pytestmark = pytest.mark.anyio
 
-# The same rules as docs/security.md (keep the two in step).
-ACL_RULES: dict[str, list[str]] = {
-    "writer": [
-        "on", ">writer-secret", "resetkeys", "~rs:*", "resetchannels", "&rs:events",
-        "-@all", "+@read", "+@write", "+@scripting", "+publish", "+time",
-        "+ping", "+hello", "+client|setinfo", "+client|setname",
-        "-@dangerous", "-script|flush", "-script|kill", "-function", "-eval_ro", "-evalsha_ro",
-    ],
-    "reader": [
-        "on", ">reader-secret", "resetkeys", "%R~rs:*", "resetchannels", "&rs:events",
-        "-@all", "+@read", "+subscribe", "+unsubscribe", "+ping", "+hello", "+client|setinfo", "+client|setname",
-        "-@dangerous",
-    ],
-    # EVALSHA checks the keys it declares for read AND write, so scripts get their own selector;
-    # inside a script every command is checked again, and HSET/DEL/SET exist only in selectors
-    # bound to the projector's own keys: proj.lua can write the snapshot, append.lua and
-    # delete.lua are refused at their first write.
-    "projector": [
-        "on", ">projector-secret", "resetkeys", "%R~rs:*", "resetchannels",
-        "-@all", "+@read", "+time", "+ping", "+hello", "+client|setinfo", "+client|setname", "-@dangerous",
-        "(~rs:* +evalsha +eval +script|load +script|exists)",
-        "(%RW~rs:{*}:proj +hset +pexpire +del)",
-        "(%RW~rs:{*}:plock +set +del)",
-        "(%RW~rs:feed:* +xreadgroup +xack +xautoclaim +xclaim +xgroup|create +xgroup|createconsumer"
-        " +xinfo|groups +xinfo|consumers +xinfo|stream)",
-        "(%RW~rs:projector:* +hincrby)",
-    ],
-}  # fmt: skip
+DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
+
+
+def _rules_from_doc() -> dict[str, list[str]]:
+    """The ACL users exactly as docs/security.md's aclfile block states them (the doc is what an
+    operator pastes; the test runs that text, not a copy): ``user <name> <rules…>`` lines, with
+    the password placeholder replaced by ``<name>-secret``."""
+    text = DOC.read_text()
+    rules: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"user (\w+) (on .*)$", line.strip())
+        if m is None or m.group(1) in ("default", "admin"):
+            continue
+        name = m.group(1)
+        tokens = re.findall(r"\([^)]*\)|\S+", m.group(2))
+        rules[name] = [f">{name}-secret" if tok == ">CHANGE-ME" else tok for tok in tokens]
+    return rules
+
+
+ACL_RULES = _rules_from_doc()
+
+
+def test_the_doc_states_every_role() -> None:
+    assert {"writer", "reader", "projector", "gateway", "compactor"} <= set(ACL_RULES)
 
 
 @pytest.fixture
@@ -202,6 +200,73 @@ async def test_reader_user_reads_and_tails_but_cannot_write(acl_server: Any) -> 
                 await _assert_denied(lambda c=cmd: raw.execute_command(*c))
         finally:
             await raw.aclose()
+        assert await _keys(admin) == before
+    finally:
+        await owner.aclose()
+        await reader.aclose()
+
+
+async def test_reader_lists_past_an_expired_session(acl_server: Any) -> None:
+    """The list heals its index lazily (ZREM of an expired member): the reader may do that much."""
+    server, admin = acl_server
+    owner = RedisSessionStore.from_url(_url(server, "writer"))
+    reader = RedisSessionStore.from_url(_url(server, "reader"))
+    try:
+        await owner.create(SessionHeader(id="keep"))
+        await owner.create(SessionHeader(id="brief"), ttl_ms=50)
+
+        async def expired() -> bool:
+            return await owner.head("brief") is None
+
+        await wait_for(expired)  # the server's own TTL: nothing to synchronise with
+        assert [h.id for h in (await reader.list()).items] == ["keep"]
+        members = [m for k in owner.keys.all_sessions() for m in await admin.zrange(k, 0, -1)]
+        assert all(not m.endswith(b":brief") for m in members), "the reader healed the index"
+    finally:
+        await owner.aclose()
+        await reader.aclose()
+
+
+async def test_gateway_user_writes_what_the_write_routes_send(acl_server: Any) -> None:
+    """The writing gateway's user: create, append, branch, draft, live deltas, delete."""
+    from redis_session import Sessions
+
+    server, _admin = acl_server
+    gw = RedisSessionStore.from_url(_url(server, "gateway"))
+    try:
+        sessions = Sessions(gw)
+        s = await sessions.create("g1")
+        await s.append("user/message", {"content": "hi"})
+        async with s.stream(turn=1, step=1) as w:
+            await w.delta("hel")
+            await w.delta("lo")
+        await gw.set_draft("g1", {"text": "x"})
+        b = await sessions.branch("g1", 1, branch_id="g1:b")
+        assert (await gw.head(b.id)).n == 1
+        assert [m.content for m in await s.messages()][-1][0]["text"] == "hello"
+        assert await gw.delete("g1:b") and await gw.delete("g1")
+    finally:
+        await gw.aclose()
+
+
+async def test_a_gateway_on_a_read_only_user_answers_writes_503_and_writes_nothing(acl_server: Any) -> None:
+    """A deployment error (write routes on the reader's Redis user) is the gateway's, not the
+    caller's: 503 store_forbidden, never a 500 with a traceback, and nothing written."""
+    import httpx
+
+    from support import running_gateway
+
+    server, admin = acl_server
+    owner = RedisSessionStore.from_url(_url(server, "writer"))
+    reader = RedisSessionStore.from_url(_url(server, "reader"))
+    try:
+        await owner.create(SessionHeader(id="chat"))
+        before = await _keys(admin)
+        async with running_gateway(reader) as base, httpx.AsyncClient(base_url=base) as http:
+            r = await http.post("/sessions/chat/entries", json={"type": "user/message", "data": {"content": "x"}})
+            assert r.status_code == 503 and r.json()["error"] == "store_forbidden", r.text
+            r = await http.get("/sessions/chat")
+            assert r.status_code == 200
         assert await _keys(admin) == before
     finally:
         await owner.aclose()
