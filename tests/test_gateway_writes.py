@@ -504,3 +504,38 @@ async def test_many_concurrent_http_writers(redis_store: RedisSessionStore) -> N
         mine = [u.data["content"] for u, _ in pairs if u.data["content"].startswith(f"{w}.")]
         assert mine == [f"{w}.{t}" for t in range(turns)]
     assert retries > 0
+
+
+async def test_a_tenant_pages_through_its_sessions_and_never_sees_another_tenants_id(
+    redis_store: RedisSessionStore,
+) -> None:
+    """A tenant's sessions sparse among many others: pages (some short, with a cursor) give every
+    one of its sessions exactly once, and no cursor names another tenant's session."""
+    from redis_session.gateway import reads
+
+    own = []
+    for i in range(60):
+        sid = f"acme/{i}" if i % 13 == 0 else f"globex/{i}"
+        await redis_store.create(SessionHeader(id=sid, created_at=1_700_000_000_000 + (i // 2)))  # ms ties too
+        if sid.startswith("acme/"):
+            own.append(sid)
+    tokens = parse_tokens(TOKENS, "test")
+    saved = reads.TENANT_SCAN_PAGES
+    reads.TENANT_SCAN_PAGES = 1  # short pages: the cursor often stops on another tenant's member
+    try:
+        async with running_gateway(redis_store, tokens=tokens) as base:
+            async with httpx.AsyncClient(base_url=base, headers={"Authorization": "Bearer acme-r-0123456"}) as http:
+                seen: list[str] = []
+                cursor = None
+                for _ in range(100):
+                    r = await http.get("/sessions", params={"limit": 3, **({"cursor": cursor} if cursor else {})})
+                    assert r.status_code == 200, r.text
+                    body = r.json()
+                    seen += [h["id"] for h in body["items"]]
+                    cursor = body["cursor"]
+                    assert cursor is None or "globex" not in cursor, cursor
+                    if cursor is None:
+                        break
+    finally:
+        reads.TENANT_SCAN_PAGES = saved
+    assert sorted(seen) == sorted(own) and len(seen) == len(set(seen))

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import SessionNotFoundError
-from ..keys import validate_session_id
+from ..keys import id_from_index_member, index_member, validate_session_id
 from ..model import SessionHeader
 from ..projection.fold import to_anthropic, to_openai
 from .auth import principal
@@ -73,7 +73,11 @@ cursor) when the tenant's sessions are sparse among many others."""
 async def _tenant_page(
     gw: Gateway, sees: Callable[[str], bool], parent: str | None, limit: int, cursor: str | None
 ) -> tuple[list[SessionHeader], str | None]:
-    """One page of the sessions a tenant token sees: the store's pages, filtered."""
+    """One page of the sessions a tenant token sees: the store's pages, filtered.
+
+    The cursor never names another tenant's session: when the scan stops on one, it becomes the
+    bound ``<inverted created_at>:`` of that member (or this page's last own member, if later),
+    which resumes exactly there — no item skipped, none repeated — and tells nothing but a time."""
     items: list[SessionHeader] = []
     for _ in range(TENANT_SCAN_PAGES):
         page = await gw.store.list(parent=parent, limit=limit - len(items), cursor=cursor)
@@ -83,6 +87,10 @@ async def _tenant_page(
         cursor = page.cursor
         if cursor is None or len(items) >= limit:
             break
+    if cursor is not None and not sees(id_from_index_member(cursor)):
+        bound = cursor[: len(cursor) - len(id_from_index_member(cursor))]  # "<inverted created_at>:"
+        own = index_member(items[-1].created_at, items[-1].id) if items else ""
+        cursor = max(bound, own)
     return items, cursor
 
 
