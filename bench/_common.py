@@ -120,9 +120,11 @@ async def interleave(
     *,
     round_s: float = 0.2,
     warmup_ops: int = 20,
+    meter: ServerMeter | None = None,
 ) -> None:
     """Run each side's op in alternating rounds of ~`round_s` for `seconds` in all, recording
-    each op's latency, so drift in the machine's load hits every side alike."""
+    each op's latency, so drift in the machine's load hits every side alike. With `meter`, each
+    side's server time is taken from INFO commandstats around its rounds (outside the timing)."""
     for _, op in sides:
         for _ in range(warmup_ops):
             await op()
@@ -130,6 +132,9 @@ async def interleave(
     end = clock() + seconds
     while clock() < end:
         for timer, op in sides:
+            if meter is not None:
+                await meter.start()
+            ops = len(timer.samples)
             round_end = clock() + round_s / len(sides)
             while True:
                 t0 = clock()
@@ -138,6 +143,45 @@ async def interleave(
                 timer.samples.append(t1 - t0)
                 if t1 >= round_end:
                     break
+            if meter is not None:
+                await meter.stop(timer, len(timer.samples) - ops)
+
+
+class ServerMeter:
+    """Server CPU per op of each side, by INFO commandstats: the `usec` of the command each side
+    sends (e.g. ``evalsha``: a script's total, the commands it calls included; ``xadd``), read
+    before and after each of its rounds on a connection of its own. Scripts' inner commands are
+    also counted under their own names, so a side is metered by its outermost command only."""
+
+    def __init__(self, url: str, commands: dict[str, str]) -> None:
+        self.client = aioredis.Redis.from_url(url)
+        self.commands = commands  # timer name -> command name as commandstats spells it
+        self.usec: dict[str, float] = {}
+        self.ops: dict[str, int] = {}
+        self._before: dict[str, float] = {}
+
+    async def _read(self) -> dict[str, float]:
+        stats = await self.client.info("commandstats")
+        return {k.removeprefix("cmdstat_"): float(v["usec"]) for k, v in stats.items()}
+
+    async def start(self) -> None:
+        self._before = await self._read()
+
+    async def stop(self, timer: Timer, ops: int) -> None:
+        cmd = self.commands.get(timer.name)
+        if cmd is None:
+            return
+        after = await self._read()
+        self.usec[timer.name] = self.usec.get(timer.name, 0.0) + after.get(cmd, 0.0) - self._before.get(cmd, 0.0)
+        self.ops[timer.name] = self.ops.get(timer.name, 0) + ops
+
+    def per_op(self, timer: Timer) -> float | None:
+        """Server microseconds per op of `timer`'s side (None: not metered)."""
+        ops = self.ops.get(timer.name)
+        return self.usec[timer.name] / ops if ops else None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

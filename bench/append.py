@@ -8,8 +8,14 @@ On one server, in interleaved rounds (ours, baseline, ours, …) so that load dr
   (c) `read` of a 10 000-entry session into Entry   vs  redis-py's XRANGE (default parsing, bytes).
 Targets (ours / baseline ops/s): (a) >= 0.80, (b) >= 1.00, (c) >= 1.00.
 
-A reference row runs in (a)'s rounds too: a bare Lua script (HGET n, compare, XADD, HSET n), the
-least any checked append costs on this server, so (a)'s ratio can be read against that floor.
+Reference rows run in (a)'s rounds too: `put` with an idempotency key, and a bare Lua script
+(HGET n, compare, XADD, HSET n), the least any checked append costs on this server, so (a)'s ratio
+can be read against that floor.
+
+"server µs/call" is the server's CPU per op by INFO commandstats, read around each side's rounds:
+the `usec` of EVALSHA for a put or a script (the commands it calls included), of XADD for the raw
+side (per op: a 100-entry batch is one call, or 100 XADDs), of XRANGE for a read. This is what a
+user pays Redis for; the ops/s ratio is mostly the client's and the round trip's.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -25,6 +30,7 @@ import anyio
 import msgspec
 import redis.asyncio as aioredis
 from _common import (
+    ServerMeter,
     Timer,
     bench_args,
     drop_prefix,
@@ -52,12 +58,13 @@ return {0, n}"""
 Result = tuple[str, Timer, Timer, str]  # name, ours, baseline, target ("" for a reference row)
 
 
-async def run(url: str, seconds: float, freeze: bool) -> list[Result]:
+async def run(url: str, seconds: float, freeze: bool) -> tuple[list[Result], ServerMeter]:
     prefix = unique_prefix()
     client = aioredis.Redis.from_url(url)  # the user's client: the store shares its pool
     store = RedisSessionStore(client, prefix=prefix)
     plain = aioredis.Redis.from_url(url)  # a stock client with redis-py's default reply parsing
     results: list[Result] = []
+    meter = ServerMeter(url, {})
     try:
         # ------------------------------------------------------------ (a) one entry
         await store.create(SessionHeader(id="one"))
@@ -68,6 +75,14 @@ async def run(url: str, seconds: float, freeze: bool) -> list[Result]:
             nonlocal n
             await store.put("one", n, one)
             n += 1
+
+        await store.create(SessionHeader(id="idem"))
+        ni = 0
+
+        async def put_idem() -> None:
+            nonlocal ni
+            await store.put("idem", ni, one, idempotency_key=f"k{ni}")
+            ni += 1
 
         raw_key = f"{prefix}:raw-one"
 
@@ -86,10 +101,13 @@ async def run(url: str, seconds: float, freeze: bool) -> list[Result]:
             await client.execute_command("EVALSHA", bare_sha, 2, *bare_keys, nbare, "user/message", "1", DATA_RAW)
             nbare += 1
 
-        ref = Timer("(ref) bare Lua append")
+        ref_idem, ref = Timer("(ref) put 1 entry + idempotency key"), Timer("(ref) bare Lua append")
+        meter.commands.update({"(a) put 1 entry": "evalsha", "XADD": "xadd", ref_idem.name: "evalsha"})
+        meter.commands[ref.name] = "evalsha"
         results += await _compare(
-            "(a) put 1 entry", "XADD", put_one, xadd_one, seconds, 1, freeze, refs=[(ref, bare_lua)]
-        )
+            "(a) put 1 entry", "XADD", put_one, xadd_one, seconds, 1, freeze, meter,
+            refs=[(ref_idem, put_idem), (ref, bare_lua)],
+        )  # fmt: skip
 
         # ------------------------------------------------------------ (b) 100-entry batch
         await store.create(SessionHeader(id="batch"))
@@ -111,8 +129,9 @@ async def run(url: str, seconds: float, freeze: bool) -> list[Result]:
                 )
             return await pipe.execute()
 
+        meter.commands.update({f"(b) put {BATCH} entries": "evalsha", f"{BATCH} piped XADD": "xadd"})
         results += await _compare(
-            f"(b) put {BATCH} entries", f"{BATCH} piped XADD", put_batch, xadd_batch, seconds, BATCH, freeze
+            f"(b) put {BATCH} entries", f"{BATCH} piped XADD", put_batch, xadd_batch, seconds, BATCH, freeze, meter
         )
 
         # ------------------------------------------------------------ (c) 10k-entry read
@@ -131,6 +150,7 @@ async def run(url: str, seconds: float, freeze: bool) -> list[Result]:
             assert len(rows) == READ_N
             return rows
 
+        meter.commands.update({f"(c) read {READ_N} entries": "xrange", "XRANGE (redis-py)": "xrange"})
         results += await _compare(
             f"(c) read {READ_N} entries",
             "XRANGE (redis-py)",
@@ -139,14 +159,16 @@ async def run(url: str, seconds: float, freeze: bool) -> list[Result]:
             seconds,
             READ_N,
             freeze,
+            meter,
             warmup=3,
         )
     finally:
         await store.aclose()
         await client.aclose()
         await plain.aclose()
+        await meter.aclose()
         await drop_prefix(url, prefix)
-    return results
+    return results, meter
 
 
 async def _compare(
@@ -157,6 +179,7 @@ async def _compare(
     seconds: float,
     items: int,
     freeze: bool,
+    meter: ServerMeter,
     warmup: int = 20,
     refs: Sequence[tuple[Timer, Callable[[], Awaitable[object]]]] = (),
 ) -> list[Result]:
@@ -167,7 +190,7 @@ async def _compare(
             await op()
     if freeze:
         settle_gc()
-    await interleave(sides, seconds * len(sides) / 2, warmup_ops=0)
+    await interleave(sides, seconds * len(sides) / 2, warmup_ops=0, meter=meter)
     target = f">={TARGETS[ours_name[1]]:.2f}"
     return [(ours_name, a, b, target), *((t.name, t, b, "") for t, _ in refs)]
 
@@ -177,25 +200,36 @@ def main() -> None:
     p.add_argument("--no-freeze", action="store_true", help="skip gc.freeze() after set-up")
     args = p.parse_args()
     with server(args.url) as url:
-        results: list[Any] = anyio.run(run, url, args.seconds, not args.no_freeze)
+        results, meter = anyio.run(run, url, args.seconds, not args.no_freeze)
     rows = []
     for name, ours, base, target in results:
         ratio = ours.ops_per_s / base.ops_per_s if base.ops_per_s else 0.0
         p50_ratio = base.p(50) / ours.p(50) if ours.samples else 0.0
         verdict = "" if not target else "ok" if ratio >= float(target[2:]) else "MISS"
+        us, base_us = meter.per_op(ours), meter.per_op(base)
         rows.append(
-            [name, f"{ours.ops_per_s:,.0f}", f"{ours.p(50):.3f}", f"{ours.p(99):.3f}",
-             base.name, f"{base.ops_per_s:,.0f}", f"{base.p(50):.3f}", f"{base.p(99):.3f}",
-             f"{ratio:.2f}x", f"{p50_ratio:.2f}x", f"{target} {verdict}".strip()]
+            [name, f"{ours.ops_per_s:,.0f}", f"{ours.p(50):.3f}", f"{ours.p(99):.3f}", _us(us),
+             base.name, f"{base.ops_per_s:,.0f}", f"{base.p(50):.3f}", f"{base.p(99):.3f}", _us(base_us),
+             f"{ratio:.2f}x", f"{p50_ratio:.2f}x", f"{us / base_us:.2f}x" if us and base_us else "",
+             f"{target} {verdict}".strip()]
         )  # fmt: skip
     print_table(
-        ["ours", "ops/s", "p50 ms", "p99 ms", "baseline", "ops/s", "p50 ms", "p99 ms", "ratio", "p50 ratio", "target"],
+        ["ours", "ops/s", "p50 ms", "p99 ms", "server µs/call", "baseline", "ops/s", "p50 ms", "p99 ms",
+         "server µs/call", "ratio", "p50 ratio", "server ratio", "target"],
         rows,
+    )  # fmt: skip
+    print(
+        "ratio: ours/baseline ops/s (the target's measure); p50 ratio: baseline p50 / ours p50;\n"
+        "server µs/call: INFO commandstats usec per op (EVALSHA for a put or a script, XADD, XRANGE); "
+        "server ratio: ours / baseline"
     )
-    print("ratio: ours/baseline ops/s (the target's measure); p50 ratio: baseline p50 / ours p50")
     for name, ours, base, _ in results:
         if ours.items_per_op > 1:
             print(f"{name}: {ours.items_per_s:,.0f} entries/s vs {base.items_per_s:,.0f} entries/s")
+
+
+def _us(v: float | None) -> str:
+    return "" if v is None else f"{v:.1f}"
 
 
 if __name__ == "__main__":

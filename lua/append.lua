@@ -37,6 +37,9 @@
 --         {7}                               the idempotency key landed a different batch (nothing written)
 --         {8}                               the session has another incarnation (it was replaced)
 
+-- The hot path (an append of one entry) is kept to five redis.call()s: TIME, HMGET, XADD, HSET
+-- and the feed XADD; numbers are formatted once (an n below 2^53 prints exactly with %d).
+local call, fmt = redis.call, string.format
 local hdr, log, idem = KEYS[1], KEYS[2], KEYS[3]
 local mode, expected = ARGV[1], ARGV[2]
 local idem_key, digest, window = '', '', 0
@@ -45,45 +48,47 @@ if ARGV[3] ~= '' then
   idem_key, digest, window = k, d, tonumber(w)
 end
 local count = tonumber(ARGV[4])
-local t = redis.call('TIME')
+local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_s = fmt('%d', now)
 local n, ttl
 local base
 
 if mode == 'create' then
-  if redis.call('EXISTS', hdr) == 1 then return {5} end
+  if call('EXISTS', hdr) == 1 then return {5} end
   -- leftovers of an expired or half-purged session must not leak into the new one
-  redis.call('DEL', log, idem, KEYS[4], KEYS[5], KEYS[7], KEYS[8])
+  call('DEL', log, idem, KEYS[4], KEYS[5], KEYS[7], KEYS[8])
   local nhdr = tonumber(ARGV[8])
   local fields = {}
   n = 0
   for i = 0, nhdr - 1 do
     local k, v = ARGV[10 + 2 * i], ARGV[11 + 2 * i]
-    if k == 'created_at' and v == '' then v = string.format('%d', now) end
+    if k == 'created_at' and v == '' then v = now_s end
     if k == 'at' then n = tonumber(v) end
     fields[#fields + 1] = k
     fields[#fields + 1] = v
   end
   ttl = ARGV[7]
   if ttl ~= '' then fields[#fields + 1] = 'ttl_ms'; fields[#fields + 1] = ttl end
-  fields[#fields + 1] = 'n'; fields[#fields + 1] = string.format('%d', n)
-  fields[#fields + 1] = 'updated_at'; fields[#fields + 1] = string.format('%d', now)
-  redis.call('HSET', hdr, unpack(fields))
+  fields[#fields + 1] = 'n'; fields[#fields + 1] = fmt('%d', n)
+  fields[#fields + 1] = 'updated_at'; fields[#fields + 1] = now_s
+  call('HSET', hdr, unpack(fields))
   base = 10 + 2 * nhdr
 else
-  local h = redis.call('HMGET', hdr, 'n', 'deleted', 'ttl_ms', 'incarnation', 'created_at')
+  local h = call('HMGET', hdr, 'n', 'deleted', 'ttl_ms', 'incarnation', 'created_at')
   if not h[1] or h[2] then return {3} end
-  if ARGV[9] ~= '' and ARGV[9] ~= (h[4] or ('legacy-' .. (h[5] or '0'))) then return {8} end
+  local inc = ARGV[9]
+  if inc ~= '' and inc ~= (h[4] or ('legacy-' .. (h[5] or '0'))) then return {8} end
   n = tonumber(h[1])
   ttl = h[3] or ''
   base = 10
   if idem_key ~= '' then
-    local first = redis.call('ZSCORE', idem, idem_key)
+    local first = call('ZSCORE', idem, idem_key)
     if first then
-      if not redis.call('ZSCORE', idem, idem_key .. '\0' .. digest) then
+      if not call('ZSCORE', idem, idem_key .. '\0' .. digest) then
         -- another digest at that score: the key was reused for another batch (a key written
         -- before digests were kept has none and is taken as a retry)
-        for _, m in ipairs(redis.call('ZRANGEBYSCORE', idem, first, first)) do
+        for _, m in ipairs(call('ZRANGEBYSCORE', idem, first, first)) do
           if m ~= idem_key then return {7} end
         end
       end
@@ -103,62 +108,73 @@ local last_cut = nil
 local hint = false  -- a batch of chunk rows only changes no projection: no feed hint for it
 for i = 0, count - 1 do
   local p = base + 6 * i
-  local typ, tm = ARGV[p], ARGV[p + 1]
+  local typ, tm, meta, surface = ARGV[p], ARGV[p + 1], ARGV[p + 3], ARGV[p + 4]
   if typ ~= 'assistant/chunk' then hint = true end
-  if tm == '' then tm = string.format('%d', now) end
-  local f = {'type', typ, 'time', tm, 'data', ARGV[p + 2]}
-  if ARGV[p + 3] ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[p + 3] end
-  if ARGV[p + 4] ~= '' then f[#f + 1] = 'surface'; f[#f + 1] = ARGV[p + 4] end
+  if tm == '' then tm = now_s end
+  local id = fmt('%d-1', n + i)
+  local ok
   if i == 0 then
     -- The first XADD is the consistency check: XADD refuses an ID at or below the stream's last
     -- one, which only happens when the stream is ahead of the header. Nothing is written then.
-    local ok = redis.pcall('XADD', log, string.format('%d-1', n), unpack(f))
+    if meta == '' and surface == '' then
+      ok = redis.pcall('XADD', log, id, 'type', typ, 'time', tm, 'data', ARGV[p + 2])
+    else
+      local f = {'type', typ, 'time', tm, 'data', ARGV[p + 2]}
+      if meta ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = meta end
+      if surface ~= '' then f[#f + 1] = 'surface'; f[#f + 1] = surface end
+      ok = redis.pcall('XADD', log, id, unpack(f))
+    end
     if type(ok) == 'table' and ok.err then
       if not string.find(ok.err, 'equal or smaller', 1, true) then return ok end  -- e.g. an ACL refusal
-      local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+      local last = call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
       return {6, last and last[1] or ok.err}
     end
+  elseif meta == '' and surface == '' then
+    call('XADD', log, id, 'type', typ, 'time', tm, 'data', ARGV[p + 2])
   else
-    redis.call('XADD', log, string.format('%d-1', n + i), unpack(f))
+    local f = {'type', typ, 'time', tm, 'data', ARGV[p + 2]}
+    if meta ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = meta end
+    if surface ~= '' then f[#f + 1] = 'surface'; f[#f + 1] = surface end
+    call('XADD', log, id, unpack(f))
   end
   if typ == 'cut' then last_cut = n + i end
 end
 
 local new_n = n + count
+local new_n_s = fmt('%d', new_n)
 if mode ~= 'create' then
   if count > 0 then
     if last_cut then
-      redis.call('HSET', hdr, 'n', string.format('%d', new_n), 'updated_at', string.format('%d', now),
-                 'last_cut', string.format('%d', last_cut))
+      call('HSET', hdr, 'n', new_n_s, 'updated_at', now_s, 'last_cut', fmt('%d', last_cut))
     else
-      redis.call('HSET', hdr, 'n', string.format('%d', new_n), 'updated_at', string.format('%d', now))
+      call('HSET', hdr, 'n', new_n_s, 'updated_at', now_s)
     end
   end
 else
   if last_cut then
-    redis.call('HSET', hdr, 'n', string.format('%d', new_n), 'last_cut', string.format('%d', last_cut))
+    call('HSET', hdr, 'n', new_n_s, 'last_cut', fmt('%d', last_cut))
   elseif count > 0 then
-    redis.call('HSET', hdr, 'n', string.format('%d', new_n))
+    call('HSET', hdr, 'n', new_n_s)
   end
 end
 
 if idem_key ~= '' and count > 0 then
   local score = n * 65536 + count
-  redis.call('ZADD', idem, score, idem_key, score, idem_key .. '\0' .. digest)
-  redis.call('ZREMRANGEBYRANK', idem, 0, -2 * window - 1)
+  call('ZADD', idem, score, idem_key, score, idem_key .. '\0' .. digest)
+  call('ZREMRANGEBYRANK', idem, 0, -2 * window - 1)
 end
 
 -- An ephemeral session's keys expire together; every write restarts the clock. The lease keeps
 -- its own (shorter) expiry, and a session with live branches is kept for them (see link.lua).
-if ttl ~= '' and redis.call('ZCARD', KEYS[6]) == 0 then
-  for k = 1, 6 do redis.call('PEXPIRE', KEYS[k], ttl) end
+if ttl ~= '' and call('ZCARD', KEYS[6]) == 0 then
+  for k = 1, 6 do call('PEXPIRE', KEYS[k], ttl) end
   -- the live stream keeps its own short expiry; it never outlives the session
-  local live_ttl = redis.call('PTTL', KEYS[8])
-  if live_ttl == -1 or live_ttl > tonumber(ttl) then redis.call('PEXPIRE', KEYS[8], ttl) end
+  local live_ttl = call('PTTL', KEYS[8])
+  if live_ttl == -1 or live_ttl > tonumber(ttl) then call('PEXPIRE', KEYS[8], ttl) end
 end
 
 if KEYS[9] and hint then
-  redis.call('XADD', KEYS[9], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', string.format('%d', new_n))
+  call('XADD', KEYS[9], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', new_n_s)
 end
 
 return {0, n, now}

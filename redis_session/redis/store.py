@@ -75,7 +75,7 @@ from ..model import (
     new_incarnation,
     now_ms,
 )
-from ..projection.chunks import LiveRecord, live_draft
+from ..projection.chunks import TEXT, LiveRecord, live_draft
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
 from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .cluster import ClusterRouter
@@ -253,9 +253,16 @@ def _xread_by_key(resp: Any, *keys: str) -> builtins.list[builtins.list[Any]]:
 
 def _live_records(rows: Any) -> builtins.list[LiveRecord]:
     out: builtins.list[LiveRecord] = []
+    append = out.append
     for rid, f in rows or ():
+        if type(f) is builtins.list and len(f) == 6 and f[0] == b"a" and f[2] == b"i" and f[4] == b"t":
+            # the commonest record, a plain text delta ("a i t"): built directly
+            i = f[3]
+            if i.isdigit():
+                append(LiveRecord(answer=f[1].decode(), kind=TEXT, id=rid.decode(), index=int(i), text=f[5].decode()))
+                continue
         d = f if isinstance(f, dict) else dict(zip(f[::2], f[1::2], strict=False))
-        out.append(LiveRecord.from_fields(_s(rid) or "", {_s(k) or "": _s(v) or "" for k, v in d.items()}))
+        append(LiveRecord.from_fields(_s(rid) or "", {_s(k) or "": _s(v) or "" for k, v in d.items()}))
     return out
 
 
@@ -1106,17 +1113,17 @@ class RedisSessionStore(StoreRules):
         Never re-sent: a lost reply raises `StoreUnavailableError` (a resend could repeat deltas)."""
         validate_session_id(session_id)
         key = self.keys.live(session_id)
-        cmds: builtins.list[Sequence[Any]] = [
-            ("XADD", key, "MAXLEN", "~", self.live_maxlen, "*", *r.fields()) for r in records
-        ]
+        # "XADD key MAXLEN ~ <live_maxlen> *" packed once per call; then each record's fields
+        head = bulks(("XADD", key, "MAXLEN", "~", self.live_maxlen, "*"))
+        parts = [b"*%d\r\n%b%b" % (6 + len(f), head, bulks(f)) for f in (r.fields() for r in records)]
         if trim_before is not None:
-            cmds.append(("XTRIM", key, "MINID", trim_before))
+            parts.append(pack(("XTRIM", key, "MINID", trim_before)))
         if expire_ms is not None:
-            cmds.append(("PEXPIRE", key, expire_ms))
-        if not cmds:
+            parts.append(pack(("PEXPIRE", key, expire_ms)))
+        if not parts:
             return []
         with _io():
-            replies = await self._send_write(key, b"".join([pack(c) for c in cmds]), len(cmds))
+            replies = await self._send_write(key, b"".join(parts), len(parts))
         return [_s(r) or "" for r in replies[: len(records)]]
 
     async def read_live(self, session_id: str, after: str | None = None) -> builtins.list[LiveRecord]:
