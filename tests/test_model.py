@@ -63,6 +63,10 @@ SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "step/start": ({"turn": 1, "step": 1}, {"turn": 1, "step": "1"}),
     "step/end": ({"turn": 1, "step": 2}, {"turn": 1}),
     "assistant/chunk": ({"turn": 1, "step": 1, "chunk": {"text": "He"}}, {"turn": "1"}),
+    "assistant/interrupted": (
+        {"answer": "a1b2c3d4e5", "reason": "cancelled", "deltas": 2, "content": [{"type": "text", "text": "Hel"}]},
+        {"answer": "a1", "reason": "cancelled", "deltas": "2", "content": []},
+    ),
     "tool/call": ({"callId": "c1", "name": "ls", "arguments": "{}"}, {"callId": "c1", "name": "ls", "arguments": {}}),
     "prompt/blocked": ({"content": "no", "reason": "policy"}, {"content": "no"}),
     "todo/write": (
