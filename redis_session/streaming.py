@@ -232,14 +232,7 @@ class AnswerStream:
     # ------------------------------------------------------------------ open and close
 
     async def __aenter__(self) -> AnswerStream:
-        begin = LiveRecord(
-            answer=self.answer,
-            kind="begin",
-            turn=self.turn,
-            step=self.step,
-            n=self._position(),
-            incarnation=self._incarnation,
-        )
+        begin = begin_record(self.answer, self.turn, self.step, self._position(), self._incarnation)
         self._expired_at = anyio.current_time()
         try:
             ids = await self.store.live_add(self.session_id, [begin], expire_ms=self.live_ttl_ms)
@@ -277,15 +270,7 @@ class AnswerStream:
                     log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
 
     async def _commit(self) -> None:
-        data: dict[str, Any] = {}
-        if self.turn is not None:
-            data["turn"] = self.turn
-        if self.step is not None:
-            data["step"] = self.step
-        data["content"] = self.content()
-        if self.usage is not None:
-            data["usage"] = self.usage
-        message = NewEntry("assistant/message", data, {**self._meta, "answer": self.answer})
+        message = answer_message(self.answer, self.turn, self.step, self.content(), self.usage, self._meta)
         rows = self._rows(len(self._chunks))
         try:
             stored = await self._write([*rows, message])
@@ -317,8 +302,41 @@ class AnswerStream:
         await self._close_live(self.interrupted.n, "interrupted")
 
     async def _close_live(self, n: int | None, reason: str) -> None:
-        end = LiveRecord(answer=self.answer, kind="end", index=len(self._chunks), n=n, reason=reason)
+        end = end_record(self.answer, len(self._chunks), n, reason)
         await self._send_pending(end, expire_ms=self.grace_ms, trim=True)
+
+
+def answer_message(
+    answer: str,
+    turn: int | None,
+    step: int | None,
+    content: Sequence[Any],
+    usage: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> NewEntry:
+    """The ``assistant/message`` that commits an answer: its content blocks (`assemble` of its
+    deltas), ``meta.answer`` naming it (its chunk rows and live records carry the same id)."""
+    data: dict[str, Any] = {}
+    if turn is not None:
+        data["turn"] = turn
+    if step is not None:
+        data["step"] = step
+    data["content"] = list(content)
+    if usage is not None:
+        data["usage"] = usage
+    return NewEntry("assistant/message", data, {**(meta or {}), "answer": answer})
+
+
+def begin_record(answer: str, turn: int | None, step: int | None, n: int, incarnation: str | None) -> LiveRecord:
+    """The live record that opens an answer: begun when the log was at `n`, in `incarnation`."""
+    return LiveRecord(answer=answer, kind="begin", turn=turn, step=step, n=n, incarnation=incarnation)
+
+
+def end_record(answer: str, deltas: int, n: int | None, reason: str) -> LiveRecord:
+    """The live record that closes an answer of `deltas` deltas: `n` is the entry that closed it
+    (its message or its interrupted mark; None when none landed), `reason` ``committed`` or
+    ``interrupted`` (``conflict``: the message was refused)."""
+    return LiveRecord(answer=answer, kind="end", index=deltas, n=n, reason=reason)
 
 
 def interrupted_mark(
@@ -404,7 +422,7 @@ async def close_dead_answers(
         mark = interrupted_mark(answer, turn, step, "crashed", len(chunks), assemble(chunks))
         stored = await write([*rows, mark], expected=False)
         out.extend(stored)
-        end = LiveRecord(answer=answer, kind="end", index=len(chunks), n=stored[-1].n, reason="interrupted")
+        end = end_record(answer, len(chunks), stored[-1].n, "interrupted")
         await store.live_add(session_id, [end], expire_ms=round(DEFAULT_GRACE * 1000))
     return out
 
@@ -446,4 +464,13 @@ def _id_ms(rid: str) -> int:
     return int(head) if head.isdigit() else 0
 
 
-__all__ = ["AnswerStream", "close_dead_answers", "dead_answers", "interrupted_mark", "tail_deltas"]
+__all__ = [
+    "AnswerStream",
+    "answer_message",
+    "begin_record",
+    "close_dead_answers",
+    "dead_answers",
+    "end_record",
+    "interrupted_mark",
+    "tail_deltas",
+]

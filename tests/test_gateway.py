@@ -440,6 +440,9 @@ async def test_openapi_describes_every_route(redis_store: RedisSessionStore) -> 
         ("/sessions/{session_id}/fork", "post"),
         ("/sessions/{session_id}/draft", "put"),
         ("/sessions/{session_id}/repair", "post"),
+        ("/sessions/{session_id}/answers", "post"),
+        ("/sessions/{session_id}/answers/{answer}/deltas", "post"),
+        ("/sessions/{session_id}/answers/{answer}/end", "post"),
     }
     for p, item in doc["paths"].items():
         for m, op in item.items():

@@ -115,7 +115,7 @@ def convert(value: Any, type: type[T], where: str = "$") -> T:
         msg = str(e)
         m = re.search(r" - at `\$(.*)`$", msg)
         path = where + (m.group(1) if m else "")
-        unknown = re.match(r"Object contains unknown field `([^`]*)`", msg)
+        unknown = re.match(r"Object (?:contains unknown|missing required) field `([^`]*)`", msg)
         if unknown:
             path += "." + unknown.group(1)
         raise Unprocessable(msg, path) from None

@@ -77,7 +77,8 @@ def _int_arg(request: Request, name: str, default: int | None, lo: int = 0, hi: 
 
 
 def _session_path(scope: Scope) -> tuple[str, str | None]:
-    """(session id, sub-resource) of ``/sessions/{id}[/{sub}]``, decoded from the raw path.
+    """(session id, sub-resource) of ``/sessions/{id}[/{sub}]``, decoded from the raw path (a
+    streamed answer's sub-resource is ``answers/{answer}/{action}``, `route_key` names its route).
 
     The decoded ``path`` cannot tell ``a%2Fb`` (one id) from ``a/b``; the raw path can."""
     raw: bytes | None = scope.get("raw_path")
@@ -94,7 +95,9 @@ def _session_path(scope: Scope) -> tuple[str, str | None]:
         parts = rel.split(b"/", 1)
     else:
         parts = rel.split(b"/")
-        if len(parts) > 2:
+        if len(parts) == 4 and parts[1] == b"answers":  # /answers/{answer}/{deltas,end}
+            parts = [parts[0], b"/".join(parts[1:])]
+        elif len(parts) > 2:
             raise HTTPException(404, "no such route")
     try:
         sid = unquote_to_bytes(parts[0]).decode("utf-8")
@@ -118,3 +121,13 @@ class _SessionRoute(Route):
             if path.startswith("/sessions/"):
                 return super().matches({**scope, "path": "/sessions/-", "root_path": ""})
         return Match.NONE, {}
+
+
+def route_key(sub: str | None) -> tuple[str | None, str | None]:
+    """(route, answer id) of a sub-resource: ``answers/a1b2/deltas`` is route
+    ``answers/{answer}/deltas`` of answer ``a1b2``; any other is its own route, without answer."""
+    if sub is not None and sub.startswith("answers/"):
+        parts = sub.split("/")
+        if len(parts) == 3:
+            return f"answers/{{answer}}/{parts[2]}", parts[1]
+    return sub, None

@@ -382,6 +382,123 @@ def _write_paths(
                 },
             }
         },
+        **_answer_paths(sid, ref, body, created, [if_match, incarnation, key], write_errors, conflict),
+    }
+
+
+def _answer_paths(
+    sid: dict[str, Any],
+    ref: Callable[[str], dict[str, str]],
+    body: Callable[[dict[str, Any]], dict[str, Any]],
+    created: Callable[[str, dict[str, Any]], dict[str, Any]],
+    headers: list[dict[str, Any]],
+    write_errors: dict[str, Any],
+    conflict: dict[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """The streaming routes (scope `write`): begin an answer, send its deltas in batches, end it."""
+    if_match, incarnation, key = headers
+    answer = {
+        "name": "answer",
+        "in": "path",
+        "required": True,
+        "description": "The answer id the begin answered",
+        "schema": {"type": "string", "pattern": "^[0-9A-Za-z_.-]{1,64}$"},
+    }
+    replaced = {"409": conflict["409"]}
+    return {
+        "/sessions/{session_id}/answers": {
+            "post": {
+                "summary": "Begin a streamed answer: a `begin` record on the session's live stream "
+                "(with an Idempotency-Key, a retry gets the same answer id)",
+                "parameters": [sid, incarnation, key],
+                "requestBody": {**body(ref("AnswerBegin")), "required": False},
+                "responses": {"201": created("The answer", ref("Answer")), **write_errors, **replaced},
+            }
+        },
+        "/sessions/{session_id}/answers/{answer}/deltas": {
+            "post": {
+                "summary": "A batch of deltas: live for tailing readers (SSE `?deltas=1`), and one packed "
+                "`assistant/chunk` row in the log; a retried batch (same `first_index`) is written nowhere twice",
+                "parameters": [sid, answer, incarnation],
+                "requestBody": body(ref("DeltaBatch")),
+                "responses": {"201": created("The chunk row", ref("Written")), **write_errors, **replaced},
+            }
+        },
+        "/sessions/{session_id}/answers/{answer}/end": {
+            "post": {
+                "summary": "End the answer: the `assistant/message` (committed) or the `assistant/interrupted` "
+                "mark, then the live `end` record; If-Match as on /entries (412: nothing written)",
+                "parameters": [sid, answer, if_match, incarnation, key],
+                "requestBody": body(ref("AnswerEnd")),
+                "responses": {
+                    "201": created("The closing entry", ref("Written")),
+                    **write_errors,
+                    **conflict,
+                },
+            }
+        },
+    }
+
+
+def _answer_schemas() -> dict[str, Any]:
+    turn_step = {"turn": {"type": ["integer", "null"]}, "step": {"type": ["integer", "null"]}}
+    delta = {
+        "type": "object",
+        "required": ["text"],
+        "additionalProperties": False,
+        "properties": {
+            "text": {"type": "string", "description": "the piece of text, reasoning or tool-call arguments"},
+            "kind": {"type": "string", "enum": ["text", "reasoning", "tool-call"], "default": "text"},
+            "callId": {"type": "string", "minLength": 1, "description": "tool-call deltas only (required)"},
+            "name": {"type": "string", "description": "tool-call deltas only (the first one of a call)"},
+        },
+    }
+    return {
+        "AnswerBegin": {"type": "object", "additionalProperties": False, "properties": turn_step},
+        "Answer": {
+            "type": "object",
+            "properties": {
+                "answer": {"type": "string"},
+                "n": {"type": "integer", "description": "the log's n when the answer began (end's `begun_at`)"},
+                "incarnation": {"type": ["string", "null"]},
+                "begin_id": {"type": ["string", "null"], "description": "the begin's live id (end's `begin_id`)"},
+            },
+        },
+        "Delta": delta,
+        "DeltaBatch": {
+            "type": "object",
+            "required": ["first_index", "deltas"],
+            "additionalProperties": False,
+            "properties": {
+                "first_index": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "the first delta's index in the answer",
+                },
+                "deltas": {"type": "array", "items": {"$ref": "#/components/schemas/Delta"}, "minItems": 1},
+                **turn_step,
+            },
+        },
+        "AnswerEnd": {
+            "type": "object",
+            "required": ["reason", "begun_at"],
+            "additionalProperties": False,
+            "properties": {
+                "reason": {"type": "string", "enum": ["committed", "interrupted"]},
+                "begun_at": {"type": "integer", "minimum": 0, "description": "the `n` the begin answered"},
+                "begin_id": {"type": "string", "description": "the begin's live id: older live records are trimmed"},
+                **turn_step,
+                "content": {
+                    "type": "array",
+                    "items": {"type": "object"},
+                    "description": "default: assembled from the deltas",
+                },
+                "usage": {"type": "object"},
+                "meta": {"type": "object"},
+                "cause": {"type": "string", "enum": ["cancelled", "error"], "description": "an interruption's reason"},
+                "expected_n": {"type": "integer", "minimum": 0, "description": "as If-Match"},
+            },
+        },
     }
 
 
@@ -447,6 +564,7 @@ def _write_schemas(ref: Callable[[str], dict[str, str]]) -> dict[str, Any]:
                 "entries": {"type": "array", "items": ref("Entry")},
             },
         },
+        **_answer_schemas(),
         "Conflict": {
             "type": "object",
             "properties": {

@@ -10,9 +10,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from . import reads, writes
+from . import answers, reads, writes
 from .auth import Forbidden, principal
-from .common import _session_path
+from .common import _session_path, route_key
 from .context import Gateway
 
 Handler = Callable[[Gateway, Request, str], Awaitable[Response]]
@@ -29,6 +29,9 @@ SESSION_ROUTES: dict[tuple[str | None, str], tuple[str, Handler]] = {
     ("branch", "POST"): ("write", writes.branch),
     ("fork", "POST"): ("write", writes.fork),
     ("repair", "POST"): ("write", writes.repair),
+    ("answers", "POST"): ("write", answers.begin),
+    ("answers/{answer}/deltas", "POST"): ("write", answers.deltas),
+    ("answers/{answer}/end", "POST"): ("write", answers.end),
 }
 METHODS = sorted({m for _, m in SESSION_ROUTES} | {"HEAD"})
 
@@ -54,7 +57,8 @@ async def sessions(gw: Gateway, request: Request) -> Response:
 
 async def session(gw: Gateway, request: Request) -> Response:
     """``/sessions/{id}[/{sub}]``, by the table above."""
-    sid, sub = _session_path(request.scope)
+    sid, path = _session_path(request.scope)
+    sub, _ = route_key(path)
     method = "GET" if request.method == "HEAD" else request.method
     found = SESSION_ROUTES.get((sub, method))
     if found is None:

@@ -10,6 +10,7 @@
 
 import { errorFor, SessionError, SessionNotFoundError, SessionReplacedError, UnavailableError } from './errors.js'
 import { parseSse } from './sse.js'
+import { AnswerWriter, type AnswerBegun, type DeltaKind, type Post, type StreamOptions } from './stream.js'
 import type {
   Entry,
   Json,
@@ -71,6 +72,27 @@ export interface TailOptions {
   onDraft?: (draft: JsonObject | null) => void
   /** reconnect attempts in a row before giving up (default: unlimited) */
   maxRetries?: number
+  /** the deltas of streamed answers too (`Delta`, SSE `?deltas=1`), as they are streamed */
+  deltas?: boolean
+  /** with `deltas`: resume right after this delta (`Delta.cursor`), with `lastEventId` */
+  liveAfter?: string
+}
+
+/** One delta of a streamed answer, as `tail(id, {deltas: true})` yields it between the entries. */
+export class Delta {
+  constructor(
+    /** the answer's id (its chunk rows and its closing entry carry it too) */
+    readonly answer: string,
+    /** the delta's place in its answer: 0, 1, 2 … */
+    readonly index: number,
+    readonly kind: DeltaKind,
+    /** a piece of text, of reasoning, or of a tool call's JSON arguments */
+    readonly text: string,
+    /** its live stream id: resume after it (`liveAfter`) */
+    readonly cursor: string,
+    readonly callId?: string,
+    readonly name?: string,
+  ) {}
 }
 
 export interface TransactOptions {
@@ -304,6 +326,28 @@ export class SessionClient {
     }
   }
 
+  // ------------------------------------------------------------------ streaming
+
+  /**
+   * Begin streaming an assistant answer: `w.delta(text)` (also `reasoning`, `toolCallDelta`) queues,
+   * a timer sends the queue every ~75 ms as one batch (live for readers at once, one packed
+   * `assistant/chunk` row in the log), `await w.end()` commits the `assistant/message`,
+   * `await w.abort()` leaves the `assistant/interrupted` mark.
+   */
+  async stream(id: string, options: StreamOptions = {}): Promise<AnswerWriter> {
+    const body: Record<string, unknown> = {}
+    if (options.turn !== undefined) body.turn = options.turn
+    if (options.step !== undefined) body.step = options.step
+    const begun = await this.json<AnswerBegun>('POST', this.path(id, 'answers'), {
+      body,
+      headers: { 'content-type': 'application/json', 'idempotency-key': options.idempotencyKey },
+      sessionId: id,
+    })
+    const post: Post = (path, payload, headers) =>
+      this.request('POST', path, { body: payload, headers: { 'content-type': 'application/json', ...headers }, sessionId: id })
+    return new AnswerWriter(post, this.path(id, 'answers'), id, begun, options)
+  }
+
   // ------------------------------------------------------------------ reads
 
   /** Entries [start, stop) (default: to the end), paged under the hood. */
@@ -337,15 +381,20 @@ export class SessionClient {
    * is retried with backoff and resumed with `Last-Event-ID`: every entry once, in order. Ends when
    * the session is deleted; throws `SessionReplacedError` when its id was deleted and created again.
    */
-  async *tail(id: string, options: TailOptions = {}): AsyncGenerator<Entry> {
+  tail(id: string, options: TailOptions & { deltas: true }): AsyncGenerator<Entry | Delta>
+  tail(id: string, options?: TailOptions): AsyncGenerator<Entry>
+  async *tail(id: string, options: TailOptions = {}): AsyncGenerator<Entry | Delta> {
     let last = options.lastEventId ?? (options.start ?? 0) - 1
+    let cursor = options.liveAfter // the last delta's live id (`?deltas=1`)
+    const url = this.path(id, 'events') + (options.deltas ? '?deltas=1' : '')
     let failures = 0
     let connected = false
     for (;;) {
       let response: Response
+      const lastId = cursor !== undefined ? `${last}/${cursor}` : last >= 0 ? String(last) : undefined
       try {
-        response = await this.request('GET', this.path(id, 'events'), {
-          headers: { accept: 'text/event-stream', 'last-event-id': last >= 0 ? String(last) : undefined },
+        response = await this.request('GET', url, {
+          headers: { accept: 'text/event-stream', 'last-event-id': lastId },
           sessionId: id,
           ...(options.signal ? { signal: options.signal } : {}),
         })
@@ -359,7 +408,12 @@ export class SessionClient {
       connected = true
       try {
         for await (const ev of parseSse(response.body as unknown as AsyncIterable<Uint8Array>)) {
-          if (ev.event === 'message' && ev.id !== undefined) {
+          if (ev.event === 'delta' && ev.id !== undefined) {
+            const d = JSON.parse(ev.data) as { answer: string; index: number; kind: DeltaKind; text: string; callId?: string; name?: string }
+            cursor = ev.id.slice(ev.id.indexOf('/') + 1)
+            failures = 0
+            yield new Delta(d.answer, d.index, d.kind, d.text, cursor, d.callId, d.name)
+          } else if (ev.event === 'message' && ev.id !== undefined) {
             const entry = JSON.parse(ev.data) as Entry
             if (entry.n <= last) continue
             last = entry.n
