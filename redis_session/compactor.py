@@ -82,7 +82,7 @@ from .errors import (
     SessionNotFoundError,
     StoreUnavailableError,
 )
-from .feed import as_map, as_str, default_consumer, entry_rows, feed_client_of, stream_rows, validate_group
+from .feed import FeedRow, FeedWorker, as_map, as_str, default_consumer, feed_client_of, validate_group
 from .keys import validate_session_id
 from .model import CUT, NewEntry, SessionHead
 from .projection.fold import Message, ProjectionState, estimate_tokens, history, to_openai
@@ -119,7 +119,7 @@ ChatMessage = dict[str, Any]
 SummaryResult = str | Sequence[Mapping[str, Any]]
 Summarizer = Callable[[builtins.list[ChatMessage]], SummaryResult | Awaitable[SummaryResult]]
 
-_FeedRow = tuple[str, str, dict[str, str] | None]
+_FeedRow = FeedRow
 
 
 # --------------------------------------------------------------------------- summarizers
@@ -312,7 +312,10 @@ class _Work:
 # --------------------------------------------------------------------------- the worker
 
 
-class Compactor:
+class Compactor(FeedWorker):
+    kind = "compactor"
+    in_hand = "the sessions in hand"
+
     """One compactor worker (a consumer of the change feed in its own group).
 
     >>> c = Compactor(store, summarize=my_summarizer, budget_tokens=32_000, keep_recent=20)
@@ -414,83 +417,6 @@ class Compactor:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def stop(self) -> None:
-        """Ask `run()` to return: an idle read is interrupted, the sessions in hand are finished."""
-        self._stopping = True
-        if self._idle_scope is not None:
-            self._idle_scope.cancel()
-
-    @property
-    def deferred(self) -> int:
-        """Sessions held back for a busy lock (their feed entries are still pending)."""
-        return len(self._deferred)
-
-    async def run(self) -> None:
-        """Consume the feed until `stop()` (a `stop()` before `run()` makes it return at once)."""
-        await self.ensure_groups()
-        self._start_http()
-        try:
-            while not self._stopping:
-                try:
-                    await self.run_once(block=True)
-                except (StoreUnavailableError, RedisError, OSError) as e:
-                    if self._stopping:
-                        break
-                    if "NOGROUP" in str(e):
-                        self._groups_ready = False
-                    log.warning("compactor %s: %s; retrying in 1 s", self.consumer, e)
-                    with anyio.move_on_after(1.0) as scope:
-                        self._idle_scope = scope
-                        await anyio.sleep_forever()
-                    self._idle_scope = None
-        finally:
-            self._stop_http()
-            self._stopping = False
-
-    async def run_forever(self) -> None:
-        """`run()` with SIGTERM/SIGINT handled: a signal stops it after the sessions in hand."""
-        import signal
-
-        async with anyio.create_task_group() as tg:
-
-            async def _signals() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        log.info("compactor %s: signal %s, finishing the sessions in hand", self.consumer, signum)
-                        self.stop()
-                        return
-
-            tg.start_soon(_signals)
-            await self.run()
-            tg.cancel_scope.cancel()
-
-    async def ensure_groups(self) -> None:
-        """Create the group on every feed shard (from id 0, MKSTREAM); existing groups are kept."""
-        if self._groups_ready:
-            return
-        for key in self.feeds:
-            try:
-                await self._r.execute_command("XGROUP", "CREATE", key, self.group, "0", "MKSTREAM")
-            except RedisError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
-        self._groups_ready = True
-
-    def _start_http(self) -> None:
-        if self.metrics_port is None or self._http is not None:
-            return
-        from prometheus_client import start_http_server
-
-        self._http = start_http_server(self.metrics_port, addr=self.metrics_addr, registry=self.metrics.registry)
-
-    def _stop_http(self) -> None:
-        if self._http is not None:
-            server, thread = self._http
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
-            self._http = None
-
     # ------------------------------------------------------------------ one batch
 
     async def run_once(self, *, block: bool = False) -> int:
@@ -510,7 +436,7 @@ class Compactor:
             wait = None if not block else (250 if self._deferred else self.block_ms)
             with anyio.CancelScope() as scope:
                 self._idle_scope = scope
-                rows = await self._read(wait)
+                rows = await self._read(dict.fromkeys(self.feeds, ">"), wait)
             self._idle_scope = None
             if scope.cancelled_caught:
                 rows = []
@@ -518,42 +444,6 @@ class Compactor:
         if not works and not garbage:
             return 0
         return await self._handle(works, garbage)
-
-    async def _read(self, block_ms: int | None) -> builtins.list[_FeedRow]:
-        group, consumer, count = self.group, self.consumer, self.batch
-        if not self.store.cluster:
-            args: builtins.list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
-            if block_ms is not None:
-                args += ["BLOCK", block_ms]
-            args += ["STREAMS", *self.feeds, *([">"] * len(self.feeds))]
-            return stream_rows(await self._r.execute_command(*args, **RAW))
-        out: builtins.list[_FeedRow] = []  # a cluster: one read per shard, then a short poll
-        for key in self.feeds:
-            raw = await self._r.execute_command(
-                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, ">", **RAW
-            )
-            out.extend(stream_rows(raw))
-        if not out and block_ms:
-            await anyio.sleep(min(block_ms, 100) / 1000)
-        return out
-
-    async def _autoclaim(self) -> builtins.list[_FeedRow]:
-        out: builtins.list[_FeedRow] = []
-        for key in self.feeds:
-            raw = await self._r.execute_command(
-                "XAUTOCLAIM", key, self.group, self.consumer, self.claim_idle_ms,
-                self._claim_cursor[key], "COUNT", self.batch, **RAW,
-            )  # fmt: skip
-            self._claim_cursor[key] = as_str(raw[0])
-            for rid, fields in entry_rows(raw[1]):
-                out.append((key, rid, fields))
-        mine = {(k, rid) for w in self._deferred.values() for k, rids in w.ids.items() for rid in rids}
-        fresh = sum(1 for key, rid, _ in out if (key, rid) not in mine)
-        if fresh:
-            self.metrics.reclaimed.inc(fresh)
-            with contextlib.suppress(RedisError, OSError):
-                await self._r.execute_command("HINCRBY", self._stats_key, "reclaimed", fresh)
-        return out
 
     def _coalesce(self, rows: Sequence[_FeedRow]) -> tuple[dict[str, _Work], dict[str, set[str]]]:
         works = self._deferred

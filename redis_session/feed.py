@@ -6,16 +6,28 @@ compactor): consumer-group names, consumer ids, and parsing of XREADGROUP / XAUT
 from __future__ import annotations
 
 import builtins
+import contextlib
+import logging
 import os
 import secrets
+import signal
 import socket
-from typing import Any
+from typing import Any, ClassVar
 
+import anyio
+from redis.exceptions import RedisError
+
+from .errors import StoreUnavailableError
 from .keys import validate_prefix
 from .redis.store import RedisSessionStore
-from .redis.wire import feed_client
+from .redis.wire import RAW, feed_client
+
+log = logging.getLogger(__name__)
+
+FeedRow = tuple[str, str, dict[str, str] | None]
 
 __all__ = [
+    "FeedWorker",
     "as_map",
     "as_str",
     "default_consumer",
@@ -77,3 +89,150 @@ def default_consumer() -> str:
 def feed_client_of(store: RedisSessionStore) -> Any:
     """The store's client for the feed commands, replies unparsed (`wire.feed_client`)."""
     return feed_client(store.client)
+
+
+class FeedWorker:
+    """What every consumer of the change feed shares (the projector, the compactor): the group on
+    every shard, the read loop with its retry and stop, SIGTERM handling, reclaiming a dead
+    worker's pending entries, and the metrics endpoint. A subclass sets the attributes below in
+    its ``__init__`` and implements `run_once` (one batch; returns the feed entries acked)."""
+
+    kind: ClassVar[str] = "worker"  # names it in logs
+    in_hand: ClassVar[str] = "the work in hand"  # what a SIGTERM lets it finish
+
+    store: RedisSessionStore
+    group: str
+    consumer: str
+    batch: int
+    claim_idle_ms: int
+    metrics_port: int | None
+    metrics_addr: str
+    metrics: Any  # has a `reclaimed` counter
+    feeds: builtins.list[str]
+    _r: Any
+    _stats_key: str
+    _stopping: bool
+    _groups_ready: bool
+    _idle_scope: anyio.CancelScope | None
+    _http: Any
+    _claim_cursor: dict[str, str]
+    _deferred: dict[str, Any]  # session → its held-back work (an `ids` map of feed key → entry ids)
+
+    async def run_once(self, *, block: bool = False) -> int:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Ask `run()` to return: an idle read is interrupted, the work in hand is finished first."""
+        self._stopping = True
+        if self._idle_scope is not None:
+            self._idle_scope.cancel()
+
+    @property
+    def deferred(self) -> int:
+        """Sessions this worker holds back for a busy lock (their feed entries are still pending)."""
+        return len(self._deferred)
+
+    async def run(self) -> None:
+        """Consume the feed until `stop()` (a `stop()` before `run()` makes it return at once)."""
+        await self.ensure_groups()
+        self._start_http()
+        try:
+            while not self._stopping:
+                try:
+                    await self.run_once(block=True)
+                except (StoreUnavailableError, RedisError, OSError) as e:
+                    if self._stopping:
+                        break
+                    if "NOGROUP" in str(e):  # the group (or a feed key) was deleted: recreate it
+                        self._groups_ready = False
+                    log.warning("%s %s: %s; retrying in 1 s", self.kind, self.consumer, e)
+                    with anyio.move_on_after(1.0) as scope:
+                        self._idle_scope = scope
+                        await anyio.sleep_forever()
+                    self._idle_scope = None
+        finally:
+            self._stop_http()
+            self._stopping = False
+
+    async def run_forever(self) -> None:
+        """`run()` with SIGTERM/SIGINT handled: a signal stops it after the work in hand."""
+        async with anyio.create_task_group() as tg:
+
+            async def _signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("%s %s: signal %s, finishing %s", self.kind, self.consumer, signum, self.in_hand)
+                        self.stop()
+                        return
+
+            tg.start_soon(_signals)
+            await self.run()
+            tg.cancel_scope.cancel()
+
+    async def ensure_groups(self) -> None:
+        """Create the group on every feed shard (from id 0, MKSTREAM); existing groups are kept."""
+        if self._groups_ready:
+            return
+        for key in self.feeds:
+            try:
+                await self._r.execute_command("XGROUP", "CREATE", key, self.group, "0", "MKSTREAM")
+            except RedisError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+        self._groups_ready = True
+
+    def _start_http(self) -> None:
+        if self.metrics_port is None or self._http is not None:
+            return
+        from prometheus_client import start_http_server
+
+        self._http = start_http_server(self.metrics_port, addr=self.metrics_addr, registry=self.metrics.registry)
+
+    def _stop_http(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+            self._http = None
+
+    async def _read(self, start: dict[str, str], block_ms: int | None) -> builtins.list[FeedRow]:
+        """XREADGROUP from `start` (per feed key: ``>`` for new entries, an id for our own)."""
+        group, consumer, count = self.group, self.consumer, self.batch
+        if not self.store.cluster:
+            args: builtins.list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
+            if block_ms is not None:
+                args += ["BLOCK", block_ms]
+            args += ["STREAMS", *start.keys(), *start.values()]
+            return stream_rows(await self._r.execute_command(*args, **RAW))
+        # A cluster puts the shards in different slots: one read per shard, then a short poll.
+        out: builtins.list[FeedRow] = []
+        for key, from_id in start.items():
+            raw = await self._r.execute_command(
+                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, from_id, **RAW
+            )
+            out.extend(stream_rows(raw))
+        if not out and block_ms:
+            await anyio.sleep(min(block_ms, 100) / 1000)
+        return out
+
+    async def _autoclaim(self) -> builtins.list[FeedRow]:
+        """Entries idle past ``claim_idle_ms`` in any consumer's pending list (a dead worker's)."""
+        out: builtins.list[FeedRow] = []
+        for key in self.feeds:
+            raw = await self._r.execute_command(
+                "XAUTOCLAIM", key, self.group, self.consumer, self.claim_idle_ms,
+                self._claim_cursor[key], "COUNT", self.batch, **RAW,
+            )  # fmt: skip
+            self._claim_cursor[key] = as_str(raw[0])
+            for rid, fields in entry_rows(raw[1]):
+                out.append((key, rid, fields))
+        # Entries this worker deferred (a busy lock) idle in its own list too: not a reclaim.
+        mine = {(k, rid) for w in self._deferred.values() for k, rids in w.ids.items() for rid in rids}
+        fresh = sum(1 for key, rid, _ in out if (key, rid) not in mine)
+        if fresh:
+            self.metrics.reclaimed.inc(fresh)
+            with contextlib.suppress(RedisError, OSError):
+                await self._r.execute_command("HINCRBY", self._stats_key, "reclaimed", fresh)
+            log.info("%s %s: reclaimed %d idle feed entries", self.kind, self.consumer, fresh)
+        return out

@@ -62,7 +62,7 @@ import anyio
 from redis.exceptions import RedisError
 
 from .errors import InvalidSessionIdError, SessionNotFoundError, StoreUnavailableError
-from .feed import as_map, as_str, default_consumer, entry_rows, feed_client_of, stream_rows, validate_group
+from .feed import FeedWorker, as_map, as_str, default_consumer, feed_client_of, validate_group
 from .keys import validate_session_id
 from .model import CUT, SessionHead
 from .projection.fold import ProjectionState
@@ -138,7 +138,10 @@ class _Work:
 SessionHook = Callable[[str], Awaitable[None]]
 
 
-class Projector:
+class Projector(FeedWorker):
+    kind = "projector"
+    in_hand = "the batch in hand"
+
     """One projector worker (a consumer of the change-feed group).
 
     >>> p = Projector(store, consumer="pod-a", metrics_port=9108)
@@ -211,87 +214,6 @@ class Projector:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def stop(self) -> None:
-        """Ask `run()` to return: an idle read is interrupted, a batch in hand is finished first."""
-        self._stopping = True
-        if self._idle_scope is not None:
-            self._idle_scope.cancel()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    @property
-    def deferred(self) -> int:
-        """Sessions this worker holds back for a busy lock (their feed entries are still pending)."""
-        return len(self._deferred)
-
-    async def run(self) -> None:
-        """Consume the feed until `stop()` (a `stop()` before `run()` makes it return at once)."""
-        await self.ensure_groups()
-        self._start_http()
-        try:
-            while not self._stopping:
-                try:
-                    await self.run_once(block=True)
-                except (StoreUnavailableError, RedisError, OSError) as e:
-                    if self._stopping:
-                        break
-                    if "NOGROUP" in str(e):  # the group (or a feed key) was deleted: recreate it
-                        self._groups_ready = False
-                    log.warning("projector %s: %s; retrying in 1 s", self.consumer, e)
-                    with anyio.move_on_after(1.0) as scope:
-                        self._idle_scope = scope
-                        await anyio.sleep_forever()
-                    self._idle_scope = None
-        finally:
-            self._stop_http()
-            self._stopping = False
-
-    async def run_forever(self) -> None:
-        """`run()` with SIGTERM/SIGINT handled: a signal stops it after the batch in hand."""
-        import signal
-
-        async with anyio.create_task_group() as tg:
-
-            async def _signals() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        log.info("projector %s: signal %s, finishing the batch in hand", self.consumer, signum)
-                        self.stop()
-                        return
-
-            tg.start_soon(_signals)
-            await self.run()
-            tg.cancel_scope.cancel()
-
-    async def ensure_groups(self) -> None:
-        """Create the group on every feed shard (from id 0, MKSTREAM); existing groups are kept."""
-        if self._groups_ready:
-            return
-        for key in self.feeds:
-            try:
-                await self._r.execute_command("XGROUP", "CREATE", key, self.group, "0", "MKSTREAM")
-            except RedisError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
-        self._groups_ready = True
-
-    def _start_http(self) -> None:
-        if self.metrics_port is None or self._http is not None:
-            return
-        from prometheus_client import start_http_server
-
-        self._http = start_http_server(self.metrics_port, addr=self.metrics_addr, registry=self.metrics.registry)
-
-    def _stop_http(self) -> None:
-        if self._http is not None:
-            server, thread = self._http
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
-            self._http = None
-
     # ------------------------------------------------------------------ one batch
 
     async def run_once(self, *, block: bool = False) -> int:
@@ -325,48 +247,6 @@ class Projector:
         if not works and not garbage:
             return 0
         return await self._handle(works, garbage)
-
-    async def _read(
-        self, start: dict[str, str], block_ms: int | None
-    ) -> builtins.list[tuple[str, str, dict[str, str] | None]]:
-        """XREADGROUP from `start` (per feed key: ``>`` for new entries, an id for our own)."""
-        group, consumer, count = self.group, self.consumer, self.batch
-        if not self.store.cluster:
-            args: builtins.list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
-            if block_ms is not None:
-                args += ["BLOCK", block_ms]
-            args += ["STREAMS", *start.keys(), *start.values()]
-            return stream_rows(await self._r.execute_command(*args, **RAW))
-        # A cluster puts the shards in different slots: one read per shard, then a short poll.
-        out: builtins.list[tuple[str, str, dict[str, str] | None]] = []
-        for key, from_id in start.items():
-            raw = await self._r.execute_command(
-                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, from_id, **RAW
-            )
-            out.extend(stream_rows(raw))
-        if not out and block_ms:
-            await anyio.sleep(min(block_ms, 100) / 1000)
-        return out
-
-    async def _autoclaim(self) -> builtins.list[tuple[str, str, dict[str, str] | None]]:
-        out: builtins.list[tuple[str, str, dict[str, str] | None]] = []
-        for key in self.feeds:
-            raw = await self._r.execute_command(
-                "XAUTOCLAIM", key, self.group, self.consumer, self.claim_idle_ms,
-                self._claim_cursor[key], "COUNT", self.batch, **RAW,
-            )  # fmt: skip
-            self._claim_cursor[key] = as_str(raw[0])
-            for rid, fields in entry_rows(raw[1]):
-                out.append((key, rid, fields))
-        # Entries this worker deferred (a busy lock) idle in its own list too: not a reclaim.
-        mine = {(k, rid) for w in self._deferred.values() for k, rids in w.ids.items() for rid in rids}
-        fresh = sum(1 for key, rid, _ in out if (key, rid) not in mine)
-        if fresh:
-            self.metrics.reclaimed.inc(fresh)
-            with contextlib.suppress(RedisError, OSError):
-                await self._r.execute_command("HINCRBY", self._stats_key, "reclaimed", fresh)
-            log.info("projector %s: reclaimed %d idle feed entries", self.consumer, fresh)
-        return out
 
     def _coalesce(
         self, rows: Sequence[tuple[str, str, dict[str, str] | None]]
