@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import anyio
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -43,7 +43,7 @@ async def _closing(it: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T], Non
             await aclose()
 
 
-async def follow(
+def follow(
     store: SessionStore,
     session_id: str,
     start: int = 0,
@@ -66,44 +66,14 @@ async def follow(
     ...     async for e in entries:
     ...         print(e.n, e.type)
     """
-    nxt = start
-    delay = min_backoff
-    dropped = False
-    while True:
-        try:
-            if incarnation is None:
-                head = await store.head(session_id)
-                if head is None:
-                    raise SessionNotFoundError(session_id)
-                incarnation = head.header.incarnation
-            async with _closing(store.tail(session_id, nxt, incarnation=incarnation)) as entries:
-                async for e in entries:
-                    if e.n < nxt:
-                        continue
-                    if e.n > nxt:
-                        for missing in await store.read(session_id, nxt, e.n, incarnation=incarnation):
-                            yield missing
-                            nxt = missing.n + 1
-                    yield e
-                    nxt = e.n + 1
-                    delay = min_backoff
-            return
-        except SessionReplacedError:
-            raise
-        except SessionNotFoundError:
-            if dropped:  # deleted while we were away: the same end as a tail that sees it go
-                return
-            raise
-        except RETRYABLE as exc:
-            dropped = True
-            wait = delay * (0.5 + random.random())  # jitter: many readers must not reconnect in step
-            if on_retry is not None:
-                on_retry(exc, wait, nxt)
-            await anyio.sleep(wait)
-            delay = min(delay * 2, max_backoff)
+    return cast(
+        AsyncGenerator[Entry, None],
+        _resume(store, session_id, start, deltas=False, live_after=None, on_retry=on_retry,
+                min_backoff=min_backoff, max_backoff=max_backoff, incarnation=incarnation),
+    )  # fmt: skip
 
 
-async def follow_deltas(
+def follow_deltas(
     store: SessionStore,
     session_id: str,
     start: int = 0,
@@ -125,6 +95,28 @@ async def follow_deltas(
     ...     if isinstance(item, Delta):
     ...         print(item.text, end="")
     """
+    return _resume(
+        store, session_id, start, deltas=True, live_after=live_after, on_retry=on_retry,
+        min_backoff=min_backoff, max_backoff=max_backoff, incarnation=incarnation,
+    )  # fmt: skip
+
+
+async def _resume(
+    store: SessionStore,
+    session_id: str,
+    start: int,
+    *,
+    deltas: bool,
+    live_after: str | None,
+    on_retry: RetryHook | None,
+    min_backoff: float,
+    max_backoff: float,
+    incarnation: str | None,
+) -> AsyncGenerator[Entry | Delta, None]:
+    """The one reconnecting reader behind `follow` and `follow_deltas`: entries from `start`
+    exactly once and in order (a gap, never expected, is filled by a read), and with `deltas` the
+    live deltas after `live_after`; a drop waits (backoff with jitter) and resumes after the last
+    item delivered; a replaced id raises, a deleted one ends it."""
     nxt = start
     delay = min_backoff
     dropped = False
@@ -135,7 +127,12 @@ async def follow_deltas(
                 if head is None:
                     raise SessionNotFoundError(session_id)
                 incarnation = head.header.incarnation
-            tail = tail_deltas(store, session_id, nxt, incarnation=incarnation, live_after=live_after)
+            if deltas:
+                tail: AsyncIterator[Entry | Delta] = tail_deltas(
+                    store, session_id, nxt, incarnation=incarnation, live_after=live_after
+                )
+            else:
+                tail = store.tail(session_id, nxt, incarnation=incarnation)
             async with _closing(tail) as items:
                 async for item in items:
                     if isinstance(item, Delta):
@@ -155,12 +152,12 @@ async def follow_deltas(
         except SessionReplacedError:
             raise
         except SessionNotFoundError:
-            if dropped:
+            if dropped:  # deleted while we were away: the same end as a tail that sees it go
                 return
             raise
         except RETRYABLE as exc:
             dropped = True
-            wait = delay * (0.5 + random.random())
+            wait = delay * (0.5 + random.random())  # jitter: many readers must not reconnect in step
             if on_retry is not None:
                 on_retry(exc, wait, nxt)
             await anyio.sleep(wait)
