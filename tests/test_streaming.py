@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import anyio
 import httpx
 import msgspec
 import pytest
+import redis.asyncio
 from test_gateway import path, sse
 
 from redis_session import Delta, MemorySessionStore, RedisSessionStore, SessionHeader, Sessions, pack_chunks, project
@@ -373,6 +375,16 @@ async def test_memory_store_has_the_live_path_too() -> None:
     assert (await store.read_live("chat"))[-1].kind == "end"
 
 
+async def _cleanup(url: str, prefix: str) -> None:
+    r = redis.asyncio.Redis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+        if keys:
+            await r.delete(*keys)
+    finally:
+        await r.aclose()
+
+
 def test_the_short_bench_delivers_every_delta_once_and_replays_the_log(redis_url: str) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     try:
@@ -380,7 +392,11 @@ def test_the_short_bench_delivers_every_delta_once_and_replays_the_log(redis_url
     finally:
         sys.path.pop(0)
     for way in ("raw", "stream"):
-        res = anyio.run(bench.run_sessions, redis_url, f"benchtest{way}", way, [f"s{i}" for i in range(4)], 60, 200.0)
+        prefix = f"benchtest{way}{uuid.uuid4().hex[:8]}"  # a shared server may hold an earlier run's keys
+        try:
+            res = anyio.run(bench.run_sessions, redis_url, prefix, way, [f"s{i}" for i in range(4)], 60, 200.0)
+        finally:
+            anyio.run(_cleanup, redis_url, prefix)
         assert res["complete"] and res["log_ok"], (way, res["incomplete"])
         assert res["deltas"] == 240
 
