@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from redis_session import (
     NewEntry,
     RedisSessionStore,
     SessionAlreadyExistsError,
+    SessionError,
     SessionHeader,
     SessionNotFoundError,
 )
@@ -755,3 +758,103 @@ async def test_replace_refuses_a_session_kept_for_a_hidden_branch_and_leaves_it_
     assert await store.head("cli:direct") == head
     assert await store.read("cli:direct") == entries
     assert [e.n for e in await store.read("z")] == [0]
+
+
+# --------------------------------------------------------------------------- replace: nothing lost
+
+
+def _long_rows(sid: str, count: int, word: str) -> list[Any]:
+    rows: list[Any] = [
+        {
+            "_type": "redis-session",
+            "version": 1,
+            "n": count,
+            "header": {"id": sid, "format_version": 1, "created_at": 7, "delegation_depth": 0},
+        }
+    ]
+    rows += [
+        {"n": i, "time": 1000 + i, "type": "message", "data": {"role": "user", "content": f"{word}{i}"}}
+        for i in range(count)
+    ]
+    return rows
+
+
+async def test_failed_replace_leaves_the_old_session_exactly_as_it_was(small_batch_store: Any, tmp_path: Path) -> None:
+    """A replacing import that fails part-way (after two of five batches) leaves the old session
+    untouched: same incarnation, same entries, readable all along; the error says so."""
+    store = small_batch_store
+    await store.create(SessionHeader(id="long", title="old"), [NewEntry("message", {"role": "user", "content": "old"})])
+    before, entries = await store.head("long"), await store.read("long")
+    path = write_jsonl(tmp_path / "long.jsonl", _long_rows("long", 230, "new"))
+    calls = 0
+
+    def boom(done: int, total: int) -> None:
+        nonlocal calls
+        calls += 1
+        assert [e.data["content"] for e in entries] == ["old"]
+        if calls == 3:
+            raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire") as info:
+        await import_path(store, path, on_exists="replace", progress=boom)
+    assert any("left as it was" in note for note in info.value.__notes__)
+    assert await store.head("long") == before
+    assert await store.read("long") == entries
+    assert [h.id for h in (await store.list()).items] == ["long"]  # no staging copy left
+    # the same import then replaces it, keeping nothing of the old one
+    [res] = await import_path(store, path, on_exists="replace")
+    assert res.status == "replaced"
+    after = await store.head("long")
+    assert after.n == 230 and after.header.incarnation != before.header.incarnation
+    assert after.header.title is None
+    assert [e.data["content"] for e in await store.read("long", 0, 3)] == ["new0", "new1", "new2"]
+    assert [h.id for h in (await store.list()).items] == ["long"]
+
+
+async def test_replace_with_a_lost_reply_loses_nothing(tmp_path: Path) -> None:
+    """Issue 21 §4: a multi-batch replace whose put reply is lost (the proxy cuts the connection
+    after the server ran the command) fails, and the old session is exactly as it was."""
+    from reliability._proxy import FaultProxy
+
+    from redis_session.redis.embedded import start_server
+
+    server = start_server(tmp_path / "srv", appendonly=False)
+    try:
+        with FaultProxy(server.port, seed=3) as proxy:
+            store = RedisSessionStore.from_url(
+                proxy.url, max_batch=50, client_options={"socket_timeout": 2, "retry_on_timeout": False}
+            )
+            direct = RedisSessionStore.from_url(server.url)
+            try:
+                await store.create(SessionHeader(id="long"), [NewEntry("message", {"role": "user", "content": "old"})])
+                before, entries = await direct.head("long"), await direct.read("long")
+                path = write_jsonl(tmp_path / "long.jsonl", _long_rows("long", 230, "new"))
+                calls = 0
+
+                def lose_next_reply(done: int, total: int) -> None:
+                    nonlocal calls
+                    calls += 1
+                    if calls == 3:  # two batches landed: the reply of the third put is lost
+                        cuts = proxy.stats.cuts
+                        proxy.cut_up, proxy.cut_down, proxy.cut_rate = False, True, 1.0
+
+                        def heal() -> None:  # one reply lost, then the network is fine again
+                            deadline = time.monotonic() + 10
+                            while proxy.stats.cuts == cuts and time.monotonic() < deadline:
+                                time.sleep(0.001)
+                            proxy.cut_rate = 0.0
+
+                        threading.Thread(target=heal, daemon=True).start()
+
+                with pytest.raises(SessionError) as info:
+                    await import_path(store, path, on_exists="replace", progress=lose_next_reply)
+                proxy.cut_rate = 0.0
+                assert any("left as it was" in note for note in info.value.__notes__)
+                assert await direct.head("long") == before
+                assert await direct.read("long") == entries
+                assert [h.id for h in (await direct.list()).items] == ["long"]  # no staging copy left
+            finally:
+                await store.aclose()
+                await direct.aclose()
+    finally:
+        server.stop()

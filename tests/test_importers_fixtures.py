@@ -332,7 +332,10 @@ def _streamed_dsh_file(t: int) -> list[dict[str, Any]]:
 
     def ev(type_: str, data: dict[str, Any], **extra: Any) -> None:
         seq = len(out) - 1 if out[-1]["type"] == "session" else _next(out)
-        out.append({"type": type_, "seq": seq, "time": t + 3 * seq + seq % 2, "data": data, **extra})
+        # in dsh's key order: ignorable, sourceEventSeqs, then surfaceOp
+        order = [k for k in ("ignorable", "sourceEventSeqs", "surfaceOp") if k in extra]
+        rest = {k: extra[k] for k in order}
+        out.append({"type": type_, "seq": seq, "time": t + 3 * seq + seq % 2, "data": data, **rest})
 
     def chunks(turn: int, step: int, n: int, make: Any) -> None:
         for i in range(n):
@@ -658,3 +661,58 @@ async def test_conflict_names_the_cli_flag(tmp_path: Path) -> None:
     await import_path(store, path)
     with pytest.raises(Exception, match="--on-exists skip or --on-exists replace"):
         await import_path(store, path)
+
+
+# --------------------------------------------------------------------------- dsh, byte for byte
+
+
+def _dsh_clean_prefixes(raw: bytes) -> Iterator[bytes]:
+    """The file cut after each ``turn/end`` line: logs dsh itself had written at those moments
+    (every turn closed, nothing to repair)."""
+    lines = raw.split(b"\n")
+    for i, line in enumerate(lines):
+        if b'"type":"turn/end"' in line:
+            yield b"\n".join(lines[: i + 1]) + b"\n"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (SEED / "dsh").glob("*.jsonl")))
+async def test_dsh_export_is_byte_identical_to_the_file_dsh_wrote(name: str, tmp_path: Path) -> None:
+    """Issue 23 §3: an imported dsh log exports as the bytes dsh wrote (each event's keys in dsh's
+    order: sourceEventSeqs before surfaceOp): every closed-turn prefix of each fixture exactly, and
+    the crashed file as its complete lines followed by the events the repair added."""
+    raw = (SEED / "dsh" / name).read_bytes()
+    prefixes = list(_dsh_clean_prefixes(raw))
+    assert prefixes
+    for k, prefix in enumerate(prefixes):
+        path = tmp_path / f"p{k}.jsonl"
+        path.write_bytes(prefix)
+        store = MemorySessionStore()
+        [res] = await import_path(store, path)
+        out = io.StringIO()
+        await export_session(store, res.session_id, out, format="dsh")
+        assert out.getvalue().encode() == prefix, f"prefix {k}"
+    store = MemorySessionStore()
+    [res] = await import_path(store, SEED / "dsh" / name)
+    out = io.StringIO()
+    await export_session(store, res.session_id, out, format="dsh")
+    complete = raw[: raw.rfind(b"\n") + 1]  # a torn last line is what dsh's loader drops too
+    assert out.getvalue().encode().startswith(complete)
+    assert len(out.getvalue().encode()) > len(complete)  # the crash repair's events follow
+
+
+async def test_dsh_keys_written_in_another_order_export_as_written(tmp_path: Path) -> None:
+    raw = (SEED / "dsh" / "dsh-main.crashed.jsonl").read_bytes()
+    prefix = next(_dsh_clean_prefixes(raw))
+    lines = prefix.decode().splitlines()
+    shuffled = [lines[0]]
+    for line in lines[1:]:
+        obj = json.loads(line)
+        shuffled.append(json.dumps(dict(reversed(list(obj.items()))), ensure_ascii=False, separators=(",", ":")))
+    text = "\n".join(shuffled) + "\n"
+    path = tmp_path / "shuffled.jsonl"
+    path.write_text(text, encoding="utf-8")
+    store = MemorySessionStore()
+    [res] = await import_path(store, path)
+    out = io.StringIO()
+    await export_session(store, res.session_id, out, format="dsh")
+    assert out.getvalue() == text

@@ -4,6 +4,7 @@ and the reversible mapping of foreign keys to session ids."""
 
 from __future__ import annotations
 
+import binascii
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -360,3 +361,19 @@ def mapped_id(path: Path, line: int | None, key: str) -> str:
             f"session id {key[:80]!r} is not allowed here, even percent-encoded ({e}); nothing of this session "
             "was imported",
         ) from None
+
+
+def _slot(session_id: str) -> int:
+    """The Redis Cluster slot of a session's keys (their hash tag is the id: CRC16 mod 16384)."""
+    return binascii.crc_hqx(session_id.encode("utf-8"), 0) % 16384
+
+
+def staging_id(session_id: str, token: str) -> str:
+    """An id to build a replacing import under: unique (`token`), naming its target, and in the
+    same cluster slot as `session_id`, so the store can swap the two in one atomic script."""
+    slot = _slot(session_id)
+    base = f"{session_id[:160]}.import-{token[:16]}."
+    k = 0
+    while _slot(f"{base}{k:x}") != slot:
+        k += 1
+    return f"{base}{k:x}"
