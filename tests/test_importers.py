@@ -35,10 +35,12 @@ pytestmark = pytest.mark.anyio
 # --------------------------------------------------------------------------- helpers
 
 
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    """One JSON value per line; a str row is written verbatim (for broken lines)."""
+def write_jsonl(path: Path, rows: list[Any], *, compact: bool = False) -> Path:
+    """One JSON value per line; a str row is written verbatim (for broken lines). `compact`
+    writes as JavaScript's JSON.stringify does (the tutorial harness)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [r if isinstance(r, str) else json.dumps(r, ensure_ascii=False) for r in rows]
+    seps = (",", ":") if compact else None
+    lines = [r if isinstance(r, str) else json.dumps(r, ensure_ascii=False, separators=seps) for r in rows]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
@@ -523,7 +525,7 @@ def _surface_json(surface: Any) -> str:
 
 async def test_tutorial_file_projects_like_derive_messages(store: Any, tmp_path: Path) -> None:
     rows = tutorial_rows()
-    path = write_jsonl(tmp_path / "5a1b896f-beb.jsonl", rows)
+    path = write_jsonl(tmp_path / "5a1b896f-beb.jsonl", rows, compact=True)
     [res] = await import_path(store, path)
     assert (res.session_id, res.format, res.entries) == ("5a1b896f-beb", "tutorial", 9)
     entries = await store.read("5a1b896f-beb")
@@ -549,7 +551,7 @@ async def test_tutorial_file_projects_like_derive_messages(store: Any, tmp_path:
 
 async def test_mini_dsh_file_projects_like_derive_messages(store: Any, tmp_path: Path) -> None:
     rows = mini_dsh_rows()
-    [res] = await import_path(store, write_jsonl(tmp_path / "x.jsonl", rows))
+    [res] = await import_path(store, write_jsonl(tmp_path / "x.jsonl", rows, compact=True))
     assert res.session_id == "0b5c3a52-mini"
     head = await store.head("0b5c3a52-mini")
     assert head is not None and head.header.title == "demo"

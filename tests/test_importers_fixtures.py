@@ -8,6 +8,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -716,3 +719,116 @@ async def test_dsh_keys_written_in_another_order_export_as_written(tmp_path: Pat
     out = io.StringIO()
     await export_session(store, res.session_id, out, format="dsh")
     assert out.getvalue() == text
+
+
+# --------------------------------------------------------------------------- the tutorial harness's own code
+
+HARNESS = Path(__file__).parent / "fixtures" / "tutorial_harness" / "session.mjs"
+needs_node = pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed (CI installs nodejs)")
+
+
+def _harness_write(tmp_path: Path, sid: str, events: list[Any]) -> Path:
+    """A log written by the harness's own Session.append + save() (under node)."""
+    spec = tmp_path / f"{sid}.spec.json"
+    spec.write_text(json.dumps({"id": sid, "events": events}), encoding="ascii")  # \\ud800 stays an escape
+    out = tmp_path / f"{sid}.jsonl"
+    subprocess.run(["node", str(HARNESS), "write", str(spec), str(out)], check=True, timeout=60)
+    return out
+
+
+def _harness_load(path: Path) -> dict[str, Any]:
+    """What the harness's own load() + deriveMessages() make of a file (under node)."""
+    run = subprocess.run(["node", str(HARNESS), "load", str(path)], check=True, timeout=60, capture_output=True)
+    loaded: dict[str, Any] = json.loads(run.stdout)
+    return loaded
+
+
+def _fffd(value: Any) -> Any:
+    """`value` with each lone surrogate as U+FFFD (what the store holds for one)."""
+    if isinstance(value, str):
+        return re.sub("[\ud800-\udfff]", "\ufffd", value)
+    if isinstance(value, dict):
+        return {k: _fffd(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fffd(v) for v in value]
+    return value
+
+
+_CALL = {"id": "call_9", "type": "function", "function": {"name": "run_bash", "arguments": '{"command":"ls"}'}}
+HARNESS_EDGES: list[Any] = [
+    ["turn/start", {"agent": "a-1"}],
+    ["user/message", {"content": None}],
+    ["user/message", {}],
+    ["user/message", {"content": "half a pair: \ud800 and a whole one: \ud83d\ude00, a line sep \u2028"}],
+    ["step/start", {"step": 0, "budget": 1e21, "tiny": 1e-7, "sum": 0.1 + 0.2, "neg": -2.5e-10, "big": 2**53}],
+    ["assistant/message", {"tool_calls": [_CALL]}],
+    ["tool/result", {"tool_call_id": "call_9", "content": {"ok": True, "files": ["a", "b"], "n": 1.5}}],
+    ["tool/result", {"content": 42}],
+    ["tool/result", {"tool_call_id": "call_9", "content": None}],
+    ["assistant/message", {"content": "", "tool_calls": []}],
+    ["assistant/message", {"content": None}],
+    ["assistant/message", {"content": "done", "tool_calls": None, "extra": {"k": [1, 2.0, "x"]}}],
+    ["assistant/chunk", {"delta": {"content": "d"}}],
+    ["step/end", {"step": 0, "tool_calls": 1}],
+    ["turn/end", {}],
+]
+
+
+@needs_node
+async def test_tutorial_harness_edge_cases_import_as_derive_messages_and_export_byte_identical(
+    tmp_path: Path,
+) -> None:
+    """Issue 23 §2 with the harness's own code writing and reading: null and missing user content
+    stay so, non-string tool results and a missing tool_call_id stay as written, tool_calls [] is
+    kept, a lone surrogate escape imports, and the export is the very bytes save() wrote."""
+    path = _harness_write(tmp_path, "edges-1", HARNESS_EDGES)
+    harness = _harness_load(path)
+    store = MemorySessionStore()
+    [res] = await import_path(store, path)
+    assert (res.session_id, res.entries) == ("edges-1", len(HARNESS_EDGES))
+    entries = await store.read("edges-1")
+    data = [e.data for e in entries if e.type == "message"]
+    want = _fffd(harness["messages"])
+    # the harness's messages, except the JSON text of a tool result no chat message holds as it is
+    tool_json = {4: '{"ok":true,"files":["a","b"],"n":1.5}', 5: "42"}
+    assert data == [{**m, "content": tool_json[i]} if i in tool_json else m for i, m in enumerate(want)]
+    assert data[0] == {"role": "user", "content": None}
+    assert data[1] == {"role": "user"}
+    assert data[3] == {"role": "assistant", "content": "", "tool_calls": [_CALL]}
+    assert data[5] == {"role": "tool", "content": "42"}  # no tool_call_id: missing, as written
+    assert data[7] == {"role": "assistant", "content": "", "tool_calls": []}
+    out = io.StringIO()
+    await export_session(store, "edges-1", out, format="tutorial")
+    assert out.getvalue().encode("utf-8", "surrogatepass") == path.read_bytes()
+    # and the harness reads the export back to its own messages
+    back = tmp_path / "back.jsonl"
+    back.write_bytes(out.getvalue().encode("utf-8", "surrogatepass"))
+    assert _harness_load(back) == harness
+
+
+@needs_node
+async def test_sessions_written_through_our_api_export_to_what_the_harness_reads(store: Any, tmp_path: Path) -> None:
+    """A session written through our API (typed entries, a tool call, a cut) exports to a file
+    the harness's load() + deriveMessages() read as the messages our projection sends."""
+    sessions = Sessions(store)
+    s = await sessions.create("api-1")
+    await s.append("user/message", {"content": [{"type": "text", "text": "old question"}]})
+    await s.append("assistant/message", {"content": [{"type": "text", "text": "old answer"}]})
+    await s.append("user/message", {"content": "list files"})
+    await s.append(
+        "assistant/message",
+        {"content": [{"type": "tool-call", "id": "c1", "name": "ls", "arguments": '{"path":"."}'}]},
+    )
+    await s.append("tool/result", {"callId": "c1", "content": [{"type": "text", "text": "a.txt"}]})
+    await s.append("assistant/message", {"content": "one file: a.txt"})
+    await s.compact(before=2, summary=[{"role": "user", "content": "summary: asked, answered"}], reason="test")
+    await s.append("user/message", {"content": "thanks"})
+    entries = list(await store.read("api-1"))
+    out = tmp_path / "api-1.jsonl"
+    await export_session(store, "api-1", out, format="tutorial")
+    harness = _harness_load(out)
+    assert harness["id"] == "api-1"
+    ours = [{**m, "content": m["content"] if m.get("content") is not None else ""} for m in to_openai(project(entries))]
+    assert harness["messages"] == ours
+    assert ours[0] == {"role": "user", "content": "summary: asked, answered"}  # the cut, as the model sees it
+    assert {"role": "tool", "tool_call_id": "c1", "content": "a.txt"} in harness["messages"]

@@ -5,6 +5,7 @@ and the reversible mapping of foreign keys to session ids."""
 from __future__ import annotations
 
 import binascii
+import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -190,10 +191,36 @@ def json_object(line: Line) -> dict[str, Any]:
     try:
         obj = _decode_json.decode(line.raw)
     except (msgspec.DecodeError, RecursionError) as e:
-        raise Bad(f"invalid JSON: {e or 'nested too deeply'}") from None
+        if "surrogate" not in str(e):
+            raise Bad(f"invalid JSON: {e or 'nested too deeply'}") from None
+        obj = _with_lone_surrogates(line, e)
     if not isinstance(obj, dict):
         raise Bad(f"expected a JSON object, got {tname(obj)}")
     return obj
+
+
+def _with_lone_surrogates(line: Line, err: Exception) -> Any:
+    """A line with a lone surrogate escape (``"\\ud800"``, which JavaScript's JSON.stringify writes
+    for a string holding half a pair): decoded, each lone surrogate as U+FFFD (UTF-8, and so the
+    store, cannot hold one). The tutorial importer keeps the line as written for its export."""
+    try:
+        obj = json.loads(line.raw, object_pairs_hook=dict)
+    except (ValueError, RecursionError):
+        raise Bad(f"invalid JSON: {err}") from None
+    return _replace_surrogates(obj)
+
+
+def _replace_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return _LONE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_surrogates(v) for v in value]
+    return value
+
+
+_LONE = re.compile("[\ud800-\udfff]")
 
 
 def convert(obj: dict[str, Any], typ: type[S], what: str = "") -> S:

@@ -204,7 +204,7 @@ def _entry(obj: dict[str, Any], expected: int) -> NewEntry:
             surface["sourceEventSeqs"] = ev.sourceEventSeqs
     elif not isinstance(ev.sourceEventSeqs, UnsetType):
         raise Bad("sourceEventSeqs without surfaceOp")
-    meta = None if isinstance(ev.ignorable, UnsetType) else {"ignorable": ev.ignorable}
+    meta: dict[str, Any] | None = None if isinstance(ev.ignorable, UnsetType) else {"ignorable": ev.ignorable}
     keys = list(obj)
     if keys != _envelope_order(keys):  # written in another order than dsh's: kept for the export
         meta = {**(meta or {}), "keys": keys}
