@@ -6,16 +6,21 @@
 -- KEYS[9..16] the same keys of the staged session
 -- ARGV[1]     the incarnation of the target the importer saw (another one is refused)
 -- ARGV[2]     the target id (written into the header that moves)
+-- ARGV[3]     the staged session's incarnation ("" = not known): a retry whose swap already
+--             landed (a lost reply) finds the target holding it and answers 11
 --
 -- Returns {0, old created_at, staged created_at, staged n}   swapped: the old session is gone
 --         {3}                                                 the target is absent (or deleted)
 --         {8}                                                 the target has another incarnation
 --         {9}                                                 the target has live branches
 --         {10}                                                the staged session is absent
+--         {11, created_at, n}                                 already swapped (the target holds the
+--                                                             staged incarnation, the staged id is gone)
 local call = redis.call
 local t = call('HMGET', KEYS[1], 'n', 'deleted', 'incarnation', 'created_at')
 if not t[1] or t[2] then return {3} end
 local inc = t[3] or ('legacy-' .. (t[4] or '0'))
+if ARGV[3] ~= '' and inc == ARGV[3] and call('EXISTS', KEYS[9]) == 0 then return {11, t[4] or '0', t[1]} end
 if inc ~= ARGV[1] then return {8} end
 if call('ZCARD', KEYS[6]) > 0 then return {9} end
 local s = call('HMGET', KEYS[9], 'n', 'created_at', 'deleted')

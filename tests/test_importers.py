@@ -860,3 +860,98 @@ async def test_replace_with_a_lost_reply_loses_nothing(tmp_path: Path) -> None:
                 await direct.aclose()
     finally:
         server.stop()
+
+
+def _one_lost_reply(proxy: Any) -> None:
+    """Cut the connection after the server runs the next command (its reply is lost), once."""
+    cuts = proxy.stats.cuts
+    proxy.cut_up, proxy.cut_down, proxy.cut_rate = False, True, 1.0
+
+    def heal() -> None:
+        deadline = time.monotonic() + 10
+        while proxy.stats.cuts == cuts and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proxy.cut_rate = 0.0
+
+    threading.Thread(target=heal, daemon=True).start()
+
+
+async def test_replace_whose_swap_reply_is_lost_completes_once(tmp_path: Path) -> None:
+    """The reply of the swap itself is lost: the retry finds it landed and finishes it. The session
+    is the new one, listed once; no staging copy, no old list entry."""
+    from reliability._proxy import FaultProxy
+
+    from redis_session.redis.embedded import start_server
+
+    server = start_server(tmp_path / "srv", appendonly=False)
+    try:
+        with FaultProxy(server.port, seed=5) as proxy:
+            store = RedisSessionStore.from_url(proxy.url, max_batch=50, client_options={"socket_timeout": 2})
+            direct = RedisSessionStore.from_url(server.url)
+            try:
+                await store.create(SessionHeader(id="long", created_at=5), [NewEntry("message", {"role": "user"})])
+                path = write_jsonl(tmp_path / "long.jsonl", _long_rows("long", 120, "new"))
+
+                def lose_swap_reply(done: int, total: int) -> None:
+                    if done == total:  # every batch landed: the next command is the swap
+                        _one_lost_reply(proxy)
+
+                [res] = await import_path(store, path, on_exists="replace", progress=lose_swap_reply)
+                assert res.status == "replaced"
+                assert proxy.stats.cuts == 1  # the swap's reply was lost once
+                head = await direct.head("long")
+                assert head is not None and head.n == 120 and head.header.created_at == 7
+                assert [(h.id, h.created_at) for h in (await direct.list()).items] == [("long", 7)]
+                assert [e.data["content"] for e in await direct.read("long", 118)] == ["new118", "new119"]
+            finally:
+                await store.aclose()
+                await direct.aclose()
+    finally:
+        server.stop()
+
+
+async def test_replace_while_the_id_gets_another_life_leaves_that_life_alone(
+    small_batch_store: Any, tmp_path: Path
+) -> None:
+    """Attack: the id is deleted and created again while the replacing import runs. The swap is
+    refused (SessionReplacedError), the new life keeps exactly its entries, nothing is left over."""
+    store = small_batch_store
+    await store.create(SessionHeader(id="long"), [NewEntry("message", {"role": "user", "content": "first life"})])
+    path = write_jsonl(tmp_path / "long.jsonl", _long_rows("long", 230, "new"))
+    state: dict[str, Any] = {}
+
+    async def other_life() -> None:
+        await store.delete("long")
+        await store.create(SessionHeader(id="long"), [NewEntry("message", {"role": "user", "content": "second"})])
+        state["head"] = await store.head("long")
+
+    calls = 0
+
+    def meanwhile(done: int, total: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            state["go"] = True
+
+    async def run_import() -> None:
+        await import_path(store, path, on_exists="replace", progress=meanwhile)
+
+    # the other life is made between two batches: wrap put so it runs right after the first one
+    real_put = store.put
+
+    async def put(*args: Any, **kwargs: Any) -> Any:
+        if state.pop("go", False):
+            await other_life()
+        return await real_put(*args, **kwargs)
+
+    store.put = put
+    try:
+        with pytest.raises(SessionNotFoundError) as info:  # SessionReplacedError is one
+            await run_import()
+    finally:
+        del store.put
+    assert "replaced" in str(info.value)
+    assert any("left as it was" in note for note in info.value.__notes__)
+    assert await store.head("long") == state["head"]
+    assert [e.data["content"] for e in await store.read("long")] == ["second"]
+    assert [h.id for h in (await store.list()).items] == ["long"]

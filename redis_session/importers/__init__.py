@@ -40,6 +40,7 @@ from ..errors import (
     SessionAlreadyExistsError,
     SessionError,
     SessionNotFoundError,
+    StoreUnavailableError,
 )
 from ..model import (
     DEFAULT_MAX_BATCH,
@@ -277,26 +278,42 @@ async def write_session(
     staged = staging_id(sid, token)
     kept = f"the session {sid!r} was left as it was (n={old.n}); nothing of this import remains"
     try:
-        await _write_all(store, parsed, staged, token, progress, staged=True)
+        staged_incarnation = await _write_all(store, parsed, staged, token, progress, staged=True)
     except BaseException as e:
         e.add_note(kept)
         if await _head_or_none(store, staged) is not None:
             _leftover(e, store, staged)
         raise
-    try:
-        await swap(sid, staged, incarnation=old.header.incarnation)
-    except BaseException as e:
-        with anyio.CancelScope(shield=True):
-            now = await _head_or_none(store, sid)
-        if now is not None and await _head_or_none(store, staged) is None:
-            # the reply was lost but the swap landed: the staged copy is the session now
-            if now.header.incarnation != old.header.incarnation and now.n == len(parsed.entries):
-                return _result(parsed, "replaced")
-        e.add_note(kept)
-        if not await _drop(store, staged):
-            _leftover(e, store, staged)
-        raise
-    return _result(parsed, "replaced")
+    for attempt in range(_SWAP_TRIES):
+        try:
+            # a retry after a lost reply finds the swap landed (the staged incarnation) and finishes it
+            await swap(
+                sid,
+                staged,
+                incarnation=old.header.incarnation,
+                staged_incarnation=staged_incarnation,
+                replaced_created_at=old.header.created_at,
+            )
+            return _result(parsed, "replaced")
+        except StoreUnavailableError as e:
+            if attempt + 1 < _SWAP_TRIES:
+                await anyio.sleep(0.05 * 2**attempt)
+                continue
+            await _failed_swap(store, e, staged, kept)
+            raise
+        except BaseException as e:
+            await _failed_swap(store, e, staged, kept)
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_SWAP_TRIES = 4
+
+
+async def _failed_swap(store: SessionStore, e: BaseException, staged: str, kept: str) -> None:
+    e.add_note(kept)
+    if not await _drop(store, staged):
+        _leftover(e, store, staged)
 
 
 def _result(parsed: ParsedSession, status: Literal["imported", "replaced"]) -> ImportResult:
@@ -344,8 +361,9 @@ async def _write_all(
     progress: Callable[[int], object] | None,
     *,
     staged: bool = False,
-) -> None:
-    """Create `sid` with the parsed header and entries, in batches; a failure part-way deletes it."""
+) -> str:
+    """Create `sid` with the parsed header and entries, in batches (a failure part-way deletes
+    it); its incarnation."""
     max_batch = int(getattr(store, "max_batch", DEFAULT_MAX_BATCH))
     ranges = _batches(parsed, max_batch, BATCH_BYTES)
     entries = parsed.entries
@@ -373,6 +391,7 @@ async def _write_all(
     finally:
         if not done:
             await _drop(store, sid)
+    return incarnation
 
 
 def _files(root: Path) -> list[Path]:
