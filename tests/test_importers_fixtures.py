@@ -832,3 +832,26 @@ async def test_sessions_written_through_our_api_export_to_what_the_harness_reads
     assert harness["messages"] == ours
     assert ours[0] == {"role": "user", "content": "summary: asked, answered"}  # the cut, as the model sees it
     assert {"role": "tool", "tool_call_id": "c1", "content": "a.txt"} in harness["messages"]
+
+
+@needs_node
+async def test_an_imported_harness_log_continued_through_our_api_exports_for_the_harness(tmp_path: Path) -> None:
+    """A harness log imported, then continued through our API: the export keeps the harness's
+    lines byte for byte and adds the new turn as the message events its deriveMessages reads."""
+    path = SEED / "tutorial" / "16e6b2b0-131.jsonl"
+    store = MemorySessionStore()
+    await import_path(store, path)
+    s = await Sessions(store).open("16e6b2b0-131")
+    await s.append("user/message", {"content": "and now?"})
+    await s.append("assistant/message", {"content": [{"type": "text", "text": "now: 04:01"}]})
+    out = tmp_path / "more.jsonl"
+    await export_session(store, "16e6b2b0-131", out, format="tutorial")
+    written = out.read_bytes()
+    assert written.startswith(path.read_bytes())
+    harness = _harness_load(out)
+    assert harness["messages"] == [
+        *TUTORIAL["16e6b2b0-131"]["messages"],
+        {"role": "user", "content": "and now?"},
+        {"role": "assistant", "content": "now: 04:01"},
+    ]
+    assert [e["seq"] for e in harness["events"]][-2:] == [26, 27]
