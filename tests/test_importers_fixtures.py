@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import random
 import re
 import shutil
+import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -855,3 +858,32 @@ async def test_an_imported_harness_log_continued_through_our_api_exports_for_the
         {"role": "assistant", "content": "now: 04:01"},
     ]
     assert [e["seq"] for e in harness["events"]][-2:] == [26, 27]
+
+
+@needs_node
+def test_js_json_writes_what_json_stringify_writes() -> None:
+    """The exporter's JSON.stringify (tutorial.js_json) against node's own, on 20 000 random
+    doubles (every exponent range, integers past 2^53, -0.0, subnormals) and strings with control
+    characters, lone surrogates, U+2028 and emoji."""
+    from redis_session.importers.tutorial import js_json
+
+    rng = random.Random(7)
+    nums: list[Any] = []
+    while len(nums) < 20_000:
+        x = struct.unpack("d", struct.pack("Q", rng.getrandbits(64)))[0]
+        if math.isfinite(x):
+            nums.append(x)
+    nums += [1e21, -1e21, 1e-7, 1e-6, 5e-324, -0.0, 0.1 + 0.2, 2.0**53, 2.0**53 + 2, 1796098545.412]
+    nums += [float(rng.randint(-(10**25), 10**25)) for _ in range(500)] + [rng.randint(-(2**53), 2**53)]
+    alphabet = ["a", "é", "\x00", "\x1f", "\x7f", '"', "\\", "\n", "\u2028", "\ud800", "\udfff", "😀", "\t"]
+    strings = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(2000)]
+    value: Any = {"nums": nums, "strings": strings, "nested": {"k\u2028": [None, True, False, {}], "": []}}
+    echo = "let s='';process.stdin.on('data',d=>s+=d).on('end',()=>process.stdout.write(JSON.stringify(JSON.parse(s))))"
+    node = subprocess.run(
+        ["node", "-e", echo],
+        input=json.dumps(value).encode(),
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.decode("utf-8", "surrogatepass")
+    assert js_json(value) == node

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -92,7 +93,7 @@ def _js_number(x: int | float) -> str:
         return "null"
     if x == 0:
         return "0"
-    if x.is_integer() and abs(x) < 1e21:
+    if x.is_integer() and abs(x) < 2**53:
         return str(int(x))
     sign = "-" if x < 0 else ""
     t = Decimal(repr(abs(x))).normalize().as_tuple()
@@ -113,7 +114,12 @@ def _js_number(x: int | float) -> str:
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _js_string(s: str) -> str:
+    if _SURROGATE.search(s):  # a high and a low surrogate side by side are one character to JS
+        s = s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
     out = []
     for ch in s:
         if ch in _ESCAPES:
