@@ -276,13 +276,13 @@ async def write_session(
     if swap is None:
         raise SessionError(f"this store ({type(store).__name__}) cannot replace a session atomically (no swap_session)")
     staged = staging_id(sid, token)
-    kept = f"the session {sid!r} was left as it was (n={old.n}); nothing of this import remains"
+    kept = f"the session {sid!r} was left as it was (this import never wrote to it); nothing of the import remains"
     try:
         staged_incarnation = await _write_all(store, parsed, staged, token, progress, staged=True)
     except BaseException as e:
         e.add_note(kept)
         if await _head_or_none(store, staged) is not None:
-            _leftover(e, store, staged)
+            _leftover(e, staged)
         raise
     for attempt in range(_SWAP_TRIES):
         try:
@@ -313,7 +313,7 @@ _SWAP_TRIES = 4
 async def _failed_swap(store: SessionStore, e: BaseException, staged: str, kept: str) -> None:
     e.add_note(kept)
     if not await _drop(store, staged):
-        _leftover(e, store, staged)
+        _leftover(e, staged)
 
 
 def _result(parsed: ParsedSession, status: Literal["imported", "replaced"]) -> ImportResult:
@@ -346,7 +346,7 @@ async def _drop(store: SessionStore, session_id: str) -> bool:
     return True
 
 
-def _leftover(e: BaseException, store: SessionStore, staged: str) -> None:
+def _leftover(e: BaseException, staged: str) -> None:
     e.add_note(
         f"the staging copy {staged!r} could not be deleted (the store failed too): "
         f"delete it with `redis-session delete {staged}`"
