@@ -408,6 +408,32 @@ DEFAULT_SCHEMAS: dict[str, Any] = {
     "session/meta": None,
 }
 
+
+class StrictPresetSelectedData(_Schema):
+    """ChatLuna's ``preset/selected`` as its doc writes it: both fields required."""
+
+    presetId: str
+    revision: str
+
+
+class StrictInputEnqueuedData(_Schema):
+    """ChatLuna's ``agent/input-enqueued`` as its doc writes it: every field required."""
+
+    messageId: str
+    message: Any
+    target: Literal["next-turn", "next-step"]
+    wakeup: bool
+    enqueuedAt: int
+
+
+#: What a strict vocabulary checks beyond `DEFAULT_SCHEMAS`: ChatLuna's marks with every field
+#: its doc lists (the lenient defaults accept older writers that left some out).
+STRICT_SCHEMAS: dict[str, Any] = {
+    **DEFAULT_SCHEMAS,
+    "preset/selected": StrictPresetSelectedData,
+    "agent/input-enqueued": StrictInputEnqueuedData,
+}
+
 _TYPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/|+-]{0,127}$")
 
 
@@ -423,14 +449,16 @@ def validate_type_name(entry_type: object) -> str:
 class Vocabulary:
     """The schemas of entry types. `define()` adds or replaces one.
 
-    In strict mode a type without a schema is rejected; otherwise it is accepted as a mark whose
-    data must be a JSON object.
+    In strict mode a type without a schema is rejected, and ChatLuna's ``preset/selected`` and
+    ``agent/input-enqueued`` need every field their doc lists (`STRICT_SCHEMAS`); otherwise an
+    unknown type is accepted as a mark whose data must be a JSON object.
     """
 
     def __init__(self, *, strict: bool = False, schemas: Mapping[str, Any] | None = None) -> None:
         self.strict = strict
         self._decoders: dict[str, msgspec.json.Decoder[Any] | None] = {}
-        for name, schema in (DEFAULT_SCHEMAS if schemas is None else schemas).items():
+        defaults = STRICT_SCHEMAS if strict else DEFAULT_SCHEMAS
+        for name, schema in (defaults if schemas is None else schemas).items():
             self.define(name, schema)
         # `cut` is part of every vocabulary: the projection and the stores' bound checks depend on it.
         self._decoders.setdefault(CUT, _CUT_DECODER)

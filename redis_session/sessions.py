@@ -840,14 +840,20 @@ class Sessions:
         delegation_depth: int | None = None,
         ttl: float | None = None,
         entries: Sequence[NewEntryLike] = (),
+        created_at: int | None = None,
     ) -> Session:
         """Create a session (id default ``session-<uuid hex>``), optionally with seed `entries`.
-        `ttl` (seconds) makes it ephemeral. `SessionAlreadyExistsError` if the id is taken."""
+        `ttl` (seconds) makes it ephemeral; `created_at` (ms) is kept as given (default: the
+        store's clock, as ChatLuna's header takes the caller's). `SessionAlreadyExistsError` if
+        the id is taken."""
+        if created_at is not None:
+            _check_int(created_at, "created_at")
         header = SessionHeader(
             id=_new_session_id() if session_id is None else session_id,
             title=title,
             origin=origin,
             delegation_depth=0 if delegation_depth is None else delegation_depth,
+            created_at=created_at or 0,
         )
         head = await self.store.create(header, entries, ttl_ms=None if ttl is None else _ttl_ms(ttl))
         return Session(self, head)
@@ -866,7 +872,8 @@ class Sessions:
 
         Nothing is copied: the child's header names the parent and `at`, and reads stitch, so
         branching a 100 000-entry session costs what branching a 10-entry one does. The child's
-        `delegation_depth` is the parent's unless given. Default id ``<parent>:branch:<8 hex>``
+        `delegation_depth`, `title` and `origin` are the parent's unless given (ChatLuna's
+        ``create(id, {parent, at})`` rule). Default id ``<parent>:branch:<8 hex>``
         (an `InvalidSessionIdError` asks for an explicit `branch_id` when that would be too long).
         Publishes ``session-branch {parent, session, at}`` (pub/sub and change feed, never a log entry).
         """
@@ -880,6 +887,8 @@ class Sessions:
         if branch_id == session_id:
             raise SessionAlreadyExistsError(branch_id, "it is the parent's id")
         depth = parent.header.delegation_depth if delegation_depth is None else delegation_depth
+        title = parent.header.title if title is None else title
+        origin = parent.header.origin if origin is None else origin
         for attempt in range(3):
             child_id = _default_branch_id(session_id) if branch_id is None else branch_id
             header = SessionHeader(

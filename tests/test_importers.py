@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from redis_session import (
     NewEntry,
     RedisSessionStore,
     SessionAlreadyExistsError,
+    SessionError,
     SessionHeader,
     SessionNotFoundError,
 )
@@ -32,10 +35,12 @@ pytestmark = pytest.mark.anyio
 # --------------------------------------------------------------------------- helpers
 
 
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    """One JSON value per line; a str row is written verbatim (for broken lines)."""
+def write_jsonl(path: Path, rows: list[Any], *, compact: bool = False) -> Path:
+    """One JSON value per line; a str row is written verbatim (for broken lines). `compact`
+    writes as JavaScript's JSON.stringify does (the tutorial harness)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [r if isinstance(r, str) else json.dumps(r, ensure_ascii=False) for r in rows]
+    seps = (",", ":") if compact else None
+    lines = [r if isinstance(r, str) else json.dumps(r, ensure_ascii=False, separators=seps) for r in rows]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
@@ -520,7 +525,7 @@ def _surface_json(surface: Any) -> str:
 
 async def test_tutorial_file_projects_like_derive_messages(store: Any, tmp_path: Path) -> None:
     rows = tutorial_rows()
-    path = write_jsonl(tmp_path / "5a1b896f-beb.jsonl", rows)
+    path = write_jsonl(tmp_path / "5a1b896f-beb.jsonl", rows, compact=True)
     [res] = await import_path(store, path)
     assert (res.session_id, res.format, res.entries) == ("5a1b896f-beb", "tutorial", 9)
     entries = await store.read("5a1b896f-beb")
@@ -546,7 +551,7 @@ async def test_tutorial_file_projects_like_derive_messages(store: Any, tmp_path:
 
 async def test_mini_dsh_file_projects_like_derive_messages(store: Any, tmp_path: Path) -> None:
     rows = mini_dsh_rows()
-    [res] = await import_path(store, write_jsonl(tmp_path / "x.jsonl", rows))
+    [res] = await import_path(store, write_jsonl(tmp_path / "x.jsonl", rows, compact=True))
     assert res.session_id == "0b5c3a52-mini"
     head = await store.head("0b5c3a52-mini")
     assert head is not None and head.header.title == "demo"
@@ -755,3 +760,198 @@ async def test_replace_refuses_a_session_kept_for_a_hidden_branch_and_leaves_it_
     assert await store.head("cli:direct") == head
     assert await store.read("cli:direct") == entries
     assert [e.n for e in await store.read("z")] == [0]
+
+
+# --------------------------------------------------------------------------- replace: nothing lost
+
+
+def _long_rows(sid: str, count: int, word: str) -> list[Any]:
+    rows: list[Any] = [
+        {
+            "_type": "redis-session",
+            "version": 1,
+            "n": count,
+            "header": {"id": sid, "format_version": 1, "created_at": 7, "delegation_depth": 0},
+        }
+    ]
+    rows += [
+        {"n": i, "time": 1000 + i, "type": "message", "data": {"role": "user", "content": f"{word}{i}"}}
+        for i in range(count)
+    ]
+    return rows
+
+
+async def test_failed_replace_leaves_the_old_session_exactly_as_it_was(small_batch_store: Any, tmp_path: Path) -> None:
+    """A replacing import that fails part-way (after two of five batches) leaves the old session
+    untouched: same incarnation, same entries, readable all along; the error says so."""
+    store = small_batch_store
+    await store.create(SessionHeader(id="long", title="old"), [NewEntry("message", {"role": "user", "content": "old"})])
+    before, entries = await store.head("long"), await store.read("long")
+    path = write_jsonl(tmp_path / "long.jsonl", _long_rows("long", 230, "new"))
+    calls = 0
+
+    def boom(done: int, total: int) -> None:
+        nonlocal calls
+        calls += 1
+        assert [e.data["content"] for e in entries] == ["old"]
+        if calls == 3:
+            raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire") as info:
+        await import_path(store, path, on_exists="replace", progress=boom)
+    assert any("left as it was" in note for note in info.value.__notes__)
+    assert await store.head("long") == before
+    assert await store.read("long") == entries
+    assert [h.id for h in (await store.list()).items] == ["long"]  # no staging copy left
+    # the same import then replaces it, keeping nothing of the old one
+    [res] = await import_path(store, path, on_exists="replace")
+    assert res.status == "replaced"
+    after = await store.head("long")
+    assert after.n == 230 and after.header.incarnation != before.header.incarnation
+    assert after.header.title is None
+    assert [e.data["content"] for e in await store.read("long", 0, 3)] == ["new0", "new1", "new2"]
+    assert [h.id for h in (await store.list()).items] == ["long"]
+
+
+async def test_replace_with_a_lost_reply_loses_nothing(tmp_path: Path) -> None:
+    """Issue 21 §4: a multi-batch replace whose put reply is lost (the proxy cuts the connection
+    after the server ran the command) fails, and the old session is exactly as it was."""
+    from reliability._proxy import FaultProxy
+
+    from redis_session.redis.embedded import start_server
+
+    server = start_server(tmp_path / "srv", appendonly=False)
+    try:
+        with FaultProxy(server.port, seed=3) as proxy:
+            store = RedisSessionStore.from_url(
+                proxy.url, max_batch=50, client_options={"socket_timeout": 2, "retry_on_timeout": False}
+            )
+            direct = RedisSessionStore.from_url(server.url)
+            try:
+                await store.create(SessionHeader(id="long"), [NewEntry("message", {"role": "user", "content": "old"})])
+                before, entries = await direct.head("long"), await direct.read("long")
+                path = write_jsonl(tmp_path / "long.jsonl", _long_rows("long", 230, "new"))
+                calls = 0
+
+                def lose_next_reply(done: int, total: int) -> None:
+                    nonlocal calls
+                    calls += 1
+                    if calls == 3:  # two batches landed: the reply of the third put is lost
+                        cuts = proxy.stats.cuts
+                        proxy.cut_up, proxy.cut_down, proxy.cut_rate = False, True, 1.0
+
+                        def heal() -> None:  # one reply lost, then the network is fine again
+                            deadline = time.monotonic() + 10
+                            while proxy.stats.cuts == cuts and time.monotonic() < deadline:
+                                time.sleep(0.001)
+                            proxy.cut_rate = 0.0
+
+                        threading.Thread(target=heal, daemon=True).start()
+
+                with pytest.raises(SessionError) as info:
+                    await import_path(store, path, on_exists="replace", progress=lose_next_reply)
+                proxy.cut_rate = 0.0
+                assert any("left as it was" in note for note in info.value.__notes__)
+                assert await direct.head("long") == before
+                assert await direct.read("long") == entries
+                assert [h.id for h in (await direct.list()).items] == ["long"]  # no staging copy left
+            finally:
+                await store.aclose()
+                await direct.aclose()
+    finally:
+        server.stop()
+
+
+def _one_lost_reply(proxy: Any) -> None:
+    """Cut the connection after the server runs the next command (its reply is lost), once."""
+    cuts = proxy.stats.cuts
+    proxy.cut_up, proxy.cut_down, proxy.cut_rate = False, True, 1.0
+
+    def heal() -> None:
+        deadline = time.monotonic() + 10
+        while proxy.stats.cuts == cuts and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proxy.cut_rate = 0.0
+
+    threading.Thread(target=heal, daemon=True).start()
+
+
+async def test_replace_whose_swap_reply_is_lost_completes_once(tmp_path: Path) -> None:
+    """The reply of the swap itself is lost: the retry finds it landed and finishes it. The session
+    is the new one, listed once; no staging copy, no old list entry."""
+    from reliability._proxy import FaultProxy
+
+    from redis_session.redis.embedded import start_server
+
+    server = start_server(tmp_path / "srv", appendonly=False)
+    try:
+        with FaultProxy(server.port, seed=5) as proxy:
+            store = RedisSessionStore.from_url(proxy.url, max_batch=50, client_options={"socket_timeout": 2})
+            direct = RedisSessionStore.from_url(server.url)
+            try:
+                await store.create(SessionHeader(id="long", created_at=5), [NewEntry("message", {"role": "user"})])
+                path = write_jsonl(tmp_path / "long.jsonl", _long_rows("long", 120, "new"))
+
+                def lose_swap_reply(done: int, total: int) -> None:
+                    if done == total:  # every batch landed: the next command is the swap
+                        _one_lost_reply(proxy)
+
+                [res] = await import_path(store, path, on_exists="replace", progress=lose_swap_reply)
+                assert res.status == "replaced"
+                assert proxy.stats.cuts == 1  # the swap's reply was lost once
+                head = await direct.head("long")
+                assert head is not None and head.n == 120 and head.header.created_at == 7
+                assert [(h.id, h.created_at) for h in (await direct.list()).items] == [("long", 7)]
+                assert [e.data["content"] for e in await direct.read("long", 118)] == ["new118", "new119"]
+            finally:
+                await store.aclose()
+                await direct.aclose()
+    finally:
+        server.stop()
+
+
+async def test_replace_while_the_id_gets_another_life_leaves_that_life_alone(
+    small_batch_store: Any, tmp_path: Path
+) -> None:
+    """Attack: the id is deleted and created again while the replacing import runs. The swap is
+    refused (SessionReplacedError), the new life keeps exactly its entries, nothing is left over."""
+    store = small_batch_store
+    await store.create(SessionHeader(id="long"), [NewEntry("message", {"role": "user", "content": "first life"})])
+    path = write_jsonl(tmp_path / "long.jsonl", _long_rows("long", 230, "new"))
+    state: dict[str, Any] = {}
+
+    async def other_life() -> None:
+        await store.delete("long")
+        await store.create(SessionHeader(id="long"), [NewEntry("message", {"role": "user", "content": "second"})])
+        state["head"] = await store.head("long")
+
+    calls = 0
+
+    def meanwhile(done: int, total: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            state["go"] = True
+
+    async def run_import() -> None:
+        await import_path(store, path, on_exists="replace", progress=meanwhile)
+
+    # the other life is made between two batches: wrap put so it runs right after the first one
+    real_put = store.put
+
+    async def put(*args: Any, **kwargs: Any) -> Any:
+        if state.pop("go", False):
+            await other_life()
+        return await real_put(*args, **kwargs)
+
+    store.put = put
+    try:
+        with pytest.raises(SessionNotFoundError) as info:  # SessionReplacedError is one
+            await run_import()
+    finally:
+        del store.put
+    assert "replaced" in str(info.value)
+    assert any("left as it was" in note for note in info.value.__notes__)
+    assert await store.head("long") == state["head"]
+    assert [e.data["content"] for e in await store.read("long")] == ["second"]
+    assert [h.id for h in (await store.list()).items] == ["long"]

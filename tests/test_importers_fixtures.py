@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import random
+import re
+import shutil
+import struct
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -332,7 +338,10 @@ def _streamed_dsh_file(t: int) -> list[dict[str, Any]]:
 
     def ev(type_: str, data: dict[str, Any], **extra: Any) -> None:
         seq = len(out) - 1 if out[-1]["type"] == "session" else _next(out)
-        out.append({"type": type_, "seq": seq, "time": t + 3 * seq + seq % 2, "data": data, **extra})
+        # in dsh's key order: ignorable, sourceEventSeqs, then surfaceOp
+        order = [k for k in ("ignorable", "sourceEventSeqs", "surfaceOp") if k in extra]
+        rest = {k: extra[k] for k in order}
+        out.append({"type": type_, "seq": seq, "time": t + 3 * seq + seq % 2, "data": data, **rest})
 
     def chunks(turn: int, step: int, n: int, make: Any) -> None:
         for i in range(n):
@@ -658,3 +667,223 @@ async def test_conflict_names_the_cli_flag(tmp_path: Path) -> None:
     await import_path(store, path)
     with pytest.raises(Exception, match="--on-exists skip or --on-exists replace"):
         await import_path(store, path)
+
+
+# --------------------------------------------------------------------------- dsh, byte for byte
+
+
+def _dsh_clean_prefixes(raw: bytes) -> Iterator[bytes]:
+    """The file cut after each ``turn/end`` line: logs dsh itself had written at those moments
+    (every turn closed, nothing to repair)."""
+    lines = raw.split(b"\n")
+    for i, line in enumerate(lines):
+        if b'"type":"turn/end"' in line:
+            yield b"\n".join(lines[: i + 1]) + b"\n"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (SEED / "dsh").glob("*.jsonl")))
+async def test_dsh_export_is_byte_identical_to_the_file_dsh_wrote(name: str, tmp_path: Path) -> None:
+    """Issue 23 §3: an imported dsh log exports as the bytes dsh wrote (each event's keys in dsh's
+    order: sourceEventSeqs before surfaceOp): every closed-turn prefix of each fixture exactly, and
+    the crashed file as its complete lines followed by the events the repair added."""
+    raw = (SEED / "dsh" / name).read_bytes()
+    prefixes = list(_dsh_clean_prefixes(raw))
+    assert prefixes
+    for k, prefix in enumerate(prefixes):
+        path = tmp_path / f"p{k}.jsonl"
+        path.write_bytes(prefix)
+        store = MemorySessionStore()
+        [res] = await import_path(store, path)
+        out = io.StringIO()
+        await export_session(store, res.session_id, out, format="dsh")
+        assert out.getvalue().encode() == prefix, f"prefix {k}"
+    store = MemorySessionStore()
+    [res] = await import_path(store, SEED / "dsh" / name)
+    out = io.StringIO()
+    await export_session(store, res.session_id, out, format="dsh")
+    complete = raw[: raw.rfind(b"\n") + 1]  # a torn last line is what dsh's loader drops too
+    assert out.getvalue().encode().startswith(complete)
+    assert len(out.getvalue().encode()) > len(complete)  # the crash repair's events follow
+
+
+async def test_dsh_keys_written_in_another_order_export_as_written(tmp_path: Path) -> None:
+    raw = (SEED / "dsh" / "dsh-main.crashed.jsonl").read_bytes()
+    prefix = next(_dsh_clean_prefixes(raw))
+    lines = prefix.decode().splitlines()
+    shuffled = [lines[0]]
+    for line in lines[1:]:
+        obj = json.loads(line)
+        shuffled.append(json.dumps(dict(reversed(list(obj.items()))), ensure_ascii=False, separators=(",", ":")))
+    text = "\n".join(shuffled) + "\n"
+    path = tmp_path / "shuffled.jsonl"
+    path.write_text(text, encoding="utf-8")
+    store = MemorySessionStore()
+    [res] = await import_path(store, path)
+    out = io.StringIO()
+    await export_session(store, res.session_id, out, format="dsh")
+    assert out.getvalue() == text
+
+
+# --------------------------------------------------------------------------- the tutorial harness's own code
+
+HARNESS = Path(__file__).parent / "fixtures" / "tutorial_harness" / "session.mjs"
+needs_node = pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed (CI installs nodejs)")
+
+
+def _harness_write(tmp_path: Path, sid: str, events: list[Any]) -> Path:
+    """A log written by the harness's own Session.append + save() (under node)."""
+    spec = tmp_path / f"{sid}.spec.json"
+    spec.write_text(json.dumps({"id": sid, "events": events}), encoding="ascii")  # \\ud800 stays an escape
+    out = tmp_path / f"{sid}.jsonl"
+    subprocess.run(["node", str(HARNESS), "write", str(spec), str(out)], check=True, timeout=60)
+    return out
+
+
+def _harness_load(path: Path) -> dict[str, Any]:
+    """What the harness's own load() + deriveMessages() make of a file (under node)."""
+    run = subprocess.run(["node", str(HARNESS), "load", str(path)], check=True, timeout=60, capture_output=True)
+    loaded: dict[str, Any] = json.loads(run.stdout)
+    return loaded
+
+
+def _fffd(value: Any) -> Any:
+    """`value` with each lone surrogate as U+FFFD (what the store holds for one)."""
+    if isinstance(value, str):
+        return re.sub("[\ud800-\udfff]", "\ufffd", value)
+    if isinstance(value, dict):
+        return {k: _fffd(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fffd(v) for v in value]
+    return value
+
+
+_CALL = {"id": "call_9", "type": "function", "function": {"name": "run_bash", "arguments": '{"command":"ls"}'}}
+HARNESS_EDGES: list[Any] = [
+    ["turn/start", {"agent": "a-1"}],
+    ["user/message", {"content": None}],
+    ["user/message", {}],
+    ["user/message", {"content": "half a pair: \ud800 and a whole one: \ud83d\ude00, a line sep \u2028"}],
+    ["step/start", {"step": 0, "budget": 1e21, "tiny": 1e-7, "sum": 0.1 + 0.2, "neg": -2.5e-10, "big": 2**53}],
+    ["assistant/message", {"tool_calls": [_CALL]}],
+    ["tool/result", {"tool_call_id": "call_9", "content": {"ok": True, "files": ["a", "b"], "n": 1.5}}],
+    ["tool/result", {"content": 42}],
+    ["tool/result", {"tool_call_id": "call_9", "content": None}],
+    ["assistant/message", {"content": "", "tool_calls": []}],
+    ["assistant/message", {"content": None}],
+    ["assistant/message", {"content": "done", "tool_calls": None, "extra": {"k": [1, 2.0, "x"]}}],
+    ["assistant/chunk", {"delta": {"content": "d"}}],
+    ["step/end", {"step": 0, "tool_calls": 1}],
+    ["turn/end", {}],
+]
+
+
+@needs_node
+async def test_tutorial_harness_edge_cases_import_as_derive_messages_and_export_byte_identical(
+    tmp_path: Path,
+) -> None:
+    """Issue 23 §2 with the harness's own code writing and reading: null and missing user content
+    stay so, non-string tool results and a missing tool_call_id stay as written, tool_calls [] is
+    kept, a lone surrogate escape imports, and the export is the very bytes save() wrote."""
+    path = _harness_write(tmp_path, "edges-1", HARNESS_EDGES)
+    harness = _harness_load(path)
+    store = MemorySessionStore()
+    [res] = await import_path(store, path)
+    assert (res.session_id, res.entries) == ("edges-1", len(HARNESS_EDGES))
+    entries = await store.read("edges-1")
+    data = [e.data for e in entries if e.type == "message"]
+    want = _fffd(harness["messages"])
+    # the harness's messages, except the JSON text of a tool result no chat message holds as it is
+    tool_json = {4: '{"ok":true,"files":["a","b"],"n":1.5}', 5: "42"}
+    assert data == [{**m, "content": tool_json[i]} if i in tool_json else m for i, m in enumerate(want)]
+    assert data[0] == {"role": "user", "content": None}
+    assert data[1] == {"role": "user"}
+    assert data[3] == {"role": "assistant", "content": "", "tool_calls": [_CALL]}
+    assert data[5] == {"role": "tool", "content": "42"}  # no tool_call_id: missing, as written
+    assert data[7] == {"role": "assistant", "content": "", "tool_calls": []}
+    out = io.StringIO()
+    await export_session(store, "edges-1", out, format="tutorial")
+    assert out.getvalue().encode("utf-8", "surrogatepass") == path.read_bytes()
+    # and the harness reads the export back to its own messages
+    back = tmp_path / "back.jsonl"
+    back.write_bytes(out.getvalue().encode("utf-8", "surrogatepass"))
+    assert _harness_load(back) == harness
+
+
+@needs_node
+async def test_sessions_written_through_our_api_export_to_what_the_harness_reads(store: Any, tmp_path: Path) -> None:
+    """A session written through our API (typed entries, a tool call, a cut) exports to a file
+    the harness's load() + deriveMessages() read as the messages our projection sends."""
+    sessions = Sessions(store)
+    s = await sessions.create("api-1")
+    await s.append("user/message", {"content": [{"type": "text", "text": "old question"}]})
+    await s.append("assistant/message", {"content": [{"type": "text", "text": "old answer"}]})
+    await s.append("user/message", {"content": "list files"})
+    await s.append(
+        "assistant/message",
+        {"content": [{"type": "tool-call", "id": "c1", "name": "ls", "arguments": '{"path":"."}'}]},
+    )
+    await s.append("tool/result", {"callId": "c1", "content": [{"type": "text", "text": "a.txt"}]})
+    await s.append("assistant/message", {"content": "one file: a.txt"})
+    await s.compact(before=2, summary=[{"role": "user", "content": "summary: asked, answered"}], reason="test")
+    await s.append("user/message", {"content": "thanks"})
+    entries = list(await store.read("api-1"))
+    out = tmp_path / "api-1.jsonl"
+    await export_session(store, "api-1", out, format="tutorial")
+    harness = _harness_load(out)
+    assert harness["id"] == "api-1"
+    ours = [{**m, "content": m["content"] if m.get("content") is not None else ""} for m in to_openai(project(entries))]
+    assert harness["messages"] == ours
+    assert ours[0] == {"role": "user", "content": "summary: asked, answered"}  # the cut, as the model sees it
+    assert {"role": "tool", "tool_call_id": "c1", "content": "a.txt"} in harness["messages"]
+
+
+@needs_node
+async def test_an_imported_harness_log_continued_through_our_api_exports_for_the_harness(tmp_path: Path) -> None:
+    """A harness log imported, then continued through our API: the export keeps the harness's
+    lines byte for byte and adds the new turn as the message events its deriveMessages reads."""
+    path = SEED / "tutorial" / "16e6b2b0-131.jsonl"
+    store = MemorySessionStore()
+    await import_path(store, path)
+    s = await Sessions(store).open("16e6b2b0-131")
+    await s.append("user/message", {"content": "and now?"})
+    await s.append("assistant/message", {"content": [{"type": "text", "text": "now: 04:01"}]})
+    out = tmp_path / "more.jsonl"
+    await export_session(store, "16e6b2b0-131", out, format="tutorial")
+    written = out.read_bytes()
+    assert written.startswith(path.read_bytes())
+    harness = _harness_load(out)
+    assert harness["messages"] == [
+        *TUTORIAL["16e6b2b0-131"]["messages"],
+        {"role": "user", "content": "and now?"},
+        {"role": "assistant", "content": "now: 04:01"},
+    ]
+    assert [e["seq"] for e in harness["events"]][-2:] == [26, 27]
+
+
+@needs_node
+def test_js_json_writes_what_json_stringify_writes() -> None:
+    """The exporter's JSON.stringify (tutorial.js_json) against node's own, on 20 000 random
+    doubles (every exponent range, integers past 2^53, -0.0, subnormals) and strings with control
+    characters, lone surrogates, U+2028 and emoji."""
+    from redis_session.importers.tutorial import js_json
+
+    rng = random.Random(7)
+    nums: list[Any] = []
+    while len(nums) < 20_000:
+        x = struct.unpack("d", struct.pack("Q", rng.getrandbits(64)))[0]
+        if math.isfinite(x):
+            nums.append(x)
+    nums += [1e21, -1e21, 1e-7, 1e-6, 5e-324, -0.0, 0.1 + 0.2, 2.0**53, 2.0**53 + 2, 1796098545.412]
+    nums += [float(rng.randint(-(10**25), 10**25)) for _ in range(500)] + [rng.randint(-(2**53), 2**53)]
+    alphabet = ["a", "é", "\x00", "\x1f", "\x7f", '"', "\\", "\n", "\u2028", "\ud800", "\udfff", "😀", "\t"]
+    strings = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(2000)]
+    value: Any = {"nums": nums, "strings": strings, "nested": {"k\u2028": [None, True, False, {}], "": []}}
+    echo = "let s='';process.stdin.on('data',d=>s+=d).on('end',()=>process.stdout.write(JSON.stringify(JSON.parse(s))))"
+    node = subprocess.run(
+        ["node", "-e", echo],
+        input=json.dumps(value).encode(),
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.decode("utf-8", "surrogatepass")
+    assert js_json(value) == node

@@ -66,6 +66,7 @@ class CreateIn(Struct, forbid_unknown_fields=True, kw_only=True):
     delegation_depth: NonNeg | None = None
     ttl: Annotated[float, Meta(gt=0)] | None = None
     entries: list[EntryIn] = []
+    created_at: Annotated[int, Meta(ge=1, le=9_999_999_999_999)] | None = None
 
 
 class BranchIn(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -538,6 +538,11 @@ def _write_schemas(ref: Callable[[str], dict[str, str]]) -> dict[str, Any]:
                 "delegation_depth": {"type": "integer", "minimum": 0},
                 "ttl": {"type": "number", "exclusiveMinimum": 0, "description": "seconds: an ephemeral session"},
                 "entries": {"type": "array", "items": ref("NewEntry")},
+                "created_at": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "ms since the epoch, kept as given (default: the server's clock)",
+                },
             },
         },
         "BranchBody": {

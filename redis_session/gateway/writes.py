@@ -125,7 +125,13 @@ async def create(gw: Gateway, request: Request) -> Response:
         raise TooLarge(f"a batch holds at most {gw.max_batch} entries", "batch_too_large")
     try:
         s = await gw.sessions.create(
-            sid, title=req.title, origin=req.origin, delegation_depth=req.delegation_depth, ttl=req.ttl, entries=batch
+            sid,
+            title=req.title,
+            origin=req.origin,
+            delegation_depth=req.delegation_depth,
+            ttl=req.ttl,
+            entries=batch,
+            created_at=req.created_at,
         )
     except InvalidEntryError as e:
         raise entry_error(e, "$.entries") from None

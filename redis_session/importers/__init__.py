@@ -14,7 +14,8 @@ types, the store's schemas and entry size limit, surface metadata, the session i
 is written; a problem raises `ImportFormatError` with the file and line number and nothing of that
 session is written. Sessions longer than one store batch are written as ``create`` plus expected-n
 ``put`` batches; if a write fails part-way (server gone, cancellation, a concurrent writer), the
-partial session is deleted before the error propagates.
+partial session is deleted before the error propagates. A replacing import builds the new session
+under a staging id and swaps it in atomically, so a failure leaves the old session as it was.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..errors import (
     SessionAlreadyExistsError,
     SessionError,
     SessionNotFoundError,
+    StoreUnavailableError,
 )
 from ..model import (
     DEFAULT_MAX_BATCH,
@@ -65,6 +67,7 @@ from .common import (
     key_to_session_id,
     read_source,
     session_id_to_key,
+    staging_id,
 )
 from .dsh import dsh_messages
 from .native import EXPORT_TYPE, EXPORT_VERSION
@@ -243,33 +246,138 @@ async def write_session(
 ) -> ImportResult:
     """Write a validated `ParsedSession`: all of it, or (after a failure part-way) none of it.
 
+    With ``on_exists="replace"`` the new session is built completely under a staging id (in the
+    same cluster slot) while the old one stays as it is, readable and writable; then the store
+    swaps the two in one atomic step (`swap_session`). A failure before the swap deletes the
+    staged copy and leaves the old session exactly as it was (a note on the error says so); a
+    writer that changed the old session meanwhile keeps its write (the swap is refused with
+    `SessionReplacedError` only when the id was replaced by another life).
+
     `progress(k)` is called after each batch with the number of entries written so far.
     """
     sid = parsed.session_id
-    status: Literal["imported", "replaced"] = "imported"
     if on_exists not in ("error", "skip", "replace"):
         raise ValueError("on_exists must be 'error', 'skip' or 'replace'")
-    if await store.head(sid) is not None:
-        if on_exists == "skip":
-            return ImportResult(parsed.path, sid, parsed.format, "skipped", original_id=parsed.original_id)
-        if on_exists == "error":
-            raise SessionAlreadyExistsError(sid, EXISTS_HINT)
-        # Decided before anything is destroyed: a branch that reads its entries, listed or deleted
-        # but kept for its own branches, would keep the id taken by the deleted session.
-        live, _stale = await store.links(sid)  # stale links go with the delete
-        if live:
-            raise SessionAlreadyExistsError(sid, "it has live branches, so it cannot be replaced")
-        await store.delete(sid)
-        status = "replaced"
+    old = await store.head(sid)
+    token = uuid.uuid4().hex
+    if old is None:
+        await _write_all(store, parsed, sid, token, progress)
+        return _result(parsed, "imported")
+    if on_exists == "skip":
+        return ImportResult(parsed.path, sid, parsed.format, "skipped", original_id=parsed.original_id)
+    if on_exists == "error":
+        raise SessionAlreadyExistsError(sid, EXISTS_HINT)
+    # Decided before anything is written: a branch that reads its entries, listed or deleted but
+    # kept for its own branches, would keep the id taken by the deleted session.
+    live, _stale = await store.links(sid)
+    if live:
+        raise SessionAlreadyExistsError(sid, "it has live branches, so it cannot be replaced")
+    swap = getattr(store, "swap_session", None)
+    if swap is None:
+        raise SessionError(f"this store ({type(store).__name__}) cannot replace a session atomically (no swap_session)")
+    staged = staging_id(sid, token)
+    kept = f"the session {sid!r} was left as it was (this import never wrote to it); nothing of the import remains"
+    try:
+        staged_incarnation = await _write_all(store, parsed, staged, token, progress, staged=True)
+    except BaseException as e:
+        e.add_note(kept)
+        if await _head_or_none(store, staged) is not None:
+            _leftover(e, staged)
+        raise
+    for attempt in range(_SWAP_TRIES):
+        try:
+            # a retry after a lost reply finds the swap landed (the staged incarnation) and finishes it
+            await swap(
+                sid,
+                staged,
+                incarnation=old.header.incarnation,
+                staged_incarnation=staged_incarnation,
+                replaced_created_at=old.header.created_at,
+            )
+            return _result(parsed, "replaced")
+        except StoreUnavailableError as e:
+            if attempt + 1 < _SWAP_TRIES:
+                await anyio.sleep(0.05 * 2**attempt)
+                continue
+            await _failed_swap(store, e, staged, kept)
+            raise
+        except BaseException as e:
+            await _failed_swap(store, e, staged, kept)
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_SWAP_TRIES = 4
+
+
+async def _failed_swap(store: SessionStore, e: BaseException, staged: str, kept: str) -> None:
+    e.add_note(kept)
+    if not await _drop(store, staged):
+        _leftover(e, staged)
+
+
+def _result(parsed: ParsedSession, status: Literal["imported", "replaced"]) -> ImportResult:
+    return ImportResult(
+        parsed.path,
+        parsed.session_id,
+        parsed.format,
+        status,
+        len(parsed.entries),
+        repaired=tuple(parsed.repaired),
+        original_id=parsed.original_id,
+    )
+
+
+async def _head_or_none(store: SessionStore, session_id: str) -> SessionHead | None:
+    try:
+        return await store.head(session_id)
+    except Exception:
+        return None
+
+
+async def _drop(store: SessionStore, session_id: str) -> bool:
+    """Delete a partial session (shielded); whether that worked (the original error matters more
+    than this one's)."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await store.delete(session_id)
+        except Exception:
+            return False
+    return True
+
+
+def _leftover(e: BaseException, staged: str) -> None:
+    e.add_note(
+        f"the staging copy {staged!r} could not be deleted (the store failed too): "
+        f"delete it with `redis-session delete {staged}`"
+    )
+
+
+async def _write_all(
+    store: SessionStore,
+    parsed: ParsedSession,
+    sid: str,
+    token: str,
+    progress: Callable[[int], object] | None,
+    *,
+    staged: bool = False,
+) -> str:
+    """Create `sid` with the parsed header and entries, in batches (a failure part-way deletes
+    it); its incarnation."""
     max_batch = int(getattr(store, "max_batch", DEFAULT_MAX_BATCH))
     ranges = _batches(parsed, max_batch, BATCH_BYTES)
     entries = parsed.entries
-    token = uuid.uuid4().hex
     lo, hi = ranges[0]
+    header = msgspec.structs.replace(parsed.header, id=sid)
     # create gives the new log a new incarnation (a replaced session never keeps the old
     # identity); the later batches go to exactly that one
-    incarnation = (await store.create(parsed.header, entries[lo:hi])).header.incarnation
-    created = True
+    try:
+        incarnation = (await store.create(header, entries[lo:hi])).header.incarnation
+    except BaseException:
+        if staged:  # a staging id is this import's alone: a create whose reply was lost is ours
+            await _drop(store, sid)
+        raise
+    done = False
     try:
         if progress is not None:
             progress(hi)
@@ -279,23 +387,11 @@ async def write_session(
             )
             if progress is not None:
                 progress(hi)
-        created = False
+        done = True
     finally:
-        if created:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await store.delete(sid)
-                except Exception:  # the original error matters more; a half session is reported by it
-                    pass
-    return ImportResult(
-        parsed.path,
-        sid,
-        parsed.format,
-        status,
-        len(entries),
-        repaired=tuple(parsed.repaired),
-        original_id=parsed.original_id,
-    )
+        if not done:
+            await _drop(store, sid)
+    return incarnation
 
 
 def _files(root: Path) -> list[Path]:
@@ -331,21 +427,22 @@ async def import_path(
     errors: Errors = "raise",
 ) -> list[ImportResult]:
     """Import a file, or every ``*.jsonl`` / ``*.jsonl.zstd`` file under a folder (recursively, in
-    name order), one session per file. A folder without any raises `ImportFormatError`.
+        name order), one session per file. A folder without any raises `ImportFormatError`.
 
-    `format` is ``"auto"`` (from each file's first line) or one of ``"redis-session"``,
-    ``"nanobot"``, ``"dsh"``, ``"tutorial"``. `session_id` overrides the id of a single file's
-    session. An id that exists already raises `SessionAlreadyExistsError` unless `on_exists` is
-    ``"skip"`` or ``"replace"`` (delete, then import; the file is validated first).
+        `format` is ``"auto"`` (from each file's first line) or one of ``"redis-session"``,
+        ``"nanobot"``, ``"dsh"``, ``"tutorial"``. `session_id` overrides the id of a single file's
+        session. An id that exists already raises `SessionAlreadyExistsError` unless `on_exists` is
+        ``"skip"`` or ``"replace"`` (the new session is built beside the old one and swapped in when
+    complete; a failure leaves the old one exactly as it was).
 
-    Each session is written completely or not at all. With ``errors="raise"`` the first failing
-    file raises (`ImportFormatError` with file and line for a bad file; a note on the exception
-    lists the files imported before it, which stay imported). With ``errors="stop"`` the first
-    failure ends the import too, but comes back as the last result (``status="failed"``). With
-    ``errors="collect"`` every file is tried and failures come back as failed results.
+        Each session is written completely or not at all. With ``errors="raise"`` the first failing
+        file raises (`ImportFormatError` with file and line for a bad file; a note on the exception
+        lists the files imported before it, which stay imported). With ``errors="stop"`` the first
+        failure ends the import too, but comes back as the last result (``status="failed"``). With
+        ``errors="collect"`` every file is tried and failures come back as failed results.
 
-    `progress(done, total)` counts input bytes: `total` is the size of all files, `done` moves as
-    each file's entries are written (the CLI draws the bar).
+        `progress(done, total)` counts input bytes: `total` is the size of all files, `done` moves as
+        each file's entries are written (the CLI draws the bar).
     """
     _check_args(format, on_exists, errors)
     files = _files(Path(path))

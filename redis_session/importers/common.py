@@ -4,6 +4,8 @@ and the reversible mapping of foreign keys to session ids."""
 
 from __future__ import annotations
 
+import binascii
+import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -189,10 +191,36 @@ def json_object(line: Line) -> dict[str, Any]:
     try:
         obj = _decode_json.decode(line.raw)
     except (msgspec.DecodeError, RecursionError) as e:
-        raise Bad(f"invalid JSON: {e or 'nested too deeply'}") from None
+        if "surrogate" not in str(e):
+            raise Bad(f"invalid JSON: {e or 'nested too deeply'}") from None
+        obj = _with_lone_surrogates(line, e)
     if not isinstance(obj, dict):
         raise Bad(f"expected a JSON object, got {tname(obj)}")
     return obj
+
+
+def _with_lone_surrogates(line: Line, err: Exception) -> Any:
+    """A line with a lone surrogate escape (``"\\ud800"``, which JavaScript's JSON.stringify writes
+    for a string holding half a pair): decoded, each lone surrogate as U+FFFD (UTF-8, and so the
+    store, cannot hold one). The tutorial importer keeps the line as written for its export."""
+    try:
+        obj = json.loads(line.raw, object_pairs_hook=dict)
+    except (ValueError, RecursionError):
+        raise Bad(f"invalid JSON: {err}") from None
+    return _replace_surrogates(obj)
+
+
+def _replace_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return _LONE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_surrogates(v) for v in value]
+    return value
+
+
+_LONE = re.compile("[\ud800-\udfff]")
 
 
 def convert(obj: dict[str, Any], typ: type[S], what: str = "") -> S:
@@ -360,3 +388,19 @@ def mapped_id(path: Path, line: int | None, key: str) -> str:
             f"session id {key[:80]!r} is not allowed here, even percent-encoded ({e}); nothing of this session "
             "was imported",
         ) from None
+
+
+def _slot(session_id: str) -> int:
+    """The Redis Cluster slot of a session's keys (their hash tag is the id: CRC16 mod 16384)."""
+    return binascii.crc_hqx(session_id.encode("utf-8"), 0) % 16384
+
+
+def staging_id(session_id: str, token: str) -> str:
+    """An id to build a replacing import under: unique (`token`), naming its target, and in the
+    same cluster slot as `session_id`, so the store can swap the two in one atomic script."""
+    slot = _slot(session_id)
+    base = f"{session_id[:160]}.import-{token[:16]}."
+    k = 0
+    while _slot(f"{base}{k:x}") != slot:
+        k += 1
+    return f"{base}{k:x}"

@@ -204,8 +204,19 @@ def _entry(obj: dict[str, Any], expected: int) -> NewEntry:
             surface["sourceEventSeqs"] = ev.sourceEventSeqs
     elif not isinstance(ev.sourceEventSeqs, UnsetType):
         raise Bad("sourceEventSeqs without surfaceOp")
-    meta = None if isinstance(ev.ignorable, UnsetType) else {"ignorable": ev.ignorable}
+    meta: dict[str, Any] | None = None if isinstance(ev.ignorable, UnsetType) else {"ignorable": ev.ignorable}
+    keys = list(obj)
+    if keys != _envelope_order(keys):  # written in another order than dsh's: kept for the export
+        meta = {**(meta or {}), "keys": keys}
     return NewEntry(ev.type, ev.data, meta, surface, ev.time)
+
+
+#: The order dsh's JSON.stringify writes an event's keys in (its event objects are built so).
+_ORDER = ("type", "seq", "time", "data", "ignorable", "sourceEventSeqs", "surfaceOp")
+
+
+def _envelope_order(keys: Sequence[str]) -> list[str]:
+    return [k for k in _ORDER if k in keys]
 
 
 def _header(obj: dict[str, Any]) -> tuple[HeaderLine, dict[str, Any]]:
@@ -357,7 +368,9 @@ def _events(e: Entry, seq: int, seqs: Sequence[int]) -> Iterator[dict[str, Any]]
             ev["sourceEventSeqs"] = list(written) if fits and isinstance(written, list) else [seqs[n] for n in refs]
     if isinstance(meta.get("ignorable"), bool):
         ev["ignorable"] = meta["ignorable"]
-    yield ev
+    written = meta.get("keys")
+    order = written if isinstance(written, list) and set(written) == set(ev) else _envelope_order(list(ev))
+    yield {k: ev[k] for k in order}
 
 
 def _rows_of(written: list[Any], seqs: Sequence[int]) -> Iterator[int]:

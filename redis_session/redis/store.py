@@ -112,7 +112,7 @@ class _Script:
         self.source_bulk = b"$%d\r\n%b\r\n" % (len(source), source)
 
 
-_SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj")}
+_SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj", "swap")}
 
 
 # An unlink that leaves a hidden or ephemeral parent with at most this many links checks them.
@@ -1021,6 +1021,61 @@ class RedisSessionStore(StoreRules):
             if code == 1:
                 await self.repair_links(session_id)  # hidden for branches: only for live ones
             return True
+
+    async def swap_session(
+        self,
+        session_id: str,
+        staged_id: str,
+        *,
+        incarnation: str,
+        staged_incarnation: str | None = None,
+        replaced_created_at: int | None = None,
+    ) -> SessionHead:
+        """Make the complete session `staged_id` the session `session_id`, in one atomic step:
+        the life `incarnation` of `session_id` is removed (its log, draft, projection, lease and
+        answers in flight) and the staged header and log take its place under the id, keeping the
+        staged incarnation; `staged_id` is gone after. Both ids must hash to one cluster slot
+        (`importers.common.staging_id` picks such a staging id). Raises `SessionNotFoundError`
+        (either is absent), `SessionReplacedError` (`session_id` names another life now) or
+        `SessionAlreadyExistsError` (it has live branches); nothing changes then.
+
+        Safe to retry after a lost reply: given `staged_incarnation` (and the replaced session's
+        `replaced_created_at`, for its list entry), a retry that finds the swap landed finishes
+        it (the list index) and answers the head."""
+        validate_session_id(session_id)
+        validate_session_id(staged_id)
+        with _io():
+            res = await self._eval(
+                "swap", [*self.keys.session_keys(session_id), *self.keys.session_keys(staged_id)],
+                [incarnation, session_id, staged_incarnation or ""],
+            )  # fmt: skip
+            code = int(res[0])
+            if code == 3:
+                raise SessionNotFoundError(session_id)
+            if code == 8:
+                raise SessionReplacedError(session_id, "it was replaced while the import ran")
+            if code == 9:
+                raise SessionAlreadyExistsError(session_id, "it has live branches, so it cannot be replaced")
+            if code == 10:
+                raise SessionNotFoundError(staged_id)
+            if code == 11:  # landed before: a retry after a lost reply
+                new_created, n = int(res[1]), int(res[2])
+                old_created = replaced_created_at
+            else:
+                old_created, new_created, n = int(res[1]), int(res[2]), int(res[3])
+            if old_created is not None and old_created != new_created:
+                await self._raw("ZREM", self.keys.sessions(session_id), index_member(old_created, session_id))
+            await self._raw("ZREM", self.keys.sessions(staged_id), index_member(new_created, staged_id))
+            await self._raw("ZADD", self.keys.sessions(session_id), "0", index_member(new_created, session_id))
+            if self.feed:
+                await self._raw(
+                    "XADD", self.keys.feed(self.keys.feed_shard(session_id)),
+                    "MAXLEN", "~", str(self.feed_maxlen), "*", "s", session_id, "n", str(n),
+                )  # fmt: skip
+        head = await self.head(session_id)
+        if head is None:  # deleted by someone else right after the swap
+            raise SessionNotFoundError(session_id)
+        return head
 
     async def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
         """Every entry with n >= start, then each new one as it lands (XREAD BLOCK).

@@ -310,6 +310,41 @@ class MemorySessionStore(StoreRules):
                 self._purge(session_id)
             return True
 
+    async def swap_session(
+        self,
+        session_id: str,
+        staged_id: str,
+        *,
+        incarnation: str,
+        staged_incarnation: str | None = None,
+        replaced_created_at: int | None = None,
+    ) -> SessionHead:
+        """As `RedisSessionStore.swap_session`: the complete session `staged_id` becomes the
+        session `session_id` (life `incarnation`) in one step; `staged_id` is gone after (a retry
+        that finds it done answers the head)."""
+        validate_session_id(session_id)
+        validate_session_id(staged_id)
+        async with self._lock:
+            old = self._get(session_id)
+            if old is None:
+                raise SessionNotFoundError(session_id)
+            if staged_incarnation and old.header.incarnation == staged_incarnation and self._get(staged_id) is None:
+                return old.head()
+            if old.header.incarnation != incarnation:
+                raise SessionReplacedError(session_id, "it was replaced while the import ran")
+            if old.kids:
+                raise SessionAlreadyExistsError(session_id, "it has live branches, so it cannot be replaced")
+            new = self._get(staged_id)
+            if new is None:
+                raise SessionNotFoundError(staged_id)
+            self._purge(session_id)
+            self._sessions.pop(staged_id)
+            new.header = msgspec.structs.replace(new.header, id=session_id)
+            self._sessions[session_id] = new
+            new.changed.set()
+            new.changed = anyio.Event()
+            return new.head()
+
     async def links(self, session_id: str) -> tuple[builtins.list[str], builtins.list[str]]:
         validate_session_id(session_id)
         s = self._get(session_id, include_deleted=True)

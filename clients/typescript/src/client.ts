@@ -49,6 +49,8 @@ export interface CreateOptions {
   delegationDepth?: number
   /** seconds: an ephemeral session, expiring that long after its last write */
   ttl?: number
+  /** ms since the epoch, kept as given (default: the server's clock) */
+  createdAt?: number
   entries?: NewEntry<unknown>[]
   idempotencyKey?: string
 }
@@ -198,6 +200,7 @@ export class SessionClient {
     if (options.origin !== undefined) body.origin = options.origin
     if (options.delegationDepth !== undefined) body.delegation_depth = options.delegationDepth
     if (options.ttl !== undefined) body.ttl = options.ttl
+    if (options.createdAt !== undefined) body.created_at = options.createdAt
     if (options.entries !== undefined) body.entries = options.entries
     return this.json<SessionHead>('POST', '/sessions', {
       body,
