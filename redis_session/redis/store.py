@@ -206,6 +206,7 @@ def _odd_row(rid: bytes, f: Any) -> tuple[bytes, ...]:
 # --------------------------------------------------------------------------- RESP (see wire.py)
 
 _ENTRY_RESP = b"$%d\r\n%b\r\n" * 6
+_PLAIN_RESP = b"$%d\r\n%b\r\n" * 3
 
 
 def _entry_fields(e: EncodedEntry) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
@@ -220,13 +221,20 @@ def _entry_fields(e: EncodedEntry) -> tuple[bytes, bytes, bytes, bytes, bytes, b
     )
 
 
-def _pack_entries(batch: Sequence[EncodedEntry]) -> bytes:
-    """Every entry's six ARGV values as RESP: one format operation per entry."""
+def _pack_entries(batch: Sequence[EncodedEntry]) -> tuple[bytes, int]:
+    """Every entry's ARGV values as RESP, and how many each takes: three (type, time, data) when
+    no entry of the batch has meta, surface or a bound (append.lua reads the layout off ARGV's
+    length), else six. Fewer arguments are the cheapest server CPU an append can save."""
     out = []
+    if all(e.meta_raw is None and e.surface_raw is None and e.bound is None for e in batch):
+        for e in batch:
+            t, tm, d = e.type.encode(), b"" if e.time is None else b"%d" % e.time, e.data_raw
+            out.append(_PLAIN_RESP % (len(t), t, len(tm), tm, len(d), d))
+        return b"".join(out), 3
     for e in batch:
         t, tm, d, m, s, c = _entry_fields(e)
         out.append(_ENTRY_RESP % (len(t), t, len(tm), tm, len(d), d, len(m), m, len(s), s, len(c), c))
-    return b"".join(out)
+    return b"".join(out), 6
 
 
 def _xread_rows(resp: Any) -> builtins.list[Any]:
@@ -674,12 +682,13 @@ class RedisSessionStore(StoreRules):
         inc = b"" if incarnation is None else incarnation.encode()
         try:
             # The whole EVALSHA body in one format: keys and the per-session ARGV are cached.
+            packed, stride = _pack_entries(batch)
             body = _PUT_BODY % (
                 k.keys, len(expected), expected, len(idem), idem, len(count), count, k.put_tail,
-                len(inc), inc, _pack_entries(batch),
+                len(inc), inc, packed,
             )  # fmt: skip
             res = await self._eval_packed(
-                _SCRIPTS["append"], k.nkeys + 9 + 6 * len(batch), body, k.hdr, bool(self._durable)
+                _SCRIPTS["append"], k.nkeys + 9 + stride * len(batch), body, k.hdr, bool(self._durable)
             )
             acks = self._last_acks  # taken before any other await: other tasks share the store
             code = int(res[0])
@@ -711,8 +720,11 @@ class RedisSessionStore(StoreRules):
     ) -> Any:
         """Run ``lua/append.lua`` on `session_id` with the fixed `argv` followed by the entries."""
         k = self._keys_of(session_id)
-        body = b"%b%b%b" % (k.keys, bulks(argv), _pack_entries(batch))
-        return await self._eval_packed(_SCRIPTS["append"], k.nkeys + len(argv) + 6 * len(batch), body, k.hdr, durable)
+        packed, stride = _pack_entries(batch)
+        body = b"%b%b%b" % (k.keys, bulks(argv), packed)
+        return await self._eval_packed(
+            _SCRIPTS["append"], k.nkeys + len(argv) + stride * len(batch), body, k.hdr, durable
+        )
 
     def _feed_cluster(self, session_id: str, n: int) -> None:
         """Queue the change-feed hint "session reached n" (a cluster only).
