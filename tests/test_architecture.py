@@ -49,8 +49,6 @@ def test_the_gateway_package_init_loads_no_module_of_its_own_eagerly() -> None:
     import subprocess
     import sys
 
-    probe = subprocess.run(
-        [sys.executable, "-c", "import sys, redis_session.gateway.routes; print('redis_session.gateway.app' in sys.modules)"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    code = "import sys, redis_session.gateway.routes; print('redis_session.gateway.app' in sys.modules)"
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "False", probe.stdout + probe.stderr
