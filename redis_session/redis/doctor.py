@@ -1,6 +1,6 @@
 """Doctor's storage checks on Redis: a session's own stream, walked raw.
 
-`RedisSessionStore.storage_problems` runs this for `redis_session.sessions.doctor`: the stream
+`RedisSessionStore.storage_problems` runs this for `redis_session.doctor`: the stream
 IDs (each ``<n>-1``), their contiguity against the header's n and the branch point, and the
 decoding of every entry, page by page, below `read` (which would stop at the first bad row).
 """
