@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import statistics
 import tempfile
 import time
@@ -92,6 +93,7 @@ class Timer:
     name: str
     items_per_op: int = 1
     samples: list[float] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)  # where each `interleave` round began in `samples`
 
     @property
     def busy(self) -> float:
@@ -112,6 +114,31 @@ class Timer:
     @property
     def median_ms(self) -> float:
         return statistics.median(self.samples) * 1000 if self.samples else 0.0
+
+    def round_rates(self) -> list[float]:
+        """Ops/s of each `interleave` round, in order: a drift within one run shows here."""
+        edges = [*self.rounds, len(self.samples)]
+        out = []
+        for lo, hi in itertools.pairwise(edges):
+            busy = sum(self.samples[lo:hi])
+            if hi > lo and busy > 0:
+                out.append((hi - lo) / busy)
+        return out
+
+
+def round_ratios(ours: Timer, base: Timer, groups: int = 5) -> list[float]:
+    """Ours/base ops/s over consecutive groups of interleaved rounds (first to last), so a drift
+    within one run is reported instead of averaged away."""
+    a, b = ours.round_rates(), base.round_rates()
+    k = min(len(a), len(b))
+    if k == 0:
+        return []
+    size = max(1, k // groups)
+    out = []
+    for lo in range(0, k - size + 1, size):
+        ra, rb = statistics.mean(a[lo : lo + size]), statistics.mean(b[lo : lo + size])
+        out.append(ra / rb if rb else 0.0)
+    return out
 
 
 async def interleave(
@@ -135,6 +162,7 @@ async def interleave(
             if meter is not None:
                 await meter.start()
             ops = len(timer.samples)
+            timer.rounds.append(ops)
             round_end = clock() + round_s / len(sides)
             while True:
                 t0 = clock()

@@ -26,6 +26,9 @@
 --                            bound ("" = none): the largest n the entry refers to, exclusive (a cut's
 --                            before; a surface's max(sourceEventSeqs) + 1 and a replace's end + 1);
 --                            it must not exceed the entry's own n
+--                  or 3 values: type, time, data, when no entry of the batch has meta, surface or a
+--                            bound (the layout is read off the number of ARGV: fewer arguments are
+--                            the cheapest server time an append can save)
 --
 -- Returns {0, first_n, now_ms}             written
 --         {1, first_n, count}               idempotent retry: that batch (count entries) already landed
@@ -38,7 +41,9 @@
 --         {8}                               the session has another incarnation (it was replaced)
 
 -- The hot path (an append of one entry) is kept to five redis.call()s: TIME, HMGET, XADD, HSET
--- and the feed XADD; numbers are formatted once (an n below 2^53 prints exactly with %d).
+-- and the feed XADD (trimmed on every 32nd n only: an approximate trim frees whole nodes, so
+-- asking on each append costs time and frees nothing more); numbers are formatted once (an n
+-- below 2^53 prints exactly with %d).
 local call, fmt = redis.call, string.format
 local hdr, log, idem = KEYS[1], KEYS[2], KEYS[3]
 local mode, expected = ARGV[1], ARGV[2]
@@ -75,10 +80,10 @@ if mode == 'create' then
   call('HSET', hdr, unpack(fields))
   base = 10 + 2 * nhdr
 else
-  local h = call('HMGET', hdr, 'n', 'deleted', 'ttl_ms', 'incarnation', 'created_at')
+  local h = call('HMGET', hdr, 'n', 'deleted', 'ttl_ms', 'incarnation')
   if not h[1] or h[2] then return {3} end
   local inc = ARGV[9]
-  if inc ~= '' and inc ~= (h[4] or ('legacy-' .. (h[5] or '0'))) then return {8} end
+  if inc ~= '' and inc ~= (h[4] or ('legacy-' .. (call('HGET', hdr, 'created_at') or '0'))) then return {8} end
   n = tonumber(h[1])
   ttl = h[3] or ''
   base = 10
@@ -99,16 +104,21 @@ else
   if expected ~= '' and tonumber(expected) ~= n then return {2, n} end
 end
 
-for i = 0, count - 1 do
-  local b = ARGV[base + 6 * i + 5]
-  if b ~= '' and tonumber(b) > n + i then return {4, i, n + i} end
+local stride = 6
+if count > 0 and #ARGV - base + 1 == 3 * count then stride = 3 end
+if stride == 6 then
+  for i = 0, count - 1 do
+    local b = ARGV[base + 6 * i + 5]
+    if b ~= '' and tonumber(b) > n + i then return {4, i, n + i} end
+  end
 end
 
 local last_cut = nil
 local hint = false  -- a batch of chunk rows only changes no projection: no feed hint for it
 for i = 0, count - 1 do
-  local p = base + 6 * i
-  local typ, tm, meta, surface = ARGV[p], ARGV[p + 1], ARGV[p + 3], ARGV[p + 4]
+  local p = base + stride * i
+  local typ, tm, meta, surface = ARGV[p], ARGV[p + 1], '', ''
+  if stride == 6 then meta, surface = ARGV[p + 3], ARGV[p + 4] end
   if typ ~= 'assistant/chunk' then hint = true end
   if tm == '' then tm = now_s end
   local id = fmt('%d-1', n + i)
@@ -174,7 +184,11 @@ if ttl ~= '' and call('ZCARD', KEYS[6]) == 0 then
 end
 
 if KEYS[9] and hint then
-  call('XADD', KEYS[9], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', new_n_s)
+  if new_n % 32 < count then
+    call('XADD', KEYS[9], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', new_n_s)
+  else
+    call('XADD', KEYS[9], '*', 's', ARGV[6], 'n', new_n_s)
+  end
 end
 
 return {0, n, now}

@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
-from msgspec import Struct
 
+from .doctor import DoctorReport, doctor
 from .errors import (
     InvalidEntryError,
     InvalidSessionIdError,
@@ -61,7 +61,6 @@ from .model import (
     SessionHead,
     SessionHeader,
     Surface,
-    Vocabulary,
     as_new_entry,
     encode_batch,
     kind_of,
@@ -72,8 +71,8 @@ from .projection.fold import Message, ProjectionState, check_surface, history, o
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
-from .snapshots import SnapshotCache, load_state, read_entries
-from .store import InspectableStore, MemorySessionStore, SessionStore, sequence_problems
+from .snapshots import READ_PAGE, SnapshotCache, load_state, read_entries, read_range
+from .store import MemorySessionStore, SessionStore
 from .streaming import (
     DEFAULT_FLUSH_INTERVAL,
     DEFAULT_GRACE,
@@ -90,7 +89,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Entries per store read when folding or reading a long log (the Redis store caps one read at 100k).
-READ_PAGE = 50_000
 DEFAULT_LEASE_TTL = 30.0
 DEFAULT_EPHEMERAL_TTL = 3600.0
 BRANCH_EVENT = "session-branch"
@@ -129,22 +127,6 @@ def _default_branch_id(parent: str) -> str:
 
 def _is_user_message(e: Entry) -> bool:
     return e.type == "user/message" or (e.type == "message" and e.data.get("role") == "user")
-
-
-async def _read_range(
-    store: SessionStore, session_id: str, start: int, stop: int, incarnation: str | None = None
-) -> builtins.list[Entry]:
-    """Entries [start, stop), in pages (one store read is capped); of `incarnation` if given."""
-    out: builtins.list[Entry] = []
-    lo = start
-    while lo < stop:
-        hi = min(stop, lo + READ_PAGE)
-        batch = await read_entries(store, session_id, lo, hi, incarnation)
-        out.extend(batch)
-        if len(batch) != hi - lo:
-            break  # the session is shorter than asked: the caller sees what there is
-        lo = hi
-    return out
 
 
 async def _fold_into(
@@ -512,7 +494,7 @@ class Session:
             inc = self._header.incarnation or None
             if self._state is not None:
                 try:
-                    gap = await _read_range(self._store, self.id, self._n, first, inc)
+                    gap = await read_range(self._store, self.id, self._n, first, inc)
                     self._state.extend(gap)
                 except Exception:  # the write landed; only the cached projection is lost
                     self._state = None
@@ -545,7 +527,7 @@ class Session:
                     if head.last_cut is not None and head.last_cut < first:
                         self._last_cut = head.last_cut
                     return
-            self._see(await _read_range(self._store, self.id, self._n, first, incarnation))
+            self._see(await read_range(self._store, self.id, self._n, first, incarnation))
         except Exception:  # the write landed; `refresh()` brings last_cut back
             log.warning("last_cut of %r may be stale after an enqueue", self.id, exc_info=True)
 
@@ -584,7 +566,7 @@ class Session:
         _check_int(start, "start")
         if stop is not None:
             _check_int(stop, "stop")
-        return await _read_range(
+        return await read_range(
             self._store, self.id, start, self._n if stop is None else stop, self._header.incarnation or None
         )
 
@@ -972,7 +954,7 @@ class Sessions:
         head = await self.store.head(validate_session_id(session_id))
         if head is None:
             return None
-        entries = await _read_range(self.store, session_id, 0, head.n)
+        entries = await read_range(self.store, session_id, 0, head.n)
         users = [e.n for e in entries if _is_user_message(e)]
         if k > len(users):
             return None
@@ -1027,117 +1009,6 @@ class Sessions:
         return await doctor(self.store, session_id)
 
 
-# --------------------------------------------------------------------------- doctor
-
-
-class DoctorReport(Struct, frozen=True):
-    """What `doctor` found: the log's invariant problems and the storage problems, in n order."""
-
-    session_id: str
-    n: int
-    problems: builtins.list[Problem]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
-    """Check one session: `check_invariants` on its log, plus storage checks.
-
-    Storage codes: ``header`` (the header does not parse), ``stream-id`` (an ID not of the form
-    ``<n>-1``), ``stream-gap`` (IDs skip entries), ``stream-order`` (an ID at or below the previous
-    one, or below the branch point), ``stream-ahead`` / ``stream-behind`` (header n ≠ last ID + 1,
-    or ≠ `at` for an empty branch), ``decode`` (an entry does not decode), ``schema`` (an entry's
-    data fails its type's schema), ``last-cut`` (the header's last_cut is not the last cut entry),
-    ``stale-link`` (a child link whose branch does not exist: it keeps the session's keys, and an
-    ephemeral one's TTL, for nothing; `Sessions.repair` / ``doctor --repair`` removes it).
-    A store that can look below `read` (`InspectableStore.storage_problems`: the Redis store walks
-    the stream itself) reports the storage codes; on other stores the same is checked through
-    `read`. Raises `SessionNotFoundError` for a missing session.
-    """
-    validate_session_id(session_id)
-    problems: builtins.list[Problem] = []
-
-    def add(n: int | None, code: str, message: str) -> None:
-        problems.append(Problem(n, code, message))
-
-    try:
-        head = await store.head(session_id)
-    except (ValueError, TypeError, msgspec.DecodeError) as e:
-        add(None, "header", f"the header does not parse: {e}")
-        return DoctorReport(session_id, -1, problems)
-    if head is None:
-        raise SessionNotFoundError(session_id)
-    n, at = head.n, head.header.at or 0
-
-    check = await store.storage_problems(session_id, n, at) if isinstance(store, InspectableStore) else None
-    if check is not None:
-        problems.extend(check.problems)
-    try:
-        entries = await _read_range(store, session_id, 0, n)
-    except SessionError as e:
-        add(None, "decode", f"the log cannot be read: {e}")
-        entries = []
-        complete = False
-    else:
-        complete = True
-        if check is None:  # nothing below read(): check the stored shape through read()
-            problems.extend(sequence_problems([e.n for e in entries], 0, n))
-    own = check.entries if check is not None and check.entries is not None else [e for e in entries if e.n >= at]
-    problems.extend(_schema_problems(store.vocabulary, own))
-    problems.extend(_last_cut_problems(head, own, entries if complete else None))
-    if complete and len(entries) == n and all(e.n == i for i, e in enumerate(entries)):
-        problems.extend(check_invariants(entries))
-    for child in (await store.links(session_id))[1]:
-        add(None, "stale-link", f"branch {child!r} is linked but does not exist: `redis-session doctor --repair`")
-    problems.sort(key=lambda p: -1 if p.n is None else p.n)
-    return DoctorReport(session_id, n, problems)
-
-
-def _schema_problems(vocabulary: Vocabulary, own: Sequence[Entry]) -> builtins.list[Problem]:
-    """A ``schema`` problem for each of the session's own entries whose data fails its schema."""
-    out: builtins.list[Problem] = []
-    for entry in own:
-        try:
-            vocabulary.check(entry.type, msgspec.json.encode(entry.data), None)
-        except InvalidEntryError as err:
-            out.append(Problem(entry.n, "schema", str(err)))
-    return out
-
-
-def _last_cut_problems(
-    head: SessionHead, own: Sequence[Entry], entries: Sequence[Entry] | None
-) -> builtins.list[Problem]:
-    """Whether the header's last_cut names the session's last cut entry (`entries`: the whole
-    log, or None when it could not be read)."""
-    last_cut, at = head.last_cut, head.header.at or 0
-    own_cuts = [e.n for e in own if e.type == CUT]
-    if own_cuts:
-        if last_cut != own_cuts[-1]:
-            message = f"header last_cut={last_cut}, the last cut entry is n={own_cuts[-1]}"
-            return [Problem(last_cut, "last-cut", message)]
-    elif last_cut is not None and last_cut >= at:
-        return [Problem(last_cut, "last-cut", f"header last_cut={last_cut}, but the session has no cut there")]
-    elif last_cut is not None and entries is not None:
-        inherited = entries[last_cut] if last_cut < len(entries) else None
-        if inherited is None or inherited.type != CUT:
-            return [Problem(last_cut, "last-cut", f"header last_cut={last_cut} is not a cut entry")]
-    return []
-
-
-__all__ = [
-    "BRANCH_EVENT",
-    "DoctorReport",
-    "LeaseLostError",
-    "Session",
-    "SessionLease",
-    "Sessions",
-    "doctor",
-    "load_projection",
-]
-
-
 async def connect(
     url: str | None = None, *, prefix: str = "rs", cluster: bool | None = None, **kwargs: Any
 ) -> Sessions:
@@ -1145,3 +1016,15 @@ async def connect(
     from .redis.connect import open_store
 
     return Sessions(open_store(url, prefix=prefix, cluster=cluster, **kwargs))
+
+
+__all__ = [
+    "BRANCH_EVENT",
+    "DoctorReport",  # re-exported: the doctor lives in `redis_session.doctor`
+    "LeaseLostError",
+    "Session",
+    "SessionLease",
+    "Sessions",
+    "doctor",
+    "load_projection",
+]

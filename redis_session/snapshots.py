@@ -29,6 +29,9 @@ from .model import CUT, Entry, SessionHead
 from .projection.fold import ProjectionState
 from .store.protocol import MAX_READ_RANGE, SessionStore
 
+# entries per store read when a whole range is wanted (one read is capped at MAX_READ_RANGE)
+READ_PAGE = 50_000
+
 _size_enc = msgspec.json.Encoder()
 
 
@@ -39,6 +42,22 @@ async def read_entries(
     if incarnation is None:
         return await store.read(session_id, lo, hi)
     return await store.read(session_id, lo, hi, incarnation=incarnation)
+
+
+async def read_range(
+    store: SessionStore, session_id: str, start: int, stop: int, incarnation: str | None = None
+) -> builtins.list[Entry]:
+    """Entries [start, stop), in pages (one store read is capped); of `incarnation` if given."""
+    out: builtins.list[Entry] = []
+    lo = start
+    while lo < stop:
+        hi = min(stop, lo + READ_PAGE)
+        batch = await read_entries(store, session_id, lo, hi, incarnation)
+        out.extend(batch)
+        if len(batch) != hi - lo:
+            break  # the session is shorter than asked: the caller sees what there is
+        lo = hi
+    return out
 
 
 async def _read_chunks(

@@ -39,3 +39,16 @@ def test_only_the_wire_and_cluster_modules_touch_redis_py_internals() -> None:
             if pattern.search(line):
                 offenders.append(f"{rel}:{i}: {line.strip()}")
     assert not offenders, "redis-py internals outside redis/wire.py and redis/cluster.py:\n" + "\n".join(offenders)
+
+
+def test_the_gateway_package_init_loads_no_module_of_its_own_eagerly() -> None:
+    """Importing one gateway module first (``gateway.routes``, as a worker or a test does) must not
+    run ``gateway.app`` — which imports every route module — half-way through, as the package's
+    ``__init__`` once did (a cycle through ``__init__`` import-linter cannot see; its acyclic
+    contract covers the imports between sibling modules)."""
+    import subprocess
+    import sys
+
+    code = "import sys, redis_session.gateway.routes; print('redis_session.gateway.app' in sys.modules)"
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "False", probe.stdout + probe.stderr

@@ -344,7 +344,7 @@ async def test_fork_before_user_refusals_create_nothing(store: Any) -> None:
     assert await all_ids(sessions) == before
 
 
-# --------------------------------------------------------------------------- a branch cut short (issue 12)
+# ------------------------------------------------------------------- a branch cut short (its two steps interrupted)
 
 
 async def test_ephemeral_parent_is_kept_for_its_branches_then_expires(store: Any) -> None:

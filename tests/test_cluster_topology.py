@@ -1,4 +1,5 @@
-"""Cluster writes follow the topology (issue 12, part 1), each on a private local cluster.
+"""Cluster writes follow the topology (failover, slot migration, a lost reply: docs/design.md, "Redis
+Cluster"), each on a private local cluster.
 
 The stores here only write (no read before the assertions): reads go through redis-py's own
 routing, which repairs its slot table by itself, so a read in between would hide a write path that

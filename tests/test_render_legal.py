@@ -1,4 +1,4 @@
-"""What the renderers send a provider is always legal (issue 14, part 3).
+"""What the renderers send a provider is always legal: every tool result follows its call.
 
 A cut can fall inside a tool-call group, a crash can leave a call unanswered, a surface replace
 can shadow a call and keep its result: the projection then holds a tool result without its call
@@ -83,7 +83,7 @@ def anthropic_legal(request: dict[str, Any], allow_pending: bool = False) -> boo
 
 
 def raw_anthropic(messages: list[Message]) -> dict[str, Any]:
-    """to_anthropic without its repair (what it rendered before issue 14)."""
+    """to_anthropic without its repair (`_legal_anthropic` patched out): what it rendered before."""
     with mock.patch.object(projection, "_legal_anthropic", lambda out, allow: out):
         return to_anthropic(messages)
 

@@ -409,7 +409,7 @@ async def _catch_up(store: Any, stats: Stats, within: float = 10.0) -> None:
 
 
 async def _doctor_all(store: Any, ids: list[str], console: Console) -> int:
-    from ..sessions import doctor
+    from ..doctor import doctor
 
     problems = 0
     for sid in ids:

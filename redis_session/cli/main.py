@@ -381,8 +381,8 @@ def doctor_cmd(
         raise CliError("give a SESSION or --all")
 
     async def main() -> tuple[int, int]:
+        from ..doctor import doctor
         from ..errors import SessionNotFoundError
-        from ..sessions import doctor
 
         bad = checked = 0
         async with _opened(url, prefix) as store:

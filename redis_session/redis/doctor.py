@@ -1,36 +1,34 @@
 """Doctor's storage checks on Redis: a session's own stream, walked raw.
 
-`RedisSessionStore.storage_problems` runs this for `redis_session.sessions.doctor`: the stream
+`RedisSessionStore.storage_problems` runs this for `redis_session.doctor`: the stream
 IDs (each ``<n>-1``), their contiguity against the header's n and the branch point, and the
 decoding of every entry, page by page, below `read` (which would stop at the first bad row).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ..errors import SessionError
 from ..model import Entry
 from ..projection.invariants import Problem
 from ..store.protocol import StorageCheck
 from ..store.rules import sequence_problems
-from .store import rows_to_entries
-
-if TYPE_CHECKING:
-    from .store import RedisSessionStore
+from .rows import rows_to_entries
 
 PAGE = 10_000
 
 
-async def stream_problems(store: RedisSessionStore, session_id: str, n: int, at: int) -> StorageCheck:
-    """Walk the session's own stream: IDs, contiguity against the header, decoding."""
-    key = store.keys.log(session_id)
+async def stream_problems(raw: Callable[..., Awaitable[Any]], key: str, n: int, at: int) -> StorageCheck:
+    """Walk the session's own stream (`key`, read with the store's `raw` command call): IDs,
+    contiguity against the header, decoding."""
     problems: list[Problem] = []
     ids: list[int] = []
     own: list[Entry] = []
     lo = b"-"
     while True:
-        rows = await store._raw("XRANGE", key, lo, "+", "COUNT", PAGE)
+        rows = await raw("XRANGE", key, lo, "+", "COUNT", PAGE)
         good = []
         for row in rows:
             rid = row[0] if isinstance(row[0], bytes) else str(row[0]).encode()

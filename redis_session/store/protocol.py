@@ -147,7 +147,7 @@ class InspectableStore(Protocol):
 
     Optional: `doctor` checks a store without it through `read` (contiguous n, against the
     header's n). Storage codes: ``stream-id``, ``stream-gap``, ``stream-order``, ``stream-ahead``,
-    ``stream-behind``, ``decode`` (see `redis_session.sessions.doctor`)."""
+    ``stream-behind``, ``decode`` (see `redis_session.doctor`)."""
 
     async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
         """The problems of the session's own log [at, n) as stored (`n` and `at` from the head

@@ -1,0 +1,116 @@
+"""The doctor: one session checked end to end, on any store — the log's invariants
+(`check_invariants`), each entry's schema, the header's last cut, stale branch links, and what
+the store can see below `read` (`InspectableStore.storage_problems`: on Redis, `redis.doctor`
+walks the stream itself).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+
+import msgspec
+from msgspec import Struct
+
+from .errors import InvalidEntryError, SessionError, SessionNotFoundError
+from .keys import validate_session_id
+from .model import CUT, Entry, SessionHead, Vocabulary
+from .projection.invariants import Problem, check_invariants
+from .snapshots import read_range
+from .store import InspectableStore, SessionStore, sequence_problems
+
+
+class DoctorReport(Struct, frozen=True):
+    """What `doctor` found: the log's invariant problems and the storage problems, in n order."""
+
+    session_id: str
+    n: int
+    problems: builtins.list[Problem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
+    """Check one session: `check_invariants` on its log, plus storage checks.
+
+    Storage codes: ``header`` (the header does not parse), ``stream-id`` (an ID not of the form
+    ``<n>-1``), ``stream-gap`` (IDs skip entries), ``stream-order`` (an ID at or below the previous
+    one, or below the branch point), ``stream-ahead`` / ``stream-behind`` (header n ≠ last ID + 1,
+    or ≠ `at` for an empty branch), ``decode`` (an entry does not decode), ``schema`` (an entry's
+    data fails its type's schema), ``last-cut`` (the header's last_cut is not the last cut entry),
+    ``stale-link`` (a child link whose branch does not exist: it keeps the session's keys, and an
+    ephemeral one's TTL, for nothing; `Sessions.repair` / ``doctor --repair`` removes it).
+    A store that can look below `read` (`InspectableStore.storage_problems`: the Redis store walks
+    the stream itself) reports the storage codes; on other stores the same is checked through
+    `read`. Raises `SessionNotFoundError` for a missing session.
+    """
+    validate_session_id(session_id)
+    problems: builtins.list[Problem] = []
+
+    def add(n: int | None, code: str, message: str) -> None:
+        problems.append(Problem(n, code, message))
+
+    try:
+        head = await store.head(session_id)
+    except (ValueError, TypeError, msgspec.DecodeError) as e:
+        add(None, "header", f"the header does not parse: {e}")
+        return DoctorReport(session_id, -1, problems)
+    if head is None:
+        raise SessionNotFoundError(session_id)
+    n, at = head.n, head.header.at or 0
+
+    check = await store.storage_problems(session_id, n, at) if isinstance(store, InspectableStore) else None
+    if check is not None:
+        problems.extend(check.problems)
+    try:
+        entries = await read_range(store, session_id, 0, n)
+    except SessionError as e:
+        add(None, "decode", f"the log cannot be read: {e}")
+        entries = []
+        complete = False
+    else:
+        complete = True
+        if check is None:  # nothing below read(): check the stored shape through read()
+            problems.extend(sequence_problems([e.n for e in entries], 0, n))
+    own = check.entries if check is not None and check.entries is not None else [e for e in entries if e.n >= at]
+    problems.extend(_schema_problems(store.vocabulary, own))
+    problems.extend(_last_cut_problems(head, own, entries if complete else None))
+    if complete and len(entries) == n and all(e.n == i for i, e in enumerate(entries)):
+        problems.extend(check_invariants(entries))
+    for child in (await store.links(session_id))[1]:
+        add(None, "stale-link", f"branch {child!r} is linked but does not exist: `redis-session doctor --repair`")
+    problems.sort(key=lambda p: -1 if p.n is None else p.n)
+    return DoctorReport(session_id, n, problems)
+
+
+def _schema_problems(vocabulary: Vocabulary, own: Sequence[Entry]) -> builtins.list[Problem]:
+    """A ``schema`` problem for each of the session's own entries whose data fails its schema."""
+    out: builtins.list[Problem] = []
+    for entry in own:
+        try:
+            vocabulary.check(entry.type, msgspec.json.encode(entry.data), None)
+        except InvalidEntryError as err:
+            out.append(Problem(entry.n, "schema", str(err)))
+    return out
+
+
+def _last_cut_problems(
+    head: SessionHead, own: Sequence[Entry], entries: Sequence[Entry] | None
+) -> builtins.list[Problem]:
+    """Whether the header's last_cut names the session's last cut entry (`entries`: the whole
+    log, or None when it could not be read)."""
+    last_cut, at = head.last_cut, head.header.at or 0
+    own_cuts = [e.n for e in own if e.type == CUT]
+    if own_cuts:
+        if last_cut != own_cuts[-1]:
+            message = f"header last_cut={last_cut}, the last cut entry is n={own_cuts[-1]}"
+            return [Problem(last_cut, "last-cut", message)]
+    elif last_cut is not None and last_cut >= at:
+        return [Problem(last_cut, "last-cut", f"header last_cut={last_cut}, but the session has no cut there")]
+    elif last_cut is not None and entries is not None:
+        inherited = entries[last_cut] if last_cut < len(entries) else None
+        if inherited is None or inherited.type != CUT:
+            return [Problem(last_cut, "last-cut", f"header last_cut={last_cut} is not a cut entry")]
+    return []
