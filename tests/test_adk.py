@@ -21,6 +21,7 @@ import pytest
 import redis.asyncio
 
 from redis_session import MemorySessionStore, RedisSessionStore, SessionConflictError
+from redis_session.errors import SessionReplacedError
 
 if os.environ.get("CI"):
     import google.adk  # noqa: F401  (CI installs the adk extra: a missing one fails, never skips)
@@ -43,7 +44,14 @@ from google.adk.tools import ToolContext
 from google.genai import types
 from pydantic import Field
 
-from redis_session.adapters.adk import RedisAdkSessionService, StaleAdkSessionError, adk_names, escape, unescape
+from redis_session.adapters.adk import (
+    RedisAdkSessionService,
+    ReplacedAdkSessionError,
+    StaleAdkSessionError,
+    adk_names,
+    escape,
+    unescape,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -458,6 +466,94 @@ async def test_two_pods_appending_to_one_session_never_interleave(store: Any, ot
     assert sorted(results) == ["ok"] + ["stale"] * 9
     log = await store.read(pod1.session_store_id(APP, "alice", "shared"))
     assert [e.type for e in log] == ["adk/session"] + ["adk/event"] * 3
+
+
+# =========================================================================== another life of the id
+
+
+async def _recreate(svc: RedisAdkSessionService, session_id: str, texts: list[str]) -> Session:
+    """Delete the session and create it again under the same id with these events."""
+    await svc.delete_session(app_name=APP, user_id="alice", session_id=session_id)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id=session_id, state={"life": 2})
+    for t in texts:
+        await svc.append_event(s, _event(text=t))
+    return s
+
+
+@pytest.mark.parametrize("new_events", [2, 3], ids=["same-count", "more"])
+async def test_a_session_object_of_another_life_is_refused(store: Any, other_pod_store: Any, new_events: int) -> None:
+    """Pod A holds a session object of life 1; pod B deletes the id and creates it again with
+    the same number of events (or more). A's next append must not land in the new conversation
+    (it did: the expected n matched), and reading never mixes the two lives."""
+    pod_a, pod_b = RedisAdkSessionService(store), RedisAdkSessionService(other_pod_store)
+    s = await pod_a.create_session(app_name=APP, user_id="alice", session_id="x", state={"life": 1})
+    for t in ["old-0", "old-1"]:
+        await pod_a.append_event(s, _event(text=t))
+    old = await pod_a.get_session(app_name=APP, user_id="alice", session_id="x")
+    assert old is not None
+    copies = [old.model_copy(), old.model_copy(deep=True)]  # ADK's own copies of a session
+    await _recreate(pod_b, "x", [f"new-{i}" for i in range(new_events)])
+    new_log = await store.read(pod_b.session_store_id(APP, "alice", "x"))
+
+    for held in [s, old, *copies]:
+        with pytest.raises(StaleSessionError) as info:  # ADK's type (a ValueError)...
+            await pod_a.append_event(held, _event(text="from the old life"))
+        assert isinstance(info.value, ReplacedAdkSessionError)
+        assert isinstance(info.value, SessionReplacedError)  # ...and ours
+        assert "modified in storage since it was loaded" in str(info.value)
+        assert [e.content.parts[0].text for e in held.events] == ["old-0", "old-1"]  # took nothing
+    assert await store.read(pod_b.session_store_id(APP, "alice", "x")) == new_log  # nothing landed
+
+    got = await pod_a.get_session(app_name=APP, user_id="alice", session_id="x")
+    assert got is not None and got.state == {"life": 2}
+    assert [e.content.parts[0].text for e in got.events] == [f"new-{i}" for i in range(new_events)]
+    await pod_a.append_event(got, _event(text="on the new life"))  # a fresh read pins the new life
+    assert len(await store.read(pod_b.session_store_id(APP, "alice", "x"))) == new_events + 2
+
+
+async def test_another_life_after_a_delete_only_is_not_found(store: Any) -> None:
+    svc = RedisAdkSessionService(store)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="x")
+    await svc.delete_session(app_name=APP, user_id="alice", session_id="x")
+    with pytest.raises(AdkSessionNotFoundError):
+        await svc.append_event(s, _event())
+    assert await svc.get_session(app_name=APP, user_id="alice", session_id="x") is None
+
+
+class _RecreateOnFirstRead:
+    """The real store, with another pod's delete + re-create of one id landing between a
+    reader's head and its log read (the window a two-step read has)."""
+
+    def __init__(self, inner: Any, victim: str, recreate: Any) -> None:
+        self._inner, self._victim, self._recreate, self.fired = inner, victim, recreate, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def read(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
+        if session_id == self._victim and not self.fired:
+            self.fired = True
+            await self._recreate()
+        return await self._inner.read(session_id, *args, **kwargs)
+
+
+async def test_get_session_never_mixes_two_lives(store: Any) -> None:
+    """The id is re-created between get_session's head and its log read: the session read back
+    is the new life whole (its events, its state, its marker), never life 1's head with life 2's
+    log; an append through it lands on life 2."""
+    plain = RedisAdkSessionService(store)
+    s = await plain.create_session(app_name=APP, user_id="alice", session_id="x", state={"life": 1})
+    for t in ["old-0", "old-1"]:
+        await plain.append_event(s, _event(text=t))
+    sid = plain.session_store_id(APP, "alice", "x")
+    racing = _RecreateOnFirstRead(store, sid, lambda: _recreate(plain, "x", ["new-0", "new-1"]))
+    svc = RedisAdkSessionService(racing)
+    got = await svc.get_session(app_name=APP, user_id="alice", session_id="x")
+    assert racing.fired and got is not None
+    assert got.state == {"life": 2} and [e.content.parts[0].text for e in got.events] == ["new-0", "new-1"]
+    await svc.append_event(got, _event(text="new-2"))
+    log = await store.read(sid)
+    assert [e.data["event"]["content"]["parts"][0]["text"] for e in log[1:]] == ["new-0", "new-1", "new-2"]
 
 
 async def test_session_objects_without_our_marker(store: Any) -> None:

@@ -46,10 +46,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import types
 import urllib.parse
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import anyio
 from google.adk.errors import StaleSessionError
@@ -62,12 +64,30 @@ from google.adk.sessions import BaseSessionService, Session, _session_util
 from google.adk.sessions.base_session_service import GetSessionConfig, ListSessionsResponse
 from google.adk.sessions.state import State
 
-from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
-from ..model import Entry, NewEntry, SessionHeader
+from ..errors import (
+    InvalidSessionIdError,
+    SessionAlreadyExistsError,
+    SessionConflictError,
+    SessionNotFoundError,
+    SessionReplacedError,
+)
+from ..model import Entry, NewEntry, SessionHead, SessionHeader
 from ..store import SessionStore
-from ._log import SessionLog, resolve_store
+from ._log import resolve_store
+from ._loops import LoopStores, run_sync
 
-__all__ = ["RedisAdkSessionService", "StaleAdkSessionError", "adk_names", "escape", "unescape"]
+__all__ = [
+    "SCHEMES",
+    "RedisAdkSessionService",
+    "ReplacedAdkSessionError",
+    "StaleAdkSessionError",
+    "adk_names",
+    "escape",
+    "register",
+    "unescape",
+]
+
+T = TypeVar("T")
 
 SESSION, EVENT, STATE, CREATED, DELETED = "adk/session", "adk/event", "adk/state", "adk/created", "adk/deleted"
 MARK_TYPES = (SESSION, EVENT, STATE, CREATED, DELETED)
@@ -77,12 +97,24 @@ STALE_MESSAGE = (
     "The session has been modified in storage since it was loaded. "
     "Please reload the session before appending more events."
 )
-_MARKER = "rs:"  # our `_storage_update_marker`s: "rs:<n>" (another service's marker is not ours)
+#: Our `_storage_update_marker`s: ``"rs:<incarnation>:<n>"``, the life of the store session the
+#: object was read from and the n it stands at (``"rs:<n>"`` from before incarnations: n only).
+#: Another service's marker is not ours. A private attribute of ADK's ``Session``, so it travels
+#: with every copy ADK makes (``model_copy``, ``copy.deepcopy``).
+_MARKER = "rs:"
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 #: How many app/user/index logs one service instance keeps folded (least recently used go).
 CACHE_SIZE = 1024
 #: The store's limit on a session id (docs/design.md §3); the store validates every id it is given.
 MAX_ID_LENGTH = 256
+#: URI schemes `register` puts in ADK's service registry: always ours; ``redis``/``rediss`` only
+#: when nothing (ADK itself, a later version) has taken them.
+SCHEMES = ("redis-session", "redis-session+tls")
+_PLAIN_SCHEMES = ("redis", "rediss")
+#: Query parameters of a service URI that are ours (the rest go to redis-py).
+_URI_OPTIONS = ("prefix", "namespace", "ttl_seconds", "cluster")
+#: Attempts of a read that finds the id re-created between its head and its log read.
+_READ_ATTEMPTS = 5
 
 
 class StaleAdkSessionError(StaleSessionError, SessionConflictError):  # type: ignore[misc,unused-ignore]
@@ -94,6 +126,20 @@ class StaleAdkSessionError(StaleSessionError, SessionConflictError):  # type: ig
     def __init__(self, session_id: str, expected_n: int, actual_n: int) -> None:
         SessionConflictError.__init__(self, session_id, expected_n, actual_n)
         self.args = (f"{STALE_MESSAGE} (store session {session_id!r}: expected n={expected_n}, log at n={actual_n})",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ReplacedAdkSessionError(StaleSessionError, SessionReplacedError):  # type: ignore[misc,unused-ignore]
+    """The session object belongs to another life of its id: the session was deleted and created
+    again since the object was read. ADK's ``StaleSessionError`` (what its database service
+    raises when the stored revision is not the object's) and our `SessionReplacedError` at once.
+    Nothing was written: ``get_session`` gives the new session."""
+
+    def __init__(self, session_id: str) -> None:
+        SessionReplacedError.__init__(self, session_id)
+        self.args = (f"{STALE_MESSAGE} (store session {session_id!r} was deleted and created again)",)
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -125,23 +171,61 @@ def _scoped(delta: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     return _session_util.extract_json_safe_state_delta(delta or {})  # type: ignore[no-any-return,unused-ignore]
 
 
-class _Folded:
-    """A state or index log folded incrementally by one service instance."""
+async def _read_life(store: SessionStore, store_id: str) -> tuple[str, list[Entry]] | None:
+    """One life of a store session: its incarnation and its whole log, or None when the id does
+    not exist. The log is read against the incarnation its head named, so a delete and re-create
+    in between is noticed (and read again), never mixed."""
+    for _ in range(_READ_ATTEMPTS):
+        head = await store.head(store_id)
+        if head is None:
+            return None
+        try:
+            return head.header.incarnation, await store.read(store_id, incarnation=head.header.incarnation)
+        except SessionReplacedError:
+            continue
+        except SessionNotFoundError:
+            return None
+    raise SessionReplacedError(store_id, f"re-created during each of {_READ_ATTEMPTS} reads")
 
-    def __init__(self, store: SessionStore, store_id: str, fold: Callable[[dict[Any, Any], Entry], None]) -> None:
+
+class _Folded:
+    """A state or index log folded incrementally by one service instance, pinned to the life of
+    the log it began on (a log that expired and was created again is folded again from 0)."""
+
+    def __init__(self, store_id: str, fold: Callable[[dict[Any, Any], Entry], None]) -> None:
+        self.store_id = store_id
         self.value: dict[Any, Any] = {}
         self._fold_one = fold
+        self._incarnation: str | None = None
+        self._n = 0
         self.lock = anyio.Lock()
-        self.log = SessionLog(store, store_id, origin=None, fold=self._fold, reset=self.value.clear)
 
-    def _fold(self, entries: Sequence[Entry]) -> None:
-        for e in entries:
-            self._fold_one(self.value, e)
+    def _reset(self) -> None:
+        self.value.clear()
+        self._incarnation, self._n = None, 0
 
-    async def refresh(self) -> dict[Any, Any]:
+    async def refresh(self, store: SessionStore) -> dict[Any, Any]:
         async with self.lock:
-            await self.log.catch_up()
-            return self.value
+            for _ in range(_READ_ATTEMPTS):
+                if self._incarnation is None:
+                    head = await store.head(self.store_id)
+                    if head is None:
+                        return self.value
+                    self._incarnation = head.header.incarnation
+                try:
+                    entries = await store.read(self.store_id, self._n, incarnation=self._incarnation)
+                except SessionReplacedError:
+                    self._reset()
+                    continue
+                except SessionNotFoundError:
+                    self._reset()
+                    return self.value
+                for e in entries:
+                    self._fold_one(self.value, e)
+                if entries:
+                    self._n = entries[-1].n + 1
+                return self.value
+            raise SessionReplacedError(self.store_id, f"re-created during each of {_READ_ATTEMPTS} reads")
 
 
 def _fold_state(value: dict[Any, Any], e: Entry) -> None:
@@ -157,14 +241,20 @@ def _fold_index(value: dict[Any, Any], e: Entry) -> None:
         value.pop(key, None)
 
 
+def _event_order(ev: dict[str, Any]) -> tuple[float, str]:
+    ts = ev.get("timestamp")
+    return (float(ts) if isinstance(ts, int | float) else 0.0, str(ev.get("id") or ""))
+
+
 class _Fold:
-    """One ADK session folded from its log."""
+    """One ADK session folded from its log (one life of it)."""
 
-    __slots__ = ("app_name", "events", "last_update_time", "n", "session_id", "state", "user_id")
+    __slots__ = ("app_name", "events", "incarnation", "last_update_time", "n", "session_id", "state", "user_id")
 
-    def __init__(self, entries: Sequence[Entry]) -> None:
+    def __init__(self, incarnation: str, entries: Sequence[Entry]) -> None:
         if not entries or entries[0].type != SESSION:
             raise ValueError("not an ADK session log (its entry 0 is not adk/session)")
+        self.incarnation = incarnation
         head = entries[0].data
         self.app_name: str = head["app_name"]
         self.user_id: str = head["user_id"]
@@ -183,25 +273,96 @@ class _Fold:
             ts = ev.get("timestamp")
             if isinstance(ts, int | float):
                 self.last_update_time = float(ts)
+        # Events in ADK's database order: by timestamp, ties by event id (a stable sort: the log's
+        # order whenever timestamps grow, as they do for events of one writer).
+        self.events.sort(key=_event_order)
         self.n = entries[-1].n + 1
+
+
+def _service_options(uri: str) -> tuple[str | None, dict[str, str]]:
+    """A service URI as a redis-py URL (None: ``$REDIS_URL`` or the embedded server) and our
+    options from its query (`_URI_OPTIONS`)."""
+    parts = urllib.parse.urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme == "redis-session":
+        scheme = "redis"
+    elif scheme == "redis-session+tls":
+        scheme = "rediss"
+    elif scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"not a redis-session service URI: {uri!r} (use redis-session://host:port/db)")
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in _URI_OPTIONS}
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k not in _URI_OPTIONS])
+    if not parts.netloc and scheme != "unix" and parts.path in ("", "/"):
+        return None, ours
+    return urllib.parse.urlunsplit((scheme, parts.netloc, parts.path, rest, "")), ours
 
 
 class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ignore]
     """ADK's ``BaseSessionService`` on a redis-session store (or a `Sessions` service).
 
-    ``RedisAdkSessionService(store, namespace="adk")``; see the module documentation for the
-    layout and the concurrency rules."""
+    ``RedisAdkSessionService(store, namespace="adk", ttl_seconds=None)``, or from a URI
+    (``RedisAdkSessionService(uri="redis-session://host:6379/0?prefix=rs")``, what ADK's service
+    registry and ``services.yaml`` call): the service then owns its store and `close` closes it.
+    `ttl_seconds` (as ADK's own ``RedisSessionService`` has it): sessions and app/user state
+    expire that long after their last write. See the module documentation for the layout and
+    the concurrency rules."""
 
-    def __init__(self, store: Any, *, namespace: str = "adk") -> None:
+    def __init__(
+        self,
+        store: Any = None,
+        *,
+        uri: str | None = None,
+        namespace: str | None = None,
+        ttl_seconds: float | None = None,
+        agents_dir: str | None = None,  # what ADK's registry passes to every factory; unused
+    ) -> None:
+        del agents_dir
+        owns = False
+        if uri is not None:
+            if store is not None:
+                raise TypeError("give a store or a uri, not both")
+            url, options = _service_options(uri)
+            from ..redis.connect import open_store
+
+            cluster = options.get("cluster")
+            store = open_store(
+                url,
+                prefix=options.get("prefix", "rs"),
+                cluster=None if cluster is None else cluster.lower() in ("1", "true", "yes"),
+                announce=None,
+            )
+            owns = True
+            namespace = namespace or options.get("namespace")
+            if ttl_seconds is None and "ttl_seconds" in options:
+                ttl_seconds = float(options["ttl_seconds"])
+        elif store is None:
+            raise TypeError("RedisAdkSessionService needs a store (or a Sessions service) or a uri")
+        namespace = namespace or "adk"
         if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
             raise ValueError("namespace must be 1-32 characters of A-Z a-z 0-9 _ . -")
+        if ttl_seconds is not None and (
+            isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int | float) or not 0 < ttl_seconds < 2**40
+        ):
+            raise ValueError(f"ttl_seconds must be a positive number of seconds, got {ttl_seconds!r}")
         self.store: SessionStore = resolve_store(store)
         self.namespace = namespace
-        self._logs: OrderedDict[str, _Folded] = OrderedDict()
+        self.ttl_seconds = ttl_seconds
+        self._ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
+        self._owns_store = owns
+        self._stores = LoopStores(self.store)
+        # Folded app/user/index logs, one cache per store (per event loop: a sync call runs on
+        # another loop, with a clone of the store).
+        self._logs: weakref.WeakKeyDictionary[Any, OrderedDict[str, _Folded]] = weakref.WeakKeyDictionary()
         vocabulary = self.store.vocabulary
         for t in MARK_TYPES:
             if t not in vocabulary:
                 vocabulary.define(t, None)
+
+    @property
+    def _store(self) -> SessionStore:
+        """The store to use on the running event loop (`LoopStores`)."""
+        return self._stores.get()
 
     # ------------------------------------------------------------------ ids
 
@@ -232,35 +393,56 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
 
     # ------------------------------------------------------------------ folded logs
 
-    def _folded(self, store_id: str, fold: Callable[[dict[Any, Any], Entry], None]) -> _Folded:
-        f = self._logs.get(store_id)
+    async def _refresh(self, store_id: str, fold: Callable[[dict[Any, Any], Entry], None]) -> dict[Any, Any]:
+        store = self._store
+        logs = self._logs.get(store)
+        if logs is None:
+            logs = self._logs[store] = OrderedDict()
+        f = logs.get(store_id)
         if f is None:
-            f = self._logs[store_id] = _Folded(self.store, store_id, fold)
-            while len(self._logs) > CACHE_SIZE:
-                self._logs.popitem(last=False)
+            f = logs[store_id] = _Folded(store_id, fold)
+            while len(logs) > CACHE_SIZE:
+                logs.popitem(last=False)
         else:
-            self._logs.move_to_end(store_id)
-        return f
+            logs.move_to_end(store_id)
+        return dict(await f.refresh(store))
 
     async def _app_state(self, app_name: str) -> dict[str, Any]:
-        return dict(await self._folded(self.app_state_store_id(app_name), _fold_state).refresh())
+        return await self._refresh(self.app_state_store_id(app_name), _fold_state)
 
     async def _user_state(self, app_name: str, user_id: str) -> dict[str, Any]:
-        return dict(await self._folded(self.user_state_store_id(app_name, user_id), _fold_state).refresh())
+        return await self._refresh(self.user_state_store_id(app_name, user_id), _fold_state)
 
-    async def _append_at_end(self, store_id: str, entries: Sequence[NewEntry], key: str | None, role: str) -> None:
+    async def _app_and_user_state(self, app_name: str, user_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        box: dict[str, dict[str, Any]] = {}
+
+        async def app() -> None:
+            box["app"] = await self._app_state(app_name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app)
+            box["user"] = await self._user_state(app_name, user_id)
+        return box["app"], box["user"]
+
+    async def _append_at_end(
+        self, store_id: str, entries: Sequence[NewEntry], key: str | None, role: str, *, ttl: bool
+    ) -> None:
         """Append at the end of a state or index log (no expected n: these entries do not depend on
-        what came before), creating the log on its first write."""
+        what came before), creating the log on its first write (expiring `ttl_seconds` after its
+        last write when `ttl`)."""
+        store = self._store
         for _ in range(3):
             try:
-                await self.store.put(store_id, None, entries, idempotency_key=key)
+                await store.put(store_id, None, entries, idempotency_key=key)
                 return
             except SessionNotFoundError:
                 try:
-                    await self.store.create(SessionHeader(id=store_id, origin={"adk": role}))
+                    await store.create(
+                        SessionHeader(id=store_id, origin={"adk": role}), ttl_ms=self._ttl_ms if ttl else None
+                    )
                 except SessionAlreadyExistsError:
                     pass
-        await self.store.put(store_id, None, entries, idempotency_key=key)
+        await store.put(store_id, None, entries, idempotency_key=key)
 
     async def _write_scoped(
         self, app_name: str, user_id: str, scoped: dict[str, dict[str, Any]], key: str | None
@@ -273,6 +455,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
                 [NewEntry(STATE, {"delta": scoped["app"]})],
                 None if key is None else _digest(key, "app"),
                 "app-state",
+                ttl=True,
             )
         if scoped["user"]:
             await self._append_at_end(
@@ -280,6 +463,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
                 [NewEntry(STATE, {"delta": scoped["user"]})],
                 None if key is None else _digest(key, "user"),
                 "user-state",
+                ttl=True,
             )
 
     # ------------------------------------------------------------------ building sessions
@@ -294,24 +478,23 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         return merged
 
     @staticmethod
-    def _mark(session: Session, n: int) -> None:
+    def _mark(session: Session, incarnation: str, n: int) -> None:
         try:
-            session._storage_update_marker = f"{_MARKER}{n}"
+            session._storage_update_marker = f"{_MARKER}{incarnation}:{n}"
         except (AttributeError, ValueError):  # an ADK without the marker: append_event checks the log instead
             pass
 
     @staticmethod
-    def _marked_n(session: Session) -> int | None:
+    def _marked(session: Session) -> tuple[str | None, int] | None:
+        """(incarnation, n) of our marker on `session` (incarnation None: a marker from before
+        incarnations), or None when it carries none of ours."""
         marker = getattr(session, "_storage_update_marker", None)
-        if isinstance(marker, str) and marker.startswith(_MARKER) and marker[len(_MARKER) :].isdigit():
-            return int(marker[len(_MARKER) :])
-        return None
-
-    async def _read(self, store_id: str) -> list[Entry] | None:
-        try:
-            return await self.store.read(store_id)
-        except SessionNotFoundError:
+        if not isinstance(marker, str) or not marker.startswith(_MARKER):
             return None
+        inc, _, n = marker[len(_MARKER) :].rpartition(":")
+        if not n.isdigit():
+            return None
+        return (inc or None), int(n)
 
     # ------------------------------------------------------------------ BaseSessionService
 
@@ -334,6 +517,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             [NewEntry(CREATED, {"user_id": user_id, "session_id": session_id})],
             None,
             "index",
+            ttl=False,
         )
         now: float = platform_time.get_time()
         head: dict[str, Any] = {
@@ -344,27 +528,27 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             "time": now,
         }
         try:
-            created = await self.store.create(
+            created: SessionHead = await self._store.create(
                 SessionHeader(
                     id=store_id,
                     title=session_id,
                     origin={"adk": {"app_name": app_name, "user_id": user_id, "session_id": session_id}},
                 ),
                 [NewEntry(SESSION, head)],
+                ttl_ms=self._ttl_ms,
             )
         except SessionAlreadyExistsError:
             raise AlreadyExistsError(f"Session with id {session_id} already exists.") from None
         await self._write_scoped(app_name, user_id, scoped, None)
+        app_state, user_state = await self._app_and_user_state(app_name, user_id)
         session = Session(
             id=session_id,
             app_name=app_name,
             user_id=user_id,
-            state=self._merge(
-                scoped["session"], await self._app_state(app_name), await self._user_state(app_name, user_id)
-            ),
+            state=self._merge(scoped["session"], app_state, user_state),
             last_update_time=now,
         )
-        self._mark(session, created.n)
+        self._mark(session, created.header.incarnation, created.n)
         return session
 
     async def get_session(
@@ -376,38 +560,47 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         config: GetSessionConfig | None = None,
     ) -> Session | None:
         session_id = session_id.strip() if session_id else session_id
-        entries = await self._read(self.session_store_id(app_name, user_id, session_id))
-        if not entries:
+        store_id = self.session_store_id(app_name, user_id, session_id)
+        box: dict[str, Any] = {}
+
+        async def states() -> None:
+            box["app"], box["user"] = await self._app_and_user_state(app_name, user_id)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(states)
+            life = await _read_life(self._store, store_id)
+        if life is None or not life[1]:
             return None
-        folded = _Fold(entries)
+        folded = _Fold(*life)
         raw = folded.events
         if config is not None:
             if config.after_timestamp is not None:
-                raw = [e for e in raw if e.get("timestamp", 0.0) >= config.after_timestamp]
+                raw = [e for e in raw if _event_order(e)[0] >= config.after_timestamp]
             if config.num_recent_events is not None:
                 raw = raw[-config.num_recent_events :] if config.num_recent_events else []
         session = Session(
             id=folded.session_id,
             app_name=folded.app_name,
             user_id=folded.user_id,
-            state=self._merge(folded.state, await self._app_state(app_name), await self._user_state(app_name, user_id)),
+            state=self._merge(folded.state, box["app"], box["user"]),
             events=[Event.model_validate(e) for e in raw],
             last_update_time=folded.last_update_time,
         )
-        self._mark(session, folded.n)
+        self._mark(session, folded.incarnation, folded.n)
         return session
 
     async def list_sessions(self, *, app_name: str, user_id: str | None = None) -> ListSessionsResponse:
-        index = dict(await self._folded(self.index_store_id(app_name), _fold_index).refresh())
+        index = await self._refresh(self.index_store_id(app_name), _fold_index)
         candidates = [(u, s) for (u, s) in index if user_id is None or u == user_id]
         folds: list[_Fold] = []
         limiter = anyio.CapacityLimiter(16)
+        store = self._store
 
         async def load(u: str, s: str) -> None:
             async with limiter:
-                entries = await self._read(self.session_store_id(app_name, u, s))
-            if entries:
-                folds.append(_Fold(entries))
+                life = await _read_life(store, self.session_store_id(app_name, u, s))
+            if life is not None and life[1]:
+                folds.append(_Fold(*life))
 
         async with anyio.create_task_group() as tg:
             for u, s in candidates:
@@ -429,34 +622,45 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
 
     async def delete_session(self, *, app_name: str, user_id: str, session_id: str) -> None:
         session_id = session_id.strip() if session_id else session_id
-        if await self.store.delete(self.session_store_id(app_name, user_id, session_id)):
+        if await self._store.delete(self.session_store_id(app_name, user_id, session_id)):
             await self._append_at_end(
                 self.index_store_id(app_name),
                 [NewEntry(DELETED, {"user_id": user_id, "session_id": session_id})],
                 None,
                 "index",
+                ttl=False,
             )
 
     async def get_user_state(self, *, app_name: str, user_id: str) -> dict[str, Any]:
         return await self._user_state(app_name, user_id)
 
-    async def _expected_n(self, session: Session, store_id: str) -> int:
-        """The n this session object stands at: its marker, or, for a session object this service
-        did not return (no marker), the log's n when its last event is the object's last event."""
-        n = self._marked_n(session)
-        if n is not None:
-            return n
-        head = await self.store.head(store_id)
+    async def _position(self, session: Session, store_id: str) -> tuple[str, int]:
+        """(incarnation, n) this session object stands at: its marker, or, for a session object
+        this service did not return (no marker: pinned to the life the store holds now), the log's
+        n when its last event is the object's last event."""
+        store = self._store
+        marked = self._marked(session)
+        if marked is not None and marked[0] is not None:
+            return marked[0], marked[1]
+        head = await store.head(store_id)
         if head is None:
             raise AdkSessionNotFoundError(f"Session {session.id} not found.")
-        last = (await self.store.read(store_id, head.n - 1, head.n))[-1] if head.n else None
+        inc = head.header.incarnation
+        if marked is not None:  # a marker from before incarnations: its n, on today's life
+            return inc, marked[1]
+        try:
+            last = (await store.read(store_id, head.n - 1, head.n, incarnation=inc))[-1] if head.n else None
+        except SessionReplacedError:
+            raise ReplacedAdkSessionError(store_id) from None
+        except SessionNotFoundError:
+            raise AdkSessionNotFoundError(f"Session {session.id} not found.") from None
         if session.events:
             fresh = last is not None and last.type == EVENT and last.data["event"].get("id") == session.events[-1].id
         else:
             fresh = last is not None and last.type == SESSION
         if not fresh:
             raise StaleAdkSessionError(store_id, -1, head.n)
-        return head.n
+        return inc, head.n
 
     async def append_event(self, session: Session, event: Event) -> Event:
         if event.partial:
@@ -465,13 +669,17 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         self._apply_temp_state(session, event)
         event = self._trim_temp_delta_state(event)
         store_id = self.session_store_id(session.app_name, session.user_id, session.id)
-        expected = await self._expected_n(session, store_id)
+        incarnation, expected = await self._position(session, store_id)
         data = event.model_dump(exclude_none=True, mode="json")
         key = _digest("adk-event", json.dumps(data, sort_keys=True, separators=(",", ":")))
         try:
-            stored = await self.store.put(store_id, expected, [NewEntry(EVENT, {"event": data})], idempotency_key=key)
+            stored = await self._store.put(
+                store_id, expected, [NewEntry(EVENT, {"event": data})], idempotency_key=key, incarnation=incarnation
+            )
         except SessionConflictError as e:
             raise StaleAdkSessionError(store_id, e.expected_n, e.actual_n) from None
+        except SessionReplacedError:
+            raise ReplacedAdkSessionError(store_id) from None
         except SessionNotFoundError:
             raise AdkSessionNotFoundError(f"Session {session.id} not found.") from None
         at = stored[0].n
@@ -480,12 +688,98 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         )
         if at < expected:
             return event  # an equal event that already landed: nothing applied twice
-        self._mark(session, at + 1)
+        self._mark(session, incarnation, at + 1)
         session.last_update_time = event.timestamp
         return self._commit_event_to_session(session, event)  # type: ignore[no-any-return,unused-ignore]
 
+    # ------------------------------------------------------------------ sync twins, closing
+
+    def create_session_sync(
+        self,
+        *,
+        app_name: str,
+        user_id: str,
+        state: dict[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> Session:
+        """`create_session`, blocking (as ``InMemorySessionService.create_session_sync``); works
+        inside and outside a running event loop (it runs on a private loop thread)."""
+        return self._sync(
+            lambda: self.create_session(app_name=app_name, user_id=user_id, state=state, session_id=session_id)
+        )
+
+    def get_session_sync(
+        self,
+        *,
+        app_name: str,
+        user_id: str,
+        session_id: str,
+        config: GetSessionConfig | None = None,
+    ) -> Session | None:
+        return self._sync(
+            lambda: self.get_session(app_name=app_name, user_id=user_id, session_id=session_id, config=config)
+        )
+
+    def list_sessions_sync(self, *, app_name: str, user_id: str | None = None) -> ListSessionsResponse:
+        return self._sync(lambda: self.list_sessions(app_name=app_name, user_id=user_id))
+
+    def delete_session_sync(self, *, app_name: str, user_id: str, session_id: str) -> None:
+        self._sync(lambda: self.delete_session(app_name=app_name, user_id=user_id, session_id=session_id))
+
+    def append_event_sync(self, session: Session, event: Event) -> Event:
+        return self._sync(lambda: self.append_event(session, event))
+
+    @staticmethod
+    def _sync(fn: Callable[[], Awaitable[T]]) -> T:
+        return run_sync(fn)
+
+    async def close(self) -> None:
+        """Close the store when this service opened it (from a URI); a store given to the
+        constructor belongs to the caller and stays open."""
+        if self._owns_store:
+            self._owns_store = False
+            await self.store.aclose()
+
     async def aclose(self) -> None:
-        """Nothing to release: the store belongs to the caller."""
+        await self.close()
+
+    async def __aenter__(self) -> RedisAdkSessionService:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: types.TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+def _factory(uri: str, **kwargs: Any) -> RedisAdkSessionService:
+    """ADK's ``ServiceFactory`` for our schemes: ``(uri, agents_dir=..., **session_db_kwargs)``."""
+    return RedisAdkSessionService(uri=uri, **kwargs)
+
+
+def register(registry: Any = None, *, schemes: Sequence[str] | None = None) -> list[str]:
+    """Put `RedisAdkSessionService` in ADK's service registry (``get_service_registry()`` unless
+    given), so ``adk web/run/api_server --session_service_uri redis-session://host:6379/0`` picks
+    it. Registers `SCHEMES`, and ``redis``/``rediss`` only where nothing holds them yet (ADK
+    2.13 registers neither; a scheme ADK takes later stays ADK's). `schemes` registers exactly
+    those (overriding). Returns the schemes registered. Importing this module calls it once."""
+    if registry is None:
+        from google.adk.cli.service_registry import get_service_registry
+
+        registry = get_service_registry()
+    if schemes is not None:
+        chosen = list(schemes)
+    else:
+        taken = getattr(registry, "_session_factories", None)
+        chosen = list(SCHEMES)
+        if isinstance(taken, dict):
+            chosen += [s for s in _PLAIN_SCHEMES if taken.get(s) in (None, _factory)]
+    for scheme in chosen:
+        registry.register_session_service(scheme, _factory)
+    return chosen
 
 
 def adk_names(store_id: str) -> tuple[str, ...]:
@@ -493,3 +787,9 @@ def adk_names(store_id: str) -> tuple[str, ...]:
     ``("u", app, user)``, ``("a", app)`` or ``("i", app)`` (the namespace dropped)."""
     parts = store_id.split(":")
     return (parts[1], *(unescape(p) for p in parts[2:]))
+
+
+try:
+    register()
+except ImportError:  # an ADK without the CLI's registry: construct the service yourself
+    pass
