@@ -672,3 +672,136 @@ def test_lazy_export() -> None:
 
     assert adapters.RedisAdkSessionService is RedisAdkSessionService
     assert issubclass(RedisAdkSessionService, BaseSessionService)
+
+
+# =========================================================================== surface ADK's own services have
+
+
+async def test_events_with_tied_timestamps_in_database_order(store: Any) -> None:
+    """ADK's database service returns events by (timestamp, id); ties are broken by id, and
+    `num_recent_events` cuts that order."""
+    svc = RedisAdkSessionService(store)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="ties")
+    ids = ["e-c", "e-a", "e-b"]
+    for i in ids:
+        ev = _event(text=i, ts=1000.0)
+        ev.id = i
+        await svc.append_event(s, ev)
+    late = _event(text="earlier", ts=999.0)
+    late.id = "e-z"
+    await svc.append_event(s, late)
+    got = await svc.get_session(app_name=APP, user_id="alice", session_id="ties")
+    assert got is not None and [e.id for e in got.events] == ["e-z", "e-a", "e-b", "e-c"]
+    recent = await svc.get_session(
+        app_name=APP, user_id="alice", session_id="ties", config=GetSessionConfig(num_recent_events=2)
+    )
+    assert recent is not None and [e.id for e in recent.events] == ["e-b", "e-c"]
+    await svc.append_event(got, _event(text="next", ts=1001.0))  # the marker still holds (n, not order)
+
+
+async def test_close_and_async_with(store: Any, redis_url: str, prefix: str) -> None:
+    svc = RedisAdkSessionService(store)
+    async with svc as entered:
+        assert entered is svc
+        await svc.create_session(app_name=APP, user_id="alice", session_id="s1")
+    # A given store belongs to the caller: still open after close.
+    assert await RedisAdkSessionService(store).get_session(app_name=APP, user_id="alice", session_id="s1")
+    if isinstance(store, MemorySessionStore):
+        return
+    # One made from a URI owns its store: close closes it (twice is fine).
+    async with RedisAdkSessionService(uri=_uri(redis_url, prefix)) as owned:
+        assert await owned.get_session(app_name=APP, user_id="alice", session_id="s1") is not None
+    await owned.close()
+
+
+def _uri(redis_url: str, prefix: str, scheme: str = "redis-session", **query: str) -> str:
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(redis_url)
+    q = urllib.parse.urlencode({"prefix": prefix, **query})
+    return urllib.parse.urlunsplit((scheme, parts.netloc, parts.path, q, ""))
+
+
+def test_sync_twins_outside_and_inside_a_loop(redis_url: str, prefix: str) -> None:
+    """The `*_sync` methods InMemorySessionService has (ADK's agent_test_runner calls them),
+    from plain code and from inside a running loop."""
+    svc = RedisAdkSessionService(uri=_uri(redis_url, prefix))
+    s = svc.create_session_sync(app_name=APP, user_id="alice", session_id="sync", state={"k": 1})
+    svc.append_event_sync(s, _event(text="hello", **{"user:seen": True}))
+    got = svc.get_session_sync(app_name=APP, user_id="alice", session_id="sync")
+    assert got is not None and got.state == {"k": 1, "user:seen": True} and len(got.events) == 1
+    assert [x.id for x in svc.list_sessions_sync(app_name=APP, user_id="alice").sessions] == ["sync"]
+
+    async def inside() -> None:
+        assert svc.get_session_sync(app_name=APP, user_id="alice", session_id="sync") is not None
+        assert await svc.get_session(app_name=APP, user_id="alice", session_id="sync") is not None
+
+    anyio.run(inside)
+    svc.delete_session_sync(app_name=APP, user_id="alice", session_id="sync")
+    assert svc.get_session_sync(app_name=APP, user_id="alice", session_id="sync") is None
+    anyio.run(svc.close)
+
+
+async def test_selected_by_adks_own_registry(redis_url: str, prefix: str, tmp_path: Any) -> None:
+    """`adk web/run --session_service_uri redis-session://…` resolves through ADK's registry
+    (create_session_service_from_options, what the CLI calls) to our service; so does a
+    ``services.yaml`` naming our class (no user code); ``redis://`` too while ADK holds no
+    ``redis`` scheme; a scheme ADK holds is never taken."""
+    from google.adk.cli.service_registry import ServiceRegistry, load_services_module
+    from google.adk.cli.utils.service_factory import create_session_service_from_options
+
+    from redis_session.adapters.adk import register
+
+    for scheme in ["redis-session", "redis"]:
+        svc = create_session_service_from_options(
+            base_dir=tmp_path, session_service_uri=_uri(redis_url, prefix, scheme, ttl_seconds="60")
+        )
+        assert isinstance(svc, RedisAdkSessionService) and svc.ttl_seconds == 60
+        s = await svc.create_session(app_name=APP, user_id="alice", session_id=f"via-{scheme}")
+        assert await svc.get_session(app_name=APP, user_id="alice", session_id=s.id) is not None
+        await svc.close()
+
+    agents = tmp_path / "agents"
+    agents.mkdir()
+    (agents / "services.yaml").write_text(
+        "services:\n"
+        "  - scheme: mysessions\n"
+        "    type: session\n"
+        "    class: redis_session.adapters.adk.RedisAdkSessionService\n"
+    )
+    load_services_module(str(agents))
+    svc = create_session_service_from_options(
+        base_dir=agents, session_service_uri=_uri(redis_url, prefix, "mysessions")
+    )
+    assert isinstance(svc, RedisAdkSessionService)
+    await svc.close()
+
+    theirs = ServiceRegistry()
+    sentinel = InMemorySessionService()
+    theirs.register_session_service("redis", lambda uri, **kw: sentinel)
+    assert register(theirs) == ["redis-session", "redis-session+tls", "rediss"]
+    assert theirs.create_session_service("redis://localhost:6379") is sentinel
+
+
+async def test_ttl_seconds_expire_sessions_and_state(redis_url: str, prefix: str) -> None:
+    """`ttl_seconds` as ADK's RedisSessionService has it: a session and the app/user state
+    expire that long after their last write (every write restarts the clock)."""
+    svc = RedisAdkSessionService(uri=_uri(redis_url, prefix, ttl_seconds="30"))
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="t", state={"app:a": 1, "user:u": 1})
+    await svc.append_event(s, _event(text="x"))
+    r = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        for store_id in [
+            svc.session_store_id(APP, "alice", "t"),
+            svc.app_state_store_id(APP),
+            svc.user_state_store_id(APP, "alice"),
+        ]:
+            for part in ["hdr", "log"]:
+                ttl = await r.pttl(f"{prefix}:{{{store_id}}}:{part}")
+                assert 0 < ttl <= 30_000, (store_id, part, ttl)
+        assert await r.pttl(f"{prefix}:{{{svc.index_store_id(APP)}}}:hdr") == -1  # the index stays
+    finally:
+        await r.aclose()
+        await svc.close()
+    with pytest.raises(ValueError, match="ttl_seconds"):
+        RedisAdkSessionService(MemorySessionStore(), ttl_seconds=0)

@@ -43,6 +43,7 @@ of an app keeps one entry per create and delete (it is never compacted).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -283,13 +284,12 @@ def _service_options(uri: str) -> tuple[str | None, dict[str, str]]:
     """A service URI as a redis-py URL (None: ``$REDIS_URL`` or the embedded server) and our
     options from its query (`_URI_OPTIONS`)."""
     parts = urllib.parse.urlsplit(uri)
+    # The scheme chose this service (in ADK's registry, or a ``services.yaml`` naming any scheme);
+    # the connection is TLS for ``rediss`` and ``…+tls``, a socket for ``unix``, else plain.
     scheme = parts.scheme.lower()
-    if scheme == "redis-session":
-        scheme = "redis"
-    elif scheme == "redis-session+tls":
-        scheme = "rediss"
-    elif scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"not a redis-session service URI: {uri!r} (use redis-session://host:port/db)")
+    if not scheme:
+        raise ValueError(f"not a service URI: {uri!r} (use redis-session://host:port/db)")
+    scheme = "rediss" if scheme == "rediss" or scheme.endswith("+tls") else "unix" if scheme == "unix" else "redis"
     query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
     ours = {k: v for k, v in query if k in _URI_OPTIONS}
     rest = urllib.parse.urlencode([(k, v) for k, v in query if k not in _URI_OPTIONS])
@@ -736,9 +736,16 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
     async def close(self) -> None:
         """Close the store when this service opened it (from a URI); a store given to the
         constructor belongs to the caller and stays open."""
-        if self._owns_store:
-            self._owns_store = False
-            await self.store.aclose()
+        if not self._owns_store:
+            return
+        self._owns_store = False
+        # The store's connections belong to the first event loop that used it; once that loop has
+        # ended they are gone with it (nothing to close, and redis-py cannot close them from here).
+        home_ref = self._stores._home
+        home = None if home_ref is None else home_ref()
+        if home is not None and home is not asyncio.get_running_loop() and home.is_closed():
+            return
+        await self.store.aclose()
 
     async def aclose(self) -> None:
         await self.close()
