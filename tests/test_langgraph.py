@@ -332,3 +332,18 @@ async def test_prune_and_delete_for_runs_are_one_entry_each(lg_store: Any) -> No
     assert await lg_store.head(sid) is None
     with pytest.raises(ValueError, match="strategy"):
         await saver.aprune(["p"], strategy="sometimes")
+
+
+async def test_conformance_control_langgraphs_own_saver() -> None:
+    """The control: the same suite, same run, on LangGraph's own InMemorySaver."""
+    import langgraph.checkpoint.conformance as conformance
+    from langgraph.checkpoint.conformance.report import ProgressCallbacks
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    @conformance.checkpointer_test(name="InMemorySaver")
+    async def factory() -> AsyncIterator[InMemorySaver]:
+        yield InMemorySaver()
+
+    report = await conformance.validate(factory, progress=ProgressCallbacks.quiet())
+    assert report.passed_all_base()
+    assert not {name: r.failures for name, r in report.results.items() if r.failures}
