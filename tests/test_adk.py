@@ -805,3 +805,46 @@ async def test_ttl_seconds_expire_sessions_and_state(redis_url: str, prefix: str
         await svc.close()
     with pytest.raises(ValueError, match="ttl_seconds"):
         RedisAdkSessionService(MemorySessionStore(), ttl_seconds=0)
+
+
+async def test_where_we_differ_from_adks_redis_session_service(store: Any, redis_url: str, prefix: str) -> None:
+    """What the README says about ADK 2.13's own RedisSessionService, on the same server: a stale
+    session object's event is merged in (no stale error), and an object of a deleted and
+    re-created session appends to the new one. Ours refuses both."""
+    from google.adk.integrations.redis import RedisSessionService, RedisSessionServiceConfig
+
+    client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    theirs = RedisSessionService(config=RedisSessionServiceConfig(key_prefix=f"{prefix}:theirs:"), redis_client=client)
+    ours = RedisAdkSessionService(store)
+    try:
+        outcome: dict[str, list[str]] = {}
+        for name, svc in [("theirs", theirs), ("ours", ours)]:
+            seen = outcome[name] = []
+            s = await svc.create_session(app_name=APP, user_id="alice", session_id="d")
+            a = await svc.get_session(app_name=APP, user_id="alice", session_id="d")
+            b = await svc.get_session(app_name=APP, user_id="alice", session_id="d")
+            await svc.append_event(a, _event(text="a"))
+            try:
+                await svc.append_event(b, _event(text="b (stale)"))
+                seen.append("stale accepted")
+            except StaleSessionError:
+                seen.append("stale refused")
+            old = await svc.get_session(app_name=APP, user_id="alice", session_id="d")
+            await svc.delete_session(app_name=APP, user_id="alice", session_id="d")
+            s = await svc.create_session(app_name=APP, user_id="alice", session_id="d")
+            for t in ["n0", "n1"]:
+                await svc.append_event(s, _event(text=t))
+            try:
+                await svc.append_event(old, _event(text="old life"))
+                seen.append("old life accepted")
+            except StaleSessionError:
+                seen.append("old life refused")
+        assert outcome == {
+            "theirs": ["stale accepted", "old life accepted"],
+            "ours": ["stale refused", "old life refused"],
+        }
+    finally:
+        keys = [k async for k in client.scan_iter(match=f"{prefix}:theirs:*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
