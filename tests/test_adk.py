@@ -848,3 +848,49 @@ async def test_where_we_differ_from_adks_redis_session_service(store: Any, redis
         if keys:
             await client.delete(*keys)
         await client.aclose()
+
+
+async def test_append_event_whose_reply_is_lost_then_retried_lands_once(redis_url: str, prefix: str) -> None:
+    """The append script ran but its reply never came back (a proxy cuts every reply); the
+    Runner's retry of the same event with the same session object lands nothing twice: one
+    event in the log, its app/user delta applied once, the object at the right n."""
+    import urllib.parse
+
+    from reliability._proxy import FaultProxy
+
+    from redis_session.errors import StoreUnavailableError
+
+    parts = urllib.parse.urlsplit(redis_url)
+    with FaultProxy(parts.port or 6379) as proxy:
+        url = proxy.url.rsplit("/", 1)[0] + (parts.path or "/0")
+        store = RedisSessionStore.from_url(url, prefix=prefix, client_options={"socket_timeout": 0.5})
+        try:
+            svc = RedisAdkSessionService(store)
+            s = await svc.create_session(app_name=APP, user_id="alice", session_id="lost")
+            ev = _event(text="once", **{"app:count": 1, "user:seen": 1})
+            proxy.cut_up, proxy.cut_rate = False, 1.0  # commands reach the server, replies do not
+            with pytest.raises(StoreUnavailableError):
+                await svc.append_event(s, ev)
+            proxy.cut_rate = 0.0
+            await svc.append_event(s, ev)  # the retry
+            await svc.append_event(s, _event(text="next"))  # the object stands at the right n
+            log = await store.read(svc.session_store_id(APP, "alice", "lost"))
+            assert [e.type for e in log] == ["adk/session", "adk/event", "adk/event"]
+            assert [e.id for e in s.events] == [ev.id, s.events[1].id]
+            assert len(await store.read(svc.app_state_store_id(APP))) <= 1
+            assert await svc.get_user_state(app_name=APP, user_id="alice") == {"seen": 1}
+            got = await svc.get_session(app_name=APP, user_id="alice", session_id="lost")
+            assert got is not None and got.state["app:count"] == 1
+        finally:
+            await store.aclose()
+            await _drop(redis_url, prefix)
+
+
+async def _drop(url: str, prefix: str) -> None:
+    r = redis.asyncio.Redis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+        if keys:
+            await r.delete(*keys)
+    finally:
+        await r.aclose()
