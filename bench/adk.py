@@ -10,7 +10,9 @@ or --url), in interleaved rounds so load drift hits both alike. Each side gets s
 
 - append_event: one more event on a session that already holds `--events` (the session object
   the previous append returned, as the Runner holds it);
-- get_session: the whole session (every event, merged state) by a service that did not write it;
+- get_session: the whole session (every event, merged state) by a service that did not write it
+  (ours also with ``shared_events``: a warm reader that validated the events once and reads only
+  what is new);
 - memory: ``MEMORY USAGE`` summed over the keys each side keeps for one such session (ours: the
   header hash and the log stream; theirs: one JSON string).
 
@@ -79,6 +81,7 @@ async def main(url: str, seconds: float, events: int) -> None:
             config=RedisSessionServiceConfig(key_prefix=theirs_prefix, ttl_seconds=0), redis_client=client
         )
         sides: dict[str, Any] = {"redis-session": ours, "adk RedisSessionService": theirs}
+        shared = RedisAdkSessionService(reader_store, shared_events=16)
         readers: dict[str, Any] = {
             "redis-session": RedisAdkSessionService(reader_store),
             "adk RedisSessionService": RedisSessionService(
@@ -110,6 +113,18 @@ async def main(url: str, seconds: float, events: int) -> None:
             await interleave([(ts[name], make(name)) for name in sides], seconds / 2, warmup_ops=5)
             o, t = ts["redis-session"], ts["adk RedisSessionService"]
             rows.append((label, o.ops_per_s, t.ops_per_s, o.ops_per_s / t.ops_per_s, o.median_ms, t.median_ms))
+        ts = {"shared": Timer("get shared"), "theirs": Timer("get theirs")}
+
+        async def get_shared() -> None:
+            got = await shared.get_session(app_name=APP, user_id=USER, session_id="fixed")
+            assert got is not None and len(got.events) == events
+
+        await interleave(
+            [(ts["shared"], get_shared), (ts["theirs"], getter("adk RedisSessionService"))], seconds / 2, warmup_ops=5
+        )
+        o, t = ts["shared"], ts["theirs"]
+        label = f"get_session ({events}), shared_events"
+        rows.append((label, o.ops_per_s, t.ops_per_s, o.ops_per_s / t.ops_per_s, o.median_ms, t.median_ms))
         print_table(["op", "ours ops/s", "ADK's ops/s", "ratio", "ours p50 ms", "ADK's p50 ms"], rows)
 
         sid = ours.session_store_id(APP, USER, "fixed")

@@ -894,3 +894,34 @@ async def _drop(url: str, prefix: str) -> None:
             await r.delete(*keys)
     finally:
         await r.aclose()
+
+
+async def test_shared_events_read_only_what_is_new_and_never_another_life(store: Any, other_pod_store: Any) -> None:
+    """`shared_events`: a warm service hands out the same validated events and folds only the
+    entries after its cache; another pod's appends show up; a delete + re-create (same count)
+    is a new fold, never the cached one; the caller's lists and state are its own."""
+    warm = RedisAdkSessionService(store, shared_events=8)
+    writer = RedisAdkSessionService(other_pod_store)
+    s = await writer.create_session(app_name=APP, user_id="alice", session_id="c", state={"k": 0})
+    for t in ["e0", "e1"]:
+        await writer.append_event(s, _event(text=t))
+    first = await warm.get_session(app_name=APP, user_id="alice", session_id="c")
+    assert first is not None
+    await writer.append_event(s, _event(text="e2", k=2))
+    second = await warm.get_session(app_name=APP, user_id="alice", session_id="c")
+    assert second is not None and [e.content.parts[0].text for e in second.events] == ["e0", "e1", "e2"]
+    assert second.events[0] is first.events[0]  # shared, not validated again
+    assert second.state == {"k": 2}
+    first.events.append(_event(text="caller's own"))
+    first.state["k"] = "mine"
+    third = await warm.get_session(app_name=APP, user_id="alice", session_id="c")
+    assert third is not None and len(third.events) == 3 and third.state == {"k": 2}
+    await warm.append_event(third, _event(text="e3"))  # its marker is the log's
+    await _recreate(writer, "c", ["n0", "n1", "n2", "n3"])
+    fresh = await warm.get_session(app_name=APP, user_id="alice", session_id="c")
+    assert fresh is not None and [e.content.parts[0].text for e in fresh.events] == ["n0", "n1", "n2", "n3"]
+    assert fresh.state == {"life": 2}
+    with pytest.raises(ReplacedAdkSessionError):
+        await warm.append_event(third, _event(text="old life"))
+    await writer.delete_session(app_name=APP, user_id="alice", session_id="c")
+    assert await warm.get_session(app_name=APP, user_id="alice", session_id="c") is None

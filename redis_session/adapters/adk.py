@@ -56,6 +56,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 from google.adk.errors import StaleSessionError
 from google.adk.errors.already_exists_error import AlreadyExistsError
 from google.adk.errors.session_not_found_error import SessionNotFoundError as AdkSessionNotFoundError
@@ -256,9 +257,19 @@ def _event_order(ev: dict[str, Any]) -> tuple[float, str]:
 
 
 class _Fold:
-    """One ADK session folded from its log (one life of it)."""
+    """One ADK session folded from its log (one life of it), extendable with the entries after."""
 
-    __slots__ = ("app_name", "events", "incarnation", "last_update_time", "n", "session_id", "state", "user_id")
+    __slots__ = (
+        "app_name",
+        "events",
+        "incarnation",
+        "last_update_time",
+        "n",
+        "session_id",
+        "state",
+        "user_id",
+        "validated",
+    )
 
     def __init__(self, incarnation: str, entries: Sequence[Entry]) -> None:
         if not entries or entries[0].type != SESSION:
@@ -270,8 +281,13 @@ class _Fold:
         self.session_id: str = head["session_id"]
         self.state: dict[str, Any] = dict(head.get("state") or {})
         self.last_update_time: float = float(head.get("time", entries[0].time / 1000))
-        self.events: list[dict[str, Any]] = []
-        for e in entries[1:]:
+        self.events: list[dict[str, Any]] = []  # in log order
+        self.validated: list[Event] | None = None  # the same events validated (the shared cache)
+        self.n = entries[0].n + 1
+        self.extend(entries[1:])
+
+    def extend(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
             if e.type != EVENT:
                 continue
             ev = e.data["event"]
@@ -282,10 +298,22 @@ class _Fold:
             ts = ev.get("timestamp")
             if isinstance(ts, int | float):
                 self.last_update_time = float(ts)
-        # Events in ADK's database order: by timestamp, ties by event id (a stable sort: the log's
-        # order whenever timestamps grow, as they do for events of one writer).
-        self.events.sort(key=_event_order)
-        self.n = entries[-1].n + 1
+        if entries:
+            self.n = entries[-1].n + 1
+
+    def copy(self) -> _Fold:
+        other = object.__new__(_Fold)
+        for name in _Fold.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.events = list(self.events)
+        other.state = dict(self.state)
+        other.validated = None if self.validated is None else list(self.validated)
+        return other
+
+    def order(self) -> list[int]:
+        """Indexes of the events in ADK's database order: by timestamp, ties by event id (a stable
+        sort: the log's order whenever timestamps grow, as they do for events of one writer)."""
+        return sorted(range(len(self.events)), key=lambda i: _event_order(self.events[i]))
 
 
 def _service_options(uri: str) -> tuple[str | None, dict[str, str]]:
@@ -313,8 +341,12 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
     (``RedisAdkSessionService(uri="redis-session://host:6379/0?prefix=rs")``, what ADK's service
     registry and ``services.yaml`` call): the service then owns its store and `close` closes it.
     `ttl_seconds` (as ADK's own ``RedisSessionService`` has it): sessions and app/user state
-    expire that long after their last write. See the module documentation for the layout and
-    the concurrency rules."""
+    expire that long after their last write. `shared_events` (default 0: off) keeps the validated
+    events of that many sessions per service and hands the same ``Event`` objects to every read of
+    a session (each read costs only the entries appended since), as ADK's
+    ``IN_MEMORY_SESSION_SERVICE_LIGHT_COPY`` does for its in-memory service: the returned lists
+    and state are the caller's, the events in them must not be changed in place. See the module
+    documentation for the layout and the concurrency rules."""
 
     def __init__(
         self,
@@ -323,6 +355,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         uri: str | None = None,
         namespace: str | None = None,
         ttl_seconds: float | None = None,
+        shared_events: int = 0,
         agents_dir: str | None = None,  # what ADK's registry passes to every factory; unused
     ) -> None:
         del agents_dir
@@ -353,7 +386,11 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int | float) or not 0 < ttl_seconds < 2**40
         ):
             raise ValueError(f"ttl_seconds must be a positive number of seconds, got {ttl_seconds!r}")
+        if isinstance(shared_events, bool) or not isinstance(shared_events, int) or shared_events < 0:
+            raise ValueError(f"shared_events must be a number of sessions >= 0, got {shared_events!r}")
         self.store: SessionStore = resolve_store(store)
+        self.shared_events = shared_events
+        self._sessions: weakref.WeakKeyDictionary[Any, OrderedDict[str, _Fold]] = weakref.WeakKeyDictionary()
         self.namespace = namespace
         self.ttl_seconds = ttl_seconds
         self._ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
@@ -576,26 +613,79 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(states)
-            life = await _read_life(self._store, store_id)
-        if life is None or not life[1]:
+            folded = await self._life(store_id)
+        if folded is None:
             return None
-        folded = _Fold(*life)
-        raw = folded.events
+        order = folded.order()
         if config is not None:
             if config.after_timestamp is not None:
-                raw = [e for e in raw if _event_order(e)[0] >= config.after_timestamp]
+                after = config.after_timestamp
+                order = [i for i in order if _event_order(folded.events[i])[0] >= after]
             if config.num_recent_events is not None:
-                raw = raw[-config.num_recent_events :] if config.num_recent_events else []
+                order = order[-config.num_recent_events :] if config.num_recent_events else []
+        if folded.validated is not None:
+            events = [folded.validated[i] for i in order]
+            state = msgspec.json.decode(msgspec.json.encode(folded.state))  # shared fold: the caller's copy
+        else:
+            events = _events_adapter().validate_python([folded.events[i] for i in order])
+            state = folded.state
         session = Session(
             id=folded.session_id,
             app_name=folded.app_name,
             user_id=folded.user_id,
-            state=self._merge(folded.state, box["app"], box["user"]),
-            events=_events_adapter().validate_python(raw),
+            state=self._merge(state, box["app"], box["user"]),
+            events=events,
             last_update_time=folded.last_update_time,
         )
         self._mark(session, folded.incarnation, folded.n)
         return session
+
+    async def _life(self, store_id: str) -> _Fold | None:
+        """The session's current life folded: read whole, or (`shared_events`) the cached fold of
+        that same life extended by the entries after it."""
+        store = self._store
+        if not self.shared_events:
+            life = await _read_life(store, store_id)
+            return _Fold(*life) if life is not None and life[1] else None
+        cache = self._sessions.get(store)
+        if cache is None:
+            cache = self._sessions[store] = OrderedDict()
+        for _ in range(_READ_ATTEMPTS):
+            head = await store.head(store_id)
+            if head is None:
+                cache.pop(store_id, None)
+                return None
+            inc = head.header.incarnation
+            cached = cache.get(store_id)
+            start = cached.n if cached is not None and cached.incarnation == inc and cached.n <= head.n else 0
+            try:
+                entries = await store.read(store_id, start, incarnation=inc)
+            except SessionReplacedError:
+                continue
+            except SessionNotFoundError:
+                cache.pop(store_id, None)
+                return None
+            if start:
+                assert cached is not None and cached.validated is not None
+                if not entries:
+                    cache.move_to_end(store_id)
+                    return cached
+                folded = cached.copy()
+                had = len(folded.events)
+                folded.extend(entries)
+                assert folded.validated is not None
+                folded.validated.extend(_events_adapter().validate_python(folded.events[had:]))
+            else:
+                if not entries:
+                    return None
+                folded = _Fold(inc, entries)
+                folded.validated = _events_adapter().validate_python(folded.events)
+            cache[store_id] = folded
+            cache.move_to_end(store_id)
+            while len(cache) > self.shared_events:
+                cache.popitem(last=False)
+            return folded
+        raise SessionReplacedError(store_id, f"re-created during each of {_READ_ATTEMPTS} reads")
 
     async def list_sessions(self, *, app_name: str, user_id: str | None = None) -> ListSessionsResponse:
         index = await self._refresh(self.index_store_id(app_name), _fold_index)

@@ -57,7 +57,13 @@ def _ours():
 
 
 @pytest.fixture(
-    params=['ours-memory', 'ours-redis', 'adk-redis', 'adk-in-memory']
+    params=[
+        'ours-memory',
+        'ours-redis',
+        'ours-redis-shared-events',
+        'adk-redis',
+        'adk-in-memory',
+    ]
 )
 async def session_service(request, redis_url, prefix):
   """Our service (memory store, real server), ADK's RedisSessionService on the same server, and
@@ -68,9 +74,10 @@ async def session_service(request, redis_url, prefix):
   if request.param == 'ours-memory':
     yield RedisAdkSessionService(MemorySessionStore())
     return
-  if request.param == 'ours-redis':
+  if request.param.startswith('ours-redis'):
     store = RedisSessionStore.from_url(redis_url, prefix=prefix)
-    async with RedisAdkSessionService(store) as service:
+    shared = 64 if request.param.endswith('shared-events') else 0
+    async with RedisAdkSessionService(store, shared_events=shared) as service:
       yield service
     await store.aclose()
   else:
