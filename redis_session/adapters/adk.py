@@ -18,11 +18,16 @@ State scopes are ADK's: in a state delta, ``app:k`` goes to the app's state log 
 and every other key is session state, folded from the session's own events on read. A session
 read back carries its session state plus the app and user state under their prefixes.
 
-Concurrency: a session returned by this service remembers the n of the log it was read at
-(ADK's ``_storage_update_marker``), and `append_event` writes at exactly that n. A writer whose
-session object is stale (another pod appended first) gets `StaleAdkSessionError`, which is both
-ADK's ``StaleSessionError`` (what ``DatabaseSessionService`` raises) and our
-`SessionConflictError`; nothing is written, so two pods never interleave events in one session.
+Concurrency: a session returned by this service remembers the life of the store session it was
+read from (its incarnation) and the n of the log it was read at (ADK's
+``_storage_update_marker``: ``rs:<incarnation>:<n>``, a private attribute every copy ADK makes
+keeps), and `append_event` writes at exactly that n of exactly that life (checked in the append
+script). A writer whose session object is stale (another pod appended first) gets
+`StaleAdkSessionError`, which is both ADK's ``StaleSessionError`` (what ``DatabaseSessionService``
+raises) and our `SessionConflictError`; one whose session was deleted and created again gets
+`ReplacedAdkSessionError` (``StaleSessionError`` and our `SessionReplacedError`). Nothing is
+written either way, so two pods never interleave events in one session and no write of one life
+lands in another. `get_session` reads the log against the incarnation its head named.
 Re-delivering an event that already landed (an equal event: same id and fields) is a no-op, as
 in ADK's in-memory service (the store's idempotency key is a digest of the event).
 App and user state deltas are appended after the event, at the end of their logs (last writer
@@ -35,7 +40,11 @@ Ids: a store id is at most 256 characters, so the escaped names must fit (a UUID
 app and user names of ASCII letters leaves ~190 characters for them); a longer one is an
 `InvalidSessionIdError` (a ``ValueError``) that says so. `adk_names` maps a store id back.
 
-Costs: `get_session` reads the session's log once (events are validated only when returned);
+Selection: importing this module registers the service in ADK's service registry (`register`),
+so ``adk web/run --session_service_uri redis-session://host:6379/0`` picks it.
+
+Costs: `get_session` reads the session's head and log (events are validated only when
+returned; with ``shared_events`` only the entries after the cached fold, see the class);
 app, user and index logs are read incrementally (each service instance folds from where it last
 looked). `list_sessions` folds the state of every listed session from its log. The index log
 of an app keeps one entry per create and delete (it is never compacted).
