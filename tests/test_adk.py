@@ -925,3 +925,25 @@ async def test_shared_events_read_only_what_is_new_and_never_another_life(store:
         await warm.append_event(third, _event(text="old life"))
     await writer.delete_session(app_name=APP, user_id="alice", session_id="c")
     assert await warm.get_session(app_name=APP, user_id="alice", session_id="c") is None
+
+
+async def test_the_same_event_sent_twice_at_once_lands_once(store: Any, other_pod_store: Any) -> None:
+    """A client timeout plus a retry: two copies of one session object append the same event at
+    the same time (two pods). It lands once; both calls return it; the next append goes on."""
+    pod1, pod2 = RedisAdkSessionService(store), RedisAdkSessionService(other_pod_store)
+    s = await pod1.create_session(app_name=APP, user_id="alice", session_id="twice", state={"app:n": 0})
+    copies = [s.model_copy(deep=True), s.model_copy(deep=True)]
+    ev = _event(text="once", **{"app:n": 1})
+    results: list[Event] = []
+
+    async def send(pod: RedisAdkSessionService, copy: Session) -> None:
+        results.append(await pod.append_event(copy, ev.model_copy(deep=True)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send, pod1, copies[0])
+        tg.start_soon(send, pod2, copies[1])
+    assert [r.id for r in results] == [ev.id, ev.id]
+    log = await store.read(pod1.session_store_id(APP, "alice", "twice"))
+    assert [e.type for e in log] == ["adk/session", "adk/event"]
+    assert len(await store.read(pod1.app_state_store_id(APP))) == 2  # the create's delta, then this one once
+    await pod2.append_event(copies[1], _event(text="next"))
