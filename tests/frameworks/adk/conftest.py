@@ -1,8 +1,9 @@
 """Runs ADK's own session-service tests (copied from google/adk-python, Apache-2.0) as they are
-written: their ``@pytest.mark.asyncio`` marks are registered here and the module's
-``pytestmark`` runs them on anyio's pytest plugin (the project does not use pytest-asyncio), and the ``session_service`` fixture is the one place changed: it
-yields our service (on the memory store and on the real server), ADK 2.13's own
-``RedisSessionService`` on the same server, and ADK's ``InMemorySessionService`` as the control.
+written: their ``@pytest.mark.asyncio`` marks are registered here and the module's ``pytestmark``
+runs them on anyio's pytest plugin (the project does not use pytest-asyncio). The
+``session_service`` fixture is the one place changed: it yields our service (on the memory store
+and on the real server), ADK 2.13's own ``RedisSessionService`` on the same server, and ADK's
+``InMemorySessionService`` as the control.
 """
 
 from __future__ import annotations
