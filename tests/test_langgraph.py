@@ -347,3 +347,54 @@ async def test_conformance_control_langgraphs_own_saver() -> None:
     report = await conformance.validate(factory, progress=ProgressCallbacks.quiet())
     assert report.passed_all_base()
     assert not {name: r.failures for name, r in report.results.items() if r.failures}
+
+
+async def _chain(saver: RedisEventSaver, thread: str, steps: int, tag: str) -> list[str]:
+    from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+
+    parent: Any = None
+    ids = []
+    for i in range(steps):
+        cfg = generate_config(thread)
+        if parent:
+            cfg["configurable"]["checkpoint_id"] = parent["configurable"]["checkpoint_id"]
+        parent = await saver.aput(cfg, generate_checkpoint(), generate_metadata(step=i, tag=tag), {})
+        await saver.aput_writes(parent, [("ch", f"{tag}-{i}")], f"task-{tag}-{i}")
+        ids.append(parent["configurable"]["checkpoint_id"])
+    return ids
+
+
+async def test_a_saver_never_mixes_two_lives_of_a_thread(lg_store: Any) -> None:
+    """Pod A has folded a thread; pod B deletes it and writes it again, longer. A's reads see the
+    new thread only (they folded the new entries onto the old fold: the new log's entry n=k
+    followed A's n=k), and A's own next write is folded into the right life."""
+    from langgraph.checkpoint.conformance.test_utils import generate_config
+
+    pod_a, pod_b = RedisEventSaver(lg_store), RedisEventSaver(lg_store)
+    await _chain(pod_a, "t", 2, "old")
+    assert len([t async for t in pod_a.alist(generate_config("t"))]) == 2
+    await pod_b.adelete_thread("t")
+    new_ids = await _chain(pod_b, "t", 3, "new")
+    got = [t async for t in pod_a.alist(generate_config("t"))]
+    assert [t.config["configurable"]["checkpoint_id"] for t in got] == new_ids[::-1]
+    assert {t.metadata["tag"] for t in got} == {"new"}
+    assert [w[2] for t in got for w in t.pending_writes or []] == ["new-2", "new-1", "new-0"]
+    more = await _chain(pod_a, "t", 1, "a-again")
+    seen_by_b = [t.config["configurable"]["checkpoint_id"] async for t in pod_b.alist(generate_config("t"))]
+    assert seen_by_b[0] == more[0]
+    assert len([t async for t in pod_a.alist(generate_config("t"))]) == 4
+
+
+async def test_prune_computed_on_one_life_never_lands_in_another(lg_store: Any) -> None:
+    """A prune's drop names the checkpoints of the life it was computed on; pod A folded the
+    thread, pod B re-created it longer: A's prune keeps the new life's latest checkpoint (a drop
+    computed on the old fold would name the old latest and wipe the new life)."""
+    from langgraph.checkpoint.conformance.test_utils import generate_config
+
+    pod_a, pod_b = RedisEventSaver(lg_store), RedisEventSaver(lg_store)
+    await _chain(pod_a, "p", 3, "old")
+    await pod_b.adelete_thread("p")
+    new_ids = await _chain(pod_b, "p", 4, "new")
+    await pod_a.aprune(["p"], strategy="keep_latest")
+    got = [t.config["configurable"]["checkpoint_id"] async for t in pod_b.alist(generate_config("p"))]
+    assert got == [new_ids[-1]]

@@ -66,7 +66,7 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionNotFoundError
+from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionNotFoundError, SessionReplacedError
 from ..keys import validate_session_id
 from ..model import Entry, NewEntry, SessionHeader
 from ..store import SessionStore
@@ -111,7 +111,7 @@ def _b64(raw: bytes) -> str:
 class _Thread:
     """One thread's log, folded: checkpoints per namespace (ids sorted), blobs, pending writes."""
 
-    __slots__ = ("blobs", "cps", "ids", "lock", "n", "partial", "pos", "writes")
+    __slots__ = ("blobs", "cps", "ids", "incarnation", "lock", "n", "partial", "pos", "writes")
 
     def __init__(self) -> None:
         self.lock = anyio.Lock()
@@ -119,6 +119,7 @@ class _Thread:
 
     def reset(self) -> None:
         self.n = 0
+        self.incarnation: str | None = None  # the life of the thread's session this fold is of
         self.cps: dict[str, dict[str, dict[str, Any]]] = {}
         self.ids: dict[str, list[str]] = {}
         self.pos: dict[tuple[str, str], int] = {}  # (ns, checkpoint id) -> n of its entry
@@ -323,24 +324,49 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
         sid = self.session_id(str(thread_id))
         th = ctx.thread(sid)
         async with th.lock:
-            try:
-                entries = await ctx.store.read(sid, th.n)
-            except SessionNotFoundError:
-                th.reset()
+            # The fold is of one life of the thread's session: read against its incarnation, and a
+            # thread deleted and written again (whatever its length now) is folded afresh.
+            for _ in range(5):
+                if th.incarnation is None:
+                    head = await ctx.store.head(sid)
+                    if head is None:
+                        th.reset()
+                        return th, sid, ctx
+                    th.incarnation = head.header.incarnation
+                try:
+                    entries = await ctx.store.read(sid, th.n, incarnation=th.incarnation)
+                except SessionReplacedError:
+                    th.reset()
+                    continue
+                except SessionNotFoundError:
+                    th.reset()
+                    return th, sid, ctx
+                th.fold(entries)
                 return th, sid, ctx
-            if entries and entries[0].n != th.n:  # a new session under the id: fold it afresh
-                th.reset()
-                entries = await ctx.store.read(sid, 0)
-            th.fold(entries)
-        return th, sid, ctx
+            raise SessionReplacedError(sid, "re-created during each of 5 reads")
 
-    async def _append(self, thread_id: str, entries: list[NewEntry], *, create: bool = True) -> None:
+    async def _append(self, thread_id: str, entries: list[NewEntry], *, pinned: bool = False) -> None:
+        """Append at the end of the thread's log (creating it on its first write). The batch goes
+        to the life our fold is of when there is one (then it is folded without a read); a
+        thread deleted and written again since takes it in its new life, unfolded — unless
+        `pinned` (a drop computed from our fold): then `SessionReplacedError`, nothing written,
+        and a missing thread takes nothing."""
         ctx = self._ctx()
         sid = self.session_id(str(thread_id))
+        th = ctx.threads.get(sid)
+        inc = th.incarnation if th is not None else None
         try:
-            stored = await ctx.store.put(sid, None, entries)
+            try:
+                stored = await ctx.store.put(sid, None, entries, incarnation=inc)
+            except SessionReplacedError:
+                if pinned:
+                    raise
+                th = None
+                stored = await ctx.store.put(sid, None, entries)
+        except SessionReplacedError:
+            raise
         except SessionNotFoundError:
-            if not create:
+            if pinned:
                 return
             header = SessionHeader(id=sid, origin={"adapter": "langgraph", "thread_id": str(thread_id)})
             try:
@@ -348,9 +374,8 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
             except SessionAlreadyExistsError:
                 await ctx.store.put(sid, None, entries)
             return
-        th = ctx.threads.get(sid)
-        if th is not None and stored and stored[0].n == th.n and not th.lock.locked():
-            th.fold(stored)  # our own batch, next in line: no read needed to see it
+        if th is not None and th.incarnation == inc and stored and stored[0].n == th.n and not th.lock.locked():
+            th.fold(stored)  # our own batch, next in line in the life we folded: no read needed
 
     def _payload(self, kind: str, head: dict[str, Any], b: str) -> list[NewEntry]:
         """`head` plus base64 data `b`, split into ``langgraph/part`` entries when too large."""
@@ -546,10 +571,15 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
             if strategy == "delete":
                 await self.adelete_thread(str(thread_id))
                 continue
-            th, _, _ = await self._caught_up(str(thread_id))
-            keep = {ns: ids[-1] for ns, ids in th.ids.items() if len(ids) > 1}
-            if keep:
-                await self._append(str(thread_id), [NewEntry(DROP, {"keep": keep})], create=False)
+            for _ in range(5):  # a drop names checkpoints of one life: computed again on another
+                th, _, _ = await self._caught_up(str(thread_id))
+                keep = {ns: ids[-1] for ns, ids in th.ids.items() if len(ids) > 1}
+                try:
+                    if keep:
+                        await self._append(str(thread_id), [NewEntry(DROP, {"keep": keep})], pinned=True)
+                    break
+                except SessionReplacedError:
+                    continue
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints (and their pending writes) of these runs (``metadata["run_id"]``)
@@ -560,9 +590,14 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
             return
         wanted_set = set(wanted)
         for thread_id in await self._thread_ids():
-            th, _, _ = await self._caught_up(thread_id)
-            if any(_run_id(d) in wanted_set for cps in th.cps.values() for d in cps.values()):
-                await self._append(thread_id, [NewEntry(DROP, {"runs": wanted})], create=False)
+            for _ in range(5):
+                th, _, _ = await self._caught_up(thread_id)
+                try:
+                    if any(_run_id(d) in wanted_set for cps in th.cps.values() for d in cps.values()):
+                        await self._append(thread_id, [NewEntry(DROP, {"runs": wanted})], pinned=True)
+                    break
+                except SessionReplacedError:
+                    continue
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """The target becomes a branch of the source at its current end: O(1), whatever the
