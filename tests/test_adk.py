@@ -947,3 +947,18 @@ async def test_the_same_event_sent_twice_at_once_lands_once(store: Any, other_po
     assert [e.type for e in log] == ["adk/session", "adk/event"]
     assert len(await store.read(pod1.app_state_store_id(APP))) == 2  # the create's delta, then this one once
     await pod2.append_event(copies[1], _event(text="next"))
+
+
+def test_service_uri_options_are_checked_before_connecting() -> None:
+    """Bad options in a service URI (what `adk web --session_service_uri` passes) are a
+    ValueError naming the option, raised before any connection is opened (port 1: none)."""
+    for query, name in [("ttl_seconds=abc", "ttl_seconds"), ("ttl_seconds=-5", "ttl_seconds"),
+                        ("shared_events=x", "shared_events"), ("namespace=a:b", "namespace")]:  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            RedisAdkSessionService(uri=f"redis-session://127.0.0.1:1/0?{query}")
+    with pytest.raises(ValueError, match="service URI"):
+        RedisAdkSessionService(uri="127.0.0.1:6379")
+    with pytest.raises(TypeError):
+        RedisAdkSessionService(MemorySessionStore(), uri="redis-session://127.0.0.1:1/0")
+    svc = RedisAdkSessionService(uri="redis-session://127.0.0.1:1/0?shared_events=8&namespace=n1&ttl_seconds=5")
+    assert (svc.shared_events, svc.namespace, svc.ttl_seconds) == (8, "n1", 5.0)

@@ -125,7 +125,7 @@ MAX_ID_LENGTH = 256
 SCHEMES = ("redis-session", "redis-session+tls")
 _PLAIN_SCHEMES = ("redis", "rediss")
 #: Query parameters of a service URI that are ours (the rest go to redis-py).
-_URI_OPTIONS = ("prefix", "namespace", "ttl_seconds", "cluster")
+_URI_OPTIONS = ("prefix", "namespace", "ttl_seconds", "shared_events", "cluster")
 #: Attempts of a read that finds the id re-created between its head and its log read.
 _READ_ATTEMPTS = 5
 
@@ -368,24 +368,23 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         agents_dir: str | None = None,  # what ADK's registry passes to every factory; unused
     ) -> None:
         del agents_dir
-        owns = False
+        url: str | None = None
+        options: dict[str, str] = {}
         if uri is not None:
             if store is not None:
                 raise TypeError("give a store or a uri, not both")
             url, options = _service_options(uri)
-            from ..redis.connect import open_store
-
-            cluster = options.get("cluster")
-            store = open_store(
-                url,
-                prefix=options.get("prefix", "rs"),
-                cluster=None if cluster is None else cluster.lower() in ("1", "true", "yes"),
-                announce=None,
-            )
-            owns = True
             namespace = namespace or options.get("namespace")
-            if ttl_seconds is None and "ttl_seconds" in options:
-                ttl_seconds = float(options["ttl_seconds"])
+            for name in ("ttl_seconds", "shared_events"):
+                if name in options and not (name == "ttl_seconds" and ttl_seconds is not None):
+                    try:
+                        value = float(options[name]) if name == "ttl_seconds" else int(options[name])
+                    except ValueError:
+                        raise ValueError(f"{name} in the service URI must be a number, got {options[name]!r}") from None
+                    if name == "ttl_seconds":
+                        ttl_seconds = value
+                    elif not shared_events:
+                        shared_events = int(value)
         elif store is None:
             raise TypeError("RedisAdkSessionService needs a store (or a Sessions service) or a uri")
         namespace = namespace or "adk"
@@ -397,6 +396,18 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             raise ValueError(f"ttl_seconds must be a positive number of seconds, got {ttl_seconds!r}")
         if isinstance(shared_events, bool) or not isinstance(shared_events, int) or shared_events < 0:
             raise ValueError(f"shared_events must be a number of sessions >= 0, got {shared_events!r}")
+        owns = False
+        if uri is not None:  # every argument checked: only now open connections
+            from ..redis.connect import open_store
+
+            cluster = options.get("cluster")
+            store = open_store(
+                url,
+                prefix=options.get("prefix", "rs"),
+                cluster=None if cluster is None else cluster.lower() in ("1", "true", "yes"),
+                announce=None,
+            )
+            owns = True
         self.store: SessionStore = resolve_store(store)
         self.shared_events = shared_events
         self._sessions: weakref.WeakKeyDictionary[Any, OrderedDict[str, _Fold]] = weakref.WeakKeyDictionary()
