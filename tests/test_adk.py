@@ -21,6 +21,7 @@ import pytest
 import redis.asyncio
 
 from redis_session import MemorySessionStore, RedisSessionStore, SessionConflictError
+from redis_session.errors import SessionReplacedError
 
 if os.environ.get("CI"):
     import google.adk  # noqa: F401  (CI installs the adk extra: a missing one fails, never skips)
@@ -43,7 +44,14 @@ from google.adk.tools import ToolContext
 from google.genai import types
 from pydantic import Field
 
-from redis_session.adapters.adk import RedisAdkSessionService, StaleAdkSessionError, adk_names, escape, unescape
+from redis_session.adapters.adk import (
+    RedisAdkSessionService,
+    ReplacedAdkSessionError,
+    StaleAdkSessionError,
+    adk_names,
+    escape,
+    unescape,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -460,6 +468,94 @@ async def test_two_pods_appending_to_one_session_never_interleave(store: Any, ot
     assert [e.type for e in log] == ["adk/session"] + ["adk/event"] * 3
 
 
+# =========================================================================== another life of the id
+
+
+async def _recreate(svc: RedisAdkSessionService, session_id: str, texts: list[str]) -> Session:
+    """Delete the session and create it again under the same id with these events."""
+    await svc.delete_session(app_name=APP, user_id="alice", session_id=session_id)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id=session_id, state={"life": 2})
+    for t in texts:
+        await svc.append_event(s, _event(text=t))
+    return s
+
+
+@pytest.mark.parametrize("new_events", [2, 3], ids=["same-count", "more"])
+async def test_a_session_object_of_another_life_is_refused(store: Any, other_pod_store: Any, new_events: int) -> None:
+    """Pod A holds a session object of life 1; pod B deletes the id and creates it again with
+    the same number of events (or more). A's next append must not land in the new conversation
+    (it did: the expected n matched), and reading never mixes the two lives."""
+    pod_a, pod_b = RedisAdkSessionService(store), RedisAdkSessionService(other_pod_store)
+    s = await pod_a.create_session(app_name=APP, user_id="alice", session_id="x", state={"life": 1})
+    for t in ["old-0", "old-1"]:
+        await pod_a.append_event(s, _event(text=t))
+    old = await pod_a.get_session(app_name=APP, user_id="alice", session_id="x")
+    assert old is not None
+    copies = [old.model_copy(), old.model_copy(deep=True)]  # ADK's own copies of a session
+    await _recreate(pod_b, "x", [f"new-{i}" for i in range(new_events)])
+    new_log = await store.read(pod_b.session_store_id(APP, "alice", "x"))
+
+    for held in [s, old, *copies]:
+        with pytest.raises(StaleSessionError) as info:  # ADK's type (a ValueError)...
+            await pod_a.append_event(held, _event(text="from the old life"))
+        assert isinstance(info.value, ReplacedAdkSessionError)
+        assert isinstance(info.value, SessionReplacedError)  # ...and ours
+        assert "modified in storage since it was loaded" in str(info.value)
+        assert [e.content.parts[0].text for e in held.events] == ["old-0", "old-1"]  # took nothing
+    assert await store.read(pod_b.session_store_id(APP, "alice", "x")) == new_log  # nothing landed
+
+    got = await pod_a.get_session(app_name=APP, user_id="alice", session_id="x")
+    assert got is not None and got.state == {"life": 2}
+    assert [e.content.parts[0].text for e in got.events] == [f"new-{i}" for i in range(new_events)]
+    await pod_a.append_event(got, _event(text="on the new life"))  # a fresh read pins the new life
+    assert len(await store.read(pod_b.session_store_id(APP, "alice", "x"))) == new_events + 2
+
+
+async def test_another_life_after_a_delete_only_is_not_found(store: Any) -> None:
+    svc = RedisAdkSessionService(store)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="x")
+    await svc.delete_session(app_name=APP, user_id="alice", session_id="x")
+    with pytest.raises(AdkSessionNotFoundError):
+        await svc.append_event(s, _event())
+    assert await svc.get_session(app_name=APP, user_id="alice", session_id="x") is None
+
+
+class _RecreateOnFirstRead:
+    """The real store, with another pod's delete + re-create of one id landing between a
+    reader's head and its log read (the window a two-step read has)."""
+
+    def __init__(self, inner: Any, victim: str, recreate: Any) -> None:
+        self._inner, self._victim, self._recreate, self.fired = inner, victim, recreate, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def read(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
+        if session_id == self._victim and not self.fired:
+            self.fired = True
+            await self._recreate()
+        return await self._inner.read(session_id, *args, **kwargs)
+
+
+async def test_get_session_never_mixes_two_lives(store: Any) -> None:
+    """The id is re-created between get_session's head and its log read: the session read back
+    is the new life whole (its events, its state, its marker), never life 1's head with life 2's
+    log; an append through it lands on life 2."""
+    plain = RedisAdkSessionService(store)
+    s = await plain.create_session(app_name=APP, user_id="alice", session_id="x", state={"life": 1})
+    for t in ["old-0", "old-1"]:
+        await plain.append_event(s, _event(text=t))
+    sid = plain.session_store_id(APP, "alice", "x")
+    racing = _RecreateOnFirstRead(store, sid, lambda: _recreate(plain, "x", ["new-0", "new-1"]))
+    svc = RedisAdkSessionService(racing)
+    got = await svc.get_session(app_name=APP, user_id="alice", session_id="x")
+    assert racing.fired and got is not None
+    assert got.state == {"life": 2} and [e.content.parts[0].text for e in got.events] == ["new-0", "new-1"]
+    await svc.append_event(got, _event(text="new-2"))
+    log = await store.read(sid)
+    assert [e.data["event"]["content"]["parts"][0]["text"] for e in log[1:]] == ["new-0", "new-1", "new-2"]
+
+
 async def test_session_objects_without_our_marker(store: Any) -> None:
     """A session object this service did not return (built by hand, or copied without private
     attributes): the log decides, as DatabaseSessionService does for marker-less sessions."""
@@ -576,3 +672,293 @@ def test_lazy_export() -> None:
 
     assert adapters.RedisAdkSessionService is RedisAdkSessionService
     assert issubclass(RedisAdkSessionService, BaseSessionService)
+
+
+# =========================================================================== surface ADK's own services have
+
+
+async def test_events_with_tied_timestamps_in_database_order(store: Any) -> None:
+    """ADK's database service returns events by (timestamp, id); ties are broken by id, and
+    `num_recent_events` cuts that order."""
+    svc = RedisAdkSessionService(store)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="ties")
+    ids = ["e-c", "e-a", "e-b"]
+    for i in ids:
+        ev = _event(text=i, ts=1000.0)
+        ev.id = i
+        await svc.append_event(s, ev)
+    late = _event(text="earlier", ts=999.0)
+    late.id = "e-z"
+    await svc.append_event(s, late)
+    got = await svc.get_session(app_name=APP, user_id="alice", session_id="ties")
+    assert got is not None and [e.id for e in got.events] == ["e-z", "e-a", "e-b", "e-c"]
+    recent = await svc.get_session(
+        app_name=APP, user_id="alice", session_id="ties", config=GetSessionConfig(num_recent_events=2)
+    )
+    assert recent is not None and [e.id for e in recent.events] == ["e-b", "e-c"]
+    await svc.append_event(got, _event(text="next", ts=1001.0))  # the marker still holds (n, not order)
+
+
+async def test_close_and_async_with(store: Any, redis_url: str, prefix: str) -> None:
+    svc = RedisAdkSessionService(store)
+    async with svc as entered:
+        assert entered is svc
+        await svc.create_session(app_name=APP, user_id="alice", session_id="s1")
+    # A given store belongs to the caller: still open after close.
+    assert await RedisAdkSessionService(store).get_session(app_name=APP, user_id="alice", session_id="s1")
+    if isinstance(store, MemorySessionStore):
+        return
+    # One made from a URI owns its store: close closes it (twice is fine).
+    async with RedisAdkSessionService(uri=_uri(redis_url, prefix)) as owned:
+        assert await owned.get_session(app_name=APP, user_id="alice", session_id="s1") is not None
+    await owned.close()
+
+
+def _uri(redis_url: str, prefix: str, scheme: str = "redis-session", **query: str) -> str:
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(redis_url)
+    q = urllib.parse.urlencode({"prefix": prefix, **query})
+    return urllib.parse.urlunsplit((scheme, parts.netloc, parts.path, q, ""))
+
+
+def test_sync_twins_outside_and_inside_a_loop(redis_url: str, prefix: str) -> None:
+    """The `*_sync` methods InMemorySessionService has (ADK's agent_test_runner calls them),
+    from plain code and from inside a running loop."""
+    svc = RedisAdkSessionService(uri=_uri(redis_url, prefix))
+    s = svc.create_session_sync(app_name=APP, user_id="alice", session_id="sync", state={"k": 1})
+    svc.append_event_sync(s, _event(text="hello", **{"user:seen": True}))
+    got = svc.get_session_sync(app_name=APP, user_id="alice", session_id="sync")
+    assert got is not None and got.state == {"k": 1, "user:seen": True} and len(got.events) == 1
+    assert [x.id for x in svc.list_sessions_sync(app_name=APP, user_id="alice").sessions] == ["sync"]
+
+    async def inside() -> None:
+        assert svc.get_session_sync(app_name=APP, user_id="alice", session_id="sync") is not None
+        assert await svc.get_session(app_name=APP, user_id="alice", session_id="sync") is not None
+
+    anyio.run(inside)
+    svc.delete_session_sync(app_name=APP, user_id="alice", session_id="sync")
+    assert svc.get_session_sync(app_name=APP, user_id="alice", session_id="sync") is None
+    anyio.run(svc.close)
+
+
+async def test_selected_by_adks_own_registry(redis_url: str, prefix: str, tmp_path: Any) -> None:
+    """`adk web/run --session_service_uri redis-session://…` resolves through ADK's registry
+    (create_session_service_from_options, what the CLI calls) to our service; so does a
+    ``services.yaml`` naming our class (no user code); ``redis://`` too while ADK holds no
+    ``redis`` scheme; a scheme ADK holds is never taken."""
+    from google.adk.cli.service_registry import ServiceRegistry, load_services_module
+    from google.adk.cli.utils.service_factory import create_session_service_from_options
+
+    from redis_session.adapters.adk import register
+
+    for scheme in ["redis-session", "redis"]:
+        svc = create_session_service_from_options(
+            base_dir=tmp_path, session_service_uri=_uri(redis_url, prefix, scheme, ttl_seconds="60")
+        )
+        assert isinstance(svc, RedisAdkSessionService) and svc.ttl_seconds == 60
+        s = await svc.create_session(app_name=APP, user_id="alice", session_id=f"via-{scheme}")
+        assert await svc.get_session(app_name=APP, user_id="alice", session_id=s.id) is not None
+        await svc.close()
+
+    agents = tmp_path / "agents"
+    agents.mkdir()
+    (agents / "services.yaml").write_text(
+        "services:\n"
+        "  - scheme: mysessions\n"
+        "    type: session\n"
+        "    class: redis_session.adapters.adk.RedisAdkSessionService\n"
+    )
+    load_services_module(str(agents))
+    svc = create_session_service_from_options(
+        base_dir=agents, session_service_uri=_uri(redis_url, prefix, "mysessions")
+    )
+    assert isinstance(svc, RedisAdkSessionService)
+    await svc.close()
+
+    theirs = ServiceRegistry()
+    sentinel = InMemorySessionService()
+    theirs.register_session_service("redis", lambda uri, **kw: sentinel)
+    assert register(theirs) == ["redis-session", "redis-session+tls", "rediss"]
+    assert theirs.create_session_service("redis://localhost:6379") is sentinel
+
+
+async def test_ttl_seconds_expire_sessions_and_state(redis_url: str, prefix: str) -> None:
+    """`ttl_seconds` as ADK's RedisSessionService has it: a session and the app/user state
+    expire that long after their last write (every write restarts the clock)."""
+    svc = RedisAdkSessionService(uri=_uri(redis_url, prefix, ttl_seconds="30"))
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="t", state={"app:a": 1, "user:u": 1})
+    await svc.append_event(s, _event(text="x"))
+    r = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        for store_id in [
+            svc.session_store_id(APP, "alice", "t"),
+            svc.app_state_store_id(APP),
+            svc.user_state_store_id(APP, "alice"),
+        ]:
+            for part in ["hdr", "log"]:
+                ttl = await r.pttl(f"{prefix}:{{{store_id}}}:{part}")
+                assert 0 < ttl <= 30_000, (store_id, part, ttl)
+        assert await r.pttl(f"{prefix}:{{{svc.index_store_id(APP)}}}:hdr") == -1  # the index stays
+    finally:
+        await r.aclose()
+        await svc.close()
+    with pytest.raises(ValueError, match="ttl_seconds"):
+        RedisAdkSessionService(MemorySessionStore(), ttl_seconds=0)
+
+
+async def test_where_we_differ_from_adks_redis_session_service(store: Any, redis_url: str, prefix: str) -> None:
+    """What the README says about ADK 2.13's own RedisSessionService, on the same server: a stale
+    session object's event is merged in (no stale error), and an object of a deleted and
+    re-created session appends to the new one. Ours refuses both."""
+    from google.adk.integrations.redis import RedisSessionService, RedisSessionServiceConfig
+
+    client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    theirs = RedisSessionService(config=RedisSessionServiceConfig(key_prefix=f"{prefix}:theirs:"), redis_client=client)
+    ours = RedisAdkSessionService(store)
+    try:
+        outcome: dict[str, list[str]] = {}
+        for name, svc in [("theirs", theirs), ("ours", ours)]:
+            seen = outcome[name] = []
+            s = await svc.create_session(app_name=APP, user_id="alice", session_id="d")
+            a = await svc.get_session(app_name=APP, user_id="alice", session_id="d")
+            b = await svc.get_session(app_name=APP, user_id="alice", session_id="d")
+            await svc.append_event(a, _event(text="a"))
+            try:
+                await svc.append_event(b, _event(text="b (stale)"))
+                seen.append("stale accepted")
+            except StaleSessionError:
+                seen.append("stale refused")
+            old = await svc.get_session(app_name=APP, user_id="alice", session_id="d")
+            await svc.delete_session(app_name=APP, user_id="alice", session_id="d")
+            s = await svc.create_session(app_name=APP, user_id="alice", session_id="d")
+            for t in ["n0", "n1"]:
+                await svc.append_event(s, _event(text=t))
+            try:
+                await svc.append_event(old, _event(text="old life"))
+                seen.append("old life accepted")
+            except StaleSessionError:
+                seen.append("old life refused")
+        assert outcome == {
+            "theirs": ["stale accepted", "old life accepted"],
+            "ours": ["stale refused", "old life refused"],
+        }
+    finally:
+        keys = [k async for k in client.scan_iter(match=f"{prefix}:theirs:*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+async def test_append_event_whose_reply_is_lost_then_retried_lands_once(redis_url: str, prefix: str) -> None:
+    """The append script ran but its reply never came back (a proxy cuts every reply); the
+    Runner's retry of the same event with the same session object lands nothing twice: one
+    event in the log, its app/user delta applied once, the object at the right n."""
+    import urllib.parse
+
+    from reliability._proxy import FaultProxy
+
+    from redis_session.errors import StoreUnavailableError
+
+    parts = urllib.parse.urlsplit(redis_url)
+    with FaultProxy(parts.port or 6379) as proxy:
+        url = proxy.url.rsplit("/", 1)[0] + (parts.path or "/0")
+        store = RedisSessionStore.from_url(url, prefix=prefix, client_options={"socket_timeout": 0.5})
+        try:
+            svc = RedisAdkSessionService(store)
+            s = await svc.create_session(app_name=APP, user_id="alice", session_id="lost")
+            ev = _event(text="once", **{"app:count": 1, "user:seen": 1})
+            proxy.cut_up, proxy.cut_rate = False, 1.0  # commands reach the server, replies do not
+            with pytest.raises(StoreUnavailableError):
+                await svc.append_event(s, ev)
+            proxy.cut_rate = 0.0
+            await svc.append_event(s, ev)  # the retry
+            await svc.append_event(s, _event(text="next"))  # the object stands at the right n
+            log = await store.read(svc.session_store_id(APP, "alice", "lost"))
+            assert [e.type for e in log] == ["adk/session", "adk/event", "adk/event"]
+            assert [e.id for e in s.events] == [ev.id, s.events[1].id]
+            assert len(await store.read(svc.app_state_store_id(APP))) <= 1
+            assert await svc.get_user_state(app_name=APP, user_id="alice") == {"seen": 1}
+            got = await svc.get_session(app_name=APP, user_id="alice", session_id="lost")
+            assert got is not None and got.state["app:count"] == 1
+        finally:
+            await store.aclose()
+            await _drop(redis_url, prefix)
+
+
+async def _drop(url: str, prefix: str) -> None:
+    r = redis.asyncio.Redis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+        if keys:
+            await r.delete(*keys)
+    finally:
+        await r.aclose()
+
+
+async def test_shared_events_read_only_what_is_new_and_never_another_life(store: Any, other_pod_store: Any) -> None:
+    """`shared_events`: a warm service hands out the same validated events and folds only the
+    entries after its cache; another pod's appends show up; a delete + re-create (same count)
+    is a new fold, never the cached one; the caller's lists and state are its own."""
+    warm = RedisAdkSessionService(store, shared_events=8)
+    writer = RedisAdkSessionService(other_pod_store)
+    s = await writer.create_session(app_name=APP, user_id="alice", session_id="c", state={"k": 0})
+    for t in ["e0", "e1"]:
+        await writer.append_event(s, _event(text=t))
+    first = await warm.get_session(app_name=APP, user_id="alice", session_id="c")
+    assert first is not None
+    await writer.append_event(s, _event(text="e2", k=2))
+    second = await warm.get_session(app_name=APP, user_id="alice", session_id="c")
+    assert second is not None and [e.content.parts[0].text for e in second.events] == ["e0", "e1", "e2"]
+    assert second.events[0] is first.events[0]  # shared, not validated again
+    assert second.state == {"k": 2}
+    first.events.append(_event(text="caller's own"))
+    first.state["k"] = "mine"
+    third = await warm.get_session(app_name=APP, user_id="alice", session_id="c")
+    assert third is not None and len(third.events) == 3 and third.state == {"k": 2}
+    await warm.append_event(third, _event(text="e3"))  # its marker is the log's
+    await _recreate(writer, "c", ["n0", "n1", "n2", "n3"])
+    fresh = await warm.get_session(app_name=APP, user_id="alice", session_id="c")
+    assert fresh is not None and [e.content.parts[0].text for e in fresh.events] == ["n0", "n1", "n2", "n3"]
+    assert fresh.state == {"life": 2}
+    with pytest.raises(ReplacedAdkSessionError):
+        await warm.append_event(third, _event(text="old life"))
+    await writer.delete_session(app_name=APP, user_id="alice", session_id="c")
+    assert await warm.get_session(app_name=APP, user_id="alice", session_id="c") is None
+
+
+async def test_the_same_event_sent_twice_at_once_lands_once(store: Any, other_pod_store: Any) -> None:
+    """A client timeout plus a retry: two copies of one session object append the same event at
+    the same time (two pods). It lands once; both calls return it; the next append goes on."""
+    pod1, pod2 = RedisAdkSessionService(store), RedisAdkSessionService(other_pod_store)
+    s = await pod1.create_session(app_name=APP, user_id="alice", session_id="twice", state={"app:n": 0})
+    copies = [s.model_copy(deep=True), s.model_copy(deep=True)]
+    ev = _event(text="once", **{"app:n": 1})
+    results: list[Event] = []
+
+    async def send(pod: RedisAdkSessionService, copy: Session) -> None:
+        results.append(await pod.append_event(copy, ev.model_copy(deep=True)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send, pod1, copies[0])
+        tg.start_soon(send, pod2, copies[1])
+    assert [r.id for r in results] == [ev.id, ev.id]
+    log = await store.read(pod1.session_store_id(APP, "alice", "twice"))
+    assert [e.type for e in log] == ["adk/session", "adk/event"]
+    assert len(await store.read(pod1.app_state_store_id(APP))) == 2  # the create's delta, then this one once
+    await pod2.append_event(copies[1], _event(text="next"))
+
+
+def test_service_uri_options_are_checked_before_connecting() -> None:
+    """Bad options in a service URI (what `adk web --session_service_uri` passes) are a
+    ValueError naming the option, raised before any connection is opened (port 1: none)."""
+    for query, name in [("ttl_seconds=abc", "ttl_seconds"), ("ttl_seconds=-5", "ttl_seconds"),
+                        ("shared_events=x", "shared_events"), ("namespace=a:b", "namespace")]:  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            RedisAdkSessionService(uri=f"redis-session://127.0.0.1:1/0?{query}")
+    with pytest.raises(ValueError, match="service URI"):
+        RedisAdkSessionService(uri="127.0.0.1:6379")
+    with pytest.raises(TypeError):
+        RedisAdkSessionService(MemorySessionStore(), uri="redis-session://127.0.0.1:1/0")
+    svc = RedisAdkSessionService(uri="redis-session://127.0.0.1:1/0?shared_events=8&namespace=n1&ttl_seconds=5")
+    assert (svc.shared_events, svc.namespace, svc.ttl_seconds) == (8, "n1", 5.0)

@@ -12,6 +12,7 @@ import operator
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypedDict
 
+import anyio
 import pytest
 
 from redis_session import MemorySessionStore, RedisSessionStore
@@ -27,7 +28,7 @@ from langgraph.graph.message import add_messages  # noqa: E402
 from langgraph.prebuilt import ToolNode, tools_condition  # noqa: E402
 from langgraph.types import Command, interrupt  # noqa: E402
 
-from redis_session.adapters.langgraph import CHECKPOINT, PART, WRITE, RedisEventSaver  # noqa: E402
+from redis_session.adapters.langgraph import CHECKPOINT, DROP, PART, WRITE, RedisEventSaver  # noqa: E402
 
 from support import SkewClock, let_pass  # noqa: E402
 
@@ -77,8 +78,9 @@ async def test_official_conformance_suite(lg_store: Any) -> None:
     assert report.passed_all_base()
     failed = {name: r.failures for name, r in report.results.items() if r.failures}
     assert not failed, failed
-    assert report.results["copy_thread"].passed is True  # the extended capability we implement ran
-    assert report.results["copy_thread"].tests_passed > 0
+    for capability in ["copy_thread", "prune", "delete_for_runs"]:  # the extended ones we implement ran
+        assert report.results[capability].passed is True, capability
+        assert report.results[capability].tests_passed > 0, capability
 
 
 # =========================================================================== a real graph
@@ -278,3 +280,121 @@ async def test_concurrent_puts_on_one_thread_never_conflict(lg_store: Any) -> No
         for s in savers:
             tg.create_task(writer(s))
     assert len([t async for t in RedisEventSaver(lg_store).alist(generate_config("par"))]) == 41
+
+
+async def test_from_conn_string_async_and_sync(redis_url: str, prefix: str) -> None:
+    """``from_conn_string(url)`` as every LangGraph saver has it, as an async and a sync
+    context manager (the sync one from a worker thread: its calls run on the private loop)."""
+    from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+
+    try:
+        async with RedisEventSaver.from_conn_string(redis_url, prefix=prefix) as saver:
+            stored = await saver.aput(generate_config("cs"), generate_checkpoint(), generate_metadata(), {})
+            assert (await saver.aget_tuple(stored)) is not None
+
+        def sync_side() -> str:
+            with RedisEventSaver.from_conn_string(redis_url, prefix=prefix) as saver:
+                tup = saver.get_tuple(generate_config("cs"))
+                assert tup is not None
+                return str(tup.config["configurable"]["checkpoint_id"])
+
+        assert await anyio.to_thread.run_sync(sync_side) == stored["configurable"]["checkpoint_id"]
+    finally:
+        await _cleanup(redis_url, prefix)
+
+
+async def test_prune_and_delete_for_runs_are_one_entry_each(lg_store: Any) -> None:
+    """keep_latest and delete_for_runs append one ``langgraph/drop`` entry (atomic for readers,
+    no rewrite); a saver that never saw the thread (another pod) folds the same result, and a
+    checkpoint written after the prune stays."""
+    from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+
+    saver = RedisEventSaver(lg_store)
+    parent: Any = None
+    for i in range(4):
+        cfg = generate_config("p")
+        if parent:
+            cfg["configurable"]["checkpoint_id"] = parent["configurable"]["checkpoint_id"]
+        parent = await saver.aput(cfg, generate_checkpoint(), generate_metadata(step=i, run_id=f"run-{i % 2}"), {})
+    sid = saver.session_id("p")
+    before = len(await lg_store.read(sid))
+    await saver.adelete_for_runs(["run-0"])
+    await saver.aprune(["p"], strategy="keep_latest")
+    log = await lg_store.read(sid)
+    assert [e.type for e in log[before:]] == [DROP, DROP]
+    other_pod = RedisEventSaver(lg_store)
+    for s in (saver, other_pod):
+        got = [t.config["configurable"]["checkpoint_id"] async for t in s.alist(generate_config("p"))]
+        assert got == [parent["configurable"]["checkpoint_id"]]
+    later = await saver.aput(generate_config("p"), generate_checkpoint(), generate_metadata(run_id="run-0"), {})
+    assert (await other_pod.aget_tuple(later)) is not None
+    saver.prune(["p"], strategy="delete")
+    assert await lg_store.head(sid) is None
+    with pytest.raises(ValueError, match="strategy"):
+        await saver.aprune(["p"], strategy="sometimes")
+
+
+async def test_conformance_control_langgraphs_own_saver() -> None:
+    """The control: the same suite, same run, on LangGraph's own InMemorySaver."""
+    import langgraph.checkpoint.conformance as conformance
+    from langgraph.checkpoint.conformance.report import ProgressCallbacks
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    @conformance.checkpointer_test(name="InMemorySaver")
+    async def factory() -> AsyncIterator[InMemorySaver]:
+        yield InMemorySaver()
+
+    report = await conformance.validate(factory, progress=ProgressCallbacks.quiet())
+    assert report.passed_all_base()
+    assert not {name: r.failures for name, r in report.results.items() if r.failures}
+
+
+async def _chain(saver: RedisEventSaver, thread: str, steps: int, tag: str) -> list[str]:
+    from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_config, generate_metadata
+
+    parent: Any = None
+    ids = []
+    for i in range(steps):
+        cfg = generate_config(thread)
+        if parent:
+            cfg["configurable"]["checkpoint_id"] = parent["configurable"]["checkpoint_id"]
+        parent = await saver.aput(cfg, generate_checkpoint(), generate_metadata(step=i, tag=tag), {})
+        await saver.aput_writes(parent, [("ch", f"{tag}-{i}")], f"task-{tag}-{i}")
+        ids.append(parent["configurable"]["checkpoint_id"])
+    return ids
+
+
+async def test_a_saver_never_mixes_two_lives_of_a_thread(lg_store: Any) -> None:
+    """Pod A has folded a thread; pod B deletes it and writes it again, longer. A's reads see the
+    new thread only (they folded the new entries onto the old fold: the new log's entry n=k
+    followed A's n=k), and A's own next write is folded into the right life."""
+    from langgraph.checkpoint.conformance.test_utils import generate_config
+
+    pod_a, pod_b = RedisEventSaver(lg_store), RedisEventSaver(lg_store)
+    await _chain(pod_a, "t", 2, "old")
+    assert len([t async for t in pod_a.alist(generate_config("t"))]) == 2
+    await pod_b.adelete_thread("t")
+    new_ids = await _chain(pod_b, "t", 3, "new")
+    got = [t async for t in pod_a.alist(generate_config("t"))]
+    assert [t.config["configurable"]["checkpoint_id"] for t in got] == new_ids[::-1]
+    assert {t.metadata["tag"] for t in got} == {"new"}
+    assert [w[2] for t in got for w in t.pending_writes or []] == ["new-2", "new-1", "new-0"]
+    more = await _chain(pod_a, "t", 1, "a-again")
+    seen_by_b = [t.config["configurable"]["checkpoint_id"] async for t in pod_b.alist(generate_config("t"))]
+    assert seen_by_b[0] == more[0]
+    assert len([t async for t in pod_a.alist(generate_config("t"))]) == 4
+
+
+async def test_prune_computed_on_one_life_never_lands_in_another(lg_store: Any) -> None:
+    """A prune's drop names the checkpoints of the life it was computed on; pod A folded the
+    thread, pod B re-created it longer: A's prune keeps the new life's latest checkpoint (a drop
+    computed on the old fold would name the old latest and wipe the new life)."""
+    from langgraph.checkpoint.conformance.test_utils import generate_config
+
+    pod_a, pod_b = RedisEventSaver(lg_store), RedisEventSaver(lg_store)
+    await _chain(pod_a, "p", 3, "old")
+    await pod_b.adelete_thread("p")
+    new_ids = await _chain(pod_b, "p", 4, "new")
+    await pod_a.aprune(["p"], strategy="keep_latest")
+    got = [t.config["configurable"]["checkpoint_id"] async for t in pod_b.alist(generate_config("p"))]
+    assert got == [new_ids[-1]]

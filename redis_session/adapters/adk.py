@@ -18,11 +18,16 @@ State scopes are ADK's: in a state delta, ``app:k`` goes to the app's state log 
 and every other key is session state, folded from the session's own events on read. A session
 read back carries its session state plus the app and user state under their prefixes.
 
-Concurrency: a session returned by this service remembers the n of the log it was read at
-(ADK's ``_storage_update_marker``), and `append_event` writes at exactly that n. A writer whose
-session object is stale (another pod appended first) gets `StaleAdkSessionError`, which is both
-ADK's ``StaleSessionError`` (what ``DatabaseSessionService`` raises) and our
-`SessionConflictError`; nothing is written, so two pods never interleave events in one session.
+Concurrency: a session returned by this service remembers the life of the store session it was
+read from (its incarnation) and the n of the log it was read at (ADK's
+``_storage_update_marker``: ``rs:<incarnation>:<n>``, a private attribute every copy ADK makes
+keeps), and `append_event` writes at exactly that n of exactly that life (checked in the append
+script). A writer whose session object is stale (another pod appended first) gets
+`StaleAdkSessionError`, which is both ADK's ``StaleSessionError`` (what ``DatabaseSessionService``
+raises) and our `SessionConflictError`; one whose session was deleted and created again gets
+`ReplacedAdkSessionError` (``StaleSessionError`` and our `SessionReplacedError`). Nothing is
+written either way, so two pods never interleave events in one session and no write of one life
+lands in another. `get_session` reads the log against the incarnation its head named.
 Re-delivering an event that already landed (an equal event: same id and fields) is a no-op, as
 in ADK's in-memory service (the store's idempotency key is a digest of the event).
 App and user state deltas are appended after the event, at the end of their logs (last writer
@@ -35,7 +40,11 @@ Ids: a store id is at most 256 characters, so the escaped names must fit (a UUID
 app and user names of ASCII letters leaves ~190 characters for them); a longer one is an
 `InvalidSessionIdError` (a ``ValueError``) that says so. `adk_names` maps a store id back.
 
-Costs: `get_session` reads the session's log once (events are validated only when returned);
+Selection: importing this module registers the service in ADK's service registry (`register`),
+so ``adk web/run --session_service_uri redis-session://host:6379/0`` picks it.
+
+Costs: `get_session` reads the session's head and log (events are validated only when
+returned; with ``shared_events`` only the entries after the cached fold, see the class);
 app, user and index logs are read incrementally (each service instance folds from where it last
 looked). `list_sessions` folds the state of every listed session from its log. The index log
 of an app keeps one entry per create and delete (it is never compacted).
@@ -43,15 +52,20 @@ of an app keeps one entry per create and delete (it is never compacted).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
 import re
+import types
 import urllib.parse
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import anyio
+import msgspec
 from google.adk.errors import StaleSessionError
 from google.adk.errors.already_exists_error import AlreadyExistsError
 from google.adk.errors.session_not_found_error import SessionNotFoundError as AdkSessionNotFoundError
@@ -61,13 +75,32 @@ from google.adk.platform import uuid as platform_uuid
 from google.adk.sessions import BaseSessionService, Session, _session_util
 from google.adk.sessions.base_session_service import GetSessionConfig, ListSessionsResponse
 from google.adk.sessions.state import State
+from pydantic import TypeAdapter
 
-from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
-from ..model import Entry, NewEntry, SessionHeader
+from ..errors import (
+    InvalidSessionIdError,
+    SessionAlreadyExistsError,
+    SessionConflictError,
+    SessionNotFoundError,
+    SessionReplacedError,
+)
+from ..model import Entry, NewEntry, SessionHead, SessionHeader
 from ..store import SessionStore
-from ._log import SessionLog, resolve_store
+from ._log import resolve_store
+from ._loops import LoopStores, run_sync
 
-__all__ = ["RedisAdkSessionService", "StaleAdkSessionError", "adk_names", "escape", "unescape"]
+__all__ = [
+    "SCHEMES",
+    "RedisAdkSessionService",
+    "ReplacedAdkSessionError",
+    "StaleAdkSessionError",
+    "adk_names",
+    "escape",
+    "register",
+    "unescape",
+]
+
+T = TypeVar("T")
 
 SESSION, EVENT, STATE, CREATED, DELETED = "adk/session", "adk/event", "adk/state", "adk/created", "adk/deleted"
 MARK_TYPES = (SESSION, EVENT, STATE, CREATED, DELETED)
@@ -77,12 +110,24 @@ STALE_MESSAGE = (
     "The session has been modified in storage since it was loaded. "
     "Please reload the session before appending more events."
 )
-_MARKER = "rs:"  # our `_storage_update_marker`s: "rs:<n>" (another service's marker is not ours)
+#: Our `_storage_update_marker`s: ``"rs:<incarnation>:<n>"``, the life of the store session the
+#: object was read from and the n it stands at (``"rs:<n>"`` from before incarnations: n only).
+#: Another service's marker is not ours. A private attribute of ADK's ``Session``, so it travels
+#: with every copy ADK makes (``model_copy``, ``copy.deepcopy``).
+_MARKER = "rs:"
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 #: How many app/user/index logs one service instance keeps folded (least recently used go).
 CACHE_SIZE = 1024
 #: The store's limit on a session id (docs/design.md §3); the store validates every id it is given.
 MAX_ID_LENGTH = 256
+#: URI schemes `register` puts in ADK's service registry: always ours; ``redis``/``rediss`` only
+#: when nothing (ADK itself, a later version) has taken them.
+SCHEMES = ("redis-session", "redis-session+tls")
+_PLAIN_SCHEMES = ("redis", "rediss")
+#: Query parameters of a service URI that are ours (the rest go to redis-py).
+_URI_OPTIONS = ("prefix", "namespace", "ttl_seconds", "shared_events", "cluster")
+#: Attempts of a read that finds the id re-created between its head and its log read.
+_READ_ATTEMPTS = 5
 
 
 class StaleAdkSessionError(StaleSessionError, SessionConflictError):  # type: ignore[misc,unused-ignore]
@@ -94,6 +139,20 @@ class StaleAdkSessionError(StaleSessionError, SessionConflictError):  # type: ig
     def __init__(self, session_id: str, expected_n: int, actual_n: int) -> None:
         SessionConflictError.__init__(self, session_id, expected_n, actual_n)
         self.args = (f"{STALE_MESSAGE} (store session {session_id!r}: expected n={expected_n}, log at n={actual_n})",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ReplacedAdkSessionError(StaleSessionError, SessionReplacedError):  # type: ignore[misc,unused-ignore]
+    """The session object belongs to another life of its id: the session was deleted and created
+    again since the object was read. ADK's ``StaleSessionError`` (what its database service
+    raises when the stored revision is not the object's) and our `SessionReplacedError` at once.
+    Nothing was written: ``get_session`` gives the new session."""
+
+    def __init__(self, session_id: str) -> None:
+        SessionReplacedError.__init__(self, session_id)
+        self.args = (f"{STALE_MESSAGE} (store session {session_id!r} was deleted and created again)",)
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -125,23 +184,61 @@ def _scoped(delta: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     return _session_util.extract_json_safe_state_delta(delta or {})  # type: ignore[no-any-return,unused-ignore]
 
 
-class _Folded:
-    """A state or index log folded incrementally by one service instance."""
+async def _read_life(store: SessionStore, store_id: str) -> tuple[str, list[Entry]] | None:
+    """One life of a store session: its incarnation and its whole log, or None when the id does
+    not exist. The log is read against the incarnation its head named, so a delete and re-create
+    in between is noticed (and read again), never mixed."""
+    for _ in range(_READ_ATTEMPTS):
+        head = await store.head(store_id)
+        if head is None:
+            return None
+        try:
+            return head.header.incarnation, await store.read(store_id, incarnation=head.header.incarnation)
+        except SessionReplacedError:
+            continue
+        except SessionNotFoundError:
+            return None
+    raise SessionReplacedError(store_id, f"re-created during each of {_READ_ATTEMPTS} reads")
 
-    def __init__(self, store: SessionStore, store_id: str, fold: Callable[[dict[Any, Any], Entry], None]) -> None:
+
+class _Folded:
+    """A state or index log folded incrementally by one service instance, pinned to the life of
+    the log it began on (a log that expired and was created again is folded again from 0)."""
+
+    def __init__(self, store_id: str, fold: Callable[[dict[Any, Any], Entry], None]) -> None:
+        self.store_id = store_id
         self.value: dict[Any, Any] = {}
         self._fold_one = fold
+        self._incarnation: str | None = None
+        self._n = 0
         self.lock = anyio.Lock()
-        self.log = SessionLog(store, store_id, origin=None, fold=self._fold, reset=self.value.clear)
 
-    def _fold(self, entries: Sequence[Entry]) -> None:
-        for e in entries:
-            self._fold_one(self.value, e)
+    def _reset(self) -> None:
+        self.value.clear()
+        self._incarnation, self._n = None, 0
 
-    async def refresh(self) -> dict[Any, Any]:
+    async def refresh(self, store: SessionStore) -> dict[Any, Any]:
         async with self.lock:
-            await self.log.catch_up()
-            return self.value
+            for _ in range(_READ_ATTEMPTS):
+                if self._incarnation is None:
+                    head = await store.head(self.store_id)
+                    if head is None:
+                        return self.value
+                    self._incarnation = head.header.incarnation
+                try:
+                    entries = await store.read(self.store_id, self._n, incarnation=self._incarnation)
+                except SessionReplacedError:
+                    self._reset()
+                    continue
+                except SessionNotFoundError:
+                    self._reset()
+                    return self.value
+                for e in entries:
+                    self._fold_one(self.value, e)
+                if entries:
+                    self._n = entries[-1].n + 1
+                return self.value
+            raise SessionReplacedError(self.store_id, f"re-created during each of {_READ_ATTEMPTS} reads")
 
 
 def _fold_state(value: dict[Any, Any], e: Entry) -> None:
@@ -157,22 +254,49 @@ def _fold_index(value: dict[Any, Any], e: Entry) -> None:
         value.pop(key, None)
 
 
+@functools.cache
+def _events_adapter() -> TypeAdapter[list[Event]]:
+    """Validates a list of stored events in one call (a third faster than one call per event)."""
+    return TypeAdapter(list[Event])
+
+
+def _event_order(ev: dict[str, Any]) -> tuple[float, str]:
+    ts = ev.get("timestamp")
+    return (float(ts) if isinstance(ts, int | float) else 0.0, str(ev.get("id") or ""))
+
+
 class _Fold:
-    """One ADK session folded from its log."""
+    """One ADK session folded from its log (one life of it), extendable with the entries after."""
 
-    __slots__ = ("app_name", "events", "last_update_time", "n", "session_id", "state", "user_id")
+    __slots__ = (
+        "app_name",
+        "events",
+        "incarnation",
+        "last_update_time",
+        "n",
+        "session_id",
+        "state",
+        "user_id",
+        "validated",
+    )
 
-    def __init__(self, entries: Sequence[Entry]) -> None:
+    def __init__(self, incarnation: str, entries: Sequence[Entry]) -> None:
         if not entries or entries[0].type != SESSION:
             raise ValueError("not an ADK session log (its entry 0 is not adk/session)")
+        self.incarnation = incarnation
         head = entries[0].data
         self.app_name: str = head["app_name"]
         self.user_id: str = head["user_id"]
         self.session_id: str = head["session_id"]
         self.state: dict[str, Any] = dict(head.get("state") or {})
         self.last_update_time: float = float(head.get("time", entries[0].time / 1000))
-        self.events: list[dict[str, Any]] = []
-        for e in entries[1:]:
+        self.events: list[dict[str, Any]] = []  # in log order
+        self.validated: list[Event] | None = None  # the same events validated (the shared cache)
+        self.n = entries[0].n + 1
+        self.extend(entries[1:])
+
+    def extend(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
             if e.type != EVENT:
                 continue
             ev = e.data["event"]
@@ -183,25 +307,127 @@ class _Fold:
             ts = ev.get("timestamp")
             if isinstance(ts, int | float):
                 self.last_update_time = float(ts)
-        self.n = entries[-1].n + 1
+        if entries:
+            self.n = entries[-1].n + 1
+
+    def copy(self) -> _Fold:
+        other = object.__new__(_Fold)
+        for name in _Fold.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.events = list(self.events)
+        other.state = dict(self.state)
+        other.validated = None if self.validated is None else list(self.validated)
+        return other
+
+    def order(self) -> list[int]:
+        """Indexes of the events in ADK's database order: by timestamp, ties by event id (a stable
+        sort: the log's order whenever timestamps grow, as they do for events of one writer)."""
+        return sorted(range(len(self.events)), key=lambda i: _event_order(self.events[i]))
+
+
+def _service_options(uri: str) -> tuple[str | None, dict[str, str]]:
+    """A service URI as a redis-py URL (None: ``$REDIS_URL`` or the embedded server) and our
+    options from its query (`_URI_OPTIONS`)."""
+    parts = urllib.parse.urlsplit(uri)
+    # The scheme chose this service (in ADK's registry, or a ``services.yaml`` naming any scheme);
+    # the connection is TLS for ``rediss`` and ``…+tls``, a socket for ``unix``, else plain.
+    scheme = parts.scheme.lower()
+    if not scheme:
+        raise ValueError(f"not a service URI: {uri!r} (use redis-session://host:port/db)")
+    scheme = "rediss" if scheme == "rediss" or scheme.endswith("+tls") else "unix" if scheme == "unix" else "redis"
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in _URI_OPTIONS}
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k not in _URI_OPTIONS])
+    if not parts.netloc and scheme != "unix" and parts.path in ("", "/"):
+        return None, ours
+    return urllib.parse.urlunsplit((scheme, parts.netloc, parts.path, rest, "")), ours
 
 
 class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ignore]
     """ADK's ``BaseSessionService`` on a redis-session store (or a `Sessions` service).
 
-    ``RedisAdkSessionService(store, namespace="adk")``; see the module documentation for the
-    layout and the concurrency rules."""
+    ``RedisAdkSessionService(store, namespace="adk", ttl_seconds=None)``, or from a URI
+    (``RedisAdkSessionService(uri="redis-session://host:6379/0?prefix=rs")``, what ADK's service
+    registry and ``services.yaml`` call): the service then owns its store and `close` closes it.
+    `ttl_seconds` (as ADK's own ``RedisSessionService`` has it): sessions and app/user state
+    expire that long after their last write. `shared_events` (default 0: off) keeps the validated
+    events of that many sessions per service and hands the same ``Event`` objects to every read of
+    a session (each read costs only the entries appended since), as ADK's
+    ``IN_MEMORY_SESSION_SERVICE_LIGHT_COPY`` does for its in-memory service: the returned lists
+    and state are the caller's, the events in them must not be changed in place. See the module
+    documentation for the layout and the concurrency rules."""
 
-    def __init__(self, store: Any, *, namespace: str = "adk") -> None:
+    def __init__(
+        self,
+        store: Any = None,
+        *,
+        uri: str | None = None,
+        namespace: str | None = None,
+        ttl_seconds: float | None = None,
+        shared_events: int = 0,
+        agents_dir: str | None = None,  # what ADK's registry passes to every factory; unused
+    ) -> None:
+        del agents_dir
+        url: str | None = None
+        options: dict[str, str] = {}
+        if uri is not None:
+            if store is not None:
+                raise TypeError("give a store or a uri, not both")
+            url, options = _service_options(uri)
+            namespace = namespace or options.get("namespace")
+            for name in ("ttl_seconds", "shared_events"):
+                if name in options and not (name == "ttl_seconds" and ttl_seconds is not None):
+                    try:
+                        value = float(options[name]) if name == "ttl_seconds" else int(options[name])
+                    except ValueError:
+                        raise ValueError(f"{name} in the service URI must be a number, got {options[name]!r}") from None
+                    if name == "ttl_seconds":
+                        ttl_seconds = value
+                    elif not shared_events:
+                        shared_events = int(value)
+        elif store is None:
+            raise TypeError("RedisAdkSessionService needs a store (or a Sessions service) or a uri")
+        namespace = namespace or "adk"
         if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
             raise ValueError("namespace must be 1-32 characters of A-Z a-z 0-9 _ . -")
+        if ttl_seconds is not None and (
+            isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int | float) or not 0 < ttl_seconds < 2**40
+        ):
+            raise ValueError(f"ttl_seconds must be a positive number of seconds, got {ttl_seconds!r}")
+        if isinstance(shared_events, bool) or not isinstance(shared_events, int) or shared_events < 0:
+            raise ValueError(f"shared_events must be a number of sessions >= 0, got {shared_events!r}")
+        owns = False
+        if uri is not None:  # every argument checked: only now open connections
+            from ..redis.connect import open_store
+
+            cluster = options.get("cluster")
+            store = open_store(
+                url,
+                prefix=options.get("prefix", "rs"),
+                cluster=None if cluster is None else cluster.lower() in ("1", "true", "yes"),
+                announce=None,
+            )
+            owns = True
         self.store: SessionStore = resolve_store(store)
+        self.shared_events = shared_events
+        self._sessions: weakref.WeakKeyDictionary[Any, OrderedDict[str, _Fold]] = weakref.WeakKeyDictionary()
         self.namespace = namespace
-        self._logs: OrderedDict[str, _Folded] = OrderedDict()
+        self.ttl_seconds = ttl_seconds
+        self._ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
+        self._owns_store = owns
+        self._stores = LoopStores(self.store)
+        # Folded app/user/index logs, one cache per store (per event loop: a sync call runs on
+        # another loop, with a clone of the store).
+        self._logs: weakref.WeakKeyDictionary[Any, OrderedDict[str, _Folded]] = weakref.WeakKeyDictionary()
         vocabulary = self.store.vocabulary
         for t in MARK_TYPES:
             if t not in vocabulary:
                 vocabulary.define(t, None)
+
+    @property
+    def _store(self) -> SessionStore:
+        """The store to use on the running event loop (`LoopStores`)."""
+        return self._stores.get()
 
     # ------------------------------------------------------------------ ids
 
@@ -232,35 +458,56 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
 
     # ------------------------------------------------------------------ folded logs
 
-    def _folded(self, store_id: str, fold: Callable[[dict[Any, Any], Entry], None]) -> _Folded:
-        f = self._logs.get(store_id)
+    async def _refresh(self, store_id: str, fold: Callable[[dict[Any, Any], Entry], None]) -> dict[Any, Any]:
+        store = self._store
+        logs = self._logs.get(store)
+        if logs is None:
+            logs = self._logs[store] = OrderedDict()
+        f = logs.get(store_id)
         if f is None:
-            f = self._logs[store_id] = _Folded(self.store, store_id, fold)
-            while len(self._logs) > CACHE_SIZE:
-                self._logs.popitem(last=False)
+            f = logs[store_id] = _Folded(store_id, fold)
+            while len(logs) > CACHE_SIZE:
+                logs.popitem(last=False)
         else:
-            self._logs.move_to_end(store_id)
-        return f
+            logs.move_to_end(store_id)
+        return dict(await f.refresh(store))
 
     async def _app_state(self, app_name: str) -> dict[str, Any]:
-        return dict(await self._folded(self.app_state_store_id(app_name), _fold_state).refresh())
+        return await self._refresh(self.app_state_store_id(app_name), _fold_state)
 
     async def _user_state(self, app_name: str, user_id: str) -> dict[str, Any]:
-        return dict(await self._folded(self.user_state_store_id(app_name, user_id), _fold_state).refresh())
+        return await self._refresh(self.user_state_store_id(app_name, user_id), _fold_state)
 
-    async def _append_at_end(self, store_id: str, entries: Sequence[NewEntry], key: str | None, role: str) -> None:
+    async def _app_and_user_state(self, app_name: str, user_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        box: dict[str, dict[str, Any]] = {}
+
+        async def app() -> None:
+            box["app"] = await self._app_state(app_name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app)
+            box["user"] = await self._user_state(app_name, user_id)
+        return box["app"], box["user"]
+
+    async def _append_at_end(
+        self, store_id: str, entries: Sequence[NewEntry], key: str | None, role: str, *, ttl: bool
+    ) -> None:
         """Append at the end of a state or index log (no expected n: these entries do not depend on
-        what came before), creating the log on its first write."""
+        what came before), creating the log on its first write (expiring `ttl_seconds` after its
+        last write when `ttl`)."""
+        store = self._store
         for _ in range(3):
             try:
-                await self.store.put(store_id, None, entries, idempotency_key=key)
+                await store.put(store_id, None, entries, idempotency_key=key)
                 return
             except SessionNotFoundError:
                 try:
-                    await self.store.create(SessionHeader(id=store_id, origin={"adk": role}))
+                    await store.create(
+                        SessionHeader(id=store_id, origin={"adk": role}), ttl_ms=self._ttl_ms if ttl else None
+                    )
                 except SessionAlreadyExistsError:
                     pass
-        await self.store.put(store_id, None, entries, idempotency_key=key)
+        await store.put(store_id, None, entries, idempotency_key=key)
 
     async def _write_scoped(
         self, app_name: str, user_id: str, scoped: dict[str, dict[str, Any]], key: str | None
@@ -273,6 +520,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
                 [NewEntry(STATE, {"delta": scoped["app"]})],
                 None if key is None else _digest(key, "app"),
                 "app-state",
+                ttl=True,
             )
         if scoped["user"]:
             await self._append_at_end(
@@ -280,6 +528,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
                 [NewEntry(STATE, {"delta": scoped["user"]})],
                 None if key is None else _digest(key, "user"),
                 "user-state",
+                ttl=True,
             )
 
     # ------------------------------------------------------------------ building sessions
@@ -294,24 +543,23 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         return merged
 
     @staticmethod
-    def _mark(session: Session, n: int) -> None:
+    def _mark(session: Session, incarnation: str, n: int) -> None:
         try:
-            session._storage_update_marker = f"{_MARKER}{n}"
+            session._storage_update_marker = f"{_MARKER}{incarnation}:{n}"
         except (AttributeError, ValueError):  # an ADK without the marker: append_event checks the log instead
             pass
 
     @staticmethod
-    def _marked_n(session: Session) -> int | None:
+    def _marked(session: Session) -> tuple[str | None, int] | None:
+        """(incarnation, n) of our marker on `session` (incarnation None: a marker from before
+        incarnations), or None when it carries none of ours."""
         marker = getattr(session, "_storage_update_marker", None)
-        if isinstance(marker, str) and marker.startswith(_MARKER) and marker[len(_MARKER) :].isdigit():
-            return int(marker[len(_MARKER) :])
-        return None
-
-    async def _read(self, store_id: str) -> list[Entry] | None:
-        try:
-            return await self.store.read(store_id)
-        except SessionNotFoundError:
+        if not isinstance(marker, str) or not marker.startswith(_MARKER):
             return None
+        inc, _, n = marker[len(_MARKER) :].rpartition(":")
+        if not n.isdigit():
+            return None
+        return (inc or None), int(n)
 
     # ------------------------------------------------------------------ BaseSessionService
 
@@ -334,6 +582,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             [NewEntry(CREATED, {"user_id": user_id, "session_id": session_id})],
             None,
             "index",
+            ttl=False,
         )
         now: float = platform_time.get_time()
         head: dict[str, Any] = {
@@ -344,27 +593,27 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             "time": now,
         }
         try:
-            created = await self.store.create(
+            created: SessionHead = await self._store.create(
                 SessionHeader(
                     id=store_id,
                     title=session_id,
                     origin={"adk": {"app_name": app_name, "user_id": user_id, "session_id": session_id}},
                 ),
                 [NewEntry(SESSION, head)],
+                ttl_ms=self._ttl_ms,
             )
         except SessionAlreadyExistsError:
             raise AlreadyExistsError(f"Session with id {session_id} already exists.") from None
         await self._write_scoped(app_name, user_id, scoped, None)
+        app_state, user_state = await self._app_and_user_state(app_name, user_id)
         session = Session(
             id=session_id,
             app_name=app_name,
             user_id=user_id,
-            state=self._merge(
-                scoped["session"], await self._app_state(app_name), await self._user_state(app_name, user_id)
-            ),
+            state=self._merge(scoped["session"], app_state, user_state),
             last_update_time=now,
         )
-        self._mark(session, created.n)
+        self._mark(session, created.header.incarnation, created.n)
         return session
 
     async def get_session(
@@ -376,38 +625,100 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         config: GetSessionConfig | None = None,
     ) -> Session | None:
         session_id = session_id.strip() if session_id else session_id
-        entries = await self._read(self.session_store_id(app_name, user_id, session_id))
-        if not entries:
+        store_id = self.session_store_id(app_name, user_id, session_id)
+        box: dict[str, Any] = {}
+
+        async def states() -> None:
+            box["app"], box["user"] = await self._app_and_user_state(app_name, user_id)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(states)
+            folded = await self._life(store_id)
+        if folded is None:
             return None
-        folded = _Fold(entries)
-        raw = folded.events
+        order = folded.order()
         if config is not None:
             if config.after_timestamp is not None:
-                raw = [e for e in raw if e.get("timestamp", 0.0) >= config.after_timestamp]
+                after = config.after_timestamp
+                order = [i for i in order if _event_order(folded.events[i])[0] >= after]
             if config.num_recent_events is not None:
-                raw = raw[-config.num_recent_events :] if config.num_recent_events else []
+                order = order[-config.num_recent_events :] if config.num_recent_events else []
+        if folded.validated is not None:
+            events = [folded.validated[i] for i in order]
+            state = msgspec.json.decode(msgspec.json.encode(folded.state))  # shared fold: the caller's copy
+        else:
+            events = _events_adapter().validate_python([folded.events[i] for i in order])
+            state = folded.state
         session = Session(
             id=folded.session_id,
             app_name=folded.app_name,
             user_id=folded.user_id,
-            state=self._merge(folded.state, await self._app_state(app_name), await self._user_state(app_name, user_id)),
-            events=[Event.model_validate(e) for e in raw],
+            state=self._merge(state, box["app"], box["user"]),
+            events=events,
             last_update_time=folded.last_update_time,
         )
-        self._mark(session, folded.n)
+        self._mark(session, folded.incarnation, folded.n)
         return session
 
+    async def _life(self, store_id: str) -> _Fold | None:
+        """The session's current life folded: read whole, or (`shared_events`) the cached fold of
+        that same life extended by the entries after it."""
+        store = self._store
+        if not self.shared_events:
+            life = await _read_life(store, store_id)
+            return _Fold(*life) if life is not None and life[1] else None
+        cache = self._sessions.get(store)
+        if cache is None:
+            cache = self._sessions[store] = OrderedDict()
+        for _ in range(_READ_ATTEMPTS):
+            head = await store.head(store_id)
+            if head is None:
+                cache.pop(store_id, None)
+                return None
+            inc = head.header.incarnation
+            cached = cache.get(store_id)
+            start = cached.n if cached is not None and cached.incarnation == inc and cached.n <= head.n else 0
+            try:
+                entries = await store.read(store_id, start, incarnation=inc)
+            except SessionReplacedError:
+                continue
+            except SessionNotFoundError:
+                cache.pop(store_id, None)
+                return None
+            if start:
+                assert cached is not None and cached.validated is not None
+                if not entries:
+                    cache.move_to_end(store_id)
+                    return cached
+                folded = cached.copy()
+                had = len(folded.events)
+                folded.extend(entries)
+                assert folded.validated is not None
+                folded.validated.extend(_events_adapter().validate_python(folded.events[had:]))
+            else:
+                if not entries:
+                    return None
+                folded = _Fold(inc, entries)
+                folded.validated = _events_adapter().validate_python(folded.events)
+            cache[store_id] = folded
+            cache.move_to_end(store_id)
+            while len(cache) > self.shared_events:
+                cache.popitem(last=False)
+            return folded
+        raise SessionReplacedError(store_id, f"re-created during each of {_READ_ATTEMPTS} reads")
+
     async def list_sessions(self, *, app_name: str, user_id: str | None = None) -> ListSessionsResponse:
-        index = dict(await self._folded(self.index_store_id(app_name), _fold_index).refresh())
+        index = await self._refresh(self.index_store_id(app_name), _fold_index)
         candidates = [(u, s) for (u, s) in index if user_id is None or u == user_id]
         folds: list[_Fold] = []
         limiter = anyio.CapacityLimiter(16)
+        store = self._store
 
         async def load(u: str, s: str) -> None:
             async with limiter:
-                entries = await self._read(self.session_store_id(app_name, u, s))
-            if entries:
-                folds.append(_Fold(entries))
+                life = await _read_life(store, self.session_store_id(app_name, u, s))
+            if life is not None and life[1]:
+                folds.append(_Fold(*life))
 
         async with anyio.create_task_group() as tg:
             for u, s in candidates:
@@ -429,34 +740,45 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
 
     async def delete_session(self, *, app_name: str, user_id: str, session_id: str) -> None:
         session_id = session_id.strip() if session_id else session_id
-        if await self.store.delete(self.session_store_id(app_name, user_id, session_id)):
+        if await self._store.delete(self.session_store_id(app_name, user_id, session_id)):
             await self._append_at_end(
                 self.index_store_id(app_name),
                 [NewEntry(DELETED, {"user_id": user_id, "session_id": session_id})],
                 None,
                 "index",
+                ttl=False,
             )
 
     async def get_user_state(self, *, app_name: str, user_id: str) -> dict[str, Any]:
         return await self._user_state(app_name, user_id)
 
-    async def _expected_n(self, session: Session, store_id: str) -> int:
-        """The n this session object stands at: its marker, or, for a session object this service
-        did not return (no marker), the log's n when its last event is the object's last event."""
-        n = self._marked_n(session)
-        if n is not None:
-            return n
-        head = await self.store.head(store_id)
+    async def _position(self, session: Session, store_id: str) -> tuple[str, int]:
+        """(incarnation, n) this session object stands at: its marker, or, for a session object
+        this service did not return (no marker: pinned to the life the store holds now), the log's
+        n when its last event is the object's last event."""
+        store = self._store
+        marked = self._marked(session)
+        if marked is not None and marked[0] is not None:
+            return marked[0], marked[1]
+        head = await store.head(store_id)
         if head is None:
             raise AdkSessionNotFoundError(f"Session {session.id} not found.")
-        last = (await self.store.read(store_id, head.n - 1, head.n))[-1] if head.n else None
+        inc = head.header.incarnation
+        if marked is not None:  # a marker from before incarnations: its n, on today's life
+            return inc, marked[1]
+        try:
+            last = (await store.read(store_id, head.n - 1, head.n, incarnation=inc))[-1] if head.n else None
+        except SessionReplacedError:
+            raise ReplacedAdkSessionError(store_id) from None
+        except SessionNotFoundError:
+            raise AdkSessionNotFoundError(f"Session {session.id} not found.") from None
         if session.events:
             fresh = last is not None and last.type == EVENT and last.data["event"].get("id") == session.events[-1].id
         else:
             fresh = last is not None and last.type == SESSION
         if not fresh:
             raise StaleAdkSessionError(store_id, -1, head.n)
-        return head.n
+        return inc, head.n
 
     async def append_event(self, session: Session, event: Event) -> Event:
         if event.partial:
@@ -465,13 +787,17 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         self._apply_temp_state(session, event)
         event = self._trim_temp_delta_state(event)
         store_id = self.session_store_id(session.app_name, session.user_id, session.id)
-        expected = await self._expected_n(session, store_id)
+        incarnation, expected = await self._position(session, store_id)
         data = event.model_dump(exclude_none=True, mode="json")
         key = _digest("adk-event", json.dumps(data, sort_keys=True, separators=(",", ":")))
         try:
-            stored = await self.store.put(store_id, expected, [NewEntry(EVENT, {"event": data})], idempotency_key=key)
+            stored = await self._store.put(
+                store_id, expected, [NewEntry(EVENT, {"event": data})], idempotency_key=key, incarnation=incarnation
+            )
         except SessionConflictError as e:
             raise StaleAdkSessionError(store_id, e.expected_n, e.actual_n) from None
+        except SessionReplacedError:
+            raise ReplacedAdkSessionError(store_id) from None
         except SessionNotFoundError:
             raise AdkSessionNotFoundError(f"Session {session.id} not found.") from None
         at = stored[0].n
@@ -480,12 +806,105 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         )
         if at < expected:
             return event  # an equal event that already landed: nothing applied twice
-        self._mark(session, at + 1)
+        self._mark(session, incarnation, at + 1)
         session.last_update_time = event.timestamp
         return self._commit_event_to_session(session, event)  # type: ignore[no-any-return,unused-ignore]
 
+    # ------------------------------------------------------------------ sync twins, closing
+
+    def create_session_sync(
+        self,
+        *,
+        app_name: str,
+        user_id: str,
+        state: dict[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> Session:
+        """`create_session`, blocking (as ``InMemorySessionService.create_session_sync``); works
+        inside and outside a running event loop (it runs on a private loop thread)."""
+        return self._sync(
+            lambda: self.create_session(app_name=app_name, user_id=user_id, state=state, session_id=session_id)
+        )
+
+    def get_session_sync(
+        self,
+        *,
+        app_name: str,
+        user_id: str,
+        session_id: str,
+        config: GetSessionConfig | None = None,
+    ) -> Session | None:
+        return self._sync(
+            lambda: self.get_session(app_name=app_name, user_id=user_id, session_id=session_id, config=config)
+        )
+
+    def list_sessions_sync(self, *, app_name: str, user_id: str | None = None) -> ListSessionsResponse:
+        return self._sync(lambda: self.list_sessions(app_name=app_name, user_id=user_id))
+
+    def delete_session_sync(self, *, app_name: str, user_id: str, session_id: str) -> None:
+        self._sync(lambda: self.delete_session(app_name=app_name, user_id=user_id, session_id=session_id))
+
+    def append_event_sync(self, session: Session, event: Event) -> Event:
+        return self._sync(lambda: self.append_event(session, event))
+
+    @staticmethod
+    def _sync(fn: Callable[[], Awaitable[T]]) -> T:
+        return run_sync(fn)
+
+    async def close(self) -> None:
+        """Close the store when this service opened it (from a URI); a store given to the
+        constructor belongs to the caller and stays open."""
+        if not self._owns_store:
+            return
+        self._owns_store = False
+        # The store's connections belong to the first event loop that used it; once that loop has
+        # ended they are gone with it (nothing to close, and redis-py cannot close them from here).
+        home_ref = self._stores._home
+        home = None if home_ref is None else home_ref()
+        if home is not None and home is not asyncio.get_running_loop() and home.is_closed():
+            return
+        await self.store.aclose()
+
     async def aclose(self) -> None:
-        """Nothing to release: the store belongs to the caller."""
+        await self.close()
+
+    async def __aenter__(self) -> RedisAdkSessionService:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: types.TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+def _factory(uri: str, **kwargs: Any) -> RedisAdkSessionService:
+    """ADK's ``ServiceFactory`` for our schemes: ``(uri, agents_dir=..., **session_db_kwargs)``."""
+    return RedisAdkSessionService(uri=uri, **kwargs)
+
+
+def register(registry: Any = None, *, schemes: Sequence[str] | None = None) -> list[str]:
+    """Put `RedisAdkSessionService` in ADK's service registry (``get_service_registry()`` unless
+    given), so ``adk web/run/api_server --session_service_uri redis-session://host:6379/0`` picks
+    it. Registers `SCHEMES`, and ``redis``/``rediss`` only where nothing holds them yet (ADK
+    2.13 registers neither; a scheme ADK takes later stays ADK's). `schemes` registers exactly
+    those (overriding). Returns the schemes registered. Importing this module calls it once."""
+    if registry is None:
+        from google.adk.cli.service_registry import get_service_registry
+
+        registry = get_service_registry()
+    if schemes is not None:
+        chosen = list(schemes)
+    else:
+        taken = getattr(registry, "_session_factories", None)
+        chosen = list(SCHEMES)
+        if isinstance(taken, dict):
+            chosen += [s for s in _PLAIN_SCHEMES if taken.get(s) in (None, _factory)]
+    for scheme in chosen:
+        registry.register_session_service(scheme, _factory)
+    return chosen
 
 
 def adk_names(store_id: str) -> tuple[str, ...]:
@@ -493,3 +912,9 @@ def adk_names(store_id: str) -> tuple[str, ...]:
     ``("u", app, user)``, ``("a", app)`` or ``("i", app)`` (the namespace dropped)."""
     parts = store_id.split(":")
     return (parts[1], *(unescape(p) for p in parts[2:]))
+
+
+try:
+    register()
+except ImportError:  # an ADK without the CLI's registry: construct the service yourself
+    pass

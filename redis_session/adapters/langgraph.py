@@ -66,7 +66,7 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionNotFoundError
+from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionNotFoundError, SessionReplacedError
 from ..keys import validate_session_id
 from ..model import Entry, NewEntry, SessionHeader
 from ..store import SessionStore
@@ -77,11 +77,15 @@ CHECKPOINT = "langgraph/checkpoint"
 WRITE = "langgraph/write"
 BLOB = "langgraph/blob"
 PART = "langgraph/part"
+#: A prune or a delete_for_runs: ``{"keep": {ns: checkpoint id}}`` (every other checkpoint of
+#: those namespaces, as of this entry, is gone) or ``{"runs": [run id...]}`` (every checkpoint,
+#: as of this entry, whose metadata names one of those runs is gone), with their pending writes.
+DROP = "langgraph/drop"
 THREAD_PREFIX = "langgraph:"
 #: Threads whose fold a saver keeps per event loop (least recently used ones are dropped).
 CACHE_THREADS = 1024
 
-__all__ = ["BLOB", "CHECKPOINT", "PART", "THREAD_PREFIX", "WRITE", "RedisEventSaver"]
+__all__ = ["BLOB", "CHECKPOINT", "DROP", "PART", "THREAD_PREFIX", "WRITE", "RedisEventSaver"]
 
 _Blob = tuple[str, str]  # (serializer type, base64 data)
 _Write = tuple[str, str, str, str, str]  # (task id, channel, type, base64 data, task path)
@@ -107,7 +111,7 @@ def _b64(raw: bytes) -> str:
 class _Thread:
     """One thread's log, folded: checkpoints per namespace (ids sorted), blobs, pending writes."""
 
-    __slots__ = ("blobs", "cps", "ids", "lock", "n", "partial", "pos", "writes")
+    __slots__ = ("blobs", "cps", "ids", "incarnation", "lock", "n", "partial", "pos", "writes")
 
     def __init__(self) -> None:
         self.lock = anyio.Lock()
@@ -115,6 +119,7 @@ class _Thread:
 
     def reset(self) -> None:
         self.n = 0
+        self.incarnation: str | None = None  # the life of the thread's session this fold is of
         self.cps: dict[str, dict[str, dict[str, Any]]] = {}
         self.ids: dict[str, list[str]] = {}
         self.pos: dict[tuple[str, str], int] = {}  # (ns, checkpoint id) -> n of its entry
@@ -155,12 +160,60 @@ class _Thread:
                 self.blobs[(ns, ch, ver)] = (t, b)
         elif kind == BLOB:
             self.blobs[(d["ns"], d["ch"], d["v"])] = (d["t"], d["b"])
+        elif kind == DROP:
+            keep = d.get("keep")
+            if isinstance(keep, dict):
+                for ns, cid in keep.items():
+                    for other in [c for c in self.ids.get(ns, []) if c != cid]:
+                        self._forget(ns, other)
+            runs = d.get("runs")
+            if isinstance(runs, list):
+                wanted = set(runs)
+                for ns, cps in list(self.cps.items()):
+                    for cid in [c for c, cd in cps.items() if _run_id(cd) in wanted]:
+                        self._forget(ns, cid)
         elif kind == WRITE:
             stored = self.writes.setdefault((d["ns"], d["cp"]), {})
             key = (d["task"], int(d["idx"]))
             if key[1] >= 0 and key in stored:
                 return
             stored[key] = (d["task"], d["ch"], d["t"], d["b"], d.get("path", ""))
+
+    def _forget(self, ns: str, cid: str) -> None:
+        """Drop one checkpoint and its pending writes from the fold (its blobs stay: a later
+        checkpoint may share a channel version)."""
+        self.cps.get(ns, {}).pop(cid, None)
+        ids = self.ids.get(ns)
+        if ids is not None and cid in ids:
+            ids.remove(cid)
+        self.pos.pop((ns, cid), None)
+        self.writes.pop((ns, cid), None)
+
+
+class _SaverContext:
+    """What `RedisEventSaver.from_conn_string` returns: a context manager, sync and async."""
+
+    def __init__(self, saver: RedisEventSaver) -> None:
+        self.saver = saver
+
+    def __enter__(self) -> RedisEventSaver:
+        return self.saver
+
+    def __exit__(self, *exc: object) -> None:
+        self.saver.close()
+
+    async def __aenter__(self) -> RedisEventSaver:
+        return self.saver
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.saver.aclose()
+
+
+def _run_id(d: dict[str, Any]) -> Any:
+    """The run id in a stored checkpoint's metadata (None when it has none, or the metadata is
+    not JSON: LangGraph's own metadata always is)."""
+    metadata = d.get("metadata")
+    return metadata.get("run_id") if isinstance(metadata, dict) else None
 
 
 class _Ctx:
@@ -198,13 +251,14 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
         serde: SerializerProtocol | None = None,
     ) -> None:
         super().__init__(serde=serde)
+        self._owns_store = False
         self._stores = LoopStores(resolve_store(store))
         self.thread_prefix = thread_prefix
         validate_session_id(thread_prefix + "x")
         self.ttl_ms = ttl_ms
         self._ctxs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Ctx] = weakref.WeakKeyDictionary()
         vocabulary = self._stores.store.vocabulary
-        for t in (CHECKPOINT, WRITE, BLOB, PART):
+        for t in (CHECKPOINT, WRITE, BLOB, PART, DROP):
             if t not in vocabulary:
                 vocabulary.define(t, None)
         self._max_bytes = self._stores.store.max_entry_bytes
@@ -212,6 +266,40 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
     @property
     def store(self) -> SessionStore:
         return self._stores.store
+
+    @classmethod
+    def from_conn_string(
+        cls,
+        conn_string: str | None = None,
+        *,
+        prefix: str = "rs",
+        cluster: bool | None = None,
+        thread_prefix: str = THREAD_PREFIX,
+        ttl_ms: int | None = None,
+        serde: SerializerProtocol | None = None,
+    ) -> _SaverContext:
+        """A saver on its own store for `conn_string` (a Redis URL; None: ``$REDIS_URL``, else
+        the embedded server), as every LangGraph saver offers it: ``with
+        RedisEventSaver.from_conn_string(url) as saver:`` or ``async with …``; leaving closes
+        the store's connections."""
+        from ..redis.connect import open_store
+
+        store = open_store(conn_string, prefix=prefix, cluster=cluster, announce=None)
+        saver = cls(store, thread_prefix=thread_prefix, ttl_ms=ttl_ms, serde=serde)
+        saver._owns_store = True
+        return _SaverContext(saver)
+
+    async def aclose(self) -> None:
+        """Close the connections this saver's store holds on the running event loop (when the
+        saver opened the store: `from_conn_string`; a store given to the constructor is the
+        caller's)."""
+        if self._owns_store:
+            await self._stores.get().aclose()
+
+    def close(self) -> None:
+        """`aclose` for the sync methods' private loop."""
+        if self._owns_store:
+            run_sync(lambda: self._stores.get().aclose())
 
     # ------------------------------------------------------------------ plumbing
 
@@ -236,32 +324,58 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
         sid = self.session_id(str(thread_id))
         th = ctx.thread(sid)
         async with th.lock:
-            try:
-                entries = await ctx.store.read(sid, th.n)
-            except SessionNotFoundError:
-                th.reset()
+            # The fold is of one life of the thread's session: read against its incarnation, and a
+            # thread deleted and written again (whatever its length now) is folded afresh.
+            for _ in range(5):
+                if th.incarnation is None:
+                    head = await ctx.store.head(sid)
+                    if head is None:
+                        th.reset()
+                        return th, sid, ctx
+                    th.incarnation = head.header.incarnation
+                try:
+                    entries = await ctx.store.read(sid, th.n, incarnation=th.incarnation)
+                except SessionReplacedError:
+                    th.reset()
+                    continue
+                except SessionNotFoundError:
+                    th.reset()
+                    return th, sid, ctx
+                th.fold(entries)
                 return th, sid, ctx
-            if entries and entries[0].n != th.n:  # a new session under the id: fold it afresh
-                th.reset()
-                entries = await ctx.store.read(sid, 0)
-            th.fold(entries)
-        return th, sid, ctx
+            raise SessionReplacedError(sid, "re-created during each of 5 reads")
 
-    async def _append(self, thread_id: str, entries: list[NewEntry]) -> None:
+    async def _append(self, thread_id: str, entries: list[NewEntry], *, pinned: bool = False) -> None:
+        """Append at the end of the thread's log (creating it on its first write). The batch goes
+        to the life our fold is of when there is one (then it is folded without a read); a
+        thread deleted and written again since takes it in its new life, unfolded — unless
+        `pinned` (a drop computed from our fold): then `SessionReplacedError`, nothing written,
+        and a missing thread takes nothing."""
         ctx = self._ctx()
         sid = self.session_id(str(thread_id))
+        th = ctx.threads.get(sid)
+        inc = th.incarnation if th is not None else None
         try:
-            stored = await ctx.store.put(sid, None, entries)
+            try:
+                stored = await ctx.store.put(sid, None, entries, incarnation=inc)
+            except SessionReplacedError:
+                if pinned:
+                    raise
+                th = None
+                stored = await ctx.store.put(sid, None, entries)
+        except SessionReplacedError:
+            raise
         except SessionNotFoundError:
+            if pinned:
+                return
             header = SessionHeader(id=sid, origin={"adapter": "langgraph", "thread_id": str(thread_id)})
             try:
                 await ctx.store.create(header, entries, ttl_ms=self.ttl_ms)
             except SessionAlreadyExistsError:
                 await ctx.store.put(sid, None, entries)
             return
-        th = ctx.threads.get(sid)
-        if th is not None and stored and stored[0].n == th.n and not th.lock.locked():
-            th.fold(stored)  # our own batch, next in line: no read needed to see it
+        if th is not None and th.incarnation == inc and stored and stored[0].n == th.n and not th.lock.locked():
+            th.fold(stored)  # our own batch, next in line in the life we folded: no read needed
 
     def _payload(self, kind: str, head: dict[str, Any], b: str) -> list[NewEntry]:
         """`head` plus base64 data `b`, split into ``langgraph/part`` entries when too large."""
@@ -445,6 +559,46 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
         for ctx in list(self._ctxs.values()):
             ctx.threads.pop(sid, None)
 
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """LangGraph's prune. ``"keep_latest"`` appends one ``langgraph/drop`` entry per thread
+        naming the latest checkpoint of each namespace: every earlier one (and its pending writes)
+        is gone for every reader from that entry on, atomically, with no rewrite (the log's
+        entries stay stored until the thread is deleted or expires). ``"delete"`` deletes the
+        threads. A thread that does not exist is skipped."""
+        if strategy not in ("keep_latest", "delete"):
+            raise ValueError(f"unknown prune strategy {strategy!r} (keep_latest or delete)")
+        for thread_id in thread_ids:
+            if strategy == "delete":
+                await self.adelete_thread(str(thread_id))
+                continue
+            for _ in range(5):  # a drop names checkpoints of one life: computed again on another
+                th, _, _ = await self._caught_up(str(thread_id))
+                keep = {ns: ids[-1] for ns, ids in th.ids.items() if len(ids) > 1}
+                try:
+                    if keep:
+                        await self._append(str(thread_id), [NewEntry(DROP, {"keep": keep})], pinned=True)
+                    break
+                except SessionReplacedError:
+                    continue
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete the checkpoints (and their pending writes) of these runs (``metadata["run_id"]``)
+        in every thread of this saver: a ``langgraph/drop`` entry in each thread that holds one.
+        Walks every thread (``list(None)``'s cost)."""
+        wanted = [str(r) for r in run_ids]
+        if not wanted:
+            return
+        wanted_set = set(wanted)
+        for thread_id in await self._thread_ids():
+            for _ in range(5):
+                th, _, _ = await self._caught_up(thread_id)
+                try:
+                    if any(_run_id(d) in wanted_set for cps in th.cps.values() for d in cps.values()):
+                        await self._append(thread_id, [NewEntry(DROP, {"runs": wanted})], pinned=True)
+                    break
+                except SessionReplacedError:
+                    continue
+
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """The target becomes a branch of the source at its current end: O(1), whatever the
         source's length (the branch shares the source's entries). Nothing happens for a source
@@ -573,6 +727,12 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         run_sync(lambda: self.acopy_thread(source_thread_id, target_thread_id))
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        run_sync(lambda: self.aprune(thread_ids, strategy=strategy))
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        run_sync(lambda: self.adelete_for_runs(run_ids))
 
     def fork(self, config: RunnableConfig, target_thread_id: str) -> RunnableConfig:
         """Sync `afork`."""
