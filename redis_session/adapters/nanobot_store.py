@@ -1,0 +1,559 @@
+"""nanobot's own persistence seam on a redis-session log: ``SessionManager(workspace, store=…)``.
+
+nanobot 0.3.5 (``pip install nanobot-ai``) takes a ``SessionStore`` (``nanobot/session/manager.py``:
+``load``, ``save``, ``delete``, ``read``, ``read_metadata``, ``update_metadata``,
+``list_sessions``). `RedisNanobotStore` is that protocol on the store, so nanobot's own
+`SessionManager`, `AgentLoop`, consolidation, history and commands run unchanged on Redis::
+
+    from pathlib import Path
+
+    from nanobot.session.manager import SessionManager
+    from redis_session.adapters.nanobot_store import RedisNanobotStore
+
+    store = RedisNanobotStore()                       # $REDIS_URL, else the embedded server
+    sessions = SessionManager(Path("~/.nanobot/workspace").expanduser(), store=store)
+    # AgentLoop(bus=…, provider=…, workspace=…, session_manager=sessions)
+
+**What a save writes** (the log layout is `redis_session.projection.nanobot`): only what changed
+since this `Session` object was loaded or last saved, in one ``put`` with the expected n and the
+incarnation it was loaded from — new messages as ``message`` entries (the nanobot dict as it is),
+a message inserted before others (nanobot's hidden summary checkpoint) with its list index, a
+``nanobot/state`` mark for the metadata keys, ``provider_state``, ``updated_at`` that changed,
+and a ``cut`` when ``last_archived`` moves (consolidation, idle compaction: the summary becomes
+the cut's summary, so ``Session.messages()`` shows what nanobot's prompt shows) or messages go
+(``/new``: a cut that hides them; nothing is deleted). ``update_metadata`` appends one
+``nanobot/state`` mark wherever the log ends (it commutes with every other write).
+
+**Two pods.** A `Session` object belongs to the life of the id it was loaded from (or created):
+a save into another life (deleted and created again) raises `SessionReplacedError`; a save after
+another pod saved the same session raises `NanobotSessionConflict` (a `SessionConflictError`),
+nothing written — reload (``sessions.invalidate(key)``, ``get_or_create(key)``), reapply, save.
+Only metadata merges from ``update_metadata`` in between are folded in and retried by themselves.
+
+**Keys.** Any key nanobot takes works: `redis_session.projection.nanobot.key_to_id` maps it to a
+session id reversibly (``discord:guild 42`` → ``discord:guild%2042``), the same mapping the
+importer uses, so ``redis-session import`` of nanobot's files and this store share sessions.
+`list_sessions` lists the sessions whose header says ``origin.format == "nanobot"``.
+
+Calls are synchronous as nanobot's are; they run on a private event-loop thread, so they work
+from nanobot's coroutines too. ``fsync=True`` means nothing more than a normal write (a write is
+as durable as the server's persistence).
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar, cast
+
+import msgspec
+from nanobot.providers.base import ProviderConversationState
+from nanobot.session import manager as _nb
+
+from ..errors import (
+    SessionAlreadyExistsError,
+    SessionConflictError,
+    SessionNotFoundError,
+    SessionReplacedError,
+)
+from ..keys import Keys
+from ..model import CUT, ChatMessageData, Entry, NewEntry, SessionHead, SessionHeader
+from ..projection import nanobot as log
+from ..store import SessionStore
+from ..store.protocol import MAX_READ_RANGE
+from ._log import resolve_store
+from ._loops import run_sync
+
+T = TypeVar("T")
+
+__all__ = ["NanobotSessionConflict", "RedisNanobotStore"]
+
+#: nanobot's own limits for a listing's preview scan
+_PIN = "_redis_session_pin"
+_CACHE_SIZE = 256
+_REBASES = 16
+
+
+class NanobotSessionConflict(SessionConflictError):
+    """Another writer saved this nanobot session since this `Session` object was loaded: nothing
+    of this save was written. Reload it (``SessionManager.invalidate(key)`` then
+    ``get_or_create(key)``), reapply the change and save again."""
+
+    def __init__(self, session_id: str, key: str, expected_n: int, actual_n: int) -> None:
+        super().__init__(session_id, expected_n, actual_n)
+        self.key = key
+        self.args = (
+            f"nanobot session {key!r} was saved by another writer since it was loaded "
+            f"(expected n={expected_n}, the log is at n={actual_n}); nothing was written: "
+            "invalidate it, get_or_create it again, reapply and save",
+        )
+
+
+@dataclass
+class _Pin:
+    """What the log held for a `Session` object when it was loaded or last saved."""
+
+    session_id: str
+    incarnation: str
+    n: int
+    ns: list[int]  # entry n of each message
+    encoded: list[str]  # each message's JSON then
+    metadata: dict[str, str]  # each metadata key's JSON then, in order
+    provider_state: str
+    last_archived: int
+    created_at: str
+    updated_at: str
+    floor: int  # entries below are not messages of this session any more
+
+
+def _message_entry(message: dict[str, Any], at: int | None) -> NewEntry:
+    """A nanobot message as an entry: ``message`` when our schema takes it, else a mark."""
+    if message.get("_command"):
+        kind = log.COMMAND
+    else:
+        try:
+            msgspec.convert(message, ChatMessageData)
+            kind = log.MESSAGE
+        except msgspec.ValidationError:
+            kind = log.RECORD
+    meta = {"nanobot": {"at": at}} if at is not None else None
+    return NewEntry(kind, message, meta)
+
+
+def _provider_record(session: _nb.Session) -> Any:
+    state = session.provider_state
+    return state.to_private_record() if state is not None else None
+
+
+def _match_inserts(old: list[str], new: list[str]) -> list[int] | None:
+    """The indexes of `new` that are inserted when `new` is `old` with messages added (anywhere),
+    else None."""
+    inserted: list[int] = []
+    i = 0
+    for j, text in enumerate(new):
+        if i < len(old) and old[i] == text:
+            i += 1
+        else:
+            inserted.append(j)
+    return inserted if i == len(old) else None
+
+
+def _plan(pin: _Pin, session: _nb.Session) -> tuple[list[NewEntry], _Pin]:  # noqa: C901 - one diff
+    """The entries that bring the log from `pin` to `session`, and the pin after them (pure)."""
+    messages = session.messages
+    encoded = [log.encode(m) for m in messages]
+    n0 = pin.n
+    entries: list[NewEntry] = []
+    ns: list[int] = []
+    floor = pin.floor
+    rewrite = False
+    inserted = _match_inserts(pin.encoded, encoded)
+    if inserted is not None:
+        ns = list(pin.ns)
+        for j in inserted:
+            entries.append(_message_entry(messages[j], j if j < len(ns) else None))
+            ns.insert(j, n0 + len(entries) - 1)
+    else:
+        # Messages dropped from the front (then some appended): a cut with a floor hides them.
+        drop = next(
+            (j for j in range(1, len(pin.encoded) + 1) if pin.encoded[j:] == encoded[: len(pin.encoded) - j]), None
+        )
+        kept = pin.ns[drop:] if drop is not None else []
+        if drop is not None and (not kept or not pin.ns[:drop] or min(kept) > max(pin.ns[:drop])):
+            ns = list(kept)
+            for m in messages[len(kept) :]:
+                entries.append(_message_entry(m, None))
+                ns.append(n0 + len(entries) - 1)
+        else:  # anything else (an edit in place): the messages again, the old ones hidden
+            rewrite = True
+            for m in messages:
+                entries.append(_message_entry(m, None))
+                ns.append(n0 + len(entries) - 1)
+        rewrite = True
+    state: dict[str, Any] = {}
+    metadata = {k: log.encode(v) for k, v in session.metadata.items()}
+    changed = {k: session.metadata[k] for k, v in metadata.items() if pin.metadata.get(k) != v}
+    gone = [k for k in pin.metadata if k not in metadata]
+    expected_order = [k for k in pin.metadata if k not in gone] + [k for k in metadata if k not in pin.metadata]
+    if list(metadata) != expected_order:
+        state["metadata"] = copy.deepcopy(session.metadata)
+    else:
+        if changed:
+            state["metadata_set"] = copy.deepcopy(changed)
+        if gone:
+            state["metadata_unset"] = gone
+    record = _provider_record(session)
+    provider = log.encode(record)
+    if provider != pin.provider_state:
+        state["provider_state"] = record
+    created = session.created_at.isoformat()
+    updated = session.updated_at.isoformat()
+    if created != pin.created_at:
+        state["created_at"] = created
+    if updated != pin.updated_at:
+        state["updated_at"] = updated
+    if state:
+        entries.append(NewEntry(log.STATE, state))
+    la = session.last_archived
+    la = la if isinstance(la, int) and 0 <= la <= len(messages) else 0
+    if rewrite or la != pin.last_archived:
+        cut_n = n0 + len(entries)
+        if rewrite:
+            floor = min(ns) if ns else cut_n
+        later = ns[la:]
+        before = min(later) if later else cut_n
+        reason = "nanobot:clear" if not messages else "nanobot:rewrite" if rewrite else "nanobot:archive"
+        data = {
+            "before": before,
+            "summary": log.summary_messages(session.metadata),
+            "reason": reason,
+            "meta": {"nanobot": {"floor": floor, "last_archived": la}},
+        }
+        entries.append(NewEntry(CUT, data))
+    after = _Pin(
+        session_id=pin.session_id,
+        incarnation=pin.incarnation,
+        n=n0 + len(entries),
+        ns=ns,
+        encoded=encoded,
+        metadata=metadata,
+        provider_state=provider,
+        last_archived=la,
+        created_at=created,
+        updated_at=updated,
+        floor=floor,
+    )
+    return entries, after
+
+
+def _empty_pin(session_id: str, incarnation: str = "") -> _Pin:
+    return _Pin(session_id, incarnation, 0, [], [], {}, log.encode(None), 0, "", "", 0)
+
+
+def _pin_of(state: log.NanobotState, session: _nb.Session) -> _Pin:
+    return _Pin(
+        session_id=state.session_id,
+        incarnation=state.incarnation,
+        n=state.n,
+        ns=list(state.ns),
+        encoded=[log.encode(m) for m in session.messages],
+        metadata={k: log.encode(v) for k, v in session.metadata.items()},
+        provider_state=log.encode(_provider_record(session)),
+        last_archived=session.last_archived,
+        created_at=session.created_at.isoformat(),
+        updated_at=session.updated_at.isoformat(),
+        floor=min(state.ns) if state.ns else state.n,
+    )
+
+
+def _time(value: str | None, fallback: datetime | None = None) -> datetime:
+    if value:
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError:
+            pass
+    return fallback or datetime.now()
+
+
+class RedisNanobotStore:
+    """nanobot 0.3.5's ``SessionStore`` on a redis-session store (see the module docstring).
+
+    `store`: a `SessionStore`, a `Sessions` service, a URL, or None (``$REDIS_URL``, else the
+    embedded server: the default of every example). A store handed in is used from this
+    adapter's private event-loop thread only. `key_to_id` maps a nanobot key to a session id
+    (default: `redis_session.projection.nanobot.key_to_id`, reversible, any key)."""
+
+    def __init__(
+        self,
+        store: SessionStore | Any = None,
+        *,
+        prefix: str = "rs",
+        key_to_id: Callable[[str], str] | None = None,
+    ) -> None:
+        if store is None or isinstance(store, str):
+            from ..redis.connect import open_store
+
+            url = store
+            self.store: SessionStore = open_store(url, prefix=prefix)
+            self._owned = True
+        else:
+            self.store = resolve_store(store)
+            self._owned = False
+        self.prefix = getattr(self.store, "prefix", prefix)
+        self._key_to_id = key_to_id or log.key_to_id
+        self._folds: OrderedDict[str, log.NanobotState] = OrderedDict()
+        vocabulary = self.store.vocabulary
+        for t in log.MARK_TYPES:
+            if t not in vocabulary:
+                vocabulary.define(t, None)
+
+    # -- plumbing
+
+    def _run(self, fn: Callable[[], Awaitable[T]]) -> T:
+        return run_sync(fn)
+
+    def session_id(self, key: str) -> str:
+        """The session id a nanobot key is stored under."""
+        return self._key_to_id(key)
+
+    def close(self) -> None:
+        """Close the store this adapter opened (not one handed in)."""
+        if self._owned:
+            self._run(self.store.aclose)
+
+    async def _read_all(self, sid: str, start: int, stop: int, incarnation: str) -> list[Entry]:
+        out: list[Entry] = []
+        while start < stop:
+            hi = min(stop, start + MAX_READ_RANGE)
+            out.extend(await self.store.read(sid, start, hi, incarnation=incarnation))
+            start = hi
+        return out
+
+    async def _fold(self, sid: str) -> log.NanobotState | None:
+        """The session's nanobot state now (folding only what the cache has not seen yet)."""
+        head = await self.store.head(sid)
+        if head is None:
+            self._folds.pop(sid, None)
+            return None
+        return await self._fold_head(head)
+
+    async def _fold_head(self, head: SessionHead) -> log.NanobotState | None:
+        sid = head.header.id
+        inc = head.header.incarnation
+        cached = self._folds.get(sid)
+        try:
+            if cached is not None and cached.incarnation == inc and cached.n <= head.n:
+                state = cached.copy()
+                state.apply(await self._read_all(sid, cached.n, head.n, inc))
+            else:
+                state = log.fold(head, await self._read_all(sid, 0, head.n, inc))
+        except SessionNotFoundError:  # deleted (or replaced) since the head was read
+            self._folds.pop(sid, None)
+            return None
+        self._folds[sid] = state
+        self._folds.move_to_end(sid)
+        while len(self._folds) > _CACHE_SIZE:
+            self._folds.popitem(last=False)
+        return state.copy()
+
+    def _session(self, key: str, state: log.NanobotState) -> _nb.Session:
+        provider = (
+            ProviderConversationState.from_private_record(state.provider_state)
+            if state.provider_state is not None
+            else None
+        )
+        session = _nb.Session(
+            key=key,
+            messages=state.messages,
+            created_at=_time(state.created_at),
+            updated_at=_time(state.updated_at),
+            metadata=state.metadata,
+            last_consolidated=state.last_archived,
+            provider_state=provider,
+        )
+        setattr(session, _PIN, _pin_of(state, session))
+        return session
+
+    # -- nanobot's SessionStore
+
+    def load(self, key: str) -> _nb.Session | None:
+        """The stored session (pinned to the life of the id it was read from), or None."""
+        state = self._run(lambda: self._fold(self.session_id(key)))
+        return self._session(key, state) if state is not None else None
+
+    def save(self, session: _nb.Session, *, fsync: bool = False) -> None:
+        """Append what changed since `session` was loaded or last saved (see the module doc)."""
+        del fsync  # durability is the server's (AOF, replicas), not a per-call fsync
+        sid = self.session_id(session.key)
+        pin = cast(_Pin | None, getattr(session, _PIN, None))
+        if pin is not None and pin.session_id != sid:
+            pin = None  # a session object renamed to another key: a new session there
+        after = self._run(lambda: self._save(session, sid, pin))
+        setattr(session, _PIN, after)
+
+    async def _save(self, session: _nb.Session, sid: str, pin: _Pin | None) -> _Pin:
+        if pin is None:
+            return await self._create(session, sid)
+        for _ in range(_REBASES):
+            entries, after = _plan(pin, session)
+            if not entries:
+                return pin
+            try:
+                await self._put(sid, pin, entries)
+                return after
+            except SessionConflictError as e:
+                if e.actual_n < pin.n:
+                    raise SessionReplacedError(sid, "the log is shorter than this session object saw") from None
+                pin = await self._rebase(session, sid, pin, e.actual_n)
+        raise NanobotSessionConflict(sid, session.key, pin.n, pin.n)
+
+    async def _put(self, sid: str, pin: _Pin, entries: Sequence[NewEntry]) -> None:
+        key = uuid.uuid4().hex
+        step = self.store.max_batch
+        for i in range(0, len(entries), step):
+            await self.store.put(
+                sid, pin.n + i, entries[i : i + step], idempotency_key=f"{key}:{i}", incarnation=pin.incarnation
+            )
+
+    async def _rebase(self, session: _nb.Session, sid: str, pin: _Pin, actual: int) -> _Pin:
+        """Fold other writers' metadata merges into `pin` (and `session`), or raise the conflict."""
+        entries = await self._read_all(sid, pin.n, actual, pin.incarnation)
+        merges: list[dict[str, Any]] = []
+        for e in entries:
+            if e.type != log.STATE or not set(e.data) <= {"metadata_set", "metadata_unset"}:
+                raise NanobotSessionConflict(sid, session.key, pin.n, actual)
+            merges.append(e.data)
+        metadata = dict(pin.metadata)
+        for data in merges:
+            for k, v in (data.get("metadata_set") or {}).items():
+                theirs = log.encode(v)
+                mine = log.encode(session.metadata[k]) if k in session.metadata else None
+                if mine in (metadata.get(k), theirs):
+                    session.metadata[k] = copy.deepcopy(v)  # not changed by this object: take theirs
+                metadata[k] = theirs  # otherwise ours is written over it
+            for k in data.get("metadata_unset") or []:
+                mine = log.encode(session.metadata[k]) if k in session.metadata else None
+                if mine == metadata.get(k):
+                    session.metadata.pop(k, None)
+                metadata.pop(k, None)
+        pin.metadata = metadata
+        pin.n = actual
+        return pin
+
+    async def _create(self, session: _nb.Session, sid: str) -> _Pin:
+        created = session.created_at.isoformat()
+        origin = {
+            "format": log.FORMAT,
+            "key": session.key,
+            "created_at": created,
+            "updated_at": created,
+            "metadata": {},
+            "last_archived": 0,
+            "last_consolidated": 0,
+        }
+        entries, after = _plan(_empty_pin(sid), session)
+        step = self.store.max_batch
+        header = SessionHeader(id=sid, created_at=int(session.created_at.timestamp() * 1000), origin=origin)
+        try:
+            head = await self.store.create(header, entries[:step])
+        except SessionAlreadyExistsError:
+            head_now = await self.store.head(sid)
+            raise NanobotSessionConflict(sid, session.key, 0, head_now.n if head_now else 0) from None
+        after.incarnation = head.header.incarnation
+        rest = entries[step:]
+        if rest:
+            start = _empty_pin(sid, after.incarnation)
+            start.n = step
+            await self._put(sid, start, rest)
+        return after
+
+    def delete(self, key: str) -> bool:
+        sid = self.session_id(key)
+        self._folds.pop(sid, None)
+        return self._run(lambda: self.store.delete(sid))
+
+    def read(self, key: str) -> dict[str, Any] | None:
+        """``{key, created_at, updated_at, metadata, messages}`` of the stored session, or None."""
+        state = self._run(lambda: self._fold(self.session_id(key)))
+        if state is None:
+            return None
+        return {
+            "key": state.key or key,
+            "created_at": state.created_at,
+            "updated_at": state.updated_at,
+            "metadata": state.metadata,
+            "messages": state.messages,
+        }
+
+    def read_metadata(self, key: str) -> dict[str, Any] | None:
+        """``{key, created_at, updated_at, metadata}`` of the stored session, or None."""
+        payload = self.read(key)
+        if payload is None:
+            return None
+        payload.pop("messages")
+        return payload
+
+    def update_metadata(self, key: str, updates: dict[str, Any], *, fsync: bool = False) -> bool:
+        """Merge `updates` into the stored metadata (one mark at the log's end; no history is
+        rewritten and no concurrent save is lost). False when there is no such session."""
+        del fsync
+        sid = self.session_id(key)
+        data = {"metadata_set": copy.deepcopy(updates)}
+
+        async def merge() -> bool:
+            head = await self.store.head(sid)
+            if head is None:
+                return False
+            try:
+                await self.store.put(
+                    sid,
+                    None,
+                    [NewEntry(log.STATE, data)],
+                    idempotency_key=uuid.uuid4().hex,
+                    incarnation=head.header.incarnation,
+                )
+            except SessionNotFoundError:
+                return False
+            return True
+
+        return self._run(merge)
+
+    def list_sessions(self) -> list[dict[str, Any]]:
+        """``{key, created_at, updated_at, title, preview, path}`` of every nanobot session in
+        the store, newest update first (`path` is the session's log key)."""
+
+        async def collect() -> list[log.NanobotState]:
+            out: list[log.NanobotState] = []
+            cursor: str | None = None
+            while True:
+                page = await self.store.list(limit=1000, cursor=cursor)
+                for header in page.items:
+                    origin = header.origin if isinstance(header.origin, dict) else {}
+                    if origin.get("format") != log.FORMAT:
+                        continue
+                    head = await self.store.head(header.id)
+                    state = await self._fold_head(head) if head is not None else None
+                    if state is not None:
+                        out.append(state)
+                cursor = page.cursor
+                if cursor is None:
+                    return out
+
+        keys = Keys(self.prefix)
+        infos: list[dict[str, Any]] = []
+        for state in self._run(collect):
+            now = datetime.now().isoformat()
+            infos.append(
+                {
+                    "key": state.key,
+                    "created_at": state.created_at or now,
+                    "updated_at": state.updated_at or now,
+                    "title": _nb._metadata_title(state.metadata),
+                    "preview": _preview(state.messages),
+                    "path": keys.log(state.session_id),
+                }
+            )
+        return sorted(infos, key=lambda item: item["updated_at"], reverse=True)
+
+
+def _preview(messages: list[dict[str, Any]]) -> str:
+    """nanobot's listing preview: the first user text within its scan limits, else the first
+    assistant text (its own per-message rule)."""
+    fallback = ""
+    chars = 0
+    for i, item in enumerate(messages):
+        chars += len(log.encode(item))
+        if i >= _nb._SESSION_LIST_PREVIEW_MAX_RECORDS or chars > _nb._SESSION_LIST_PREVIEW_MAX_CHARS:
+            break
+        text = _nb._message_preview_text(item)
+        if not text:
+            continue
+        if item.get("role") == "user":
+            return text
+        if not fallback and item.get("role") == "assistant":
+            fallback = text
+    return fallback

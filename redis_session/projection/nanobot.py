@@ -1,0 +1,257 @@
+"""nanobot sessions on a log: the one rule that reads a nanobot session out of a log, and the key
+mapping. The nanobot store adapter (`redis_session.adapters.nanobot_store`), the legacy drop-in
+and the nanobot importer/exporter all read logs through `fold`, so they cannot drift apart.
+
+A nanobot session is ``messages`` (the whole transcript nanobot keeps), ``last_archived`` (the
+Memory watermark; ``last_consolidated`` in older nanobot), ``metadata``, ``provider_state``,
+``created_at`` and ``updated_at``. On the log:
+
+- ``message`` entries (and ``nanobot/command`` marks for ``_command`` messages, which nanobot
+  never sends to a model, and ``nanobot/record`` marks for messages our ``message`` schema does
+  not take) are the messages, their data the nanobot message itself; ``meta.nanobot.at = i``
+  inserts one at list index i instead of appending (nanobot's hidden summary checkpoint is
+  inserted at its boundary);
+- ``nanobot/state`` marks change the rest: ``metadata_set`` (top-level keys, merged in order),
+  ``metadata_unset``, ``metadata`` (the whole dict, when key order moved), ``provider_state``
+  (nanobot's private record; null clears it), ``created_at``, ``updated_at``; the legacy
+  ``nanobot/metadata`` mark replaces the whole metadata;
+- a ``cut`` with ``meta.nanobot = {floor, last_archived}`` drops the messages of entries below
+  ``floor`` (``/new``, a rewrite) and sets ``last_archived`` (an index into the messages kept);
+  a cut written by anyone else (a compactor) archives the messages below its ``before``;
+- the header's ``origin`` (``{"format": "nanobot", "key", "created_at", "updated_at",
+  "metadata", "last_archived", "last_consolidated", "provider_state"}``, as line 1 of the file
+  or the first save had them) is where the fold starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..keys import validate_session_id
+from ..model import CUT, Entry, SessionHead
+
+FORMAT = "nanobot"
+MESSAGE = "message"
+COMMAND = "nanobot/command"
+RECORD = "nanobot/record"
+STATE = "nanobot/state"
+METADATA = "nanobot/metadata"  # the legacy drop-in's whole-metadata mark
+#: the mark types nanobot logs carry (registered as "any JSON object")
+MARK_TYPES = (COMMAND, RECORD, STATE, METADATA)
+MESSAGE_TYPES = frozenset({MESSAGE, COMMAND, RECORD})
+
+# every character a session id may not hold (braces, whitespace, controls) and "%" itself
+_FORBIDDEN = re.compile(r"[{}%\s\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_HASHED = "nanobot~"
+
+
+def encode(value: Any) -> str:
+    """The JSON text of a value, key order kept (what nanobot's ``json.dumps`` compares as)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def key_to_id(key: str) -> str:
+    """The session id a nanobot key lives under: the key itself when it is a valid id without
+    ``%``, else each forbidden character and ``%`` as its UTF-8 bytes in ``%XX``
+    (``discord:guild 42`` → ``discord:guild%2042``); `id_to_key` reverses it. A key whose
+    escaped form is longer than an id may be is stored under ``nanobot~<sha256>`` (the key
+    itself stays in the header's ``origin``)."""
+    import hashlib
+
+    if not isinstance(key, str):
+        raise TypeError(f"a nanobot key is a str, got {type(key).__name__}")
+    mapped = _FORBIDDEN.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), key)
+    if not mapped or len(mapped) > 256 or mapped.startswith(_HASHED):
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+        return _HASHED + digest
+    return validate_session_id(mapped)
+
+
+def id_to_key(session_id: str) -> str | None:
+    """The key `key_to_id` mapped to `session_id` (None for a hashed id: read ``origin.key``)."""
+    from urllib.parse import unquote
+
+    if session_id.startswith(_HASHED):
+        return None
+    return unquote(session_id, errors="strict") if "%" in session_id else session_id
+
+
+def summary_text(metadata: dict[str, Any]) -> str | None:
+    """The consolidation summary nanobot puts in the prompt for this metadata (its context
+    builder's ``[Archived Context Summary]`` block, AutoCompact's ``Previous conversation summary
+    (last active …)`` text), or None."""
+    meta = metadata.get("_last_summary")
+    if isinstance(meta, dict) and isinstance(meta.get("text"), str) and meta["text"]:
+        text = meta["text"]
+        last_active = meta.get("last_active")
+        if isinstance(last_active, str) and last_active:
+            text = f"Previous conversation summary (last active {last_active}):\n{text}"
+        return f"[Archived Context Summary]\n\n{text}"
+    if isinstance(meta, str) and meta:
+        return f"[Archived Context Summary]\n\n{meta}"
+    return None
+
+
+def summary_messages(metadata: dict[str, Any]) -> list[dict[str, Any]]:
+    """`summary_text` as the one user message a cut's summary holds (or none)."""
+    text = summary_text(metadata)
+    return [{"role": "user", "content": text}] if text is not None else []
+
+
+def _offset(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def archive_offset(data: dict[str, Any]) -> int:
+    """nanobot's watermark across its field rename: ``last_archived``, else
+    ``last_consolidated``, else 0."""
+    for name in ("last_archived", "last_consolidated"):
+        offset = _offset(data.get(name))
+        if offset is not None:
+            return offset
+    return 0
+
+
+@dataclass
+class NanobotState:
+    """What nanobot loads from a log (and where in the log each message came from)."""
+
+    session_id: str
+    key: str
+    incarnation: str
+    n: int = 0  # entries folded
+    created_at: str | None = None
+    updated_at: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    ns: list[int] = field(default_factory=list)  # the entry n of each message
+    last_archived: int = 0
+    provider_state: Any = None
+    nanobot_entries: int = 0  # entries of nanobot's own types (0: a generic log)
+
+    @classmethod
+    def start(cls, head: SessionHead) -> NanobotState:
+        """The state before the first entry: what the header's ``origin`` says."""
+        header = head.header
+        origin = header.origin if isinstance(header.origin, dict) else {}
+        key = origin.get("key")
+        if not isinstance(key, str):
+            key = id_to_key(header.id) or header.id
+        metadata = origin.get("metadata")
+        created = origin.get("created_at")
+        updated = origin.get("updated_at")
+        return cls(
+            session_id=header.id,
+            key=key,
+            incarnation=header.incarnation,
+            created_at=created if isinstance(created, str) else None,
+            updated_at=updated if isinstance(updated, str) else None,
+            metadata=copy.deepcopy(metadata) if isinstance(metadata, dict) else {},
+            last_archived=archive_offset(origin),
+            provider_state=copy.deepcopy(origin.get("provider_state")),
+        )
+
+    def copy(self) -> NanobotState:
+        return copy.deepcopy(self)
+
+    def apply(self, entries: Iterable[Entry]) -> None:
+        """Fold entries (contiguous, from `n`) into the state."""
+        for e in entries:
+            self.n = e.n + 1
+            if e.type in MESSAGE_TYPES:
+                self._message(e)
+            elif e.type == STATE:
+                self._state(e.data)
+            elif e.type == METADATA:
+                value = e.data.get("metadata")
+                self.metadata = copy.deepcopy(value) if isinstance(value, dict) else {}
+                self.nanobot_entries += 1
+            elif e.type == CUT:
+                self._cut(e.data)
+
+    def _message(self, e: Entry) -> None:
+        msg = copy.deepcopy(e.data)
+        if e.type != MESSAGE:
+            self.nanobot_entries += 1
+        nb = e.meta.get("nanobot") if isinstance(e.meta, dict) else None
+        at = _offset(nb.get("at")) if isinstance(nb, dict) else None
+        if at is None or not 0 <= at < len(self.messages):
+            self.messages.append(msg)
+            self.ns.append(e.n)
+            return
+        self.messages.insert(at, msg)
+        self.ns.insert(at, e.n)
+
+    def _state(self, data: dict[str, Any]) -> None:
+        self.nanobot_entries += 1
+        whole = data.get("metadata")
+        if isinstance(whole, dict):
+            self.metadata = copy.deepcopy(whole)
+        changes = data.get("metadata_set")
+        if isinstance(changes, dict):
+            self.metadata.update(copy.deepcopy(changes))
+        gone = data.get("metadata_unset")
+        if isinstance(gone, list):
+            for k in gone:
+                if isinstance(k, str):
+                    self.metadata.pop(k, None)
+        if "provider_state" in data:
+            self.provider_state = copy.deepcopy(data["provider_state"])
+        for name in ("created_at", "updated_at"):
+            value = data.get(name)
+            if isinstance(value, str):
+                setattr(self, name, value)
+
+    def _cut(self, data: dict[str, Any]) -> None:
+        meta = data.get("meta")
+        nb = meta.get("nanobot") if isinstance(meta, dict) else None
+        if isinstance(nb, dict):
+            self.nanobot_entries += 1
+            floor = _offset(nb.get("floor"))
+            if floor is not None:
+                kept = [i for i, n in enumerate(self.ns) if n >= floor]
+                self.messages = [self.messages[i] for i in kept]
+                self.ns = [self.ns[i] for i in kept]
+            self.last_archived = archive_offset(nb)
+            return
+        # Another tool compacted (a compactor, `Session.compact`): nanobot archives what the cut
+        # hides and keeps every message.
+        before = _offset(data.get("before")) or 0
+        self.last_archived = sum(1 for n in self.ns if n < before)
+
+    @property
+    def archived(self) -> int:
+        """`last_archived` as nanobot's `Session` normalises it (out of range: 0)."""
+        la = self.last_archived
+        return la if 0 <= la <= len(self.messages) else 0
+
+
+def fold(head: SessionHead, entries: Iterable[Entry]) -> NanobotState:
+    """The nanobot session a log holds (pure: the same log gives the same state)."""
+    state = NanobotState.start(head)
+    state.apply(entries)
+    return state
+
+
+__all__ = [
+    "COMMAND",
+    "FORMAT",
+    "MARK_TYPES",
+    "MESSAGE",
+    "METADATA",
+    "RECORD",
+    "STATE",
+    "NanobotState",
+    "archive_offset",
+    "encode",
+    "fold",
+    "id_to_key",
+    "key_to_id",
+    "summary_messages",
+    "summary_text",
+]
