@@ -1,0 +1,374 @@
+"""nanobot 0.3.5's own code on our store (redis_session.adapters.nanobot_store).
+
+Each scenario drives nanobot's own `AgentLoop` (a scripted provider, as nanobot's tests do) on a
+`SessionManager` whose store is a tee: every save goes to nanobot's own `JsonlSessionStore` and to
+`RedisNanobotStore`, every load is done by both and must agree, and the loop continues on the
+session our store loaded. At the end nanobot's file and our export are byte-identical, and
+`get_history` of both answers the same for every setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from redis_session import RedisSessionStore, SessionConflictError, SessionReplacedError
+
+from support import require_extra
+
+require_extra("nanobot", "nanobot")
+
+import nanobot.utils.helpers as nb_helpers  # noqa: E402
+from nanobot.agent.loop import AgentLoop  # noqa: E402
+from nanobot.agent.tools.base import Tool  # noqa: E402
+from nanobot.bus.queue import MessageBus  # noqa: E402
+from nanobot.providers.base import (  # noqa: E402
+    GenerationSettings,
+    LLMProvider,
+    LLMResponse,
+    ProviderConversationState,
+    ToolCallRequest,
+)
+from nanobot.session.manager import JsonlSessionStore, Session, SessionManager  # noqa: E402
+
+from redis_session.adapters.nanobot_store import NanobotSessionConflict, RedisNanobotStore  # noqa: E402
+from redis_session.importers.nanobot import export_lines  # noqa: E402
+from redis_session.projection.nanobot import id_to_key, key_to_id  # noqa: E402
+
+HISTORY_SETTINGS: list[dict[str, Any]] = [
+    {},
+    {"max_messages": 3},
+    {"max_messages": 7, "extend_to_user": True},
+    {"max_messages": 20},
+    {"max_tokens": 60},
+    {"max_tokens": 400},
+    {"max_messages": 5, "max_tokens": 120},
+    {"include_runtime_context": False},
+]
+
+
+@pytest.fixture(autouse=True)
+def _offline_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nanobot counts with tiktoken, whose encoding it downloads; offline, its byte fallback
+    (the same for both stores) without a network attempt per count."""
+
+    def no_encoding() -> Any:
+        raise OSError("offline")
+
+    monkeypatch.setattr(nb_helpers, "_get_token_encoding", no_encoding)
+
+
+class Lookup(Tool):
+    """A deterministic tool (nanobot's own tools would put temporary paths in the results)."""
+
+    @property
+    def name(self) -> str:
+        return "lookup"
+
+    @property
+    def description(self) -> str:
+        return "Look a word up."
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+
+    async def execute(self, **kwargs: Any) -> Any:
+        return f"result for {kwargs.get('q')}"
+
+
+class ScriptedProvider(LLMProvider):
+    """Answers by rule: a user text ``tools:K`` gets K lookup calls (then a text answer), the
+    consolidator's archive prompt gets a summary, anything else an echo. Token estimates are a
+    quarter of the characters, so a small context window consolidates long sessions."""
+
+    def __init__(self) -> None:
+        super().__init__(provider_name="scripted")
+        self.generation = GenerationSettings(max_tokens=256, temperature=0.0)
+        self.calls = 0
+
+    def get_default_model(self) -> str:
+        return "scripted"
+
+    def estimate_prompt_tokens(self, messages: list[dict[str, Any]], tools: Any = None, model: Any = None) -> Any:
+        visible = [m for m in messages if m.get("role") != "system"]  # nanobot's own prompt is fixed
+        return len(json.dumps(visible, ensure_ascii=False)) // 4, "scripted"
+
+    async def chat(self, messages: list[dict[str, Any]], tools: Any = None, **kwargs: Any) -> LLMResponse:
+        self.calls += 1
+        last = messages[-1]
+        text = last.get("content") if isinstance(last.get("content"), str) else json.dumps(last.get("content"))
+        if "Create a compact replacement checkpoint" in (text or ""):
+            return LLMResponse(content=f"summary #{self.calls}: {len(messages)} messages")
+        if last.get("role") == "tool":
+            return LLMResponse(content=f"done: {str(last.get('content'))[:40]}", reasoning_content="thought")
+        user = next((m for m in reversed(messages) if m.get("role") == "user"), {})
+        content = user.get("content")
+        body = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+        if "tools:" in body and not body.split("tools:", 1)[1].startswith("0"):
+            k = int(body.split("tools:", 1)[1].split()[0])
+            calls = [ToolCallRequest(id=f"c{self.calls}_{i}", name="lookup", arguments={"q": f"w{i}"}) for i in range(k)]
+            return LLMResponse(content="", tool_calls=calls, finish_reason="tool_calls")
+        return LLMResponse(content=f"echo ({len(body)} chars) ✓ {body[-30:]}")
+
+
+class TeeStore:
+    """nanobot's JSONL store and ours, side by side (see the module docstring)."""
+
+    def __init__(self, jsonl: JsonlSessionStore, ours: RedisNanobotStore) -> None:
+        self.jsonl, self.ours = jsonl, ours
+        self.loads = 0
+
+    def load(self, key: str) -> Session | None:
+        theirs, mine = self.jsonl.load(key), self.ours.load(key)
+        assert (theirs is None) == (mine is None), key
+        if mine is not None and theirs is not None:
+            assert_same_session(theirs, mine)
+        self.loads += 1
+        return mine
+
+    def save(self, session: Session, *, fsync: bool = False) -> None:
+        self.ours.save(session, fsync=fsync)
+        self.jsonl.save(session, fsync=fsync)
+
+    def delete(self, key: str) -> bool:
+        a, b = self.jsonl.delete(key), self.ours.delete(key)
+        assert a == b
+        return b
+
+    def read(self, key: str) -> Any:
+        a, b = self.jsonl.read(key), self.ours.read(key)
+        assert a == b
+        return b
+
+    def read_metadata(self, key: str) -> Any:
+        a, b = self.jsonl.read_metadata(key), self.ours.read_metadata(key)
+        assert a == b
+        return b
+
+    def update_metadata(self, key: str, updates: dict[str, Any], *, fsync: bool = False) -> bool:
+        a, b = self.jsonl.update_metadata(key, updates), self.ours.update_metadata(key, updates)
+        assert a == b
+        return b
+
+    def list_sessions(self) -> Any:
+        a, b = self.jsonl.list_sessions(), self.ours.list_sessions()
+        strip = lambda xs: sorted(({k: v for k, v in x.items() if k != "path"} for x in xs), key=lambda x: x["key"])  # noqa: E731
+        assert strip(a) == strip(b)
+        return b
+
+
+def assert_same_session(theirs: Session, mine: Session) -> None:
+    assert mine.key == theirs.key
+    assert mine.messages == theirs.messages
+    assert mine.metadata == theirs.metadata
+    assert list(mine.metadata) == list(theirs.metadata)
+    assert mine.last_archived == theirs.last_archived
+    assert mine.created_at == theirs.created_at
+    assert mine.updated_at == theirs.updated_at
+    a = theirs.provider_state.to_private_record() if theirs.provider_state else None
+    b = mine.provider_state.to_private_record() if mine.provider_state else None
+    assert a == b
+    for settings in HISTORY_SETTINGS:
+        assert mine.get_history(**settings) == theirs.get_history(**settings), settings
+
+
+class Rig:
+    """One workspace, nanobot's JSONL store, our store on a real server, a tee, and loops."""
+
+    def __init__(self, tmp: Path, url: str, prefix: str) -> None:
+        self.tmp, self.url, self.prefix = tmp, url, prefix
+        self.workspace = tmp / "workspace"
+        self.jsonl = JsonlSessionStore(self.workspace, sessions_root=tmp / "sessions")
+        self.ours = RedisNanobotStore(RedisSessionStore.from_url(url, prefix=prefix))
+        self.tee = TeeStore(self.jsonl, self.ours)
+
+    def manager(self) -> SessionManager:
+        return SessionManager(self.workspace, store=self.tee, sessions_root=self.tmp / "sessions")
+
+    def loop(self, *, window: int = 128_000, manager: SessionManager | None = None) -> AgentLoop:
+        loop = AgentLoop(
+            bus=MessageBus(),
+            provider=ScriptedProvider(),
+            workspace=self.workspace,
+            model="scripted",
+            context_window_tokens=window,
+            session_manager=manager or self.manager(),
+        )
+        loop.tools.register(Lookup())
+        return loop
+
+    def check(self, key: str) -> None:
+        """nanobot's file and our export byte-identical; both loads the same (the tee checks)."""
+        path = self.jsonl.get_session_path(key)
+        sid = key_to_id(key)
+
+        async def export() -> str:
+            store = RedisSessionStore.from_url(self.url, prefix=self.prefix)
+            try:
+                head = await store.head(sid)
+                assert head is not None
+                return "".join(export_lines(head, await store.read(sid, 0, head.n)))
+            finally:
+                await store.aclose()
+
+        assert asyncio.run(export()) == path.read_text(encoding="utf-8")
+        assert self.tee.load(key) is not None
+
+
+@pytest.fixture
+def rig(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[Rig]:
+    yield Rig(tmp_path, redis_url, prefix)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_long_session_with_consolidation_tools_and_unicode_key(rig: Rig) -> None:
+    """A small context window: nanobot consolidates in-turn (hidden summary checkpoints inserted
+    at their boundary), tool groups straddle the window; every answer equals nanobot's."""
+    key = "discord:guild 42\t{ünï}"
+    loop = rig.loop(window=1_900)
+
+    async def go() -> None:
+        for i in range(14):
+            text = f"turn {i} tools:{i % 3} " + "lorem ipsum " * (i % 4)
+            await loop.process_direct(text, session_key=key)
+
+    run(go())
+    session = loop.sessions.get_or_create(key)
+    assert any(m.get("_hidden_history") for m in session.messages), "the run never consolidated"
+    assert session.last_archived > 0
+    rig.check(key)
+    assert [s["key"] for s in rig.tee.list_sessions()] == [key]
+
+
+def test_new_command_idle_compaction_metadata_and_images(rig: Rig) -> None:
+    key = "telegram:12345"
+    loop = rig.loop()
+    image = rig.workspace / "cat.png"
+    rig.workspace.mkdir(parents=True, exist_ok=True)
+    image.write_bytes(
+        bytes.fromhex(
+            "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+            "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082"
+        )
+    )
+
+    async def go() -> None:
+        await loop.process_direct("hello there", session_key=key)
+        await loop.process_direct("look at this", session_key=key, media=[str(image)])
+        await loop.process_direct("tools:2 please", session_key=key)
+        loop.sessions.update_session_metadata(key, {"title": "Cats", "pinned": True})
+        await loop.process_direct("and again", session_key=key)
+        summary = await loop.consolidator.compact_idle_session(key, runtime=loop.llm_runtime())
+        assert summary
+        await loop.process_direct("after the idle compaction", session_key=key)
+        await loop.process_direct("/new", session_key=key)
+        await loop.process_direct("a fresh start", session_key=key)
+
+    run(go())
+    rig.check(key)
+    listed = rig.tee.list_sessions()
+    assert listed[0]["title"] == "Cats"
+
+
+def test_provider_state_and_runtime_fields_survive(rig: Rig) -> None:
+    manager = rig.manager()
+    key = "websocket:ctx"
+    s = manager.get_or_create(key)
+    s.add_message("user", "hi", _runtime_context={"version": 1, "suffix": "\n[ctx]"})
+    s.add_message("assistant", "yo", latency_ms=12)
+    s.metadata["_last_usage"] = {"prompt_tokens": 10, "completion_tokens": 2}
+    s.provider_state = ProviderConversationState(
+        kind="openai_responses", provider="openai:test", model="m", version=1, payload={"items": [1, "ü"]}
+    )
+    manager.save(s)
+    s.metadata.pop("_last_usage")
+    s.metadata["_last_usage"] = {"prompt_tokens": 11}  # key order moved: the whole metadata again
+    s.provider_state = None
+    manager.save(s)
+    manager.invalidate(key)
+    manager.get_or_create(key)  # the tee compares both loads
+    rig.check(key)
+
+
+def test_two_pods_never_lose_an_update(rig: Rig, redis_url: str) -> None:
+    """Two SessionManagers (two pods) on one session: the later save is a conflict nanobot sees,
+    nothing of it written; a metadata merge in between is folded in by itself."""
+    pod_a = SessionManager(rig.workspace, store=rig.ours, sessions_root=rig.tmp / "sessions")
+    pod_b = SessionManager(
+        rig.workspace,
+        store=RedisNanobotStore(RedisSessionStore.from_url(redis_url, prefix=rig.prefix)),
+        sessions_root=rig.tmp / "sessions",
+    )
+    key = "slack:C1 T2"
+    a = pod_a.get_or_create(key)
+    a.add_message("user", "one")
+    pod_a.save(a)
+    b = pod_b.get_or_create(key)
+    pod_b.update_session_metadata(key, {"goal": "x"})
+    a.add_message("assistant", "two")
+    pod_a.save(a)  # only a metadata merge in between: retried by itself
+    assert a.metadata["goal"] == "x"
+    b.add_message("assistant", "lost?")
+    with pytest.raises(NanobotSessionConflict) as err:
+        pod_b.save(b)
+    assert isinstance(err.value, SessionConflictError)
+    pod_b.invalidate(key)
+    b = pod_b.get_or_create(key)
+    assert [m["content"] for m in b.messages] == ["one", "two"]
+    b.add_message("user", "three")
+    pod_b.save(b)
+    fresh = rig.ours.load(key)
+    assert fresh is not None
+    assert [m["content"] for m in fresh.messages] == ["one", "two", "three"]
+    assert fresh.metadata == {"goal": "x"}
+
+    # two brand-new sessions under one key: the second create is a conflict too
+    c1, c2 = Session(key="new:1"), Session(key="new:1")
+    c1.add_message("user", "c1")
+    c2.add_message("user", "c2")
+    pod_a.save(c1)
+    with pytest.raises(NanobotSessionConflict):
+        pod_b.save(c2)
+
+
+def test_another_life_of_the_id_is_refused(rig: Rig) -> None:
+    """A Session object of one life never writes into another (deleted and created again with
+    the same number of entries)."""
+    other = RedisNanobotStore(RedisSessionStore.from_url(rig.url, prefix=rig.prefix))
+    key = "cli:direct"
+    s = Session(key=key)
+    s.add_message("user", "old life")
+    rig.ours.save(s)
+    loaded = rig.ours.load(key)
+    assert loaded is not None
+    assert other.delete(key)
+    again = Session(key=key)
+    again.add_message("user", "new life")
+    other.save(again)
+    loaded.add_message("assistant", "meant for the old life")
+    with pytest.raises(SessionReplacedError):
+        rig.ours.save(loaded)
+    fresh = other.load(key)
+    assert fresh is not None
+    assert [m["content"] for m in fresh.messages] == ["new life"]
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["discord:guild 42", "tab\there", "{braces}", "percent%41", "a" * 300, "nanobot~x", "ünï:ç ode", "%", " "],
+)
+def test_any_key_maps_to_a_session_id_and_back(key: str) -> None:
+    sid = key_to_id(key)
+    assert len(sid) <= 256
+    back = id_to_key(sid)
+    assert back is None or back == key
+    assert len({key_to_id(k) for k in (key, key + " ", key + "%20")}) == 3
