@@ -112,7 +112,9 @@ class ScriptedProvider(LLMProvider):
         body = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
         if "tools:" in body and not body.split("tools:", 1)[1].startswith("0"):
             k = int(body.split("tools:", 1)[1].split()[0])
-            calls = [ToolCallRequest(id=f"c{self.calls}_{i}", name="lookup", arguments={"q": f"w{i}"}) for i in range(k)]
+            calls = [
+                ToolCallRequest(id=f"c{self.calls}_{i}", name="lookup", arguments={"q": f"w{i}"}) for i in range(k)
+            ]
             return LLMResponse(content="", tool_calls=calls, finish_reason="tool_calls")
         return LLMResponse(content=f"echo ({len(body)} chars) ✓ {body[-30:]}")
 

@@ -82,8 +82,8 @@ from anyio.from_thread import BlockingPortal
 from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
 from ..keys import Keys, validate_session_id
 from ..model import CUT, Entry, NewEntry, SessionHead, SessionHeader
-from ..store import SessionStore
 from ..projection import nanobot as nanobot_log
+from ..store import SessionStore
 from ._log import resolve_store
 
 T = TypeVar("T")
@@ -673,10 +673,11 @@ class SessionManager:
     """nanobot's ``SessionManager`` on a redis-session store.
 
     `store` is None (``$REDIS_URL``, else the embedded server) or a URL (the manager owns a
-    `RedisSessionStore` on it, `prefix` its key prefix), a `SessionStore` or a `Sessions` service. A store handed in is used from the manager's private
-    event-loop thread: a `RedisSessionStore` must not also be used from another loop.
-    `key_to_id` maps a nanobot key to a session id (default: `redis_session.projection.nanobot.key_to_id`,
-    reversible, any key).
+    `RedisSessionStore` on it, `prefix` its key prefix), a `SessionStore` or a `Sessions`
+    service. A store handed in is used from the manager's private event-loop thread: a
+    `RedisSessionStore` must not also be used from another loop.
+    `key_to_id` maps a nanobot key to a session id (default:
+    `redis_session.projection.nanobot.key_to_id`, reversible, any key).
     """
 
     def __init__(

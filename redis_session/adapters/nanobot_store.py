@@ -142,7 +142,7 @@ def _match_inserts(old: list[str], new: list[str]) -> list[int] | None:
     return inserted if i == len(old) else None
 
 
-def _plan(pin: _Pin, session: _nb.Session) -> tuple[list[NewEntry], _Pin]:  # noqa: C901 - one diff
+def _plan(pin: _Pin, session: _nb.Session) -> tuple[list[NewEntry], _Pin]:
     """The entries that bring the log from `pin` to `session`, and the pin after them (pure)."""
     messages = session.messages
     encoded = [log.encode(m) for m in messages]
@@ -549,7 +549,7 @@ def _preview(messages: list[dict[str, Any]]) -> str:
         chars += len(log.encode(item))
         if i >= _nb._SESSION_LIST_PREVIEW_MAX_RECORDS or chars > _nb._SESSION_LIST_PREVIEW_MAX_CHARS:
             break
-        text = _nb._message_preview_text(item)
+        text = str(_nb._message_preview_text(item))
         if not text:
             continue
         if item.get("role") == "user":

@@ -183,9 +183,9 @@ def _messages(state: nanobot_log.NanobotState, entries: Sequence[Entry]) -> list
             out.append(m if "timestamp" in m else {**m, "timestamp": ms_iso(times.get(n, 0))})
         return out
     generic: list[dict[str, Any]] = []
-    for m in project(entries):
-        stamp = ms_iso(max((times.get(n, 0) for n in m.source), default=0))
-        for msg in openai_messages([m]):
+    for pm in project(entries):
+        stamp = ms_iso(max((times.get(n, 0) for n in pm.source), default=0))
+        for msg in openai_messages([pm]):
             generic.append({**msg, "timestamp": stamp})
     return generic
 
