@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from redis_session import RedisSessionStore, SessionConflictError, SessionReplacedError
 
@@ -37,7 +38,9 @@ from nanobot.providers.base import (  # noqa: E402
 from nanobot.session.manager import JsonlSessionStore, Session, SessionManager  # noqa: E402
 
 from redis_session.adapters.nanobot_store import NanobotSessionConflict, RedisNanobotStore  # noqa: E402
+from redis_session.importers import import_path  # noqa: E402
 from redis_session.importers.nanobot import export_lines  # noqa: E402
+from redis_session.projection import project, to_openai  # noqa: E402
 from redis_session.projection.nanobot import id_to_key, key_to_id  # noqa: E402
 
 HISTORY_SETTINGS: list[dict[str, Any]] = [
@@ -219,8 +222,25 @@ class Rig:
             finally:
                 await store.aclose()
 
-        assert asyncio.run(export()) == path.read_text(encoding="utf-8")
+        written = path.read_text(encoding="utf-8")
+        assert asyncio.run(export()) == written
         assert self.tee.load(key) is not None
+
+        async def reimport() -> str:
+            # nanobot 0.3.5's own file, imported and exported again: byte-identical
+            store = RedisSessionStore.from_url(self.url, prefix=self.prefix + "i")
+            try:
+                (result,) = await import_path(store, path)
+                sid2 = result.session_id
+                head = await store.head(sid2)
+                assert head is not None
+                text = "".join(export_lines(head, await store.read(sid2, 0, head.n)))
+                await store.delete(sid2)
+                return text
+            finally:
+                await store.aclose()
+
+        assert asyncio.run(reimport()) == written
 
 
 @pytest.fixture
@@ -374,3 +394,109 @@ def test_any_key_maps_to_a_session_id_and_back(key: str) -> None:
     back = id_to_key(sid)
     assert back is None or back == key
     assert len({key_to_id(k) for k in (key, key + " ", key + "%20")}) == 3
+
+
+class LosesReplies:
+    """A store whose next write runs on the real server and then loses its reply (as a cut
+    connection does): the write landed, the caller sees an error."""
+
+    def __init__(self, store: RedisSessionStore) -> None:
+        self._store = store
+        self.lose = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def _lost(self, result: Any) -> Any:
+        if self.lose:
+            self.lose -= 1
+            raise redis.exceptions.ConnectionError("reply lost")
+        return result
+
+    async def put(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._lost(await self._store.put(*args, **kwargs))
+
+    async def create(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._lost(await self._store.create(*args, **kwargs))
+
+
+def test_a_save_retried_after_a_lost_reply_lands_once(rig: Rig) -> None:
+    flaky = LosesReplies(RedisSessionStore.from_url(rig.url, prefix=rig.prefix))
+    ours = RedisNanobotStore(flaky)
+    key = "telegram:lost"
+    s = Session(key=key)
+    s.add_message("user", "first")
+    flaky.lose = 1
+    with pytest.raises(redis.exceptions.ConnectionError):
+        ours.save(s)  # the create landed, its reply did not
+    ours.save(s)  # nanobot saves again: it finds its own create
+    s.add_message("assistant", "second")
+    flaky.lose = 1
+    with pytest.raises(redis.exceptions.ConnectionError):
+        ours.save(s)
+    ours.save(s)
+    s.add_message("user", "third")
+    ours.save(s)
+    fresh = rig.ours.load(key)
+    assert fresh is not None
+    assert [m["content"] for m in fresh.messages] == ["first", "second", "third"]
+
+
+def test_sessions_of_the_legacy_drop_in_load_as_they_were(rig: Rig) -> None:
+    """One log layout: what the drop-in for the older nanobot wrote, this store reads."""
+    from redis_session.adapters.nanobot import LegacySessionManager
+
+    legacy = LegacySessionManager(rig.url, prefix=rig.prefix)
+    try:
+        s = legacy.get_or_create("slack:legacy 1")
+        for i in range(6):
+            s.add_message("user", f"u{i}")
+            s.add_message("assistant", f"a{i}")
+        s.last_consolidated = 4
+        s.metadata["_last_summary"] = {"text": "four archived", "last_active": "2026-01-01T00:00:00"}
+        legacy.save(s)
+        s.retain_recent_legal_suffix(6)
+        s.metadata["title"] = "kept"
+        legacy.save(s)
+        mine = rig.ours.load(s.key)
+        assert mine is not None
+        assert mine.messages == s.messages
+        assert mine.metadata == s.metadata
+        assert mine.last_archived == s.last_consolidated
+        assert [x["key"] for x in rig.ours.list_sessions()] == [s.key]
+    finally:
+        legacy.close()
+
+
+def test_the_generic_projection_shows_what_nanobot_replays(rig: Rig) -> None:
+    """Consolidation and /new are cuts: `project` (what every other reader sees) starts with the
+    summary and holds the messages nanobot still replays; after /new, only the new ones."""
+    key = "cli:projection"
+    loop = rig.loop(window=1_900)
+
+    async def go() -> None:
+        for i in range(12):
+            await loop.process_direct(f"turn {i} " + "lorem ipsum " * 12, session_key=key)
+
+    run(go())
+    session = loop.sessions.get_or_create(key)
+    assert session.last_archived > 0
+
+    async def projected() -> list[Any]:
+        store = RedisSessionStore.from_url(rig.url, prefix=rig.prefix)
+        try:
+            return project(await store.read(key_to_id(key)))
+        finally:
+            await store.aclose()
+
+    messages = to_openai(run(projected()))
+    assert messages[0]["content"].startswith("[Archived Context Summary]")
+    replay = [m for m in session.messages[session.last_archived :] if not m.get("_command")]
+    assert [m["content"] for m in messages[1:]] == [m["content"] for m in replay]
+
+    run(loop.process_direct("/new", session_key=key))
+    run(loop.process_direct("after new", session_key=key))
+    after = to_openai(run(projected()))
+    assert [m["role"] for m in after] == ["user", "assistant"]
+    assert after[0]["content"] == "after new"
+    rig.check(key)

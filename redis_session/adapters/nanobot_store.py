@@ -43,6 +43,7 @@ as durable as the server's persistence).
 from __future__ import annotations
 
 import copy
+import hashlib
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -53,6 +54,7 @@ from typing import Any, TypeVar, cast
 import msgspec
 from nanobot.providers.base import ProviderConversationState
 from nanobot.session import manager as _nb
+from nanobot.session.summary import is_summary_checkpoint
 
 from ..errors import (
     SessionAlreadyExistsError,
@@ -114,6 +116,8 @@ def _message_entry(message: dict[str, Any], at: int | None) -> NewEntry:
     """A nanobot message as an entry: ``message`` when our schema takes it, else a mark."""
     if message.get("_command"):
         kind = log.COMMAND
+    elif is_summary_checkpoint(message):
+        kind = log.RECORD  # its text is in the summary of the cut that goes with it
     else:
         try:
             msgspec.convert(message, ChatMessageData)
@@ -142,92 +146,118 @@ def _match_inserts(old: list[str], new: list[str]) -> list[int] | None:
     return inserted if i == len(old) else None
 
 
-def _plan(pin: _Pin, session: _nb.Session) -> tuple[list[NewEntry], _Pin]:
-    """The entries that bring the log from `pin` to `session`, and the pin after them (pure)."""
-    messages = session.messages
-    encoded = [log.encode(m) for m in messages]
+def _message_changes(
+    pin: _Pin, messages: list[dict[str, Any]], encoded: list[str]
+) -> tuple[list[NewEntry], list[int], bool]:
+    """The message entries that bring the pinned list to `messages`, the entry n of each message
+    after them, and whether old messages must be hidden (a cut with a new floor)."""
     n0 = pin.n
     entries: list[NewEntry] = []
-    ns: list[int] = []
-    floor = pin.floor
-    rewrite = False
     inserted = _match_inserts(pin.encoded, encoded)
-    if inserted is not None:
+    if inserted is not None:  # appends, and messages inserted before others (a checkpoint)
         ns = list(pin.ns)
         for j in inserted:
             entries.append(_message_entry(messages[j], j if j < len(ns) else None))
             ns.insert(j, n0 + len(entries) - 1)
-    else:
-        # Messages dropped from the front (then some appended): a cut with a floor hides them.
-        drop = next(
-            (j for j in range(1, len(pin.encoded) + 1) if pin.encoded[j:] == encoded[: len(pin.encoded) - j]), None
-        )
-        kept = pin.ns[drop:] if drop is not None else []
-        if drop is not None and (not kept or not pin.ns[:drop] or min(kept) > max(pin.ns[:drop])):
-            ns = list(kept)
-            for m in messages[len(kept) :]:
-                entries.append(_message_entry(m, None))
-                ns.append(n0 + len(entries) - 1)
-        else:  # anything else (an edit in place): the messages again, the old ones hidden
-            rewrite = True
-            for m in messages:
-                entries.append(_message_entry(m, None))
-                ns.append(n0 + len(entries) - 1)
-        rewrite = True
+        return entries, ns, False
+    # Messages dropped from the front (then some appended): a cut with a floor hides them.
+    old = pin.encoded
+    drop = next((j for j in range(1, len(old) + 1) if old[j:] == encoded[: len(old) - j]), None)
+    kept = pin.ns[drop:] if drop is not None else []
+    if drop is not None and (not kept or min(kept) > max(pin.ns[:drop])):
+        ns = list(kept)
+        fresh = messages[len(kept) :]
+    else:  # anything else (an edit in place): the messages again, the old ones hidden
+        ns = []
+        fresh = messages
+    for m in fresh:
+        entries.append(_message_entry(m, None))
+        ns.append(n0 + len(entries) - 1)
+    return entries, ns, True
+
+
+def _state_changes(pin: _Pin, session: _nb.Session, metadata: dict[str, str], provider: str) -> dict[str, Any]:
+    """The ``nanobot/state`` mark's data for what changed besides the messages (empty: nothing)."""
     state: dict[str, Any] = {}
-    metadata = {k: log.encode(v) for k, v in session.metadata.items()}
     changed = {k: session.metadata[k] for k, v in metadata.items() if pin.metadata.get(k) != v}
     gone = [k for k in pin.metadata if k not in metadata]
     expected_order = [k for k in pin.metadata if k not in gone] + [k for k in metadata if k not in pin.metadata]
-    if list(metadata) != expected_order:
+    if list(metadata) != expected_order:  # a key moved: nanobot's file keeps the order, so do we
         state["metadata"] = copy.deepcopy(session.metadata)
     else:
         if changed:
             state["metadata_set"] = copy.deepcopy(changed)
         if gone:
             state["metadata_unset"] = gone
-    record = _provider_record(session)
-    provider = log.encode(record)
     if provider != pin.provider_state:
-        state["provider_state"] = record
-    created = session.created_at.isoformat()
-    updated = session.updated_at.isoformat()
-    if created != pin.created_at:
-        state["created_at"] = created
-    if updated != pin.updated_at:
-        state["updated_at"] = updated
+        state["provider_state"] = _provider_record(session)
+    for name, value, was in (
+        ("created_at", session.created_at.isoformat(), pin.created_at),
+        ("updated_at", session.updated_at.isoformat(), pin.updated_at),
+    ):
+        if value != was:
+            state[name] = value
+    return state
+
+
+def _cut(session: _nb.Session, ns: list[int], la: int, floor: int, cut_n: int, rewrite: bool) -> NewEntry:
+    """The cut that moves nanobot's replay to `la` (and hides the entries below `floor`)."""
+    messages = session.messages
+    summary = log.summary_messages(session.metadata)
+    later = ns[la:]
+    if la < len(messages) and is_summary_checkpoint(messages[la]):
+        # nanobot replays from its hidden checkpoint: the generic projection shows it right after
+        # the summary, whichever entry it was written in
+        summary.append({"role": "user", "content": messages[la].get("content")})
+        later = ns[la + 1 :]
+    reason = "nanobot:clear" if not messages else "nanobot:rewrite" if rewrite else "nanobot:archive"
+    data = {
+        "before": min(later) if later else cut_n,
+        "summary": summary,
+        "reason": reason,
+        "meta": {"nanobot": {"floor": floor, "last_archived": la}},
+    }
+    return NewEntry(CUT, data)
+
+
+def _plan(pin: _Pin, session: _nb.Session) -> tuple[list[NewEntry], _Pin]:
+    """The entries that bring the log from `pin` to `session`, and the pin after them (pure)."""
+    messages = session.messages
+    encoded = [log.encode(m) for m in messages]
+    entries, ns, rewrite = _message_changes(pin, messages, encoded)
+    metadata = {k: log.encode(v) for k, v in session.metadata.items()}
+    provider = log.encode(_provider_record(session))
+    state = _state_changes(pin, session, metadata, provider)
     if state:
         entries.append(NewEntry(log.STATE, state))
     la = session.last_archived
     la = la if isinstance(la, int) and 0 <= la <= len(messages) else 0
+    floor = pin.floor
     if rewrite or la != pin.last_archived:
-        cut_n = n0 + len(entries)
+        cut_n = pin.n + len(entries)
         if rewrite:
             floor = min(ns) if ns else cut_n
-        later = ns[la:]
-        before = min(later) if later else cut_n
-        reason = "nanobot:clear" if not messages else "nanobot:rewrite" if rewrite else "nanobot:archive"
-        data = {
-            "before": before,
-            "summary": log.summary_messages(session.metadata),
-            "reason": reason,
-            "meta": {"nanobot": {"floor": floor, "last_archived": la}},
-        }
-        entries.append(NewEntry(CUT, data))
+        entries.append(_cut(session, ns, la, floor, cut_n, rewrite))
     after = _Pin(
         session_id=pin.session_id,
         incarnation=pin.incarnation,
-        n=n0 + len(entries),
+        n=pin.n + len(entries),
         ns=ns,
         encoded=encoded,
         metadata=metadata,
         provider_state=provider,
         last_archived=la,
-        created_at=created,
-        updated_at=updated,
+        created_at=session.created_at.isoformat(),
+        updated_at=session.updated_at.isoformat(),
         floor=floor,
     )
     return entries, after
+
+
+def _write_key(sid: str, incarnation: str, n: int, entries: Sequence[NewEntry]) -> str:
+    digest = hashlib.sha256(f"{sid}\0{incarnation}\0{n}\0".encode())
+    digest.update(msgspec.json.encode(list(entries)))
+    return "nanobot:" + digest.hexdigest()[:32]
 
 
 def _empty_pin(session_id: str, incarnation: str = "") -> _Pin:
@@ -392,7 +422,9 @@ class RedisNanobotStore:
         raise NanobotSessionConflict(sid, session.key, pin.n, pin.n)
 
     async def _put(self, sid: str, pin: _Pin, entries: Sequence[NewEntry]) -> None:
-        key = uuid.uuid4().hex
+        # The key names the write itself (this life, this n, these entries): a save retried after
+        # a lost reply finds its first attempt and lands once.
+        key = _write_key(sid, pin.incarnation, pin.n, entries)
         step = self.store.max_batch
         for i in range(0, len(entries), step):
             await self.store.put(
@@ -438,11 +470,15 @@ class RedisNanobotStore:
         entries, after = _plan(_empty_pin(sid), session)
         step = self.store.max_batch
         header = SessionHeader(id=sid, created_at=int(session.created_at.timestamp() * 1000), origin=origin)
+        first = entries[:step]
         try:
-            head = await self.store.create(header, entries[:step])
+            head = await self.store.create(header, first)
         except SessionAlreadyExistsError:
-            head_now = await self.store.head(sid)
-            raise NanobotSessionConflict(sid, session.key, 0, head_now.n if head_now else 0) from None
+            found = await self._created_by(sid, origin, first)
+            if found is None:
+                head_now = await self.store.head(sid)
+                raise NanobotSessionConflict(sid, session.key, 0, head_now.n if head_now else 0) from None
+            head = found  # our own create, its reply lost: it landed once
         after.incarnation = head.header.incarnation
         rest = entries[step:]
         if rest:
@@ -450,6 +486,17 @@ class RedisNanobotStore:
             start.n = step
             await self._put(sid, start, rest)
         return after
+
+    async def _created_by(self, sid: str, origin: dict[str, Any], first: Sequence[NewEntry]) -> SessionHead | None:
+        """The head of `sid` when it is exactly the create we sent (a retry after a lost reply)."""
+        head = await self.store.head(sid)
+        if head is None or head.header.origin != origin or head.n < len(first):
+            return None
+        stored = await self.store.read(sid, 0, len(first), incarnation=head.header.incarnation)
+        same = all(
+            e.type == x.type and e.data == x.data and e.meta == x.meta for e, x in zip(stored, first, strict=True)
+        )
+        return head if same else None
 
     def delete(self, key: str) -> bool:
         sid = self.session_id(key)

@@ -33,7 +33,7 @@ from ..errors import ImportFormatError
 from ..model import CUT, Entry, NewEntry, OpenAIToolCall, SessionHead, SessionHeader
 from ..projection import nanobot as nanobot_log
 from ..projection.fold import openai_messages, project
-from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, mapped_id, ms_iso, session_id_to_key
+from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, ms_iso, session_id_to_key
 
 FORMAT = "nanobot"
 MESSAGE = "message"
@@ -141,7 +141,7 @@ class _Reader:
         if self.session_id is not None:
             sid = self.session_id
         else:
-            sid = mapped_id(path, 1, self.key)
+            sid = nanobot_log.key_to_id(self.key)  # the store adapter's mapping: they share sessions
             original = self.key if sid != self.key else None
         header = SessionHeader(id=sid, created_at=self.created_at, title=self.title, origin=self.origin)
         return ParsedSession(str(path), FORMAT, header, self.entries, self.lines, original_id=original)
@@ -198,7 +198,13 @@ def export_lines(head: SessionHead, entries: Sequence[Entry]) -> Iterator[str]:
     state = nanobot_log.fold(head, entries)
     messages = _messages(state, entries)
     la = state.archived
-    legacy = origin.get("format") == FORMAT and "last_consolidated" in origin and "last_archived" not in origin
+    # a file of an older nanobot (no last_archived on line 1) keeps its layout until 0.3 saves it
+    legacy = (
+        origin.get("format") == FORMAT
+        and "last_consolidated" in origin
+        and "last_archived" not in origin
+        and not state.seam
+    )
     first: dict[str, Any] = {
         "_type": "metadata",
         "key": state.key if isinstance(origin.get("key"), str) else session_id_to_key(head.header.id),

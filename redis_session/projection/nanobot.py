@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import InvalidSessionIdError
 from ..keys import validate_session_id
 from ..model import CUT, Entry, SessionHead
 
@@ -45,8 +46,9 @@ METADATA = "nanobot/metadata"  # the legacy drop-in's whole-metadata mark
 MARK_TYPES = (COMMAND, RECORD, STATE, METADATA)
 MESSAGE_TYPES = frozenset({MESSAGE, COMMAND, RECORD})
 
-# every character a session id may not hold (braces, whitespace, controls) and "%" itself
-_FORBIDDEN = re.compile(r"[{}%\s\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# every character a session id may not hold (`redis_session.keys`: braces, whitespace, controls)
+# and "%" itself: the importers' percent mapping, character for character
+_FORBIDDEN = re.compile(r"[{}%\s\x00-\x1f\x7f]")
 _HASHED = "nanobot~"
 
 
@@ -66,10 +68,12 @@ def key_to_id(key: str) -> str:
     if not isinstance(key, str):
         raise TypeError(f"a nanobot key is a str, got {type(key).__name__}")
     mapped = _FORBIDDEN.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), key)
-    if not mapped or len(mapped) > 256 or mapped.startswith(_HASHED):
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
-        return _HASHED + digest
-    return validate_session_id(mapped)
+    if mapped and not mapped.startswith(_HASHED):
+        try:
+            return validate_session_id(mapped)
+        except InvalidSessionIdError:
+            pass  # too long (or a lone surrogate): hashed
+    return _HASHED + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def id_to_key(session_id: str) -> str | None:
@@ -133,6 +137,7 @@ class NanobotState:
     last_archived: int = 0
     provider_state: Any = None
     nanobot_entries: int = 0  # entries of nanobot's own types (0: a generic log)
+    seam: bool = False  # written through nanobot 0.3's store seam (its files carry last_archived)
 
     @classmethod
     def start(cls, head: SessionHead) -> NanobotState:
@@ -189,6 +194,7 @@ class NanobotState:
 
     def _state(self, data: dict[str, Any]) -> None:
         self.nanobot_entries += 1
+        self.seam = True
         whole = data.get("metadata")
         if isinstance(whole, dict):
             self.metadata = copy.deepcopy(whole)
