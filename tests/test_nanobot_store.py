@@ -534,3 +534,22 @@ def test_reads_forks_deletes_and_odd_messages_agree_with_nanobot(rig: Rig) -> No
     assert manager.delete_session(key) is True
     assert manager.read_session_file(key) is None
     assert manager.delete_session(key) is False
+
+
+@pytest.mark.anyio
+async def test_a_store_used_on_its_own_loop_too(redis_url: str, prefix: str) -> None:
+    """The caller's store, bound to the caller's loop, handed to the adapter (whose sync calls run
+    on its private loop, here from inside a coroutine as nanobot makes them): both keep working."""
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    try:
+        assert await store.head("nothing") is None  # binds the store to this loop
+        ours = RedisNanobotStore(store)
+        s = Session(key="cli:loops")
+        s.add_message("user", "hi")
+        ours.save(s)
+        head = await store.head(key_to_id("cli:loops"))
+        assert head is not None and head.n == 2
+        loaded = ours.load("cli:loops")
+        assert loaded is not None and loaded.messages == s.messages
+    finally:
+        await store.aclose()

@@ -68,7 +68,7 @@ from ..projection import nanobot as log
 from ..store import SessionStore
 from ..store.protocol import MAX_READ_RANGE
 from ._log import resolve_store
-from ._loops import run_sync
+from ._loops import LoopStores, run_sync
 
 T = TypeVar("T")
 
@@ -314,6 +314,9 @@ class RedisNanobotStore:
             self.store = resolve_store(store)
             self._owned = False
         self.prefix = getattr(self.store, "prefix", prefix)
+        # A store handed in may be used on its owner's event loop as well: the adapter's calls
+        # (on its private loop) get a clone with a pool of its own (`LoopStores`).
+        self._stores = None if self._owned else LoopStores(self.store)
         self._key_to_id = key_to_id or log.key_to_id
         self._folds: OrderedDict[str, log.NanobotState] = OrderedDict()
         vocabulary = self.store.vocabulary
@@ -325,6 +328,10 @@ class RedisNanobotStore:
 
     def _run(self, fn: Callable[[], Awaitable[T]]) -> T:
         return run_sync(fn)
+
+    @property
+    def _store(self) -> SessionStore:
+        return self.store if self._stores is None else self._stores.get()
 
     def session_id(self, key: str) -> str:
         """The session id a nanobot key is stored under."""
@@ -339,17 +346,22 @@ class RedisNanobotStore:
         out: list[Entry] = []
         while start < stop:
             hi = min(stop, start + MAX_READ_RANGE)
-            out.extend(await self.store.read(sid, start, hi, incarnation=incarnation))
+            out.extend(await self._store.read(sid, start, hi, incarnation=incarnation))
             start = hi
         return out
 
     async def _fold(self, sid: str) -> log.NanobotState | None:
         """The session's nanobot state now (folding only what the cache has not seen yet)."""
-        head = await self.store.head(sid)
-        if head is None:
-            self._folds.pop(sid, None)
-            return None
-        return await self._fold_head(head)
+        for _ in range(3):
+            head = await self._store.head(sid)
+            if head is None:
+                self._folds.pop(sid, None)
+                return None
+            try:
+                return await self._fold_head(head)
+            except SessionReplacedError:
+                continue  # replaced between the head and the read: read the new life
+        return None
 
     async def _fold_head(self, head: SessionHead) -> log.NanobotState | None:
         sid = head.header.id
@@ -361,7 +373,10 @@ class RedisNanobotStore:
                 state.apply(await self._read_all(sid, cached.n, head.n, inc))
             else:
                 state = log.fold(head, await self._read_all(sid, 0, head.n, inc))
-        except SessionNotFoundError:  # deleted (or replaced) since the head was read
+        except SessionReplacedError:  # another life since the head was read: the caller reads again
+            self._folds.pop(sid, None)
+            raise
+        except SessionNotFoundError:  # deleted since the head was read
             self._folds.pop(sid, None)
             return None
         self._folds[sid] = state
@@ -425,9 +440,9 @@ class RedisNanobotStore:
         # The key names the write itself (this life, this n, these entries): a save retried after
         # a lost reply finds its first attempt and lands once.
         key = _write_key(sid, pin.incarnation, pin.n, entries)
-        step = self.store.max_batch
+        step = self._store.max_batch
         for i in range(0, len(entries), step):
-            await self.store.put(
+            await self._store.put(
                 sid, pin.n + i, entries[i : i + step], idempotency_key=f"{key}:{i}", incarnation=pin.incarnation
             )
 
@@ -468,15 +483,15 @@ class RedisNanobotStore:
             "last_consolidated": 0,
         }
         entries, after = _plan(_empty_pin(sid), session)
-        step = self.store.max_batch
+        step = self._store.max_batch
         header = SessionHeader(id=sid, created_at=int(session.created_at.timestamp() * 1000), origin=origin)
         first = entries[:step]
         try:
-            head = await self.store.create(header, first)
+            head = await self._store.create(header, first)
         except SessionAlreadyExistsError:
             found = await self._created_by(sid, origin, first)
             if found is None:
-                head_now = await self.store.head(sid)
+                head_now = await self._store.head(sid)
                 raise NanobotSessionConflict(sid, session.key, 0, head_now.n if head_now else 0) from None
             head = found  # our own create, its reply lost: it landed once
         after.incarnation = head.header.incarnation
@@ -489,10 +504,10 @@ class RedisNanobotStore:
 
     async def _created_by(self, sid: str, origin: dict[str, Any], first: Sequence[NewEntry]) -> SessionHead | None:
         """The head of `sid` when it is exactly the create we sent (a retry after a lost reply)."""
-        head = await self.store.head(sid)
+        head = await self._store.head(sid)
         if head is None or head.header.origin != origin or head.n < len(first):
             return None
-        stored = await self.store.read(sid, 0, len(first), incarnation=head.header.incarnation)
+        stored = await self._store.read(sid, 0, len(first), incarnation=head.header.incarnation)
         same = all(
             e.type == x.type and e.data == x.data and e.meta == x.meta for e, x in zip(stored, first, strict=True)
         )
@@ -500,8 +515,12 @@ class RedisNanobotStore:
 
     def delete(self, key: str) -> bool:
         sid = self.session_id(key)
-        self._folds.pop(sid, None)
-        return self._run(lambda: self.store.delete(sid))
+
+        async def delete() -> bool:
+            self._folds.pop(sid, None)
+            return await self._store.delete(sid)
+
+        return self._run(delete)
 
     def read(self, key: str) -> dict[str, Any] | None:
         """``{key, created_at, updated_at, metadata, messages}`` of the stored session, or None."""
@@ -532,11 +551,11 @@ class RedisNanobotStore:
         data = {"metadata_set": copy.deepcopy(updates)}
 
         async def merge() -> bool:
-            head = await self.store.head(sid)
+            head = await self._store.head(sid)
             if head is None:
                 return False
             try:
-                await self.store.put(
+                await self._store.put(
                     sid,
                     None,
                     [NewEntry(log.STATE, data)],
@@ -557,13 +576,12 @@ class RedisNanobotStore:
             out: list[log.NanobotState] = []
             cursor: str | None = None
             while True:
-                page = await self.store.list(limit=1000, cursor=cursor)
+                page = await self._store.list(limit=1000, cursor=cursor)
                 for header in page.items:
                     origin = header.origin if isinstance(header.origin, dict) else {}
                     if origin.get("format") != log.FORMAT:
                         continue
-                    head = await self.store.head(header.id)
-                    state = await self._fold_head(head) if head is not None else None
+                    state = await self._fold(header.id)
                     if state is not None:
                         out.append(state)
                 cursor = page.cursor
