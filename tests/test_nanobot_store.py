@@ -345,8 +345,8 @@ def test_two_pods_never_lose_an_update(rig: Rig, redis_url: str) -> None:
     with pytest.raises(NanobotSessionConflict) as err:
         pod_b.save(b)
     assert isinstance(err.value, SessionConflictError)
-    pod_b.invalidate(key)
-    b = pod_b.get_or_create(key)
+    # nothing of it written, and the object pod B's manager caches now holds the stored session
+    assert pod_b.get_or_create(key) is b
     assert [m["content"] for m in b.messages] == ["one", "two"]
     b.add_message("user", "three")
     pod_b.save(b)
@@ -362,6 +362,10 @@ def test_two_pods_never_lose_an_update(rig: Rig, redis_url: str) -> None:
     pod_a.save(c1)
     with pytest.raises(NanobotSessionConflict):
         pod_b.save(c2)
+    assert [m["content"] for m in c2.messages] == ["c1"]
+    c2.add_message("user", "c2 again")
+    pod_b.save(c2)
+    assert [m["content"] for m in rig.ours.load("new:1").messages] == ["c1", "c2 again"]  # type: ignore[union-attr]
 
 
 def test_another_life_of_the_id_is_refused(rig: Rig) -> None:
@@ -388,7 +392,18 @@ def test_another_life_of_the_id_is_refused(rig: Rig) -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["discord:guild 42", "tab\there", "{braces}", "percent%41", "a" * 300, "nanobot~x", "ünï:ç ode", "%", " "],
+    [
+        "discord:guild 42",
+        "tab\there",
+        "{braces}",
+        "percent%41",
+        "a" * 300,
+        "nanobot~x",
+        "ünï:ç ode",
+        "%",
+        " ",
+        "\ud800",
+    ],
 )
 def test_any_key_maps_to_a_session_id_and_back(key: str) -> None:
     sid = key_to_id(key)
@@ -553,3 +568,59 @@ async def test_a_store_used_on_its_own_loop_too(redis_url: str, prefix: str) -> 
         assert loaded is not None and loaded.messages == s.messages
     finally:
         await store.aclose()
+
+
+def test_two_agent_loops_on_one_session_lose_no_acknowledged_turn(rig: Rig, redis_url: str) -> None:
+    """Two pods, each nanobot's own AgentLoop with its own manager and store, answer turns of one
+    session in turn. A pod whose cached session is behind gets the conflict on its save (its turn
+    fails, nothing written) and its next turn works on the stored session: every turn that
+    succeeded is in the log, once, in order."""
+
+    def pod() -> AgentLoop:
+        store = RedisNanobotStore(RedisSessionStore.from_url(redis_url, prefix=rig.prefix))
+        manager = SessionManager(rig.workspace, store=store, sessions_root=rig.tmp / "sessions")
+        return rig.loop(manager=manager)
+
+    a, b = pod(), pod()
+    key = "telegram:shared"
+    done: list[str] = []
+
+    async def turn(loop: AgentLoop, text: str) -> None:
+        try:
+            await loop.process_direct(text, session_key=key)
+        except SessionConflictError:
+            return
+        done.append(text)
+
+    async def go() -> None:
+        await turn(a, "a1")
+        await turn(b, "b1")  # b loads the session: a1 is there
+        await turn(a, "a2")  # a's cached session lacks b1: a conflict
+        await turn(a, "a3")  # a now holds the stored session
+        await turn(b, "b2")  # b is behind a3: a conflict
+        await turn(b, "b3")
+
+    run(go())
+    stored = rig.ours.load(key)
+    assert stored is not None
+    users = [m["content"] for m in stored.messages if m["role"] == "user"]
+    assert users == done
+    assert done == ["a1", "b1", "a3", "b3"], done
+
+
+def test_a_value_that_is_no_json_is_refused_and_nothing_written(rig: Rig) -> None:
+    from redis_session import InvalidEntryError
+
+    s = Session(key="cli:nan")
+    s.add_message("user", "fine")
+    rig.ours.save(s)
+    s.add_message("assistant", "also fine")
+    s.metadata["score"] = float("nan")
+    with pytest.raises(InvalidEntryError):
+        rig.ours.save(s)
+    stored = rig.ours.load("cli:nan")
+    assert stored is not None and [m["content"] for m in stored.messages] == ["fine"]
+    s.metadata["score"] = 0.5
+    rig.ours.save(s)  # the same object saves once the value is JSON
+    stored = rig.ours.load("cli:nan")
+    assert stored is not None and len(stored.messages) == 2 and stored.metadata == {"score": 0.5}

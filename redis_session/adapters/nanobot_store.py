@@ -82,16 +82,16 @@ _REBASES = 16
 
 class NanobotSessionConflict(SessionConflictError):
     """Another writer saved this nanobot session since this `Session` object was loaded: nothing
-    of this save was written. Reload it (``SessionManager.invalidate(key)`` then
-    ``get_or_create(key)``), reapply the change and save again."""
+    of this save was written, and the object now holds the stored session (the other writer's
+    messages included; so a cached session is never stuck). Reapply the change and save again."""
 
     def __init__(self, session_id: str, key: str, expected_n: int, actual_n: int) -> None:
         super().__init__(session_id, expected_n, actual_n)
         self.key = key
         self.args = (
             f"nanobot session {key!r} was saved by another writer since it was loaded "
-            f"(expected n={expected_n}, the log is at n={actual_n}); nothing was written: "
-            "invalidate it, get_or_create it again, reapply and save",
+            f"(expected n={expected_n}, the log is at n={actual_n}); nothing was written, and the "
+            "session object now holds the stored session: reapply the change and save again",
         )
 
 
@@ -280,6 +280,17 @@ def _pin_of(state: log.NanobotState, session: _nb.Session) -> _Pin:
     )
 
 
+def _refresh(session: _nb.Session, fresh: _nb.Session) -> None:
+    """Make `session` (the object nanobot holds) the stored session `fresh`, pin included."""
+    session.messages = fresh.messages
+    session.metadata = fresh.metadata
+    session.created_at = fresh.created_at
+    session.updated_at = fresh.updated_at
+    session.last_consolidated = fresh.last_consolidated
+    session.provider_state = fresh.provider_state
+    setattr(session, _PIN, getattr(fresh, _PIN))
+
+
 def _time(value: str | None, fallback: datetime | None = None) -> datetime:
     if value:
         try:
@@ -417,7 +428,17 @@ class RedisNanobotStore:
         pin = cast(_Pin | None, getattr(session, _PIN, None))
         if pin is not None and pin.session_id != sid:
             pin = None  # a session object renamed to another key: a new session there
-        after = self._run(lambda: self._save(session, sid, pin))
+        try:
+            after = self._run(lambda: self._save(session, sid, pin))
+        except NanobotSessionConflict:
+            # Nothing of this save was written. The object takes the stored session (another
+            # pod's writes included), so nanobot's cached session is never stuck behind the log:
+            # its next turn works on what is stored; the change that conflicted is reapplied by
+            # the caller (or its turn is retried).
+            state = self._run(lambda: self._fold(sid))
+            if state is not None:
+                _refresh(session, self._session(session.key, state))
+            raise
         setattr(session, _PIN, after)
 
     async def _save(self, session: _nb.Session, sid: str, pin: _Pin | None) -> _Pin:
