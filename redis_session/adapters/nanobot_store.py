@@ -27,8 +27,10 @@ the cut's summary, so ``Session.messages()`` shows what nanobot's prompt shows) 
 **Two pods.** A `Session` object belongs to the life of the id it was loaded from (or created):
 a save into another life (deleted and created again) raises `SessionReplacedError`; a save after
 another pod saved the same session raises `NanobotSessionConflict` (a `SessionConflictError`),
-nothing written — reload (``sessions.invalidate(key)``, ``get_or_create(key)``), reapply, save.
-Only metadata merges from ``update_metadata`` in between are folded in and retried by themselves.
+nothing written, and the object then holds the stored session (so nanobot's cached session is
+never stuck behind the log): reapply, save. Only metadata merges from ``update_metadata`` in
+between are folded in and retried by themselves. A save retried after a lost reply lands once
+(its idempotency key names the write: life, n, entries).
 
 **Keys.** Any key nanobot takes works: `redis_session.projection.nanobot.key_to_id` maps it to a
 session id reversibly (``discord:guild 42`` → ``discord:guild%2042``), the same mapping the
