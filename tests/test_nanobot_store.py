@@ -481,6 +481,16 @@ def test_sessions_of_the_legacy_drop_in_load_as_they_were(rig: Rig) -> None:
         assert mine.metadata == s.metadata
         assert mine.last_archived == s.last_consolidated
         assert [x["key"] for x in rig.ours.list_sessions()] == [s.key]
+        # and back: what nanobot 0.3 writes on it (a checkpoint inserted before the last message,
+        # state marks), the legacy manager reads through the same fold
+        mine.add_message("user", "from 0.3")
+        mine.commit_summary_checkpoint("newer summary", insert_at=len(mine.messages) - 1)
+        rig.ours.save(mine)
+        legacy.invalidate(s.key)
+        again = legacy.get_or_create(s.key)
+        assert again.messages == mine.messages
+        assert again.metadata == mine.metadata
+        assert again.last_consolidated == mine.last_archived
     finally:
         legacy.close()
 

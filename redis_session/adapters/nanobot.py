@@ -526,34 +526,25 @@ def _from_ms(ms: int) -> datetime:
 def fold(key: str, head: SessionHead, entries: Sequence[Entry]) -> Session:
     """The nanobot `Session` a log holds (pure: the same log gives the same session).
 
-    ``message`` entries and ``nanobot/command`` marks are the messages; the last
-    ``nanobot/metadata`` mark (else the header's ``origin.metadata``, as the importer keeps it) is
-    the metadata; each cut drops the messages below its ``meta.nanobot.floor`` (a cut without one,
-    written by someone else, drops none) and sets ``last_consolidated`` to the number of kept
-    messages below its ``before``."""
+    The messages, metadata and ``last_consolidated`` are what `redis_session.projection.nanobot.fold`
+    (the one rule for nanobot logs, shared with the 0.3 store and the exporter) reads; the last
+    cut's floor, ``before`` and summary are kept for this manager's next save."""
     origin = head.header.origin if isinstance(head.header.origin, dict) else {}
-    metadata = origin.get("metadata")
-    metadata = deepcopy(metadata) if isinstance(metadata, dict) else {}
+    state = nanobot_log.fold(head, entries)
     saved = _Saved(n=head.n, exists=True, incarnation=head.header.incarnation)
-    pairs: list[tuple[int, dict[str, Any]]] = []
     for e in entries:
-        if e.type == MESSAGE or e.type == COMMAND:
-            pairs.append((e.n, deepcopy(e.data)))
-        elif e.type == METADATA:
-            value = e.data.get("metadata")
-            metadata = deepcopy(value) if isinstance(value, dict) else {}
-        elif e.type == CUT:
+        if e.type == CUT:
             floor = _cut_floor(e.data)
             if floor is not None:
                 saved.floor = floor
-                pairs = [p for p in pairs if p[0] >= floor]
             saved.before = int(e.data.get("before", 0))
             saved.summary = list(e.data.get("summary") or [])
             saved.foreign = floor is None and bool(saved.summary)
-    messages = [m for _, m in pairs]
-    lc = sum(1 for n, _ in pairs if n < saved.before)
+    messages = state.messages
+    metadata = state.metadata
+    lc = state.archived
     saved.messages = list(messages)
-    saved.ns = [n for n, _ in pairs]
+    saved.ns = list(state.ns)
     saved.encoded = [_encode(m) for m in messages]
     saved.metadata = _encode(metadata)
     created = _parse_time(origin.get("created_at")) or _from_ms(head.header.created_at)
