@@ -634,3 +634,19 @@ def test_a_value_that_is_no_json_is_refused_and_nothing_written(rig: Rig) -> Non
     rig.ours.save(s)  # the same object saves once the value is JSON
     stored = rig.ours.load("cli:nan")
     assert stored is not None and len(stored.messages) == 2 and stored.metadata == {"score": 0.5}
+
+
+def test_old_exec_records_are_migrated_on_load_as_nanobot_does(rig: Rig) -> None:
+    manager = rig.manager()
+    key = "cli:exec"
+    s = manager.get_or_create(key)
+    s.add_message("user", "run it")
+    call = {"id": "x1", "type": "function", "function": {"name": "write_stdin", "arguments": '{"chars": "ls"}'}}
+    s.add_message("assistant", "", tool_calls=[call])
+    s.add_message("tool", "ok", tool_call_id="x1", name="write_stdin")
+    manager.save(s)
+    manager.invalidate(key)
+    loaded = manager.get_or_create(key)  # the tee: both loads migrate the same way
+    assert loaded.messages[1]["tool_calls"][0]["function"]["name"] == "exec_session"
+    manager.save(loaded)
+    rig.check(key)

@@ -282,6 +282,13 @@ def _pin_of(state: log.NanobotState, session: _nb.Session) -> _Pin:
     )
 
 
+def _migrate_exec(messages: list[dict[str, Any]], metadata: dict[str, Any]) -> bool:
+    """nanobot's own load-time migration of its old ``write_stdin`` tool records (its loads apply
+    it, so ours do: what nanobot reads is the same from either store)."""
+    migrate = getattr(_nb, "_migrate_legacy_exec_session_records", None)
+    return bool(migrate(messages, metadata)) if migrate is not None else False
+
+
 def _refresh(session: _nb.Session, fresh: _nb.Session) -> None:
     """Make `session` (the object nanobot holds) the stored session `fresh`, pin included."""
     session.messages = fresh.messages
@@ -413,7 +420,9 @@ class RedisNanobotStore:
             last_consolidated=state.last_archived,
             provider_state=provider,
         )
-        setattr(session, _PIN, _pin_of(state, session))
+        setattr(session, _PIN, _pin_of(state, session))  # what the log holds
+        if _migrate_exec(session.messages, session.metadata):
+            session.provider_state = None  # as nanobot's own load; the next save writes both
         return session
 
     # -- nanobot's SessionStore
@@ -550,6 +559,7 @@ class RedisNanobotStore:
         state = self._run(lambda: self._fold(self.session_id(key)))
         if state is None:
             return None
+        _migrate_exec(state.messages, state.metadata)
         return {
             "key": state.key or key,
             "created_at": state.created_at,
