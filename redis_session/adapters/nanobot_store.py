@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -105,9 +106,9 @@ class _Pin:
     incarnation: str
     n: int
     ns: list[int]  # entry n of each message
-    encoded: list[str]  # each message's JSON then
-    metadata: dict[str, str]  # each metadata key's JSON then, in order
-    provider_state: str
+    encoded: list[bytes]  # each message's JSON then
+    metadata: dict[str, bytes]  # each metadata key's JSON then, in order
+    provider_state: bytes
     last_archived: int
     created_at: str
     updated_at: str
@@ -135,7 +136,7 @@ def _provider_record(session: _nb.Session) -> Any:
     return state.to_private_record() if state is not None else None
 
 
-def _match_inserts(old: list[str], new: list[str]) -> list[int] | None:
+def _match_inserts(old: list[bytes], new: list[bytes]) -> list[int] | None:
     """The indexes of `new` that are inserted when `new` is `old` with messages added (anywhere),
     else None."""
     inserted: list[int] = []
@@ -149,7 +150,7 @@ def _match_inserts(old: list[str], new: list[str]) -> list[int] | None:
 
 
 def _message_changes(
-    pin: _Pin, messages: list[dict[str, Any]], encoded: list[str]
+    pin: _Pin, messages: list[dict[str, Any]], encoded: list[bytes]
 ) -> tuple[list[NewEntry], list[int], bool]:
     """The message entries that bring the pinned list to `messages`, the entry n of each message
     after them, and whether old messages must be hidden (a cut with a new floor)."""
@@ -178,7 +179,7 @@ def _message_changes(
     return entries, ns, True
 
 
-def _state_changes(pin: _Pin, session: _nb.Session, metadata: dict[str, str], provider: str) -> dict[str, Any]:
+def _state_changes(pin: _Pin, session: _nb.Session, metadata: dict[str, bytes], provider: bytes) -> dict[str, Any]:
     """The ``nanobot/state`` mark's data for what changed besides the messages (empty: nothing)."""
     state: dict[str, Any] = {}
     changed = {k: session.metadata[k] for k, v in metadata.items() if pin.metadata.get(k) != v}
@@ -644,7 +645,7 @@ def _preview(messages: list[dict[str, Any]]) -> str:
     fallback = ""
     chars = 0
     for i, item in enumerate(messages):
-        chars += len(log.encode(item))
+        chars += len(json.dumps(item, ensure_ascii=False)) + 1  # the line nanobot's file holds
         if i >= _nb._SESSION_LIST_PREVIEW_MAX_RECORDS or chars > _nb._SESSION_LIST_PREVIEW_MAX_CHARS:
             break
         text = str(_nb._message_preview_text(item))

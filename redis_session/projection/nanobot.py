@@ -25,12 +25,12 @@ Memory watermark; ``last_consolidated`` in older nanobot), ``metadata``, ``provi
 
 from __future__ import annotations
 
-import copy
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from ..errors import InvalidSessionIdError
 from ..keys import validate_session_id
@@ -52,9 +52,15 @@ _FORBIDDEN = re.compile(r"[{}%\s\x00-\x1f\x7f]")
 _HASHED = "nanobot~"
 
 
-def encode(value: Any) -> str:
-    """The JSON text of a value, key order kept (what nanobot's ``json.dumps`` compares as)."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+def encode(value: Any) -> bytes:
+    """The JSON of a value, key order kept: what tells two versions of a message (or a metadata
+    value) apart."""
+    return msgspec.json.encode(value)
+
+
+def clone(value: Any) -> Any:
+    """A deep copy of JSON data (a msgpack round trip: many times faster than `copy.deepcopy`)."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(value))
 
 
 def key_to_id(key: str) -> str:
@@ -156,13 +162,27 @@ class NanobotState:
             incarnation=header.incarnation,
             created_at=created if isinstance(created, str) else None,
             updated_at=updated if isinstance(updated, str) else None,
-            metadata=copy.deepcopy(metadata) if isinstance(metadata, dict) else {},
+            metadata=clone(metadata) if isinstance(metadata, dict) else {},
             last_archived=archive_offset(origin),
-            provider_state=copy.deepcopy(origin.get("provider_state")),
+            provider_state=clone(origin.get("provider_state")),
         )
 
     def copy(self) -> NanobotState:
-        return copy.deepcopy(self)
+        return NanobotState(
+            session_id=self.session_id,
+            key=self.key,
+            incarnation=self.incarnation,
+            n=self.n,
+            created_at=self.created_at,
+            updated_at=self.updated_at,
+            metadata=clone(self.metadata),
+            messages=clone(self.messages),
+            ns=list(self.ns),
+            last_archived=self.last_archived,
+            provider_state=clone(self.provider_state),
+            nanobot_entries=self.nanobot_entries,
+            seam=self.seam,
+        )
 
     def apply(self, entries: Iterable[Entry]) -> None:
         """Fold entries (contiguous, from `n`) into the state."""
@@ -174,13 +194,13 @@ class NanobotState:
                 self._state(e.data)
             elif e.type == METADATA:
                 value = e.data.get("metadata")
-                self.metadata = copy.deepcopy(value) if isinstance(value, dict) else {}
+                self.metadata = clone(value) if isinstance(value, dict) else {}
                 self.nanobot_entries += 1
             elif e.type == CUT:
                 self._cut(e.data)
 
     def _message(self, e: Entry) -> None:
-        msg = copy.deepcopy(e.data)
+        msg = clone(e.data)
         if e.type != MESSAGE:
             self.nanobot_entries += 1
         nb = e.meta.get("nanobot") if isinstance(e.meta, dict) else None
@@ -197,17 +217,17 @@ class NanobotState:
         self.seam = True
         whole = data.get("metadata")
         if isinstance(whole, dict):
-            self.metadata = copy.deepcopy(whole)
+            self.metadata = clone(whole)
         changes = data.get("metadata_set")
         if isinstance(changes, dict):
-            self.metadata.update(copy.deepcopy(changes))
+            self.metadata.update(clone(changes))
         gone = data.get("metadata_unset")
         if isinstance(gone, list):
             for k in gone:
                 if isinstance(k, str):
                     self.metadata.pop(k, None)
         if "provider_state" in data:
-            self.provider_state = copy.deepcopy(data["provider_state"])
+            self.provider_state = clone(data["provider_state"])
         for name in ("created_at", "updated_at"):
             value = data.get(name)
             if isinstance(value, str):
