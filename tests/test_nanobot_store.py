@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from redis_session import RedisSessionStore, SessionConflictError, SessionReplacedError
+from redis_session import RedisSessionStore, SessionConflictError, SessionNotFoundError, SessionReplacedError
 
 from support import require_extra
 
@@ -388,6 +388,20 @@ def test_another_life_of_the_id_is_refused(rig: Rig) -> None:
     fresh = other.load(key)
     assert fresh is not None
     assert [m["content"] for m in fresh.messages] == ["new life"]
+    # the refused object now holds the new life (nanobot's cached session is not stuck on a dead
+    # one); what it saves from here on belongs to the new life
+    assert [m["content"] for m in loaded.messages] == ["new life"]
+    loaded.add_message("assistant", "for the new life")
+    rig.ours.save(loaded)
+    assert [m["content"] for m in other.load(key).messages] == ["new life", "for the new life"]  # type: ignore[union-attr]
+
+    # deleted (not created again): the save is refused, nothing comes back, the object is empty
+    assert other.delete(key)
+    loaded.add_message("user", "after the delete")
+    with pytest.raises(SessionNotFoundError):
+        rig.ours.save(loaded)
+    assert other.load(key) is None
+    assert loaded.messages == []
 
 
 @pytest.mark.parametrize(

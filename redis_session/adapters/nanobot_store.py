@@ -25,7 +25,8 @@ the cut's summary, so ``Session.messages()`` shows what nanobot's prompt shows) 
 ``nanobot/state`` mark wherever the log ends (it commutes with every other write).
 
 **Two pods.** A `Session` object belongs to the life of the id it was loaded from (or created):
-a save into another life (deleted and created again) raises `SessionReplacedError`; a save after
+a save into another life (deleted and created again) raises `SessionReplacedError`, nothing
+written (the object then holds the new life, or nothing when the id is just deleted); a save after
 another pod saved the same session raises `NanobotSessionConflict` (a `SessionConflictError`),
 nothing written, and the object then holds the stored session (so nanobot's cached session is
 never stuck behind the log): reapply, save. Only metadata merges from ``update_metadata`` in
@@ -298,7 +299,7 @@ def _refresh(session: _nb.Session, fresh: _nb.Session) -> None:
     session.updated_at = fresh.updated_at
     session.last_consolidated = fresh.last_consolidated
     session.provider_state = fresh.provider_state
-    setattr(session, _PIN, getattr(fresh, _PIN))
+    setattr(session, _PIN, getattr(fresh, _PIN, None))
 
 
 def _time(value: str | None, fallback: datetime | None = None) -> datetime:
@@ -442,14 +443,14 @@ class RedisNanobotStore:
             pin = None  # a session object renamed to another key: a new session there
         try:
             after = self._run(lambda: self._save(session, sid, pin))
-        except NanobotSessionConflict:
-            # Nothing of this save was written. The object takes the stored session (another
-            # pod's writes included), so nanobot's cached session is never stuck behind the log:
-            # its next turn works on what is stored; the change that conflicted is reapplied by
-            # the caller (or its turn is retried).
+        except (NanobotSessionConflict, SessionNotFoundError):
+            # Nothing of this save was written (another pod saved first; or the id was deleted, or
+            # deleted and created again: another life). The object now holds what is stored (the
+            # new life, or nothing), so nanobot's cached session is never stuck behind the log:
+            # its next turn works on the stored session; the refused change is the caller's to
+            # reapply (nanobot's turn failed with this error).
             state = self._run(lambda: self._fold(sid))
-            if state is not None:
-                _refresh(session, self._session(session.key, state))
+            _refresh(session, self._session(session.key, state) if state is not None else _nb.Session(key=session.key))
             raise
         setattr(session, _PIN, after)
 
