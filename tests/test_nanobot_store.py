@@ -664,3 +664,33 @@ def test_old_exec_records_are_migrated_on_load_as_nanobot_does(rig: Rig) -> None
     assert loaded.messages[1]["tool_calls"][0]["function"]["name"] == "exec_session"
     manager.save(loaded)
     rig.check(key)
+
+
+@pytest.mark.parametrize("lose_at", [0, 1, 2])
+def test_a_save_of_many_batches_torn_by_a_lost_reply_lands_once(rig: Rig, lose_at: int) -> None:
+    """A save bigger than one batch (the create, then puts): the reply of batch `lose_at` is lost;
+    saving again finds what landed and writes the rest, every message once."""
+    flaky = LosesReplies(RedisSessionStore.from_url(rig.url, prefix=rig.prefix, max_batch=3))
+    ours = RedisNanobotStore(flaky)
+    key = f"cli:batches:{lose_at}"
+    s = Session(key=key)
+    for i in range(8):
+        s.add_message("user" if i % 2 == 0 else "assistant", f"m{i}")
+
+    calls = {"n": 0}
+    real_put, real_create = flaky.put, flaky.create
+
+    async def counting(real: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] - 1 == lose_at:
+            flaky.lose = 1
+        return await real(*args, **kwargs)
+
+    flaky.put = lambda *a, **k: counting(real_put, *a, **k)  # type: ignore[method-assign]
+    flaky.create = lambda *a, **k: counting(real_create, *a, **k)  # type: ignore[method-assign]
+    with pytest.raises(redis.exceptions.ConnectionError):
+        ours.save(s)
+    ours.save(s)
+    fresh = rig.ours.load(key)
+    assert fresh is not None
+    assert [m["content"] for m in fresh.messages] == [f"m{i}" for i in range(8)]
