@@ -694,3 +694,36 @@ def test_a_save_of_many_batches_torn_by_a_lost_reply_lands_once(rig: Rig, lose_a
     fresh = rig.ours.load(key)
     assert fresh is not None
     assert [m["content"] for m in fresh.messages] == [f"m{i}" for i in range(8)]
+
+
+SEED = Path(__file__).resolve().parent / "fixtures" / "seed" / "nanobot"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SEED.glob("*.jsonl")))
+def test_seed_files_saved_by_nanobot_035_import_and_export_byte_identical(rig: Rig, name: str) -> None:
+    """The recorded files (an older nanobot wrote them), loaded and saved by nanobot 0.3.5's own
+    JSONL store (its layout: ``last_archived`` on line 1): our import of that file gives the
+    session nanobot loads (every `get_history` setting), and our export gives the file back."""
+    key = json.loads((SEED / name).read_text(encoding="utf-8").splitlines()[0])["key"]
+    path = rig.jsonl.get_session_path(key)
+    path.write_text((SEED / name).read_text(encoding="utf-8"), encoding="utf-8")
+    theirs = rig.jsonl.load(key)
+    assert theirs is not None
+    rig.jsonl.save(theirs)  # now as nanobot 0.3.5 writes it
+    written = path.read_text(encoding="utf-8")
+    assert '"last_archived"' in written.splitlines()[0]
+
+    async def round_trip() -> str:
+        store = RedisSessionStore.from_url(rig.url, prefix=rig.prefix)
+        try:
+            (result,) = await import_path(store, path)
+            head = await store.head(result.session_id)
+            assert head is not None
+            return "".join(export_lines(head, await store.read(result.session_id, 0, head.n)))
+        finally:
+            await store.aclose()
+
+    assert run(round_trip()) == written
+    mine = rig.ours.load(key)
+    assert mine is not None
+    assert_same_session(rig.jsonl.load(key), mine)  # type: ignore[arg-type]
