@@ -727,3 +727,27 @@ def test_seed_files_saved_by_nanobot_035_import_and_export_byte_identical(rig: R
     mine = rig.ours.load(key)
     assert mine is not None
     assert_same_session(rig.jsonl.load(key), mine)  # type: ignore[arg-type]
+
+
+def test_listing_an_unchanged_session_reads_no_log(rig: Rig) -> None:
+    """nanobot's idle check lists every session on a timer: a session unchanged since the last
+    listing costs a head read, not a read of its log; a change is seen at once."""
+    counting = LosesReplies(RedisSessionStore.from_url(rig.url, prefix=rig.prefix))
+    reads = {"n": 0}
+    real_read = counting.read
+
+    async def read(*args: Any, **kwargs: Any) -> Any:
+        reads["n"] += 1
+        return await real_read(*args, **kwargs)
+
+    counting.read = read  # type: ignore[method-assign]
+    ours = RedisNanobotStore(counting)
+    s = Session(key="cli:listed")
+    s.add_message("user", "hello")
+    rig.ours.save(s)
+    assert [x["preview"] for x in ours.list_sessions()] == ["hello"]
+    before = reads["n"]
+    assert [x["preview"] for x in ours.list_sessions()] == ["hello"]
+    assert reads["n"] == before
+    rig.ours.update_metadata("cli:listed", {"title": "Greeting"})
+    assert [x["title"] for x in ours.list_sessions()] == ["Greeting"]

@@ -341,6 +341,7 @@ class RedisNanobotStore:
         self._stores = None if self._owned else LoopStores(self.store)
         self._key_to_id = key_to_id or log.key_to_id
         self._folds: OrderedDict[str, log.NanobotState] = OrderedDict()
+        self._listing: dict[str, tuple[str, int, dict[str, Any]]] = {}  # id -> (life, n, info)
         vocabulary = self.store.vocabulary
         for t in log.MARK_TYPES:
             if t not in vocabulary:
@@ -385,7 +386,8 @@ class RedisNanobotStore:
                 continue  # replaced between the head and the read: read the new life
         return None
 
-    async def _fold_head(self, head: SessionHead) -> log.NanobotState | None:
+    async def _fold_head(self, head: SessionHead, *, remember: bool = True) -> log.NanobotState | None:
+        """The state at `head` (a copy the caller may change); `remember` keeps it in the cache."""
         sid = head.header.id
         inc = head.header.incarnation
         cached = self._folds.get(sid)
@@ -401,6 +403,8 @@ class RedisNanobotStore:
         except SessionNotFoundError:  # deleted since the head was read
             self._folds.pop(sid, None)
             return None
+        if not remember:
+            return state
         self._folds[sid] = state
         self._folds.move_to_end(sid)
         while len(self._folds) > _CACHE_SIZE:
@@ -605,10 +609,13 @@ class RedisNanobotStore:
 
     def list_sessions(self) -> list[dict[str, Any]]:
         """``{key, created_at, updated_at, title, preview, path}`` of every nanobot session in
-        the store, newest update first (`path` is the session's log key)."""
+        the store, newest update first (`path` is the session's log key). A session unchanged
+        since the last listing costs one head read; listing never evicts the sessions in use
+        from the fold cache."""
 
-        async def collect() -> list[log.NanobotState]:
-            out: list[log.NanobotState] = []
+        async def collect() -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = []
+            seen: set[str] = set()
             cursor: str | None = None
             while True:
                 page = await self._store.list(limit=1000, cursor=cursor)
@@ -616,28 +623,46 @@ class RedisNanobotStore:
                     origin = header.origin if isinstance(header.origin, dict) else {}
                     if origin.get("format") != log.FORMAT:
                         continue
-                    state = await self._fold(header.id)
-                    if state is not None:
-                        out.append(state)
+                    seen.add(header.id)
+                    info = await self._info(header.id)
+                    if info is not None:
+                        out.append(dict(info))
                 cursor = page.cursor
                 if cursor is None:
+                    for sid in set(self._listing) - seen:
+                        del self._listing[sid]
                     return out
 
-        keys = Keys(self.prefix)
-        infos: list[dict[str, Any]] = []
-        for state in self._run(collect):
+        return sorted(self._run(collect), key=lambda item: item["updated_at"], reverse=True)
+
+    async def _info(self, sid: str) -> dict[str, Any] | None:
+        for _ in range(3):
+            head = await self._store.head(sid)
+            if head is None:
+                self._listing.pop(sid, None)
+                return None
+            inc = head.header.incarnation
+            hit = self._listing.get(sid)
+            if hit is not None and hit[0] == inc and hit[1] == head.n:
+                return hit[2]
+            try:
+                state = await self._fold_head(head, remember=sid in self._folds)
+            except SessionReplacedError:
+                continue
+            if state is None:
+                return None
             now = datetime.now().isoformat()
-            infos.append(
-                {
-                    "key": state.key,
-                    "created_at": state.created_at or now,
-                    "updated_at": state.updated_at or now,
-                    "title": _nb._metadata_title(state.metadata),
-                    "preview": _preview(state.messages),
-                    "path": keys.log(state.session_id),
-                }
-            )
-        return sorted(infos, key=lambda item: item["updated_at"], reverse=True)
+            info = {
+                "key": state.key,
+                "created_at": state.created_at or now,
+                "updated_at": state.updated_at or now,
+                "title": _nb._metadata_title(state.metadata),
+                "preview": _preview(state.messages),
+                "path": Keys(self.prefix).log(sid),
+            }
+            self._listing[sid] = (inc, head.n, info)
+            return info
+        return None
 
 
 def _preview(messages: list[dict[str, Any]]) -> str:
