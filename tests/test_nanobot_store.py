@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -751,3 +752,23 @@ def test_listing_an_unchanged_session_reads_no_log(rig: Rig) -> None:
     assert reads["n"] == before
     rig.ours.update_metadata("cli:listed", {"title": "Greeting"})
     assert [x["title"] for x in ours.list_sessions()] == ["Greeting"]
+
+
+def test_the_example_runs_as_a_user_runs_it_on_the_default_server(tmp_path: Path) -> None:
+    """Issue 25 #15: ``python examples/nanobot_store.py`` with no URL (the embedded server, the
+    default of every example; here the test run's private one), no hard-coded address."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "nanobot_store.py"
+    assert "localhost:6379" not in example.read_text(encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["HOME"] = str(tmp_path)  # nanobot keeps its own state under ~/.nanobot
+    env["HTTPS_PROXY"] = env["HTTP_PROXY"] = "http://127.0.0.1:9"  # tiktoken's download fails at once
+    env["PYTHONPATH"] = str(example.parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "user · hello" in lines and "assistant · you said: what did I say?" in lines, done.stdout
