@@ -772,3 +772,42 @@ def test_the_example_runs_as_a_user_runs_it_on_the_default_server(tmp_path: Path
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert "user · hello" in lines and "assistant · you said: what did I say?" in lines, done.stdout
+
+
+def test_a_compactors_cut_is_archived_with_its_summary_for_nanobot(rig: Rig) -> None:
+    """Our compactor (or `Session.compact`) cuts a nanobot session: nanobot archives what the cut
+    hides and its prompt carries the cut's summary (as `_last_summary`); nanobot's own next
+    consolidation takes over from there."""
+    from redis_session.sessions import Sessions
+
+    key = "cli:compacted"
+    s = Session(key=key)
+    for i in range(4):
+        s.add_message("user", f"u{i}")
+        s.add_message("assistant", f"a{i}")
+    rig.ours.save(s)
+
+    async def compact() -> None:
+        store = RedisSessionStore.from_url(rig.url, prefix=rig.prefix)
+        try:
+            handle = await Sessions(store).open(key_to_id(key))
+            summary = [{"role": "user", "content": "[Archived Context Summary]\n\nu0..u1 discussed"}]
+            await handle.compact(4, summary, "token_limit")
+        finally:
+            await store.aclose()
+
+    run(compact())
+    loaded = rig.ours.load(key)
+    assert loaded is not None
+    assert loaded.last_archived == 4 and len(loaded.messages) == 8
+    assert loaded.metadata["_last_summary"]["text"] == "u0..u1 discussed"
+    assert [m["content"] for m in loaded.get_history()] == ["u2", "a2", "u3", "a3"]
+    loaded.add_message("user", "u4")
+    rig.ours.save(loaded)  # writes the summary down as nanobot's metadata
+    again = rig.ours.load(key)
+    assert again is not None and again.metadata == loaded.metadata and again.last_archived == 4
+    # nanobot's own summary replaces it, and stays
+    again.metadata["_last_summary"] = {"text": "nanobot's own", "last_active": "2026-01-01T00:00:00"}
+    rig.ours.save(again)
+    last = rig.ours.load(key)
+    assert last is not None and last.metadata["_last_summary"]["text"] == "nanobot's own"

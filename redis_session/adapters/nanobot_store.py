@@ -427,6 +427,11 @@ class RedisNanobotStore:
             provider_state=provider,
         )
         setattr(session, _PIN, _pin_of(state, session))  # what the log holds
+        if state.foreign_summary:
+            # A compactor's cut: its summary is what nanobot's prompt carries for the archived
+            # part (nanobot's `_last_summary`; the next save writes it down).
+            summary = {"text": state.foreign_summary, "last_active": state.foreign_active or ""}
+            session.metadata["_last_summary"] = summary
         if _migrate_exec(session.messages, session.metadata):
             session.provider_state = None  # as nanobot's own load; the next save writes both
         return session

@@ -113,6 +113,21 @@ def summary_messages(metadata: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}] if text is not None else []
 
 
+_SUMMARY_HEAD = "[Archived Context Summary]\n\n"
+
+
+def _summary_of(messages: Any) -> str:
+    """The text of a cut's summary messages (without the heading nanobot's prompt adds again)."""
+    parts: list[str] = []
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            content = "\n".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+        if isinstance(content, str) and content:
+            parts.append(content.removeprefix(_SUMMARY_HEAD))
+    return "\n\n".join(parts)
+
+
 def _offset(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -144,6 +159,8 @@ class NanobotState:
     provider_state: Any = None
     nanobot_entries: int = 0  # entries of nanobot's own types (0: a generic log)
     seam: bool = False  # written through nanobot 0.3's store seam (its files carry last_archived)
+    foreign_summary: str | None = None  # the summary of the last cut, when another tool wrote it
+    foreign_active: str | None = None  # nanobot's updated_at when that cut landed
 
     @classmethod
     def start(cls, head: SessionHead) -> NanobotState:
@@ -182,6 +199,8 @@ class NanobotState:
             provider_state=clone(self.provider_state),
             nanobot_entries=self.nanobot_entries,
             seam=self.seam,
+            foreign_summary=self.foreign_summary,
+            foreign_active=self.foreign_active,
         )
 
     def apply(self, entries: Iterable[Entry]) -> None:
@@ -221,6 +240,8 @@ class NanobotState:
         changes = data.get("metadata_set")
         if isinstance(changes, dict):
             self.metadata.update(clone(changes))
+        if isinstance(whole, dict) or (isinstance(changes, dict) and "_last_summary" in changes):
+            self.foreign_summary = None  # nanobot's own summary from here on
         gone = data.get("metadata_unset")
         if isinstance(gone, list):
             for k in gone:
@@ -244,11 +265,15 @@ class NanobotState:
                 self.messages = [self.messages[i] for i in kept]
                 self.ns = [self.ns[i] for i in kept]
             self.last_archived = archive_offset(nb)
+            self.foreign_summary = None
             return
         # Another tool compacted (a compactor, `Session.compact`): nanobot archives what the cut
-        # hides and keeps every message.
+        # hides (keeping every message); its summary is `foreign_summary` (until nanobot cuts
+        # again), for nanobot's prompt to carry in place of what was archived.
         before = _offset(data.get("before")) or 0
         self.last_archived = sum(1 for n in self.ns if n < before)
+        self.foreign_summary = _summary_of(data.get("summary")) or None
+        self.foreign_active = self.updated_at  # the last activity the summary covers
 
     @property
     def archived(self) -> int:
