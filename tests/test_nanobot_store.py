@@ -811,3 +811,10 @@ def test_a_compactors_cut_is_archived_with_its_summary_for_nanobot(rig: Rig) -> 
     rig.ours.save(again)
     last = rig.ours.load(key)
     assert last is not None and last.metadata["_last_summary"]["text"] == "nanobot's own"
+
+
+@pytest.mark.parametrize("key", ["telegram:12345", "discord:guild 42", "tab\tkey", "{x}:y", "50%", "ü é"])
+def test_the_importer_and_the_store_map_keys_alike(key: str) -> None:
+    from redis_session.importers.common import key_to_session_id
+
+    assert key_to_session_id(key) == key_to_id(key)

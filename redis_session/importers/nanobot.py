@@ -33,7 +33,7 @@ from ..errors import ImportFormatError
 from ..model import CUT, Entry, NewEntry, OpenAIToolCall, SessionHead, SessionHeader
 from ..projection import nanobot as nanobot_log
 from ..projection.fold import openai_messages, project
-from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, ms_iso, session_id_to_key
+from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, mapped_id, ms_iso, session_id_to_key
 
 FORMAT = "nanobot"
 MESSAGE = "message"
@@ -141,7 +141,10 @@ class _Reader:
         if self.session_id is not None:
             sid = self.session_id
         else:
-            sid = nanobot_log.key_to_id(self.key)  # the store adapter's mapping: they share sessions
+            # the mapping the nanobot store uses too (`projection.nanobot.key_to_id`), so imported
+            # files and the store share sessions; a key too long even for nanobot's own file
+            # names is refused here (the store hashes it)
+            sid = mapped_id(path, 1, self.key)
             original = self.key if sid != self.key else None
         header = SessionHeader(id=sid, created_at=self.created_at, title=self.title, origin=self.origin)
         return ParsedSession(str(path), FORMAT, header, self.entries, self.lines, original_id=original)
