@@ -1,4 +1,4 @@
-"""nanobot's SessionManager on the store (redis_session.adapters.nanobot).
+"""The legacy drop-in (redis_session.adapters.nanobot): nanobot 8656549's SessionManager on the store.
 
 The fixtures in tests/fixtures/seed/nanobot were written by nanobot's own SessionManager, and
 `expected_get_history.json` is what nanobot's own `get_history` returned for them: every file ×
@@ -498,3 +498,43 @@ async def test_sync_calls_work_inside_a_coroutine() -> None:
         m.save(s)
         m.invalidate("loop:1")
         assert m.get_or_create("loop:1").get_history() == [{"role": "user", "content": "hi"}]
+
+
+def test_any_key_works_by_default(backend: Backend, manager: SessionManager) -> None:
+    """Keys nanobot takes that are no session id (whitespace, tabs, braces) map reversibly."""
+    keys = ["discord:guild 42", "tab\tkey", "{x}:y", "50%"]
+    for key in keys:
+        s = manager.get_or_create(key)
+        s.add_message("user", key)
+        manager.save(s)
+    other = backend.manager()
+    try:
+        assert sorted(x["key"] for x in other.list_sessions()) == sorted(keys)
+        for key in keys:
+            assert [m["content"] for m in other.get_or_create(key).messages] == [key]
+    finally:
+        other.close()
+
+
+def test_a_session_of_one_life_never_writes_another(backend: Backend, manager: SessionManager) -> None:
+    """Deleted and created again with the same number of entries: the old object's save is
+    refused (SessionReplacedError), the new life keeps only its own messages."""
+    from redis_session import SessionReplacedError
+
+    key = "cli:direct"
+    old = manager.get_or_create(key)
+    old.add_message("user", "old life")
+    manager.save(old)
+    other = backend.manager()
+    try:
+        assert other.delete_session(key)
+        new = other.get_or_create(key)
+        new.add_message("user", "new life")
+        other.save(new)
+        old.add_message("assistant", "meant for the old life")
+        with pytest.raises(SessionReplacedError):
+            manager.save(old)
+        other.invalidate(key)
+        assert [m["content"] for m in other.get_or_create(key).messages] == ["new life"]
+    finally:
+        other.close()

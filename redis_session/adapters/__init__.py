@@ -8,6 +8,10 @@
   needs the ``adk`` extra.
 - `RedisEventSaver` (``redis_session.adapters.langgraph``): a LangGraph checkpointer
   (``BaseCheckpointSaver``); needs the ``langgraph`` extra.
+- `RedisNanobotStore` (``redis_session.adapters.nanobot_store``): nanobot 0.3.5's own
+  ``SessionStore`` seam (``SessionManager(workspace, store=...)``); needs the ``nanobot`` extra.
+  ``redis_session.adapters.nanobot.LegacySessionManager`` is a port of the older nanobot's
+  manager (8656549), for deployments still on it.
 
 Each is imported on first use, so this package imports without any framework installed.
 """
@@ -20,9 +24,16 @@ if TYPE_CHECKING:
     from .adk import RedisAdkSessionService
     from .langchain import RedisChatMessageHistory
     from .langgraph import RedisEventSaver
+    from .nanobot_store import RedisNanobotStore
     from .openai_agents import RedisEventSession
 
-__all__ = ["RedisAdkSessionService", "RedisChatMessageHistory", "RedisEventSaver", "RedisEventSession"]
+__all__ = [
+    "RedisAdkSessionService",
+    "RedisChatMessageHistory",
+    "RedisEventSaver",
+    "RedisEventSession",
+    "RedisNanobotStore",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -42,4 +53,8 @@ def __getattr__(name: str) -> Any:
         from .langgraph import RedisEventSaver
 
         return RedisEventSaver
+    if name == "RedisNanobotStore":
+        from .nanobot_store import RedisNanobotStore
+
+        return RedisNanobotStore
     raise AttributeError(name)

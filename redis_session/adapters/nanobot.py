@@ -1,7 +1,15 @@
-"""nanobot's ``SessionManager`` and ``Session`` on a redis-session store (a drop-in).
+"""The legacy drop-in: nanobot's ``SessionManager`` and ``Session`` for nanobot up to 8656549
+(2026-06-27), before nanobot had a persistence seam of its own.
 
->>> from redis_session.adapters.nanobot import SessionManager
->>> sessions = SessionManager("redis://localhost:6379/0")     # or a store, or a `Sessions`
+**For nanobot 0.3.x (``pip install nanobot-ai``) use
+`redis_session.adapters.nanobot_store.RedisNanobotStore`** instead: nanobot's own
+``SessionManager(workspace, store=RedisNanobotStore())`` then runs unchanged on the log. This
+module is a port of that older nanobot's manager, kept for deployments still on it; both read and
+write the same log layout (`redis_session.projection.nanobot`), so a session moves from one to
+the other as it is.
+
+>>> from redis_session.adapters.nanobot import LegacySessionManager as SessionManager
+>>> sessions = SessionManager()      # $REDIS_URL, else the embedded server; or a URL, store, `Sessions`
 >>> s = sessions.get_or_create("telegram:12345")
 >>> s.add_message("user", "hello")
 >>> sessions.save(s)
@@ -45,8 +53,12 @@ changed since this session was loaded or last saved, in one ``put`` with the exp
 raises `SessionConflictError`; call ``invalidate(key)``, ``get_or_create(key)`` again (it reads
 the winner's messages), reapply the change and save.
 
-**Differences from nanobot's files**, by design: a session's id is its key, so keys must be valid
-session ids (no whitespace or braces; pass ``key_to_id`` to map others); ``save(fsync=True)`` is
+**Another life.** A session read from (or created as) one life of the id never writes into
+another: after the id was deleted and created again, ``save`` raises `SessionReplacedError`.
+
+**Differences from nanobot's files**, by design: any key works (`redis_session.projection.nanobot.key_to_id`
+maps it to a session id reversibly: ``discord:guild 42`` → ``discord:guild%2042``; pass
+``key_to_id`` for another mapping); ``save(fsync=True)`` is
 accepted and means nothing more (a write is durable as the server's persistence is);
 ``get_history`` counts tokens with nanobot's fallback estimator (characters / 4), not tiktoken.
 """
@@ -70,6 +82,7 @@ from anyio.from_thread import BlockingPortal
 from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
 from ..keys import Keys, validate_session_id
 from ..model import CUT, Entry, NewEntry, SessionHead, SessionHeader
+from ..projection import nanobot as nanobot_log
 from ..store import SessionStore
 from ._log import resolve_store
 
@@ -279,6 +292,7 @@ class _Saved:
 
     n: int = 0  # the log's n
     exists: bool = False
+    incarnation: str | None = None  # the life of the id this session was read from / created as
     messages: list[dict[str, Any]] = field(default_factory=list)  # the dicts handed out, by identity
     ns: list[int] = field(default_factory=list)  # their entry n
     encoded: list[str] = field(default_factory=list)  # their content then (edits in place show)
@@ -512,34 +526,25 @@ def _from_ms(ms: int) -> datetime:
 def fold(key: str, head: SessionHead, entries: Sequence[Entry]) -> Session:
     """The nanobot `Session` a log holds (pure: the same log gives the same session).
 
-    ``message`` entries and ``nanobot/command`` marks are the messages; the last
-    ``nanobot/metadata`` mark (else the header's ``origin.metadata``, as the importer keeps it) is
-    the metadata; each cut drops the messages below its ``meta.nanobot.floor`` (a cut without one,
-    written by someone else, drops none) and sets ``last_consolidated`` to the number of kept
-    messages below its ``before``."""
+    The messages, metadata and ``last_consolidated`` are what `redis_session.projection.nanobot.fold`
+    (the one rule for nanobot logs, shared with the 0.3 store and the exporter) reads; the last
+    cut's floor, ``before`` and summary are kept for this manager's next save."""
     origin = head.header.origin if isinstance(head.header.origin, dict) else {}
-    metadata = origin.get("metadata")
-    metadata = deepcopy(metadata) if isinstance(metadata, dict) else {}
-    saved = _Saved(n=head.n, exists=True)
-    pairs: list[tuple[int, dict[str, Any]]] = []
+    state = nanobot_log.fold(head, entries)
+    saved = _Saved(n=head.n, exists=True, incarnation=head.header.incarnation)
     for e in entries:
-        if e.type == MESSAGE or e.type == COMMAND:
-            pairs.append((e.n, deepcopy(e.data)))
-        elif e.type == METADATA:
-            value = e.data.get("metadata")
-            metadata = deepcopy(value) if isinstance(value, dict) else {}
-        elif e.type == CUT:
+        if e.type == CUT:
             floor = _cut_floor(e.data)
             if floor is not None:
                 saved.floor = floor
-                pairs = [p for p in pairs if p[0] >= floor]
             saved.before = int(e.data.get("before", 0))
             saved.summary = list(e.data.get("summary") or [])
             saved.foreign = floor is None and bool(saved.summary)
-    messages = [m for _, m in pairs]
-    lc = sum(1 for n, _ in pairs if n < saved.before)
+    messages = state.messages
+    metadata = state.metadata
+    lc = state.archived
     saved.messages = list(messages)
-    saved.ns = [n for n, _ in pairs]
+    saved.ns = list(state.ns)
     saved.encoded = [_encode(m) for m in messages]
     saved.metadata = _encode(metadata)
     created = _parse_time(origin.get("created_at")) or _from_ms(head.header.created_at)
@@ -622,6 +627,7 @@ def plan_save(session: Session) -> tuple[list[NewEntry], _Saved]:
     after = _Saved(
         n=n + len(entries),
         exists=True,
+        incarnation=old.incarnation,
         messages=current,
         ns=ns,
         encoded=[_encode(m) for m in current],
@@ -657,34 +663,36 @@ def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
 class SessionManager:
     """nanobot's ``SessionManager`` on a redis-session store.
 
-    `store` is a URL (the manager owns a `RedisSessionStore` on it, `prefix` its key prefix), a
-    `SessionStore` or a `Sessions` service. A store handed in is used from the manager's private
-    event-loop thread: a `RedisSessionStore` must not also be used from another loop.
-    `key_to_id` maps a nanobot key to a session id (default: the key itself).
+    `store` is None (``$REDIS_URL``, else the embedded server) or a URL (the manager owns a
+    `RedisSessionStore` on it, `prefix` its key prefix), a `SessionStore` or a `Sessions`
+    service. A store handed in is used from the manager's private event-loop thread: a
+    `RedisSessionStore` must not also be used from another loop.
+    `key_to_id` maps a nanobot key to a session id (default:
+    `redis_session.projection.nanobot.key_to_id`, reversible, any key).
     """
 
     def __init__(
         self,
-        store: str | SessionStore | Any,
+        store: str | SessionStore | Any = None,
         *,
         prefix: str = "rs",
         key_to_id: Callable[[str], str] | None = None,
     ) -> None:
         self._portal, self._thread = _start_portal()
-        self._owned = isinstance(store, str)
-        if isinstance(store, str):
-            from ..redis import RedisSessionStore
+        self._owned = store is None or isinstance(store, str)
+        if store is None or isinstance(store, str):
+            from ..redis.connect import open_store
 
             url = store
 
             async def make() -> SessionStore:
-                return RedisSessionStore.from_url(url, prefix=prefix)
+                return open_store(url, prefix=prefix)
 
             self.store: SessionStore = self._portal.call(make)
         else:
             self.store = resolve_store(store)
         self.prefix = prefix
-        self._key_to_id = key_to_id or (lambda k: k)
+        self._key_to_id = key_to_id or nanobot_log.key_to_id
         self._cache: dict[str, Session] = {}
         vocabulary = self.store.vocabulary
         for t in (COMMAND, METADATA):
@@ -745,7 +753,7 @@ class SessionManager:
             if head is None:
                 return None
             try:
-                entries = await self.store.read(sid, 0, head.n)
+                entries = await self.store.read(sid, 0, head.n, incarnation=head.header.incarnation)
             except SessionNotFoundError:
                 return None
             return head, entries
@@ -768,24 +776,28 @@ class SessionManager:
             "created_at": session.created_at.isoformat(),
         }
 
-        async def write() -> None:
+        async def write() -> str | None:
             key = uuid.uuid4().hex
+            incarnation = old.incarnation
             if not old.exists and old.n == 0:
                 header = SessionHeader(id=sid, created_at=int(session.created_at.timestamp() * 1000), origin=origin)
                 try:
                     if len(entries) <= self._max_batch:
-                        await self.store.create(header, entries)
-                        return
-                    await self.store.create(header)
+                        return (await self.store.create(header, entries)).header.incarnation
+                    incarnation = (await self.store.create(header)).header.incarnation
                 except SessionAlreadyExistsError:
                     head = await self.store.head(sid)
                     raise SessionConflictError(sid, 0, head.n if head is not None else 0) from None
             step = self._max_batch
             for i in range(0, len(entries), step):
-                await self.store.put(sid, old.n + i, entries[i : i + step], idempotency_key=f"{key}:{i}")
+                # a session read from (or created as) one life of the id never writes another
+                await self.store.put(
+                    sid, old.n + i, entries[i : i + step], idempotency_key=f"{key}:{i}", incarnation=incarnation
+                )
+            return incarnation
 
         if entries or not old.exists:
-            self._run(write)
+            after.incarnation = self._run(write)
         session._saved = after
         session._reason = None
         self._cache[session.key] = session
@@ -922,7 +934,7 @@ class SessionManager:
             if head is None:
                 return None
             try:
-                return head, await self.store.read(sid, 0, head.n)
+                return head, await self.store.read(sid, 0, head.n, incarnation=head.header.incarnation)
             except SessionNotFoundError:
                 return None
 
@@ -947,8 +959,12 @@ def _preview(messages: Sequence[dict[str, Any]]) -> str:
     return fallback
 
 
+#: the name that says what it is: nanobot's manager as it was at 8656549 (see the module docstring)
+LegacySessionManager = SessionManager
+
 __all__ = [
     "FILE_MAX_MESSAGES",
+    "LegacySessionManager",
     "Session",
     "SessionManager",
     "estimate_message_tokens",

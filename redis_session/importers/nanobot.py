@@ -31,6 +31,7 @@ from msgspec import Struct, field
 
 from ..errors import ImportFormatError
 from ..model import CUT, Entry, NewEntry, OpenAIToolCall, SessionHead, SessionHeader
+from ..projection import nanobot as nanobot_log
 from ..projection.fold import openai_messages, project
 from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, mapped_id, ms_iso, session_id_to_key
 
@@ -49,6 +50,7 @@ class MetadataLine(Struct):
     created_at: str | None = None
     updated_at: str | None = None
     metadata: dict[str, Any] | None = None
+    last_archived: Any = None
     last_consolidated: Any = 0
 
 
@@ -123,7 +125,7 @@ class _Reader:
         self.lines.append(no)
 
     def finish(self) -> ParsedSession:
-        lc = _lc(self.origin.get("last_consolidated", 0), len(self.entries))
+        lc = _lc(nanobot_log.archive_offset(self.origin), len(self.entries))
         summary = summary_text(self.metadata)
         if lc > 0 or summary is not None:
             data = {
@@ -139,6 +141,9 @@ class _Reader:
         if self.session_id is not None:
             sid = self.session_id
         else:
+            # the mapping the nanobot store uses too (`projection.nanobot.key_to_id`), so imported
+            # files and the store share sessions; a key too long even for nanobot's own file
+            # names is refused here (the store hashes it)
             sid = mapped_id(path, 1, self.key)
             original = self.key if sid != self.key else None
         header = SessionHeader(id=sid, created_at=self.created_at, title=self.title, origin=self.origin)
@@ -164,66 +169,57 @@ def parse(source: Source, session_id: str | None) -> ParsedSession:
 # --------------------------------------------------------------------------- export
 
 
-def _cut_floor(data: dict[str, Any]) -> int | None:
-    meta = data.get("meta")
-    nano = meta.get("nanobot") if isinstance(meta, dict) else None
-    floor = nano.get("floor") if isinstance(nano, dict) else None
-    return floor if isinstance(floor, int) and not isinstance(floor, bool) else None
-
-
 def fold(head: SessionHead, entries: Sequence[Entry]) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
-    """The messages, metadata and ``last_consolidated`` nanobot would load for this log: the rule
-    of `redis_session.adapters.nanobot.fold` (``message`` entries and ``nanobot/command`` marks are
-    the messages; the last ``nanobot/metadata`` mark, else ``origin.metadata``, the metadata; each
-    cut drops the messages below its ``meta.nanobot.floor`` and consolidates those below
-    ``before``). A log with no such entries (a dsh or generic session) gives its projection as
-    OpenAI messages, each with the time of its entry as ``timestamp``."""
-    origin = head.header.origin if isinstance(head.header.origin, dict) else {}
-    metadata = origin.get("metadata")
-    metadata = dict(metadata) if isinstance(metadata, dict) else {}
-    pairs: list[tuple[int, dict[str, Any]]] = []
-    before = 0
-    for e in entries:
-        if e.type in (MESSAGE, COMMAND):
-            msg = dict(e.data)
-            if "timestamp" not in msg:
-                msg["timestamp"] = ms_iso(e.time)
-            pairs.append((e.n, msg))
-        elif e.type == METADATA:
-            value = e.data.get("metadata")
-            metadata = dict(value) if isinstance(value, dict) else {}
-        elif e.type == CUT:
-            floor = _cut_floor(e.data)
-            if floor is not None:
-                pairs = [p for p in pairs if p[0] >= floor]
-            before = int(e.data.get("before", 0))
-    if not pairs and entries:
-        times = {e.n: e.time for e in entries}
-        for m in project(entries):
-            stamp = ms_iso(max((times.get(n, 0) for n in m.source), default=0))
-            for msg in openai_messages([m]):
-                pairs.append((m.source[0] if m.source else 0, {**msg, "timestamp": stamp}))
-        before = 0
-    return [m for _, m in pairs], metadata, sum(1 for n, _ in pairs if n < before)
+    """The messages, metadata and ``last_archived`` nanobot would load for this log (the one
+    rule, `redis_session.projection.nanobot.fold`). A log with none of nanobot's entries (a dsh
+    or generic session) gives its projection as OpenAI messages, each with the time of its entry
+    as ``timestamp``."""
+    state = nanobot_log.fold(head, entries)
+    return _messages(state, entries), state.metadata, state.archived
+
+
+def _messages(state: nanobot_log.NanobotState, entries: Sequence[Entry]) -> list[dict[str, Any]]:
+    times = {e.n: e.time for e in entries}
+    if state.messages or state.nanobot_entries or not entries:
+        out = []
+        for n, m in zip(state.ns, state.messages, strict=True):
+            out.append(m if "timestamp" in m else {**m, "timestamp": ms_iso(times.get(n, 0))})
+        return out
+    generic: list[dict[str, Any]] = []
+    for pm in project(entries):
+        stamp = ms_iso(max((times.get(n, 0) for n in pm.source), default=0))
+        for msg in openai_messages([pm]):
+            generic.append({**msg, "timestamp": stamp})
+    return generic
 
 
 def export_lines(head: SessionHead, entries: Sequence[Entry]) -> Iterator[str]:
-    """The session as a nanobot session file (nanobot's own JSON layout, one record a line)."""
+    """The session as a nanobot session file, as nanobot's ``JsonlSessionStore`` writes it: line 1
+    with ``last_archived`` (0.3.x; a file imported from an older nanobot keeps its layout without
+    it), then ``provider_state`` when there is one, then one message a line."""
     origin = head.header.origin if isinstance(head.header.origin, dict) else {}
-    messages, metadata, lc = fold(head, entries)
-    key = origin.get("key") if isinstance(origin.get("key"), str) else session_id_to_key(head.header.id)
-    created = origin.get("created_at") if isinstance(origin.get("created_at"), str) else None
-    updated = origin.get("updated_at") if isinstance(origin.get("updated_at"), str) else None
-    first = {
+    state = nanobot_log.fold(head, entries)
+    messages = _messages(state, entries)
+    la = state.archived
+    # a file of an older nanobot (no last_archived on line 1) keeps its layout until 0.3 saves it
+    legacy = (
+        origin.get("format") == FORMAT
+        and "last_consolidated" in origin
+        and "last_archived" not in origin
+        and not state.seam
+    )
+    first: dict[str, Any] = {
         "_type": "metadata",
-        "key": key,
-        "created_at": created or ms_iso(head.header.created_at),
-        "updated_at": updated or ms_iso(head.updated_at),
-        "metadata": metadata,
-        "last_consolidated": lc,
+        "key": state.key if isinstance(origin.get("key"), str) else session_id_to_key(head.header.id),
+        "created_at": state.created_at or ms_iso(head.header.created_at),
+        "updated_at": state.updated_at or ms_iso(head.updated_at),
+        "metadata": state.metadata,
     }
+    if not legacy:
+        first["last_archived"] = la
+    first["last_consolidated"] = la
     yield json.dumps(first, ensure_ascii=False) + "\n"
-    if "provider_state" in origin:
-        yield json.dumps({"_type": "provider_state", "state": origin["provider_state"]}, ensure_ascii=False) + "\n"
+    if state.provider_state is not None:
+        yield json.dumps({"_type": "provider_state", "state": state.provider_state}, ensure_ascii=False) + "\n"
     for m in messages:
         yield json.dumps(m, ensure_ascii=False) + "\n"
