@@ -332,7 +332,7 @@ def test_adapters_without_their_extra_name_it() -> None:
         "    print(e)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "pip install 'redis-session[langchain]'" in r.stdout, r.stdout + r.stderr
+    assert "pip install 'redis-agent-session[langchain]'" in r.stdout, r.stdout + r.stderr
 
 
 async def test_fork_after_a_compact_says_which_boundary_is_valid(redis_store: RedisSessionStore) -> None:
