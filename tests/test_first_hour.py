@@ -358,6 +358,33 @@ async def test_fork_after_a_compact_says_which_boundary_is_valid(redis_store: Re
     assert f.n == 4
 
 
+async def test_an_openai_tool_call_round_trip_is_kept_and_a_malformed_one_refused(
+    redis_store: RedisSessionStore,
+) -> None:
+    """Issue 25 item 3: `tool_calls` on an assistant/message was accepted, then vanished (and its
+    tool/result with it) while doctor said clean."""
+    from redis_session import InvalidEntryError, Sessions, to_anthropic, to_openai
+
+    sessions = Sessions(redis_store)
+    s = await sessions.open("tools-1")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    await s.append("user/message", {"content": "Weather in Paris?"})
+    await s.append("assistant/message", {"content": None, "tool_calls": [call]})
+    await s.append("tool/result", {"callId": "call_1", "content": "18 °C"})
+    await s.commit({"content": "18 °C in Paris."})
+    openai = to_openai(await s.messages())
+    assert [m["role"] for m in openai] == ["user", "assistant", "tool", "assistant"]
+    assert openai[1]["tool_calls"] == [call] and openai[2]["tool_call_id"] == "call_1"
+    anthropic = to_anthropic(await s.messages())["messages"]
+    assert anthropic[1]["content"][0]["type"] == "tool_use" and anthropic[2]["content"][0]["tool_use_id"] == "call_1"
+    assert (await sessions.doctor("tools-1")).ok
+    bad = {"content": None, "tool_calls": [{"id": "call_2", "name": "f", "arguments": {"x": 1}}]}
+    with pytest.raises(InvalidEntryError) as info:
+        await s.append("assistant/message", bad)
+    assert "$.tool_calls[0]" in str(info.value) and '"type": "function", "function": {"name"' in str(info.value)
+    assert (await redis_store.head("tools-1")).n == 4  # type: ignore[union-attr]
+
+
 # --------------------------------------------------------------------------- 5. the README, run
 
 

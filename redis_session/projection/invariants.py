@@ -13,7 +13,7 @@ from msgspec import Struct
 
 from ..errors import InvalidEntryError
 from ..model import CUT, MESSAGE_TYPES, Entry, NewEntry, Surface, lossless_json
-from .fold import ProjectionState
+from .fold import ProjectionState, assistant_blocks
 from .request import HEADER, HEADER_DELTA, apply_header_delta, canonical_header
 
 
@@ -264,8 +264,7 @@ class _OpenTurn:
             self.step = None
             self._forget_calls()
         elif t == "assistant/message":
-            content = d.get("content")
-            for block in content if isinstance(content, list) else ():
+            for block in assistant_blocks(d):
                 if isinstance(block, dict) and block.get("type") == "tool-call":
                     call_id = block.get("id")
                     self.pending.setdefault(call_id, (_int(d.get("step")) or self.step, self.logged.get(call_id)))
