@@ -492,3 +492,89 @@ def test_demo_prints_the_summary_on_ctrl_c(home: Path) -> None:
     assert "stopping: finishing the turns in flight" in out
     assert "summary" in out and "doctor                clean" in out
     assert "interrupted" not in err and "Traceback" not in err
+
+
+def _in_a_terminal(cmd: list[str], env: dict[str, str], timeout: float = 180) -> tuple[int, str]:
+    """Run `cmd` with a pseudo-terminal as stdout and stderr (a user's terminal, 100 columns)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def test_demo_in_a_terminal_shows_no_raw_markup(home: Path) -> None:
+    """Issue 25 item 7: the status line was drawn inside the print of a streamed piece (markup off,
+    style blue): `help[bold]24[/bold] sessions …`, glued to a half word of the answer."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS", "LINES")}
+    env["REDIS_SESSION_HOME"] = str(home)
+    env["TERM"] = "xterm-256color"
+    cmd = [sys.executable, "-m", "redis_session.cli", "demo", "--pods", "2", "--duration", "4", "--port", "0"]
+    code, screen = _in_a_terminal(cmd, env)
+    assert code == 0, screen[-3000:]
+    assert "sessions (" in screen  # the status line was drawn
+    for raw in ("[bold]", "[/bold]", "[dim]", "[/dim]", "[/"):
+        assert raw not in screen, screen[max(0, screen.find(raw) - 300) : screen.find(raw) + 300]
+    # the first answer of the coding agent, streamed in the status display, then printed whole
+    assert "Found it: parse() read ISO dates as day-month-year." in screen
+    assert "Traceback" not in screen
+
+
+def test_the_demo_summary_viewer_link_works_after_up(home: Path) -> None:
+    """Issue 25 item 16: the summary's viewer link pointed at the demo's stopped gateway."""
+    import urllib.request
+
+    port = free_port()
+    proc = _demo("--duration", "1", "--port", str(port), "--quiet", home=home)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("viewer ") and "stopped" in line)
+    command = line[line.index("`") + 1 : line.rindex("`")]
+    link = line.split("then open ")[1].strip()
+    assert command == f"redis-session up --prefix demo --port {port}"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["REDIS_SESSION_HOME"] = str(home)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "redis_session.cli", *command.split()[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        sid = link.split("#", 1)[1]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/sessions/{sid}", timeout=2) as r:
+                    assert r.status == 200 and json.loads(r.read())["id"] == sid
+                with urllib.request.urlopen(link.split("#")[0], timeout=2) as r:
+                    assert r.status == 200 and b"<html" in r.read().lower()
+                break
+            except OSError:
+                assert up.poll() is None and time.monotonic() < deadline, "`up` did not serve the viewer"
+                time.sleep(0.2)
+    finally:
+        up.terminate()
+        up.wait(timeout=30)
