@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
@@ -323,6 +324,82 @@ def test_tail_beyond_the_end_says_it_waits(redis_url: str, prefix: str, tmp_path
         proc.wait()
 
 
+def _tail_lines(args: tuple[str, ...], want: int, timeout: float = 60) -> list[str]:
+    """`redis-session tail ARGS` with its stdout a pipe: the first `want` lines, then it is stopped."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS")}
+    cmd = [sys.executable, "-m", "redis_session.cli", "tail", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while len(lines) < want and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+    finally:
+        proc.kill()
+        _, err = proc.communicate()
+    assert len(lines) == want, (lines, err)
+    return lines
+
+
+async def test_tail_piped_is_one_line_per_entry_never_wrapped_nor_padded(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    """Issue 25 item 10: piped, `tail` wrapped at 80 columns and padded lines with spaces."""
+    long = "word " * 60
+    entries = [
+        NewEntry("user/message", {"content": long.strip()}),
+        NewEntry("test/mark", {"i": 1, "note": "x" * 150}),
+        NewEntry("assistant/message", {"content": "short"}),
+    ]
+    await redis_store.create(SessionHeader(id="piped"), entries)
+    base = ("--url", redis_url, "--prefix", prefix)
+    first, *lines = _tail_lines(("piped", "--from", "0", *base), 4)
+    assert first.startswith("following piped")
+    assert [line.split()[2] for line in lines] == ["user/message", "test/mark", "assistant/message"]
+    assert lines[0].endswith(long.strip()) and len(lines[0]) > 300
+    assert '"note":"' + "x" * 150 + '"' in lines[1]
+    assert all(line == line.rstrip() for line in [first, *lines])  # no padding
+
+    first, *lines = _tail_lines(("piped", "--from", "0", "--messages", *base), 3)
+    assert lines[0].split(None, 1) == ["user", long.strip()]
+
+
+async def test_tail_json_prints_one_entry_per_line(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
+    await redis_store.create(
+        SessionHeader(id="tj"), [NewEntry("user/message", {"content": "hi"}), NewEntry("test/mark", {"i": 1})]
+    )
+    lines = _tail_lines(("tj", "--from", "0", "--json", "--url", redis_url, "--prefix", prefix), 2)
+    docs = [json.loads(line) for line in lines]  # the "following" note went to stderr
+    assert [(d["n"], d["type"]) for d in docs] == [(0, "user/message"), (1, "test/mark")]
+    assert docs[0]["data"] == {"content": "hi"}
+
+
+def test_version_and_short_help() -> None:
+    """Issue 25 item 16: `--version` and `-h` (on the app and on a command)."""
+    from redis_session import __version__
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout == f"redis-session {__version__}\n", r.stdout + r.stderr
+    r = run("-h")
+    assert r.returncode == 0 and "Usage:" in r.stdout and "tail" in r.stdout
+    r = run("tail", "-h")
+    assert r.returncode == 0 and "--json" in r.stdout
+
+
+def test_server_stop_when_already_stopped_exits_0(home: Path) -> None:
+    r = run("server", "stop", home=home)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("not running (data dir ")
+    assert run("server", "start", home=home).returncode == 0
+    r = run("server", "stop", home=home)
+    assert r.returncode == 0 and r.stdout.strip() == "stopped"
+    assert run("server", "stop", home=home).returncode == 0
+
+
 def test_adapters_without_their_extra_name_it() -> None:
     code = (
         "import sys; sys.modules['langchain_core'] = None\n"
@@ -578,3 +655,21 @@ def test_the_demo_summary_viewer_link_works_after_up(home: Path) -> None:
     finally:
         up.terminate()
         up.wait(timeout=30)
+
+
+async def test_show_in_a_terminal_is_one_line_per_entry(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    """Issue 25 item 16: in a terminal `show` printed each entry as pretty JSON over many lines;
+    now one line per entry cut to the width (piped and --json keep the whole entry per line)."""
+    entries = [NewEntry("user/message", {"content": "word " * 60}), NewEntry("test/mark", {"i": 1, "k": [1, 2]})]
+    await redis_store.create(SessionHeader(id="shown"), entries)
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS", "LINES")}
+    env["TERM"] = "dumb"
+    cmd = [sys.executable, "-m", "redis_session.cli", "show", "shown", "--url", redis_url, "--prefix", prefix]
+    code, screen = await anyio.to_thread.run_sync(lambda: _in_a_terminal(cmd, env, 60))
+    assert code == 0, screen
+    lines = [line for line in screen.replace("\r", "").splitlines() if line.strip()]
+    assert len(lines) == 3, screen  # the header, then one line per entry
+    assert "user/message" in lines[1] and lines[1].rstrip().endswith("…") and len(lines[1]) <= 100
+    assert "test/mark" in lines[2] and '{"i":1,"k":[1,2]}' in lines[2]
