@@ -373,3 +373,30 @@ def test_every_readme_block_runs_in_order(tmp_path: Path) -> None:
         stop_server(home)
     assert not failures, "\n\n".join(failures) + ("\n\nskipped:\n" + "\n".join(skipped) if skipped else "")
     assert ran >= 10
+
+
+def test_the_quick_start_puts_redis_session_on_path() -> None:
+    """Issue 25 item 12: after the Quick start `redis-session` was not on PATH (the venv was never
+    activated). The Quick start activates it; a shell without it reaches the command through the
+    venv's path, as the README says."""
+    text = README.read_text()
+    quick = text[text.index("## Quick start") : text.index("\n## ", text.index("## Quick start") + 5)]
+    first = readme_blocks(quick)[0]
+    for line in (x for x in first.code.splitlines() if x and not x.startswith("#")):
+        assert ". .venv/bin/activate && pip install" in line and "&& redis-session " not in line.split("activate")[0]
+    assert "`.venv/bin/redis-session …`" in quick
+    venv = Path(sys.prefix)
+    activate = venv / "bin" / "activate"
+    if not activate.is_file():
+        pytest.skip(f"{venv} is not a venv")
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if Path(p) != venv / "bin")
+    script = (
+        "command -v redis-session || echo 'not on PATH'; . {a} && command -v redis-session && redis-session --version"
+    )
+    r = subprocess.run(["bash", "-c", script.format(a=activate)], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    _before, found, version = r.stdout.splitlines()[-3:]
+    assert found == str(venv / "bin" / "redis-session") and version.startswith("redis-session ")
+    r = subprocess.run([str(venv / "bin" / "redis-session"), "--version"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.startswith("redis-session "), r.stderr
