@@ -729,6 +729,14 @@ def compactor_cmd(
     concurrency: Annotated[int, typer.Option(min=1, help="Sessions checked at once.")] = 4,
     feed_shards: Annotated[int, typer.Option(min=1, help="Change-feed shards (as the writers use).")] = 4,
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
+    from_start: Annotated[
+        bool,
+        typer.Option(
+            "--from-start",
+            help="A new group starts at the feed's first entry: check every retained session now "
+            "(default: the feed's end, only sessions written from now on).",
+        ),
+    ] = False,
 ) -> None:
     """Run a compactor worker (summarises sessions over a token budget into a cut), or show --status."""
 
@@ -755,7 +763,7 @@ def compactor_cmd(
             worker = comp.Compactor(
                 store, summarize=summarize, budget_tokens=budget, keep_recent=keep_recent, keep_tokens=keep_tokens,
                 timeout=timeout, consumer=consumer, group=group, claim_idle_ms=claim_idle_ms,
-                concurrency=concurrency, metrics_port=metrics_port,
+                concurrency=concurrency, metrics_port=metrics_port, from_start=from_start,
             )  # fmt: skip
             err.print(f"compactor {worker.consumer} running, budget {budget} tokens (Ctrl-C or SIGTERM to stop)")
             await worker.run_forever()
