@@ -673,3 +673,32 @@ async def test_show_in_a_terminal_is_one_line_per_entry(
     assert len(lines) == 3, screen  # the header, then one line per entry
     assert "user/message" in lines[1] and lines[1].rstrip().endswith("…") and len(lines[1]) <= 100
     assert "test/mark" in lines[2] and '{"i":1,"k":[1,2]}' in lines[2]
+
+
+async def test_a_streamed_answer_without_its_step_start_is_one_doctor_line(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    """Issue 25 item 11: streaming inside a turn without a step/start passed at write time, then
+    `doctor` printed one step-mismatch line per chunk row. Now the run is one problem that says
+    what is missing."""
+    from redis_session import Sessions
+
+    sessions = Sessions(redis_store)
+    s = await sessions.open("no-step")
+    await s.append_many([("turn/start", {"turn": 1}), ("user/message", {"content": "hi"})])
+    async with s.stream(turn=1, step=1, max_chunks=2) as w:
+        for i in range(9):
+            await w.delta(f"piece {i} ")
+    await s.append("turn/end", {"turn": 1, "reason": "completed"})
+    r = run("doctor", "no-step", "--url", redis_url, "--prefix", prefix)
+    assert r.returncode == 1
+    mismatches = [line for line in r.stdout.splitlines() if "step-mismatch" in line]
+    assert len(mismatches) == 1, r.stdout
+    assert "entries 2..7 (assistant/chunk ×5, assistant/message) name step 1, but no step is open" in mismatches[0]
+    assert "step/start" in mismatches[0]
+    # a lone entry naming a step is still reported as itself, and a second run separately
+    await s.append_many([("turn/start", {"turn": 2}), ("tool/result", {"callId": "c", "content": "x", "step": 3})])
+    report = await sessions.doctor("no-step")
+    mismatched = [p for p in report.problems if p.code == "step-mismatch"]
+    assert len(mismatched) == 2
+    assert mismatched[-1].message == "tool/result names step 3, but no step is open"
