@@ -323,6 +323,7 @@ def test_every_readme_block_runs_in_order(tmp_path: Path) -> None:
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",  # an activated venv
         RS_TOKEN=WRITER,
         PYTHONUNBUFFERED="1",
+        REDIS_SESSION_PORT=str(free_port()),  # the embedded server's; never a developer's 6390
     )
     port = free_port()
     tokens = tmp_path / "tokens.txt"
