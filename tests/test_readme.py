@@ -401,3 +401,20 @@ def test_the_quick_start_puts_redis_session_on_path() -> None:
     assert found == str(venv / "bin" / "redis-session") and version.startswith("redis-session ")
     r = subprocess.run([str(venv / "bin" / "redis-session"), "--version"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout.startswith("redis-session "), r.stderr
+
+
+def test_a_failing_block_is_named_by_its_readme_line(tmp_path: Path) -> None:
+    """The harness itself: blocks share one namespace in order, and a failure's traceback and the
+    block's name carry its README line (the lead re-runs this test after merging others' edits)."""
+    text = "intro\n\n```python\nx = 41\n```\n\ntext\n\n```python\ny = x + 1\nraise ValueError(y)\n```\n"
+    first, second = readme_blocks(text)
+    assert (first.line, second.line) == (4, 10) and second.where == "README.md:10 (```python)"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    python = PythonSession(env, tmp_path)
+    try:
+        assert python.run(first)[0] == {"ok": True}
+        result, _ = python.run(second)
+    finally:
+        python.close()
+    assert not result["ok"]
+    assert 'File "README.md", line 11' in str(result["error"]) and "ValueError: 42" in str(result["error"])
