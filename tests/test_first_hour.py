@@ -702,3 +702,32 @@ async def test_a_streamed_answer_without_its_step_start_is_one_doctor_line(
     mismatched = [p for p in report.problems if p.code == "step-mismatch"]
     assert len(mismatched) == 2
     assert mismatched[-1].message == "tool/result names step 3, but no step is open"
+
+
+async def test_the_gateway_takes_an_openai_tool_call_and_refuses_a_malformed_one(
+    redis_store: RedisSessionStore,
+) -> None:
+    import httpx
+
+    from support import running_gateway
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as http:
+        assert (await http.post("/sessions", json={"id": "tools-http"})).status_code == 201
+        bad = {"type": "assistant/message", "data": {"content": None, "tool_calls": [{"id": "c", "arguments": "{}"}]}}
+        r = await http.post("/sessions/tools-http/entries", json=bad)
+        assert r.status_code == 422, r.text
+        assert "tool_calls" in r.text and '\\"type\\": \\"function\\"' in r.text  # the accepted shape, JSON-escaped
+        batch = {
+            "entries": [
+                {"type": "user/message", "data": {"content": "q"}},
+                {"type": "assistant/message", "data": {"content": None, "tool_calls": [call]}},
+                {"type": "tool/result", "data": {"callId": "call_1", "content": "ok"}},
+            ]
+        }
+        assert (await http.post("/sessions/tools-http/entries", json=batch)).status_code == 201
+        r = await http.get("/sessions/tools-http/messages", params={"format": "openai"})
+        messages = r.json()
+        messages = messages["messages"] if isinstance(messages, dict) else messages
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+        assert messages[1]["tool_calls"] == [call]
