@@ -731,3 +731,32 @@ async def test_the_gateway_takes_an_openai_tool_call_and_refuses_a_malformed_one
         messages = messages["messages"] if isinstance(messages, dict) else messages
         assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
         assert messages[1]["tool_calls"] == [call]
+
+
+async def test_tail_json_carries_the_deltas_of_a_streamed_answer(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    from redis_session import Sessions
+
+    sessions = Sessions(redis_store)
+    s = await sessions.open("tj-live")
+    await s.append_many([("turn/start", {"turn": 1}), ("step/start", {"turn": 1, "step": 1})])
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS")}
+    cmd = [sys.executable, "-m", "redis_session.cli", "tail", "tj-live", "--json", "--url", redis_url]
+    proc = subprocess.Popen([*cmd, "--prefix", prefix], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # noqa: ASYNC220 - starting it does not block
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        await anyio.to_thread.run_sync(proc.stderr.readline)  # "following tj-live …": it is reading
+        async with s.stream(turn=1, step=1) as w:
+            for piece in ("It ", "is ", "sunny."):
+                await w.delta(piece)
+        docs: list[dict[str, Any]] = []
+        with anyio.fail_after(60):
+            while not any(d.get("type") == "assistant/message" for d in docs):
+                docs.append(json.loads(await anyio.to_thread.run_sync(proc.stdout.readline)))
+    finally:
+        proc.kill()
+        proc.communicate()
+    text = "".join(d["delta"]["text"] for d in docs if "delta" in d)
+    assert text == "It is sunny."
+    assert "It is sunny." in json.dumps(docs[-1]["data"])  # the committed message, after its deltas
