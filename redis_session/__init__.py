@@ -12,8 +12,7 @@ is internal. The layers, bottom up, and the one-way import rule are in docs/desi
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
+from . import live as live  # `redis_session.live.follow` / `follow_deltas` after a plain `import redis_session`
 from .errors import (
     AccessDeniedError,
     DurabilityError,
@@ -50,10 +49,9 @@ from .sessions import DoctorReport, Session, SessionLease, Sessions, connect
 from .store import MemorySessionStore, SessionStore
 from .streaming import AnswerStream
 
-try:
-    __version__ = version("redis-session")
-except PackageNotFoundError:  # pragma: no cover - a source tree that was never installed
-    __version__ = "0+unknown"
+# The one home of the version: pyproject.toml reads it from here (hatch's dynamic version), so an
+# installed copy, a source tree and `redis-session --version` always agree.
+__version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",

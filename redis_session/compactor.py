@@ -14,8 +14,13 @@ entry; only the projection gets shorter.
 
 Design choices (the why):
 
-- **Its own consumer group** (default ``compactor``) on the projector's feed shards, created from
-  id 0 like the projector's, so it runs beside projectors and catches up on the retained feed.
+- **Its own consumer group** (default ``compactor``) on the projector's feed shards. A new group
+  starts at the feed's *end* (``$``): a compactor deployed on a store that already holds sessions
+  does not summarise them all at once on its first start; it checks a session when it is next
+  written. ``from_start=True`` (``--from-start``) starts a new group at id 0 instead, checking every
+  session of the retained feed. Either way the start says so in the log, and an existing group
+  resumes where it left off. Every cut is logged with the session, why (its tokens against the
+  budget) and what was summarised.
   The feed is a hint: each session named in a batch is checked once, at its *current* head.
 - **What counts** is the projection (`load_state`, the projector's snapshot plus the tail) and its
   estimate (`estimate_tokens`, or the `estimator` given). A session at or under `budget_tokens`
@@ -337,8 +342,24 @@ class Compactor(FeedWorker):
     long a feed entry stays pending before it is reclaimed, which is also when a failed session is
     retried), `lock_ms` (the per-session lock's expiry, renewed while summarising; 0: no lock),
     `concurrency` (sessions checked at once), `max_conflicts` (re-decisions in a row before the
-    session is left for later), `block_ms`, `metrics_port`, `snapshot_cache`.
+    session is left for later), `block_ms`, `metrics_port`, `snapshot_cache`. `from_start`: a group
+    created now starts at the feed's first entry (every retained session is checked) instead of
+    its end (only sessions written from now on); an existing group resumes where it was.
     """
+
+    def groups_created(self, keys: builtins.list[str]) -> None:
+        if self.from_start:
+            log.info(
+                "compactor %s: created group %r at the start of the feed (%d shards): every session in the "
+                "retained feed is checked now, and cut if over %d tokens",
+                self.consumer, self.group, len(keys), self.budget_tokens,
+            )  # fmt: skip
+        else:
+            log.info(
+                "compactor %s: created group %r at the end of the feed (%d shards): sessions written before now "
+                "are checked when they are next written (--from-start / from_start=True checks them all now)",
+                self.consumer, self.group, len(keys),
+            )  # fmt: skip
 
     def __init__(
         self,
@@ -367,6 +388,7 @@ class Compactor(FeedWorker):
         metrics_addr: str = "0.0.0.0",
         registry: Any = None,
         snapshot_cache: SnapshotCache | None = None,
+        from_start: bool = False,
     ) -> None:
         if not callable(summarize):
             raise TypeError("summarize must be a callable: messages -> str | list of messages")
@@ -414,6 +436,8 @@ class Compactor(FeedWorker):
         self._groups_ready = False
         self._http: Any = None
         self.batches = 0
+        self.from_start = from_start
+        self.group_start = "0" if from_start else "$"
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -613,8 +637,9 @@ class Compactor(FeedWorker):
                 continue
             self.metrics.tokens_removed.inc(max(0, view.tokens - plan.kept_tokens))
             log.info(
-                "compactor %s: compacted %r at before=%d (%d messages summarised, ~%d -> ~%d tokens + summary)",
-                self.consumer, session_id, plan.before, plan.idx, view.tokens, plan.kept_tokens,
+                "compactor %s: compacted %r at before=%d: ~%d tokens over the %d budget; %d messages summarised, "
+                "~%d tokens kept + the summary",
+                self.consumer, session_id, plan.before, view.tokens, self.budget_tokens, plan.idx, plan.kept_tokens,
             )  # fmt: skip
             return COMPACTED
         log.warning("compactor %s: %r kept moving; left for a later retry", self.consumer, session_id)

@@ -169,17 +169,27 @@ class FeedWorker:
             await self.run()
             tg.cancel_scope.cancel()
 
+    group_start = "0"  # where a new group starts on a shard: "0" the retained feed, "$" its end
+
     async def ensure_groups(self) -> None:
-        """Create the group on every feed shard (from id 0, MKSTREAM); existing groups are kept."""
+        """Create the group on every feed shard (from `group_start`, MKSTREAM); existing groups are
+        kept (they resume where they left off). `groups_created` hears of the shards it created."""
         if self._groups_ready:
             return
+        created: builtins.list[str] = []
         for key in self.feeds:
             try:
-                await self._r.execute_command("XGROUP", "CREATE", key, self.group, "0", "MKSTREAM")
+                await self._r.execute_command("XGROUP", "CREATE", key, self.group, self.group_start, "MKSTREAM")
+                created.append(key)
             except RedisError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
         self._groups_ready = True
+        if created:
+            self.groups_created(created)
+
+    def groups_created(self, keys: builtins.list[str]) -> None:
+        """Called once the group was created on `keys` (a first start); a hook for subclasses."""
 
     def _start_http(self) -> None:
         if self.metrics_port is None or self._http is not None:

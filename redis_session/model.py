@@ -207,13 +207,6 @@ class UserMessageData(_Schema):
     source: Any = None
 
 
-class AssistantMessageData(_Schema):
-    content: Content
-    turn: int | None = None
-    step: int | None = None
-    usage: dict[str, Any] | None = None
-
-
 class ToolResultData(_Schema):
     callId: str
     content: Content
@@ -235,6 +228,14 @@ class SteeringMessageData(_Schema):
     source: Any = None
 
 
+TOOL_CALLS_SHAPE = (
+    '"tool_calls": [{"id": "call_1", "type": "function", '
+    '"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}] '
+    "(arguments a JSON string), answered by a tool/result with the same callId"
+)
+"""The OpenAI tool-call shape, named in the error that refuses a malformed one."""
+
+
 class OpenAIFunction(_Schema):
     name: str
     arguments: str
@@ -244,6 +245,26 @@ class OpenAIToolCall(_Schema):
     id: str
     function: OpenAIFunction
     type: str = "function"
+
+
+class AssistantMessageData(_Schema):
+    """An assistant message: `content` (text or blocks, ``tool-call`` blocks included) and, in the
+    OpenAI shape, `tool_calls` — each projected as the tool-call block it is, so `to_openai` and
+    `to_anthropic` both send it and its ``tool/result`` (``callId`` = the call's id) stays paired."""
+
+    content: Content | None = None
+    tool_calls: list[OpenAIToolCall] | None = None
+    turn: int | None = None
+    step: int | None = None
+    usage: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant/message needs `content` or `tool_calls`")
+        ids = [c.id for c in self.tool_calls or ()]
+        ids += [b.id for b in self.content if isinstance(b, ToolCallBlock)] if isinstance(self.content, list) else []
+        if len(set(ids)) < len(ids):
+            raise ValueError("tool call ids must be unique within an assistant/message")
 
 
 class ChatMessageData(_Schema):
@@ -493,7 +514,8 @@ class Vocabulary:
             try:
                 decoder.decode(raw)
             except msgspec.ValidationError as e:
-                raise InvalidEntryError(f"{entry_type}: {e}", index=index) from None
+                hint = f" (accepted: {TOOL_CALLS_SHAPE})" if "tool_calls" in str(e) else ""
+                raise InvalidEntryError(f"{entry_type}: {e}{hint}", index=index) from None
 
 
 # --------------------------------------------------------------------------- encoding

@@ -120,7 +120,14 @@ async def drain(store: RedisSessionStore, *workers: Compactor, group: str = "com
 
 
 def compactor(store: RedisSessionStore, summarize: Any, **kw: Any) -> Compactor:
-    opts: dict[str, Any] = {"budget_tokens": 150, "keep_recent": 4, "keep_tokens": 1000, "block_ms": 50}
+    # from_start: these tests write their sessions before the worker's first read
+    opts: dict[str, Any] = {
+        "budget_tokens": 150,
+        "keep_recent": 4,
+        "keep_tokens": 1000,
+        "block_ms": 50,
+        "from_start": True,
+    }
     opts.update(kw)
     return Compactor(store, summarize=summarize, **opts)
 
@@ -567,3 +574,53 @@ def test_load_summarizer_names_a_callable() -> None:
     for bad in ("json", "json:", "json:decoder"):
         with pytest.raises(ValueError):
             load_summarizer(bad)
+
+
+# --------------------------------------------------------------------------- first start (issue 25 item 9)
+
+
+async def test_a_first_start_leaves_sessions_written_before_it_alone_and_says_so(
+    redis_store: RedisSessionStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new user's compactor summarised 236 messages of sessions written long before it existed.
+    A new group starts at the feed's end; an old session is checked when it is next written."""
+    s = redis_store
+    await create(s, "old", turns(0, 10))  # over budget, written before any compactor
+    rec = Recorder()
+    c = compactor(s, rec, from_start=False)
+    with caplog.at_level("INFO", logger="redis_session.compactor"):
+        await drain(s, c)
+        assert await cuts(s, "old") == [] and rec.calls == []
+        assert "created group 'compactor' at the end of the feed" in caplog.text
+        assert "--from-start" in caplog.text
+        await s.put("old", None, turns(10, 1))  # written again: now it is the compactor's business
+        await drain(s, c)
+    [cut] = await cuts(s, "old")
+    assert cut.data["before"] == 18
+    line = next(r.getMessage() for r in caplog.records if "compacted 'old'" in r.getMessage())
+    assert "at before=18: ~220 tokens over the 150 budget; 18 messages summarised" in line
+
+
+async def test_an_existing_group_resumes_where_it_left_off(redis_store: RedisSessionStore) -> None:
+    """The end-of-feed start is for a *new* group: a compactor restarted (a deploy, a crash) still
+    checks what was written while it was down."""
+    s = redis_store
+    first = compactor(s, Recorder(), from_start=False, consumer="c1")
+    await drain(s, first)  # creates the group at the (empty) feed's end
+    await create(s, "while-down", turns(0, 10))
+    second = compactor(s, Recorder(), from_start=False, consumer="c2")
+    await drain(s, second)
+    [cut] = await cuts(s, "while-down")
+    assert cut.data["before"] == 16
+
+
+async def test_from_start_checks_the_retained_feed_and_says_so(
+    redis_store: RedisSessionStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = redis_store
+    await create(s, "old", turns(0, 10))
+    c = compactor(s, Recorder(), from_start=True)
+    with caplog.at_level("INFO", logger="redis_session.compactor"):
+        await drain(s, c)
+    assert len(await cuts(s, "old")) == 1
+    assert "created group 'compactor' at the start of the feed" in caplog.text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -166,3 +167,65 @@ def test_concurrent_ensure_from_three_processes_yields_one_server(data_dir: Path
         assert servers_of(data_dir) == [pid]
     assert ensure_server(data_dir).pid == pid
     assert os.getpid() != pid
+
+
+def _time_wait_sockets(port: int) -> int:
+    """TIME-WAIT TCP sockets whose local port is `port` (Linux /proc/net/tcp: state 06)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "06":
+            count += 1
+    return count
+
+
+def test_a_port_held_only_by_time_wait_is_free() -> None:
+    """Issue 25 item 8: after `server stop` with clients connected, ~130 TIME-WAIT sockets made the
+    port look taken with nothing listening."""
+    from redis_session.redis.embedded import port_free
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    for _ in clients:
+        conn, _ = listener.accept()
+        conn.close()  # the server side closes first: its socket stays in TIME-WAIT on `port`
+    for c in clients:
+        c.close()
+    assert not port_free(port)  # still listening
+    listener.close()
+    assert _time_wait_sockets(port) >= 1
+    assert port_free(port)
+
+
+def test_server_stop_then_start_keeps_the_port(tmp_path: Path) -> None:
+    """The user's sequence, through the CLI: start, clients come and go (the server closes their
+    connections: TIME-WAIT on its port), stop, start: the same URL, no "port is taken"."""
+    home = tmp_path / "home"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env.update(REDIS_SESSION_HOME=str(home), REDIS_SESSION_PORT=str(port))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "redis_session.cli", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+    try:
+        r = cli("server", "start")
+        assert r.returncode == 0 and r.stdout.strip() == f"redis://127.0.0.1:{port}/0", r.stdout + r.stderr
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"*1\r\n$4\r\nQUIT\r\n")  # the server closes first
+                s.recv(16)
+                s.recv(16)
+        assert cli("server", "stop").returncode == 0
+        assert _time_wait_sockets(port) >= 1
+        r = cli("server", "start")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == f"redis://127.0.0.1:{port}/0" and "taken" not in r.stderr, r.stdout + r.stderr
+        assert ping(port)
+    finally:
+        stop_server(home)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
@@ -323,6 +324,82 @@ def test_tail_beyond_the_end_says_it_waits(redis_url: str, prefix: str, tmp_path
         proc.wait()
 
 
+def _tail_lines(args: tuple[str, ...], want: int, timeout: float = 60) -> list[str]:
+    """`redis-session tail ARGS` with its stdout a pipe: the first `want` lines, then it is stopped."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS")}
+    cmd = [sys.executable, "-m", "redis_session.cli", "tail", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while len(lines) < want and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+    finally:
+        proc.kill()
+        _, err = proc.communicate()
+    assert len(lines) == want, (lines, err)
+    return lines
+
+
+async def test_tail_piped_is_one_line_per_entry_never_wrapped_nor_padded(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    """Issue 25 item 10: piped, `tail` wrapped at 80 columns and padded lines with spaces."""
+    long = "word " * 60
+    entries = [
+        NewEntry("user/message", {"content": long.strip()}),
+        NewEntry("test/mark", {"i": 1, "note": "x" * 150}),
+        NewEntry("assistant/message", {"content": "short"}),
+    ]
+    await redis_store.create(SessionHeader(id="piped"), entries)
+    base = ("--url", redis_url, "--prefix", prefix)
+    first, *lines = _tail_lines(("piped", "--from", "0", *base), 4)
+    assert first.startswith("following piped")
+    assert [line.split()[2] for line in lines] == ["user/message", "test/mark", "assistant/message"]
+    assert lines[0].endswith(long.strip()) and len(lines[0]) > 300
+    assert '"note":"' + "x" * 150 + '"' in lines[1]
+    assert all(line == line.rstrip() for line in [first, *lines])  # no padding
+
+    first, *lines = _tail_lines(("piped", "--from", "0", "--messages", *base), 3)
+    assert lines[0].split(None, 1) == ["user", long.strip()]
+
+
+async def test_tail_json_prints_one_entry_per_line(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
+    await redis_store.create(
+        SessionHeader(id="tj"), [NewEntry("user/message", {"content": "hi"}), NewEntry("test/mark", {"i": 1})]
+    )
+    lines = _tail_lines(("tj", "--from", "0", "--json", "--url", redis_url, "--prefix", prefix), 2)
+    docs = [json.loads(line) for line in lines]  # the "following" note went to stderr
+    assert [(d["n"], d["type"]) for d in docs] == [(0, "user/message"), (1, "test/mark")]
+    assert docs[0]["data"] == {"content": "hi"}
+
+
+def test_version_and_short_help() -> None:
+    """Issue 25 item 16: `--version` and `-h` (on the app and on a command)."""
+    from redis_session import __version__
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout == f"redis-session {__version__}\n", r.stdout + r.stderr
+    r = run("-h")
+    assert r.returncode == 0 and "Usage:" in r.stdout and "tail" in r.stdout
+    r = run("tail", "-h")
+    assert r.returncode == 0 and "--json" in r.stdout
+
+
+def test_server_stop_when_already_stopped_exits_0(home: Path) -> None:
+    r = run("server", "stop", home=home)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("not running (data dir ")
+    assert run("server", "start", home=home).returncode == 0
+    r = run("server", "stop", home=home)
+    assert r.returncode == 0 and r.stdout.strip() == "stopped"
+    assert run("server", "stop", home=home).returncode == 0
+
+
 def test_adapters_without_their_extra_name_it() -> None:
     code = (
         "import sys; sys.modules['langchain_core'] = None\n"
@@ -332,7 +409,7 @@ def test_adapters_without_their_extra_name_it() -> None:
         "    print(e)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "pip install 'redis-session[langchain]'" in r.stdout, r.stdout + r.stderr
+    assert "pip install 'redis-agent-session[langchain]'" in r.stdout, r.stdout + r.stderr
 
 
 async def test_fork_after_a_compact_says_which_boundary_is_valid(redis_store: RedisSessionStore) -> None:
@@ -356,6 +433,33 @@ async def test_fork_after_a_compact_says_which_boundary_is_valid(redis_store: Re
     )
     f = await sessions.fork("chat-1", 3)
     assert f.n == 4
+
+
+async def test_an_openai_tool_call_round_trip_is_kept_and_a_malformed_one_refused(
+    redis_store: RedisSessionStore,
+) -> None:
+    """Issue 25 item 3: `tool_calls` on an assistant/message was accepted, then vanished (and its
+    tool/result with it) while doctor said clean."""
+    from redis_session import InvalidEntryError, Sessions, to_anthropic, to_openai
+
+    sessions = Sessions(redis_store)
+    s = await sessions.open("tools-1")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    await s.append("user/message", {"content": "Weather in Paris?"})
+    await s.append("assistant/message", {"content": None, "tool_calls": [call]})
+    await s.append("tool/result", {"callId": "call_1", "content": "18 °C"})
+    await s.commit({"content": "18 °C in Paris."})
+    openai = to_openai(await s.messages())
+    assert [m["role"] for m in openai] == ["user", "assistant", "tool", "assistant"]
+    assert openai[1]["tool_calls"] == [call] and openai[2]["tool_call_id"] == "call_1"
+    anthropic = to_anthropic(await s.messages())["messages"]
+    assert anthropic[1]["content"][0]["type"] == "tool_use" and anthropic[2]["content"][0]["tool_use_id"] == "call_1"
+    assert (await sessions.doctor("tools-1")).ok
+    bad = {"content": None, "tool_calls": [{"id": "call_2", "name": "f", "arguments": {"x": 1}}]}
+    with pytest.raises(InvalidEntryError) as info:
+        await s.append("assistant/message", bad)
+    assert "$.tool_calls[0]" in str(info.value) and '"type": "function", "function": {"name"' in str(info.value)
+    assert (await redis_store.head("tools-1")).n == 4  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- 5. the README, run
@@ -465,3 +569,194 @@ def test_demo_prints_the_summary_on_ctrl_c(home: Path) -> None:
     assert "stopping: finishing the turns in flight" in out
     assert "summary" in out and "doctor                clean" in out
     assert "interrupted" not in err and "Traceback" not in err
+
+
+def _in_a_terminal(cmd: list[str], env: dict[str, str], timeout: float = 180) -> tuple[int, str]:
+    """Run `cmd` with a pseudo-terminal as stdout and stderr (a user's terminal, 100 columns)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def test_demo_in_a_terminal_shows_no_raw_markup(home: Path) -> None:
+    """Issue 25 item 7: the status line was drawn inside the print of a streamed piece (markup off,
+    style blue): `help[bold]24[/bold] sessions …`, glued to a half word of the answer."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS", "LINES")}
+    env["REDIS_SESSION_HOME"] = str(home)
+    env["TERM"] = "xterm-256color"
+    cmd = [sys.executable, "-m", "redis_session.cli", "demo", "--pods", "2", "--duration", "4", "--port", "0"]
+    code, screen = _in_a_terminal(cmd, env)
+    assert code == 0, screen[-3000:]
+    assert "sessions (" in screen  # the status line was drawn
+    for raw in ("[bold]", "[/bold]", "[dim]", "[/dim]", "[/"):
+        assert raw not in screen, screen[max(0, screen.find(raw) - 300) : screen.find(raw) + 300]
+    # the first answer of the coding agent, streamed in the status display, then printed whole
+    assert "Found it: parse() read ISO dates as day-month-year." in screen
+    assert "Traceback" not in screen
+
+
+def test_the_demo_summary_viewer_link_works_after_up(home: Path) -> None:
+    """Issue 25 item 16: the summary's viewer link pointed at the demo's stopped gateway."""
+    import urllib.request
+
+    port = free_port()
+    proc = _demo("--duration", "1", "--port", str(port), "--quiet", home=home)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("viewer ") and "stopped" in line)
+    command = line[line.index("`") + 1 : line.rindex("`")]
+    link = line.split("then open ")[1].strip()
+    assert command == f"redis-session up --prefix demo --port {port}"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["REDIS_SESSION_HOME"] = str(home)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "redis_session.cli", *command.split()[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        sid = link.split("#", 1)[1]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/sessions/{sid}", timeout=2) as r:
+                    assert r.status == 200 and json.loads(r.read())["id"] == sid
+                with urllib.request.urlopen(link.split("#")[0], timeout=2) as r:
+                    assert r.status == 200 and b"<html" in r.read().lower()
+                break
+            except OSError:
+                assert up.poll() is None and time.monotonic() < deadline, "`up` did not serve the viewer"
+                time.sleep(0.2)
+    finally:
+        up.terminate()
+        up.wait(timeout=30)
+
+
+async def test_show_in_a_terminal_is_one_line_per_entry(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    """Issue 25 item 16: in a terminal `show` printed each entry as pretty JSON over many lines;
+    now one line per entry cut to the width (piped and --json keep the whole entry per line)."""
+    entries = [NewEntry("user/message", {"content": "word " * 60}), NewEntry("test/mark", {"i": 1, "k": [1, 2]})]
+    await redis_store.create(SessionHeader(id="shown"), entries)
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS", "LINES")}
+    env["TERM"] = "dumb"
+    cmd = [sys.executable, "-m", "redis_session.cli", "show", "shown", "--url", redis_url, "--prefix", prefix]
+    code, screen = await anyio.to_thread.run_sync(lambda: _in_a_terminal(cmd, env, 60))
+    assert code == 0, screen
+    lines = [line for line in screen.replace("\r", "").splitlines() if line.strip()]
+    assert len(lines) == 3, screen  # the header, then one line per entry
+    assert "user/message" in lines[1] and lines[1].rstrip().endswith("…") and len(lines[1]) <= 100
+    assert "test/mark" in lines[2] and '{"i":1,"k":[1,2]}' in lines[2]
+
+
+async def test_a_streamed_answer_without_its_step_start_is_one_doctor_line(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    """Issue 25 item 11: streaming inside a turn without a step/start passed at write time, then
+    `doctor` printed one step-mismatch line per chunk row. Now the run is one problem that says
+    what is missing."""
+    from redis_session import Sessions
+
+    sessions = Sessions(redis_store)
+    s = await sessions.open("no-step")
+    await s.append_many([("turn/start", {"turn": 1}), ("user/message", {"content": "hi"})])
+    async with s.stream(turn=1, step=1, max_chunks=2) as w:
+        for i in range(9):
+            await w.delta(f"piece {i} ")
+    await s.append("turn/end", {"turn": 1, "reason": "completed"})
+    r = run("doctor", "no-step", "--url", redis_url, "--prefix", prefix)
+    assert r.returncode == 1
+    mismatches = [line for line in r.stdout.splitlines() if "step-mismatch" in line]
+    assert len(mismatches) == 1, r.stdout
+    assert "entries 2..7 (assistant/chunk ×5, assistant/message) name step 1, but no step is open" in mismatches[0]
+    assert "step/start" in mismatches[0]
+    # a lone entry naming a step is still reported as itself, and a second run separately
+    await s.append_many([("turn/start", {"turn": 2}), ("tool/result", {"callId": "c", "content": "x", "step": 3})])
+    report = await sessions.doctor("no-step")
+    mismatched = [p for p in report.problems if p.code == "step-mismatch"]
+    assert len(mismatched) == 2
+    assert mismatched[-1].message == "tool/result names step 3, but no step is open"
+
+
+async def test_the_gateway_takes_an_openai_tool_call_and_refuses_a_malformed_one(
+    redis_store: RedisSessionStore,
+) -> None:
+    import httpx
+
+    from support import running_gateway
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as http:
+        assert (await http.post("/sessions", json={"id": "tools-http"})).status_code == 201
+        bad = {"type": "assistant/message", "data": {"content": None, "tool_calls": [{"id": "c", "arguments": "{}"}]}}
+        r = await http.post("/sessions/tools-http/entries", json=bad)
+        assert r.status_code == 422, r.text
+        assert "tool_calls" in r.text and '\\"type\\": \\"function\\"' in r.text  # the accepted shape, JSON-escaped
+        batch = {
+            "entries": [
+                {"type": "user/message", "data": {"content": "q"}},
+                {"type": "assistant/message", "data": {"content": None, "tool_calls": [call]}},
+                {"type": "tool/result", "data": {"callId": "call_1", "content": "ok"}},
+            ]
+        }
+        assert (await http.post("/sessions/tools-http/entries", json=batch)).status_code == 201
+        r = await http.get("/sessions/tools-http/messages", params={"format": "openai"})
+        messages = r.json()
+        messages = messages["messages"] if isinstance(messages, dict) else messages
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+        assert messages[1]["tool_calls"] == [call]
+
+
+async def test_tail_json_carries_the_deltas_of_a_streamed_answer(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    from redis_session import Sessions
+
+    sessions = Sessions(redis_store)
+    s = await sessions.open("tj-live")
+    await s.append_many([("turn/start", {"turn": 1}), ("step/start", {"turn": 1, "step": 1})])
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS")}
+    cmd = [sys.executable, "-m", "redis_session.cli", "tail", "tj-live", "--json", "--url", redis_url]
+    proc = subprocess.Popen([*cmd, "--prefix", prefix], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # noqa: ASYNC220 - starting it does not block
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        await anyio.to_thread.run_sync(proc.stderr.readline)  # "following tj-live …": it is reading
+        async with s.stream(turn=1, step=1) as w:
+            for piece in ("It ", "is ", "sunny."):
+                await w.delta(piece)
+        docs: list[dict[str, Any]] = []
+        with anyio.fail_after(60):
+            while not any(d.get("type") == "assistant/message" for d in docs):
+                docs.append(json.loads(await anyio.to_thread.run_sync(proc.stdout.readline)))
+    finally:
+        proc.kill()
+        proc.communicate()
+    text = "".join(d["delta"]["text"] for d in docs if "delta" in d)
+    assert text == "It is sunny."
+    assert "It is sunny." in json.dumps(docs[-1]["data"])  # the committed message, after its deltas

@@ -92,6 +92,63 @@ def test_assistant_message_keeps_reasoning_and_tool_calls() -> None:
     assert m.role == "assistant" and list(m.content) == blocks
 
 
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def test_openai_tool_calls_on_an_assistant_message_project_as_tool_calls() -> None:
+    """Issue 25 item 3: the OpenAI shape on an assistant/message used to vanish with its result."""
+    log = [
+        um(0, "Weather in Paris?"),
+        E(1, "assistant/message", {"content": None, "tool_calls": [_CALL]}),
+        E(2, "tool/result", {"callId": "call_1", "content": "18 °C"}),
+        am(3, "18 °C in Paris."),
+    ]
+    messages = project(log)
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[1].content == (
+        {"type": "tool-call", "id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+    )
+    openai = to_openai(messages)
+    assert openai[1] == {"role": "assistant", "content": None, "tool_calls": [_CALL]}
+    assert openai[2] == {"role": "tool", "tool_call_id": "call_1", "content": "18 °C"}
+    anthropic = to_anthropic(messages)["messages"]
+    assert anthropic[1] == {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}],
+    }
+    assert anthropic[2]["content"][0]["type"] == "tool_result"
+    assert anthropic[2]["content"][0]["tool_use_id"] == "call_1"
+
+
+def test_openai_tool_calls_follow_the_text_content_and_fold_incrementally_alike() -> None:
+    log = [um(0, "q"), E(1, "assistant/message", {"content": "Let me look.", "tool_calls": [_CALL]})]
+    state = ProjectionState()
+    state.extend(log)
+    assert ProjectionState.from_bytes(state.to_bytes()).messages() == project(log) == state.messages()
+    assert [b["type"] for b in project(log)[1].content] == ["text", "tool-call"]
+
+
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        (
+            {"content": None, "tool_calls": [{**_CALL, "function": {"name": "f", "arguments": {"city": "Paris"}}}]},
+            "arguments",
+        ),
+        ({"content": "", "tool_calls": {"id": "call_1"}}, "$.tool_calls"),
+        ({"content": "", "tool_calls": [{"id": "call_1", "name": "f", "arguments": "{}"}]}, "function"),
+        ({"tool_calls": []}, "needs `content` or `tool_calls`"),
+        ({"content": "", "tool_calls": [_CALL, _CALL]}, "unique"),
+    ],
+)
+def test_a_malformed_tool_calls_is_refused_showing_the_accepted_shape(data: dict[str, Any], where: str) -> None:
+    with pytest.raises(InvalidEntryError) as info:
+        encode_batch([("assistant/message", data)], Vocabulary())
+    assert where in str(info.value)
+    if where != "unique":
+        assert '"tool_calls": [{"id": "call_1", "type": "function", "function": {"name":' in str(info.value)
+
+
 def test_tool_result_becomes_a_tool_message_with_one_tool_result_block() -> None:
     [m] = project([E(0, "tool/result", {"callId": "c1", "content": [text("ok")], "isError": False})])
     assert m.role == "tool"
@@ -978,16 +1035,16 @@ def logs(draw: st.DrawFn, max_size: int = 30, cuts: bool = True, marks: bool = T
         if kind == "user":
             e = E(n, "user/message", {"content": draw(_texts)}, surface)
         elif kind == "assistant":
-            e = E(
-                n,
-                "assistant/message",
-                {
-                    "content": draw(st.sampled_from([[], ""]))
-                    if draw(st.booleans()) and n % 3 == 0
-                    else [text(draw(_texts))]
-                },
-                surface,
-            )
+            adata: dict[str, Any] = {
+                "content": draw(st.sampled_from([[], ""]))
+                if draw(st.booleans()) and n % 3 == 0
+                else [text(draw(_texts))]
+            }
+            if draw(st.booleans()) and n % 2 == 0:  # OpenAI-shaped calls, answered by the `tool` kind's c<n>
+                adata["tool_calls"] = [
+                    {"id": f"c{n + 1}", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+                ]
+            e = E(n, "assistant/message", adata, surface)
         elif kind == "empty":
             e = E(n, "assistant/message", {"content": []}, surface)
         elif kind == "tool":

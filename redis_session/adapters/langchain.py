@@ -54,7 +54,7 @@ try:
     )
 except ImportError as e:  # pragma: no cover - exercised in a subprocess without the extra
     raise ImportError(
-        "redis_session.adapters.langchain needs LangChain: pip install 'redis-session[langchain]' "
+        "redis_session.adapters.langchain needs LangChain: pip install 'redis-agent-session[langchain]' "
         f"(or langchain-core); {e}"
     ) from e
 

@@ -99,7 +99,7 @@ def _coerce_settings(settings: Any) -> Any:
         from agents.memory.session_settings import coerce_session_settings
     except ImportError as e:
         raise ImportError(
-            f"session settings need the OpenAI Agents SDK: pip install 'redis-session[openai-agents]'; {e}"
+            f"session settings need the OpenAI Agents SDK: pip install 'redis-agent-session[openai-agents]'; {e}"
         ) from e
 
     return coerce_session_settings(settings)

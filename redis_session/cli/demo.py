@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from rich.console import Console
+from rich.console import Console, Group
+from rich.text import Text
 
 from ..errors import SessionConflictError
 from ..model import NewEntry
@@ -40,6 +41,9 @@ class Stats:
     deadline: float = 0.0  # pods start no new turn after it (Ctrl-C moves it to now)
     lag: int | None = None  # the projector's lag, as last measured
     started: float = field(default_factory=time.monotonic)
+    # In a terminal the answer being streamed lives in the status display, never on a half-printed
+    # line the status line would be drawn after (issue 25 item 7); it is printed whole once done.
+    streaming: str = ""
 
     def rate(self) -> float:
         return self.entries / max(time.monotonic() - self.started, 0.001)
@@ -177,10 +181,10 @@ async def _watch(store: Any, stats: Stats, console: Console) -> None:
                 tg.cancel_scope.cancel()
 
             tg.start_soon(follow_switch)
-            await _print_tail(store, sid, console)
+            await _print_tail(store, sid, console, stats)
 
 
-async def _print_tail(store: Any, session_id: str, console: Console) -> None:
+async def _print_tail(store: Any, session_id: str, console: Console, stats: Stats | None = None) -> None:
     """The session as a conversation: the user, each answer once as it streams (its chunks, never
     the committed message again), tool calls and results; turn and step marks are left out."""
     from rich.markup import escape
@@ -194,6 +198,10 @@ async def _print_tail(store: Any, session_id: str, console: Console) -> None:
     console.rule(f"[dim]{escape(session_id)}[/dim] {title}", style="dim")
     streaming = False
     live: set[str] = set()  # answers printed from their live deltas (their chunk rows are not)
+    # A terminal has the status display below the conversation: the answer is kept there while it
+    # streams and printed as one line when it ends. A pipe gets the pieces as they come.
+    buffered = console.is_terminal and stats is not None
+    answer = ""
     async for e in tail_deltas(store, session_id, start):
         if isinstance(e, Delta) or e.type == "assistant/chunk":
             if isinstance(e, Delta):
@@ -205,16 +213,32 @@ async def _print_tail(store: Any, session_id: str, console: Console) -> None:
                 pieces = [c.get("text", "") for c in unpack_row(e.data) if c.get("type") == "text-delta"]
             if not streaming:
                 label = "" if isinstance(e, Delta) else f"#{e.n:<4}"
-                console.print(f"[dim]{label:<5}[/dim] [bold blue]assistant[/bold blue] ", end="", highlight=False)
+                answer = ""
+                if not buffered:
+                    console.print(_answer_label(label), end="")
                 streaming = True
-            console.print("".join(pieces), end="", style="blue", highlight=False, markup=False)
+            if buffered:
+                answer += "".join(pieces)
+                if stats is not None:
+                    stats.streaming = answer
+            else:
+                console.print(Text("".join(pieces), style="blue"), end="")
             continue
         if streaming:
-            console.print()
+            if buffered:
+                console.print(Text.assemble(_answer_label(label), (answer, "blue")))
+                if stats is not None:
+                    stats.streaming = ""
+            else:
+                console.print()
         line = _line(e, streamed=streaming)
         streaming = False
         if line:
             console.print(line, highlight=False)
+
+
+def _answer_label(label: str) -> Text:
+    return Text.assemble((f"{label:<5}", "dim"), " ", ("assistant", "bold blue"), " ")
 
 
 def _line(e: Any, *, streamed: bool) -> str | None:
@@ -250,21 +274,31 @@ def _text(content: Any) -> str:
 
 
 def _progress(stats: Stats, started: float) -> Any:
+    """The status display: the answer streaming now (its last line), then the counters. Built of
+    `Text` parts, never markup strings: it is rendered inside other prints, whose options (markup
+    off, a style) must not reach it."""
     from rich.table import Table
+
+    def counter(value: object, what: str) -> Text:
+        return Text.assemble((str(value), "bold"), f" {what}")
 
     grid = Table.grid(padding=(0, 3))
     for _ in range(6):
         grid.add_column(no_wrap=True)
     lag = "…" if stats.lag is None else str(stats.lag)
     grid.add_row(
-        f"[bold]{len(stats.sessions)}[/bold] sessions ({stats.branches} branches)",
-        f"[bold]{stats.entries}[/bold] entries",
-        f"[bold]{stats.rate():.0f}[/bold] entries/s",
-        f"[bold]{stats.conflicts_retried}[/bold] conflicts retried",
-        f"projector lag [bold]{lag}[/bold]",
-        f"[dim]{time.monotonic() - started:.0f}s · Ctrl-C to stop[/dim]",
+        counter(len(stats.sessions), f"sessions ({stats.branches} branches)"),
+        counter(stats.entries, "entries"),
+        counter(f"{stats.rate():.0f}", "entries/s"),
+        counter(stats.conflicts_retried, "conflicts retried"),
+        Text.assemble("projector lag ", (lag, "bold")),
+        Text(f"{time.monotonic() - started:.0f}s · Ctrl-C to stop", style="dim"),
     )
-    return grid
+    if not stats.streaming:
+        return grid
+    last = stats.streaming.splitlines()[-1] if stats.streaming.strip() else ""
+    answer = Text.assemble(_answer_label(""), (last, "blue"), no_wrap=True, overflow="ellipsis")
+    return Group(answer, grid)
 
 
 async def _measure_lag(store: Any, stats: Stats) -> None:
@@ -432,6 +466,11 @@ def _summary(console: Console, stats: Stats, shared: Any, problems: int, viewer:
     console.print(f"projection lag        {stats.lag or 0} entries")
     console.print(f"doctor                {'clean' if problems == 0 else f'{problems} session(s) with problems'}")
     if viewer:
+        # the demo's gateway stops with it: the link works again once `up` serves that port
+        port = viewer.split(":")[2].split("/")[0]
         console.print(
-            f"viewer                {viewer} (browse on with `redis-session up --prefix {prefix}`)", highlight=False
+            f"viewer                stopped with the demo; `redis-session up --prefix {prefix} --port {port}`, "
+            f"then open {viewer}",
+            highlight=False,
+            markup=False,
         )

@@ -21,18 +21,24 @@ import anyio
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import SessionError, StoreUnavailableError
 
+# -h as well as --help, on every command (click passes it down to the subcommands' contexts)
+_CONTEXT = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
     name="redis-session",
     help="A distributed event store for AI-agent sessions on Redis Streams.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings=_CONTEXT,
 )
 server_app = typer.Typer(
-    help="The embedded server alone (one per user; --dir for another data folder).", no_args_is_help=True
+    help="The embedded server alone (one per user; --dir for another data folder).",
+    no_args_is_help=True,
+    context_settings=_CONTEXT,
 )
 app.add_typer(server_app, name="server")
 
@@ -69,8 +75,20 @@ class CliError(Exception):
     """A user-facing failure: printed as one line, exit code 1."""
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        sys.stdout.write(f"redis-session {__version__}\n")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", "-V", is_eager=True, callback=_print_version, help="Print the version and exit."),
+    ] = False,
     data_dir: Annotated[
         Path | None,
         typer.Option(
@@ -332,12 +350,16 @@ def _show_entries(head: Any, entries: list[Any], as_json: bool) -> None:
         + (f"  branch of {hd.parent}@{hd.at}" if hd.parent else ""),
         highlight=False,
     )
+    if out.is_terminal:
+        # one line per entry, cut to the terminal's width: a long session stays scannable
+        # (the full entries: piped, or --json)
+        for e in entries:
+            data = _short(e.data, limit=100_000)
+            line = Text.assemble((f"{e.n:>5} ", "dim"), (f"{e.type:<20}", "bold"), " ", data)
+            out.print(line, no_wrap=True, overflow="ellipsis", highlight=False)
+        return
     for e in entries:
-        line = msgspec.json.encode(e).decode()
-        if out.is_terminal:
-            out.print_json(line)
-        else:
-            sys.stdout.write(line + "\n")
+        sys.stdout.write(msgspec.json.encode(e).decode() + "\n")
 
 
 @app.command("tail")
@@ -347,14 +369,19 @@ def tail_cmd(
     prefix: PrefixOpt = "rs",
     start: Annotated[int | None, typer.Option("--from", min=0, help="Start at entry n (default: the end).")] = None,
     messages: Annotated[bool, typer.Option("--messages", help="Print derived messages, not raw entries.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help='One JSON document per line: entries, and {"delta": …} as answers stream.')
+    ] = False,
 ) -> None:
     """Follow a session live; reconnects after a dropped connection without gaps or repeats."""
+    if as_json and messages:
+        raise CliError("--json prints entries: use it without --messages")
 
     async def main() -> None:
         from .tailview import run_tail
 
         async def body(store: Any) -> None:
-            await run_tail(store, session, start=start, messages=messages, console=out)
+            await run_tail(store, session, start=start, messages=messages, console=out, as_json=as_json)
 
         await _supervised(url, prefix, body)
 
@@ -702,6 +729,14 @@ def compactor_cmd(
     concurrency: Annotated[int, typer.Option(min=1, help="Sessions checked at once.")] = 4,
     feed_shards: Annotated[int, typer.Option(min=1, help="Change-feed shards (as the writers use).")] = 4,
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
+    from_start: Annotated[
+        bool,
+        typer.Option(
+            "--from-start",
+            help="A new group starts at the feed's first entry: check every retained session now "
+            "(default: the feed's end, only sessions written from now on).",
+        ),
+    ] = False,
 ) -> None:
     """Run a compactor worker (summarises sessions over a token budget into a cut), or show --status."""
 
@@ -728,7 +763,7 @@ def compactor_cmd(
             worker = comp.Compactor(
                 store, summarize=summarize, budget_tokens=budget, keep_recent=keep_recent, keep_tokens=keep_tokens,
                 timeout=timeout, consumer=consumer, group=group, claim_idle_ms=claim_idle_ms,
-                concurrency=concurrency, metrics_port=metrics_port,
+                concurrency=concurrency, metrics_port=metrics_port, from_start=from_start,
             )  # fmt: skip
             err.print(f"compactor {worker.consumer} running, budget {budget} tokens (Ctrl-C or SIGTERM to stop)")
             await worker.run_forever()
@@ -843,8 +878,10 @@ def server_stop(data_dir: DirOpt = None) -> None:
     """Stop the embedded server."""
     from ..redis.embedded import default_data_dir, stop_server
 
-    if not stop_server(data_dir):
-        raise CliError(f"no embedded server is running for {data_dir or default_data_dir()}")
+    if not stop_server(data_dir):  # already stopped: what was asked holds, so exit 0 (as `systemctl stop`)
+        where = (data_dir or default_data_dir()).expanduser().resolve()
+        out.print(f"not running (data dir {where})", highlight=False)
+        return
     out.print("stopped")
 
 

@@ -103,6 +103,10 @@ def entry_summary(e: Entry) -> str:
             text += f" → {fn.get('name')}({fn.get('arguments', '')})"
         role = d.get("role", "?")
         return f"{role}: {text}".rstrip()
+    if e.type == "assistant/message" and d.get("tool_calls"):
+        from ..projection.fold import assistant_blocks
+
+        return content_text(list(assistant_blocks(d)))
     if e.type in ("user/message", "assistant/message", "context/message", "steering/message"):
         return content_text(d.get("content"))
     if e.type == "tool/result":
@@ -163,6 +167,9 @@ class TailRenderer:
     def __init__(self, console: Console, *, messages: bool = False) -> None:
         self.console = console
         self.messages = messages
+        # Not a terminal (a pipe, a file): one line per entry, never wrapped at the console's
+        # default 80 columns nor padded to it (issue 25 item 10); a terminal gets aligned columns.
+        self.plain = not console.is_terminal
         self._stream_key: tuple[Any, Any] | None = None  # (turn, step) or ("answer", id) of the open line
         self._streamed: list[str] = []
         self._live_answers: set[str] = set()  # answers shown from their live deltas
@@ -242,13 +249,20 @@ class TailRenderer:
         limit = self.MAX_BODY if e.kind == "message" else self.MAX_MARK_BODY
         if len(body) > limit:
             body = body[:limit] + f"… (+{len(body) - limit} chars)"
+        style = type_style(e)
+        if self.plain:
+            line = Text.assemble(
+                (f"{e.n:>6} ", "dim"), (_clock(e.time) + " ", "dim"), (f"{e.type:<{self.TYPE_WIDTH}}", style), " "
+            )
+            line.append(" ".join(body.splitlines()), style=_body_style(e))
+            self.console.print(line, soft_wrap=True)
+            return
         # fixed column widths, so that the lines of successive entries align
         grid = Table.grid(padding=(0, 1))
         grid.add_column(justify="right", style="dim", width=6, no_wrap=True)
         grid.add_column(style="dim", width=12, no_wrap=True)
         grid.add_column(width=self.TYPE_WIDTH, no_wrap=True, overflow="ellipsis")
         grid.add_column(overflow="fold")
-        style = type_style(e)
         grid.add_row(str(e.n), _clock(e.time), Text(e.type, style=style), Text(body, style=_body_style(e)))
         self.console.print(grid)
 
@@ -257,9 +271,11 @@ class TailRenderer:
 
         if e.type == "cut":
             before = e.data.get("before")
-            self.console.rule(
-                Text(f"compacted at n={e.n}: the model now sees the summary and n ≥ {before}", style="magenta")
-            )
+            note = Text(f"compacted at n={e.n}: the model now sees the summary and n ≥ {before}", style="magenta")
+            if self.plain:
+                self.console.print(Text("── ") + note + Text(" ──"), soft_wrap=True)
+            else:
+                self.console.rule(note)
             found = cut_messages(e)
         elif e.kind == "message":
             m = derive_message(e)
@@ -276,12 +292,40 @@ class TailRenderer:
                 text = text[: self.MAX_BODY] + f"… (+{len(text) - self.MAX_BODY} chars)"
             line = Text()
             line.append(f"{m.role:>9} ", style=_ROLE_STYLE.get(m.role, "white"))
-            line.append(text)
-            self.console.print(line)
+            line.append(" ".join(text.splitlines()) if self.plain else text)
+            self.console.print(line, soft_wrap=self.plain)
 
     def note(self, message: str, style: str = "dim") -> None:
         self.close_stream()
-        self.console.print(Text(message, style=style))
+        self.console.print(Text(message, style=style), soft_wrap=self.plain)
+
+
+class JsonTail:
+    """``tail --json``: one JSON document per line on stdout — each entry as `show --json` prints
+    it, each delta of a streamed answer as ``{"delta": {answer, index, kind, text, …}}`` — and the
+    notes (following, reconnecting, deleted) on stderr, so stdout stays machine-readable."""
+
+    def __init__(self, out: Any, notes: Console) -> None:
+        self.out = out
+        self.notes = notes
+
+    def _line(self, value: Any) -> None:
+        import msgspec
+
+        self.out.write(msgspec.json.encode(value).decode() + "\n")
+        self.out.flush()
+
+    def render(self, e: Entry) -> None:
+        self._line(e)
+
+    def render_delta(self, d: Delta) -> None:
+        self._line({"delta": d})
+
+    def note(self, message: str, style: str = "dim") -> None:
+        self.notes.print(Text(message, style=style), soft_wrap=True)
+
+    def close_stream(self) -> None:
+        pass
 
 
 def _body_style(e: Entry) -> str:
@@ -302,6 +346,7 @@ async def run_tail(
     *,
     max_backoff: float = 5.0,
     deltas: bool = True,
+    as_json: bool = False,
 ) -> int:
     """Print a session live until it is deleted (or `stop_after` entries were shown).
 
@@ -313,7 +358,11 @@ async def run_tail(
     Raises `SessionNotFoundError` when the session does not exist.
     """
     console = console if console is not None else Console()
-    view = TailRenderer(console, messages=messages)
+    view: TailRenderer | JsonTail
+    if as_json:
+        view = JsonTail(console.file, Console(stderr=True))
+    else:
+        view = TailRenderer(console, messages=messages)
     head = await store.head(session_id)
     if head is None:
         raise SessionNotFoundError(session_id)

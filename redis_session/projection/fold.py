@@ -215,6 +215,31 @@ def _thinking(data: Mapping[str, Any]) -> list[Any]:
     return blocks
 
 
+def openai_call_blocks(calls: Any) -> list[_FrozenDict]:
+    """OpenAI ``tool_calls`` (``[{id, type: "function", function: {name, arguments}}]``) as neutral
+    ``tool-call`` blocks, in order. Never raises: a cut's `native` is not schema-checked."""
+    blocks: list[_FrozenDict] = []
+    for call in calls if isinstance(calls, list) else ():
+        if not isinstance(call, Mapping):
+            continue
+        fn = call.get("function")
+        fn = fn if isinstance(fn, Mapping) else {}
+        blocks.append(
+            _FrozenDict(
+                type="tool-call", id=call.get("id"), name=fn.get("name"), arguments=_arguments(fn.get("arguments", ""))
+            )
+        )
+    return blocks
+
+
+def assistant_blocks(data: Mapping[str, Any]) -> tuple[Any, ...]:
+    """An ``assistant/message``'s blocks: its content, then its OpenAI-shaped `tool_calls` as
+    ``tool-call`` blocks (one home for the projection and the doctor's tool pairing)."""
+    content = _blocks(data.get("content"))
+    calls = data.get("tool_calls")
+    return (*content, *openai_call_blocks(calls)) if calls else content
+
+
 def chat_message(data: Mapping[str, Any], source: tuple[int, ...]) -> Message | None:
     """An OpenAI-style chat message ``{role, content, tool_calls?, tool_call_id?, name?,
     reasoning_content?}`` as a neutral `Message` (None when it carries nothing to send)."""
@@ -223,20 +248,7 @@ def chat_message(data: Mapping[str, Any], source: tuple[int, ...]) -> Message | 
     if role == "assistant":
         blocks = _thinking(data)
         blocks.extend(_blocks(data.get("content")))
-        calls = data.get("tool_calls")
-        for call in calls if isinstance(calls, list) else ():
-            if not isinstance(call, Mapping):
-                continue  # a cut's `native` is not schema-checked: never let it break the fold
-            fn = call.get("function")
-            fn = fn if isinstance(fn, Mapping) else {}
-            blocks.append(
-                _FrozenDict(
-                    type="tool-call",
-                    id=call.get("id"),
-                    name=fn.get("name"),
-                    arguments=_arguments(fn.get("arguments", "")),
-                )
-            )
+        blocks.extend(openai_call_blocks(data.get("tool_calls")))
         if not blocks:
             return None
         return Message("assistant", tuple(blocks), source, name)
@@ -253,7 +265,7 @@ def _m_user(e: Entry) -> Message | None:
 
 
 def _m_assistant(e: Entry) -> Message | None:
-    content = _blocks(e.data.get("content"))
+    content = assistant_blocks(e.data)
     return Message("assistant", content, (e.n,)) if content else None
 
 

@@ -13,7 +13,7 @@ from msgspec import Struct
 
 from ..errors import InvalidEntryError
 from ..model import CUT, MESSAGE_TYPES, Entry, NewEntry, Surface, lossless_json
-from .fold import ProjectionState
+from .fold import ProjectionState, assistant_blocks
 from .request import HEADER, HEADER_DELTA, apply_header_delta, canonical_header
 
 
@@ -56,8 +56,12 @@ def _is_interrupted_result(data: dict[str, Any]) -> bool:
 class _Turns:
     """The dsh turn/step enclosure state machine."""
 
-    def __init__(self, add: _Report) -> None:
+    def __init__(self, add: _Report, problems: list[Problem] | None = None) -> None:
         self.add = add
+        self.problems = problems
+        # A streamed answer in a turn without its step/start names the step on every chunk row:
+        # one problem for the run (first n, last n, step, types), not one per row (issue 25 item 11).
+        self._orphans: tuple[int, int, int, dict[str, int]] | None = None
         self.last_turn = 0
         self.turn: int | None = None
         self.last_step = 0
@@ -83,6 +87,7 @@ class _Turns:
         self.last_turn = self.turn
         self.step, self.last_step = None, 0
         self.calls.clear()
+        self._orphans = None
 
     def _turn_end(self, e: Entry) -> None:
         turn = _int(e.data.get("turn"))
@@ -95,6 +100,7 @@ class _Turns:
                 self.add(e.n, "step-open", f"turn/end while step {self.step} is open")
         self.turn = self.step = None
         self.calls.clear()
+        self._orphans = None
 
     def _in_turn(self, e: Entry) -> None:
         """An entry that must sit inside an open turn (and, for step-scoped ones, its step)."""
@@ -106,8 +112,10 @@ class _Turns:
         if turn is not None and turn != self.turn:
             self.add(n, "turn-mismatch", f"{t} names turn {turn}, but turn {self.turn} is open")
         if t == "step/start":
+            self._orphans = None
             self._step_start(e)
         elif t == "step/end":
+            self._orphans = None
             self._step_end(e)
         else:
             self._in_step(e)
@@ -122,6 +130,25 @@ class _Turns:
         self.last_step = self.step
         self.calls.clear()
 
+    def _orphan(self, n: int, t: str, step: int) -> bool:
+        """Fold an entry naming `step` while no step is open into the run it continues (the
+        problem already reported is rewritten to cover it); False: it starts a run, report it."""
+        run, problems = self._orphans, self.problems
+        if run is None or run[2] != step or problems is None or not problems or problems[-1].n != run[0]:
+            self._orphans = (n, n, step, {t: 1})
+            return False
+        first, _, _, types = run
+        types[t] = types.get(t, 0) + 1
+        self._orphans = (first, n, step, types)
+        kinds = ", ".join(f"{k} ×{c}" if c > 1 else k for k, c in types.items())
+        problems[-1] = Problem(
+            first,
+            "step-mismatch",
+            f"entries {first}..{n} ({kinds}) name step {step}, but no step is open: "
+            f"a step/start {{turn, step: {step}}} belongs before them",
+        )
+        return True
+
     def _step_end(self, e: Entry) -> None:
         step = _int(e.data.get("step"))
         if self.step is None:
@@ -135,8 +162,11 @@ class _Turns:
         t, d, n = e.type, e.data, e.n
         step = _int(d.get("step"))
         if step is not None and step != self.step:
-            where = "no step is open" if self.step is None else f"step {self.step} is open"
-            self.add(n, "step-mismatch", f"{t} names step {step}, but {where}")
+            if self.step is None and self._orphan(n, t, step):
+                pass
+            else:
+                where = "no step is open" if self.step is None else f"step {self.step} is open"
+                self.add(n, "step-mismatch", f"{t} names step {step}, but {where}")
         if t == "tool/call":
             self.calls.add(d.get("callId"))
         elif t == "tool/result" and d.get("callId") not in self.calls and not _is_interrupted_result(d):
@@ -163,7 +193,7 @@ def check_invariants(entries: Sequence[Entry]) -> list[Problem]:
     def add(n: int | None, code: str, message: str) -> None:
         problems.append(Problem(n, code, message))
 
-    turns = _Turns(add) if any(e.type in BOUNDARY_TYPES for e in entries) else None
+    turns = _Turns(add, problems) if any(e.type in BOUNDARY_TYPES for e in entries) else None
     state: ProjectionState | None = ProjectionState()
     header: dict[str, Any] | None = None
     expected = 0
@@ -264,8 +294,7 @@ class _OpenTurn:
             self.step = None
             self._forget_calls()
         elif t == "assistant/message":
-            content = d.get("content")
-            for block in content if isinstance(content, list) else ():
+            for block in assistant_blocks(d):
                 if isinstance(block, dict) and block.get("type") == "tool-call":
                     call_id = block.get("id")
                     self.pending.setdefault(call_id, (_int(d.get("step")) or self.step, self.logged.get(call_id)))

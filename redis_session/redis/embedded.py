@@ -75,8 +75,13 @@ def default_port() -> int:
 
 
 def port_free(port: int) -> bool:
-    """Can a server bind 127.0.0.1:`port` right now?"""
+    """Can a server bind 127.0.0.1:`port` right now?
+
+    Tested the way servers bind (valkey-server and uvicorn set SO_REUSEADDR): a port held only by
+    TIME-WAIT sockets, as after `server stop` with clients connected, is free; one with a listener
+    is not. Without the option every restart would move the server to another port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
