@@ -1,5 +1,5 @@
 """nanobot 0.3.5's own agent loop with its sessions on redis-session:
-``pip install "redis-session[nanobot]"``, then ``python examples/nanobot_store.py``, then
+``pip install "redis-agent-session[nanobot]"``, then ``python examples/nanobot_store.py``, then
 ``redis-session show "telegram:12345"``.
 
 With no ``$REDIS_URL`` it runs on the embedded server (started on first use, one per user), as
