@@ -63,7 +63,7 @@ from ..keys import validate_session_id
 from ..model import CUT, Entry, NewEntry
 from ..projection import Message, ProjectionState, openai_messages
 from ..store import SessionStore
-from ._log import SessionLog, resolve_store
+from ._log import Life, SessionLog, resolve_store
 from ._loops import LoopStores, run_sync
 
 CLEAR_REASON = "langchain:clear"
@@ -274,6 +274,7 @@ class _View:
             fold=self.fold,
             reset=self.reset,
             ttl_ms=None if history.ttl is None else history.ttl * 1000,
+            life=history._life,
         )
 
     def reset(self) -> None:
@@ -381,6 +382,7 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
         self._stores = LoopStores(resolve_store(store))
         self._origin = {"adapter": "langchain"} if origin is None else origin
         self._views: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _View] = weakref.WeakKeyDictionary()
+        self._life = Life()  # the one life of the id every view (one per loop) belongs to
 
     @property
     def id(self) -> str:
