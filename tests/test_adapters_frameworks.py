@@ -455,3 +455,57 @@ async def test_langchain_ttl_expires_the_session(fstore: Any, History: Any) -> N
     await let_pass(fstore, 1.4)
     assert await fstore.head("lc-eph") is None
     assert await h.aget_messages() == []
+
+
+# --------------------------------------------------------------------------- issue 24 (LangChain)
+
+
+def test_langchain_session_ids_limit_zero_and_ttl_zero_as_langchain_redis(History: Any) -> None:
+    from langchain_core.messages import HumanMessage
+
+    store = MemorySessionStore()
+    for bad in ("", None):
+        with pytest.raises(ValueError, match="session_id must be a non-empty, valid string"):
+            History(bad, store)
+        with pytest.raises(ValueError, match="non-empty"):
+            History(bad, store, key_prefix="chat:")  # the prefix does not make it a session id
+    h = History("s", store, ttl=0)
+    assert h.ttl == 0
+    h.add_messages([HumanMessage("find me"), HumanMessage("find me too")])
+    assert h.search_messages("find", limit=0) == []
+    assert h.search_messages("find", limit=-1) == []
+    assert len(h.search_messages("find", limit=1)) == 1
+    with pytest.raises(ValueError):
+        History("s", store, ttl=-1)
+
+
+async def test_langchain_ttl_zero_never_expires(redis_store: Any, History: Any) -> None:
+    from langchain_core.messages import HumanMessage
+
+    h = History("forever", redis_store, ttl=0)
+    await h.aadd_messages([HumanMessage("stays")])
+    assert await redis_store.client.pttl(redis_store.keys.hdr("forever")) == -1  # no expiry
+
+
+async def test_langchain_async_paths_do_not_block_the_loop(redis_url: str, prefix: str, History: Any) -> None:
+    """No blocking call on the async paths, including the first connection on a loop (redis-py
+    reads its own version from package metadata for every new connection unless told it); and a
+    sync method called inside a running loop never waits on a lock for another thread."""
+    blockbuster = pytest.importorskip("blockbuster")
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    try:
+        with blockbuster.blockbuster_ctx() as bb:  # every module, not only langchain_core
+            for fn in bb.functions.values():  # the test's own cleanup and pytest's plumbing
+                fn.can_block_in("_pytest/", {"__call__"})
+            h = History("bb", store)
+            await h.aadd_messages([HumanMessage("async")])
+            h.add_messages([AIMessage("sync inside the loop")])  # in place: no other thread
+            assert [m.content for m in h.messages] == ["async", "sync inside the loop"]
+            assert [m.content for m in await h.aget_messages()] == ["async", "sync inside the loop"]
+            await h.aclear()
+            assert await h.aget_messages() == []
+    finally:
+        await store.aclose()
+        await _cleanup_async(redis_url, prefix)

@@ -19,7 +19,6 @@ someone else meanwhile is refused.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -52,25 +51,26 @@ def resolve_store(store_or_sessions: Any) -> SessionStore:
 
 class Life:
     """The life (incarnation) of a session id that one adapter object belongs to: None until the
-    object first sees one; then only a create by this object moves it (onto the life it made)."""
+    object first sees one; then only a create by this object moves it (onto the life it made).
+    Shared by logs on several threads without a lock (an async path never waits on one): the
+    first pin is a ``dict.setdefault``, atomic in CPython."""
 
-    __slots__ = ("_lock", "incarnation")
+    __slots__ = ("_pin",)
 
     def __init__(self, incarnation: str | None = None) -> None:
-        self.incarnation = incarnation
-        self._lock = threading.Lock()
+        self._pin: dict[str, str] = {} if incarnation is None else {"life": incarnation}
+
+    @property
+    def incarnation(self) -> str | None:
+        return self._pin.get("life")
 
     def adopt(self, incarnation: str) -> str:
         """Pin `incarnation` unless a life is pinned already; the pinned one."""
-        with self._lock:
-            if self.incarnation is None:
-                self.incarnation = incarnation
-            return self.incarnation
+        return self._pin.setdefault("life", incarnation)
 
     def created(self, incarnation: str) -> None:
         """This object created `incarnation` (the life it belonged to had ended): it is its now."""
-        with self._lock:
-            self.incarnation = incarnation
+        self._pin["life"] = incarnation
 
 
 class SessionLog:

@@ -10,8 +10,15 @@ is dead ("Event loop is closed"). Frameworks call one history or checkpointer fr
   loop that uses it, and on every other loop a clone of it (same server, prefix, vocabulary and
   limits; a connection pool of its own), dropped with its loop. A store that is not bound to a
   loop (`MemorySessionStore`) is shared as it is.
-- `run_sync(fn)` runs a coroutine function on one private event loop (a daemon thread) and waits;
-  sync methods go through it, so they work inside and outside a running loop.
+- `run_sync(fn)` runs a coroutine function for a sync method: outside a running loop, on one
+  private event loop (a daemon thread), waiting for it; called from inside a running loop (a sync
+  method in async code), on a private loop of that thread, in place, so the loop's thread never
+  waits on a lock for another thread (it blocks for the I/O, as any sync call does).
+
+No call on an async path blocks on a lock or on the file system: redis-py (8.x) would look its own
+version up in the package metadata (``importlib.metadata``: file reads) whenever a pool opens a
+connection, on the event loop; `settle_client` hands every pool the answer resolved once, at
+import.
 """
 
 from __future__ import annotations
@@ -29,7 +36,46 @@ from ..store import SessionStore
 
 T = TypeVar("T")
 
-__all__ = ["LoopStores", "clone_store", "run_sync"]
+__all__ = ["LoopStores", "clone_store", "run_sync", "settle_client"]
+
+
+def _resolve_driver_info() -> Any:
+    try:
+        from redis.driver_info import DriverInfo
+    except ImportError:  # redis-py < 8: it does not look anything up per connection
+        return None
+    return DriverInfo()
+
+
+#: redis-py's client name and version (CLIENT SETINFO), resolved once here instead of per connection
+_DRIVER_INFO = _resolve_driver_info()
+_PER_CONNECTION = ("driver_info", "lib_name", "lib_version")
+
+
+def settle_client(client: Any) -> None:
+    """Give `client`'s connection pools the driver info resolved at import, so opening a
+    connection (on an event loop) reads no package metadata. Options set by the caller stay."""
+    if _DRIVER_INFO is None:
+        return
+    kwargs_list: list[dict[str, Any]] = []
+    pool_kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if isinstance(pool_kwargs, dict):
+        kwargs_list.append(pool_kwargs)
+    if isinstance(getattr(client, "connection_kwargs", None), dict):  # a cluster client and its nodes
+        kwargs_list.append(client.connection_kwargs)
+        for node in getattr(client, "get_nodes", list)():
+            if isinstance(getattr(node, "connection_kwargs", None), dict):
+                kwargs_list.append(node.connection_kwargs)
+    for kwargs in kwargs_list:
+        if not any(k in kwargs for k in _PER_CONNECTION):
+            kwargs["driver_info"] = _DRIVER_INFO
+
+
+def _settle_store(store: Any) -> None:
+    for attr in ("_user_client", "client"):
+        client = getattr(store, attr, None)
+        if client is not None:
+            settle_client(client)
 
 
 def clone_store(store: Any) -> Any:
@@ -41,7 +87,9 @@ def clone_store(store: Any) -> Any:
         return store
     from ..redis.wire import clone_client
 
+    _settle_store(store)
     client = clone_client(store._user_client)
+    settle_client(client)
     return RedisSessionStore(
         client,
         prefix=store.prefix,
@@ -64,25 +112,28 @@ class LoopStores:
 
     def __init__(self, store: SessionStore) -> None:
         self.store = store
-        self._home: weakref.ref[asyncio.AbstractEventLoop] | None = None
+        _settle_store(store)
+        # {"home": weakref to the store's loop}: set once, by dict.setdefault (atomic), so the
+        # loops' threads agree on it without a lock
+        self._home: dict[str, weakref.ref[asyncio.AbstractEventLoop]] = {}
         self._clones: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SessionStore] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
 
     def get(self) -> SessionStore:
         loop = asyncio.get_running_loop()
-        with self._lock:
-            # The first caller's loop is the store's home for good (once that loop is gone, so is
-            # the store's pool: later loops get clones). The private sync loop never is: the
-            # caller may use their store on their own loop too.
-            if self._home is None and loop is not _portal_loop:
-                self._home = weakref.ref(loop)
-            if self._home is not None and self._home() is loop:
-                return self.store
-            clone = self._clones.get(loop)
-            if clone is None:
-                clone = clone_store(self.store)
-                self._clones[loop] = clone
-            return clone
+        # The first caller's loop is the store's home for good (once that loop is gone, so is
+        # the store's pool: later loops get clones). The private sync loops never are: the
+        # caller may use their store on their own loop too.
+        home = self._home.get("home")
+        if home is None and not _is_private(loop):
+            home = self._home.setdefault("home", weakref.ref(loop))
+        if home is not None and home() is loop:
+            return self.store
+        # only the thread running `loop` gets or adds its clone: no other thread races for it
+        clone = self._clones.get(loop)
+        if clone is None:
+            clone = clone_store(self.store)
+            self._clones[loop] = clone
+        return clone
 
     def loops(self) -> int:
         """How many loops hold a clone (for tests)."""
@@ -116,8 +167,43 @@ def _shared_portal() -> BlockingPortal:
         return _portal
 
 
+_in_place = threading.local()  # .loop: the private loop of a thread that also runs a loop
+
+
+def _is_private(loop: asyncio.AbstractEventLoop) -> bool:
+    return loop is _portal_loop or getattr(loop, "_redis_session_private", False)
+
+
+def _run_in_place(outer: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[T]]) -> T:
+    """Run `fn()` to its end on this thread's private loop while `outer` (this thread's running
+    loop) is suspended, as any sync call suspends it: no other thread, so no lock to wait on."""
+    loop = getattr(_in_place, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = asyncio.new_event_loop()
+        loop._redis_session_private = True  # type: ignore[attr-defined]
+        _in_place.loop = loop
+
+    async def call() -> T:
+        return await fn()
+
+    asyncio.events._set_running_loop(None)
+    try:
+        return loop.run_until_complete(call())
+    finally:
+        asyncio.events._set_running_loop(outer)
+
+
 def run_sync(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run `fn()` on the private loop thread and return its result (or raise its error)."""
+    """Run `fn()` for a sync method and return its result (or raise its error): on the private
+    loop thread, or in place when this thread runs a loop (see the module docstring)."""
+    try:
+        outer = asyncio.get_running_loop()
+    except RuntimeError:
+        outer = None
+    if outer is not None:
+        if outer is getattr(_in_place, "loop", None):
+            raise RuntimeError("a sync adapter call inside another one's I/O: use the async methods")
+        return _run_in_place(outer, fn)
 
     async def call() -> T:
         return await fn()
