@@ -53,9 +53,9 @@ def _redis_session_store(redis_url: str, prefix: str) -> Iterator[None]:
         r.close()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """langchain-core runs its coroutine tests with pytest-asyncio's auto mode; here, anyio."""
-    for item in items:
-        fn = getattr(item, "function", None)
-        if fn is not None and inspect.iscoroutinefunction(fn) and "frameworks/langchain/" in str(item.path):
-            item.add_marker(pytest.mark.anyio)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> None:
+    """langchain-core runs its coroutine tests with pytest-asyncio's auto mode; here, anyio
+    (marked before they are parametrized)."""
+    if inspect.iscoroutinefunction(obj) and name.startswith("test"):
+        pytest.mark.anyio(obj)
+        pytest.mark.usefixtures("anyio_backend")(obj)  # as anyio's own hook does for a marked test
