@@ -256,3 +256,48 @@ async def test_langchain_delete_then_a_new_conversation_on_the_same_object(store
     assert await h.aget_messages() == []
     await h.aadd_messages([HumanMessage("new")])
     assert [m.content for m in await h.aget_messages()] == ["new"]
+
+
+# =========================================================================== a reply that never comes back
+
+
+async def test_adapter_writes_land_once_when_replies_are_lost(tmp_path: Any, Ev: Any) -> None:
+    """Replies cut after the server ran the append: `SessionLog` re-sends the same batch with its
+    idempotency key (and its incarnation), so every acknowledged item is there exactly once, and
+    an item whose call still failed is there at most once."""
+    from collections import Counter
+
+    from reliability._proxy import FaultProxy
+
+    from redis_session import RedisSessionStore
+    from redis_session.errors import StoreUnavailableError
+    from redis_session.redis.embedded import start_server
+
+    server = start_server(tmp_path / "srv", appendonly=False)
+    try:
+        with FaultProxy(server.port, seed=11) as proxy:
+            store = RedisSessionStore.from_url(proxy.url, client_options={"socket_timeout": 2})
+            direct = RedisSessionStore.from_url(server.url)
+            try:
+                s = Ev("lossy", store)
+                await s.add_items([{"role": "user", "content": "first"}])
+                proxy.cut_up, proxy.cut_down, proxy.cut_rate = False, True, 0.25
+                acked, failed = ["first"], []
+                for i in range(60):
+                    text = f"item-{i}"
+                    try:
+                        await s.add_items([{"role": "user", "content": text}])
+                        acked.append(text)
+                    except StoreUnavailableError:
+                        failed.append(text)
+                proxy.heal()
+                assert proxy.stats.cuts_mid_reply + proxy.stats.cuts > 5, "the proxy cut nothing"
+                occ = Counter(e.data["content"] for e in await direct.read("lossy"))
+                assert max(occ.values()) == 1, [k for k, c in occ.items() if c > 1]
+                assert all(occ[t] == 1 for t in acked)
+                assert len(failed) < len(acked)  # the re-sends absorb most lost replies
+            finally:
+                await store.aclose()
+                await direct.aclose()
+    finally:
+        server.stop()

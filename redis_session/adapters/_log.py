@@ -23,11 +23,14 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import anyio
+
 from ..errors import (
     SessionAlreadyExistsError,
     SessionConflictError,
     SessionNotFoundError,
     SessionReplacedError,
+    StoreUnavailableError,
 )
 from ..keys import validate_session_id
 from ..model import Entry, NewEntry, SessionHeader
@@ -37,6 +40,8 @@ from ._loops import LoopStores
 
 #: Attempts of one write under contention before the last conflict is raised.
 MAX_ATTEMPTS = 100
+#: Pauses (seconds) before re-sending a write whose reply was lost, with its idempotency key.
+LOST_REPLY_RETRIES = (0.05, 0.2, 0.5)
 
 
 def resolve_store(store_or_sessions: Any) -> SessionStore:
@@ -225,7 +230,7 @@ class SessionLog:
                 return []
             pin = await self._ensure_exists(store)
             try:
-                stored = await store.put(self.session_id, self.n, entries, idempotency_key=key, incarnation=pin)
+                stored = await self._put(store, entries, key, pin)
             except SessionReplacedError:
                 raise self._replaced("nothing was written") from None
             except SessionConflictError as e:
@@ -241,3 +246,17 @@ class SessionLog:
             return stored
         assert last is not None
         raise last
+
+    async def _put(self, store: SessionStore, entries: Sequence[NewEntry], key: str, pin: str) -> list[Entry]:
+        """One expected-n put on the pinned life. A lost reply (`StoreUnavailableError`: the write
+        may have landed) is re-sent as it was, with its key, a few times: the store answers a
+        landed batch with what it wrote, so it lands once; the incarnation still refuses
+        another life."""
+        for pause in (*LOST_REPLY_RETRIES, None):
+            try:
+                return await store.put(self.session_id, self.n, entries, idempotency_key=key, incarnation=pin)
+            except StoreUnavailableError:
+                if pause is None:
+                    raise
+                await anyio.sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
