@@ -15,10 +15,8 @@ is dead ("Event loop is closed"). Frameworks call one history or checkpointer fr
   method in async code), on a private loop of that thread, in place, so the loop's thread never
   waits on a lock for another thread (it blocks for the I/O, as any sync call does).
 
-No call on an async path blocks on a lock or on the file system: redis-py (8.x) would look its own
-version up in the package metadata (``importlib.metadata``: file reads) whenever a pool opens a
-connection, on the event loop; `settle_client` hands every pool the answer resolved once, at
-import.
+No call on an async path blocks on a lock or on the file system (a `RedisSessionStore` hands its
+pools redis-py's driver info resolved once, at import: `redis_session.redis.wire.settle_client`).
 """
 
 from __future__ import annotations
@@ -36,46 +34,7 @@ from ..store import SessionStore
 
 T = TypeVar("T")
 
-__all__ = ["LoopStores", "clone_store", "run_sync", "settle_client"]
-
-
-def _resolve_driver_info() -> Any:
-    try:
-        from redis.driver_info import DriverInfo
-    except ImportError:  # redis-py < 8: it does not look anything up per connection
-        return None
-    return DriverInfo()
-
-
-#: redis-py's client name and version (CLIENT SETINFO), resolved once here instead of per connection
-_DRIVER_INFO = _resolve_driver_info()
-_PER_CONNECTION = ("driver_info", "lib_name", "lib_version")
-
-
-def settle_client(client: Any) -> None:
-    """Give `client`'s connection pools the driver info resolved at import, so opening a
-    connection (on an event loop) reads no package metadata. Options set by the caller stay."""
-    if _DRIVER_INFO is None:
-        return
-    kwargs_list: list[dict[str, Any]] = []
-    pool_kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
-    if isinstance(pool_kwargs, dict):
-        kwargs_list.append(pool_kwargs)
-    if isinstance(getattr(client, "connection_kwargs", None), dict):  # a cluster client and its nodes
-        kwargs_list.append(client.connection_kwargs)
-        for node in getattr(client, "get_nodes", list)():
-            if isinstance(getattr(node, "connection_kwargs", None), dict):
-                kwargs_list.append(node.connection_kwargs)
-    for kwargs in kwargs_list:
-        if not any(k in kwargs for k in _PER_CONNECTION):
-            kwargs["driver_info"] = _DRIVER_INFO
-
-
-def _settle_store(store: Any) -> None:
-    for attr in ("_user_client", "client"):
-        client = getattr(store, attr, None)
-        if client is not None:
-            settle_client(client)
+__all__ = ["LoopStores", "clone_store", "run_sync"]
 
 
 def clone_store(store: Any) -> Any:
@@ -87,9 +46,7 @@ def clone_store(store: Any) -> Any:
         return store
     from ..redis.wire import clone_client
 
-    _settle_store(store)
     client = clone_client(store._user_client)
-    settle_client(client)
     return RedisSessionStore(
         client,
         prefix=store.prefix,
@@ -112,7 +69,6 @@ class LoopStores:
 
     def __init__(self, store: SessionStore) -> None:
         self.store = store
-        _settle_store(store)
         # {"home": weakref to the store's loop}: set once, by dict.setdefault (atomic), so the
         # loops' threads agree on it without a lock
         self._home: dict[str, weakref.ref[asyncio.AbstractEventLoop]] = {}
