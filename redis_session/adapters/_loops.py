@@ -124,10 +124,11 @@ def _shared_portal() -> BlockingPortal:
 
 
 _in_place = threading.local()  # .loop: the private loop of a thread that also runs a loop
+_private_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
 
 def _is_private(loop: asyncio.AbstractEventLoop) -> bool:
-    return loop is _portal_loop or getattr(loop, "_redis_session_private", False)
+    return loop is _portal_loop or loop in _private_loops
 
 
 def _run_in_place(outer: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[T]]) -> T:
@@ -136,7 +137,7 @@ def _run_in_place(outer: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[T
     loop = getattr(_in_place, "loop", None)
     if loop is None or loop.is_closed():
         loop = asyncio.new_event_loop()
-        loop._redis_session_private = True  # type: ignore[attr-defined]
+        _private_loops.add(loop)
         _in_place.loop = loop
 
     async def call() -> T:
