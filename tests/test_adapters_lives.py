@@ -117,6 +117,20 @@ async def test_logs_sharing_a_life_follow_the_one_their_object_created(store: An
     assert _texts(await store.read("shared")) == ["b", "c"]
 
 
+async def test_two_objects_whose_life_ended_race_for_the_next_one(store: Any) -> None:
+    """Both objects held the life that ended; both write at once: exactly one creates the next
+    life and writes into it, the other is refused (its items never join a conversation it did
+    not start), and nothing is half-written."""
+    a, b = _Folded(store, "race2"), _Folded(store, "race2")
+    await a.add("old")
+    await b.log.catch_up()
+    assert await store.delete("race2")
+    results = await asyncio.gather(a.add("from-a"), b.add("from-b"), return_exceptions=True)
+    refused = [r for r in results if isinstance(r, SessionReplacedError)]
+    assert len(refused) == 1 and results.count(None) == 1, results
+    assert len(_texts(await store.read("race2"))) == 1
+
+
 async def test_a_fresh_log_joins_whichever_life_is_there(store: Any) -> None:
     """Before it has seen any life, a log adopts the current one (two pods starting one new
     conversation at once both write to it)."""
