@@ -66,18 +66,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.skip(reason=f"does not apply to redis-session: {NOT_FOR_OURS[name]}"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _clean_test_keys() -> Iterator[None]:
-    """The copied tests write under the key prefix ``test:`` (theirs); remove what they leave."""
-    yield
+def _clean_test_keys() -> None:
+    """Remove what the copied tests write under their key prefixes (``test:``, and the SDK's
+    default ``agents:session``): on a shared server (CI's second run) an earlier run's keys would
+    otherwise meet the next run's (upstream's tests expect a clean database)."""
     import redis
 
     from ._ours import server_url
 
     r = redis.Redis.from_url(server_url())
     try:
-        keys = list(r.scan_iter(match="test:*", count=1000))
-        for i in range(0, len(keys), 500):
-            r.delete(*keys[i : i + 500])
+        for pattern in ("test:*", "agents:session:*"):
+            keys = list(r.scan_iter(match=pattern, count=1000))
+            for i in range(0, len(keys), 500):
+                r.delete(*keys[i : i + 500])
     finally:
         r.close()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _clean_around_each_file() -> Iterator[None]:
+    _clean_test_keys()
+    yield
+    _clean_test_keys()
