@@ -1,4 +1,4 @@
-"""langchain-core's own tests (copied, see README "Framework suites"), run on redis-session and,
+"""langchain-core's own tests (copied, see tests/frameworks/README.md), run on redis-session and,
 as the control, on langchain-core's `InMemoryChatMessageHistory`, with langchain-core's
 blockbuster fixture: a blocking call (file system, lock, socket) under langchain-core's async
 paths fails the test, as it does in langchain-core's own CI."""
