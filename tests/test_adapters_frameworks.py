@@ -509,3 +509,27 @@ async def test_langchain_async_paths_do_not_block_the_loop(redis_url: str, prefi
     finally:
         await store.aclose()
         await _cleanup_async(redis_url, prefix)
+
+
+def test_close_of_a_from_url_session_used_on_several_loops(redis_url: str, prefix: str, Ev: Any) -> None:
+    """``asyncio.run`` twice, then ``close()`` in a third: the store of the loop it runs on is
+    closed, those of the loops that are gone went with them, and later calls raise."""
+    s = Ev.from_url("closing-loops", url=redis_url, key_prefix=prefix)
+
+    async def add(text: str) -> None:
+        await s.add_items(_items(text))
+
+    asyncio.run(add("a"))
+    asyncio.run(add("b"))
+
+    async def finish() -> None:
+        assert len(await s.get_items()) == 2
+        assert await s.store.delete("closing-loops")  # the store of this loop
+        await s.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await s.get_items()
+
+    try:
+        asyncio.run(finish())
+    finally:
+        _cleanup_sync(redis_url, prefix)

@@ -91,6 +91,18 @@ class LoopStores:
             self._clones[loop] = clone
         return clone
 
+    async def aclose(self) -> None:
+        """Close the stores of the running loop (the given one, if this is its loop, and the
+        clone made for it). A store bound to another loop cannot be closed from here: those of
+        loops that are gone went with them."""
+        loop = asyncio.get_running_loop()
+        home = self._home.get("home")
+        if home is None or home() is loop:  # never used on a loop, or on this one
+            await self.store.aclose()
+        clone = self._clones.pop(loop, None)
+        if clone is not None:
+            await clone.aclose()
+
     def loops(self) -> int:
         """How many loops hold a clone (for tests)."""
         return len(self._clones)

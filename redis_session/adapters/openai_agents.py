@@ -236,8 +236,12 @@ class RedisEventSession:
 
     @property
     def store(self) -> Any:
-        """The store (the one given, or the one `from_url` or `redis_client` made)."""
-        return self._log._store
+        """The store (the one given, or the one `from_url` or `redis_client` made; inside an
+        event loop, its twin for that loop)."""
+        try:
+            return self._log.store
+        except RuntimeError:  # no running loop
+            return self._log._store
 
     @property
     def incarnation(self) -> str | None:
@@ -373,5 +377,7 @@ class RedisEventSession:
             if self._owned is None:
                 return
             self._closed = True
-            owned, self._owned = self._owned, None
-            await owned.aclose()
+            self._owned = None
+            stores = self._log._stores
+            assert stores is not None
+            await stores.aclose()
