@@ -59,3 +59,9 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
     if inspect.iscoroutinefunction(obj) and name.startswith("test"):
         pytest.mark.anyio(obj)
         pytest.mark.usefixtures("anyio_backend")(obj)  # as anyio's own hook does for a marked test
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "frameworks/langchain/" in str(item.path):
+            item.add_marker(pytest.mark.redis)  # every history lives on the test server

@@ -61,6 +61,8 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if "frameworks/openai_agents/" in str(item.path):
+            item.add_marker(pytest.mark.redis)  # both sides talk to the test server
         name = getattr(item, "originalname", item.name)
         if item.path.name == "test_redis_session.py" and name in NOT_FOR_OURS:
             item.add_marker(pytest.mark.skip(reason=f"does not apply to redis-session: {NOT_FOR_OURS[name]}"))
