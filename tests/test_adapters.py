@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from redis_session import MemorySessionStore, NewEntry, RedisSessionStore, SessionHeader
+from redis_session.errors import SessionReplacedError
 from redis_session.projection import project, to_openai
 
 from support import require_extra
@@ -189,8 +190,10 @@ async def test_session_deleted_and_recreated_under_the_same_id(store: Any, Ev: A
     assert len(await s.get_items()) == 3
     await store.delete("again")
     await store.create(SessionHeader(id="again"), [NewEntry(ITEM, {"role": "user", "content": "new"})])
-    await s.add_items([{"role": "user", "content": "newer"}])
-    assert [i["content"] for i in await s.get_items()] == ["new", "newer"]
+    # the object belongs to the life it saw: the new one is refused (tests/test_adapters_lives.py)
+    with pytest.raises(SessionReplacedError):
+        await s.add_items([{"role": "user", "content": "newer"}])
+    assert [i["content"] for i in await Ev("again", store).get_items()] == ["new"]
 
 
 async def test_takes_a_sessions_service_and_honours_a_compaction(store: Any, Ev: Any) -> None:

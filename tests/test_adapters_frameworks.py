@@ -216,6 +216,152 @@ async def test_close_of_a_from_url_session_makes_later_calls_raise(
     assert len(await t.get_items()) == 1
 
 
+# --------------------------------------------------------------------------- issue 24
+
+
+async def test_a_subclass_keeps_its_overridden_storage_methods_in_a_compaction(fstore: Any, Ev: Any) -> None:
+    """As the SDK's own sessions: the one-batch replacement is ours only; a subclass's compaction
+    goes through its own ``clear_session`` and ``add_items`` (the SDK's fallback)."""
+    from agents.memory import OpenAIResponsesCompactionSession
+
+    calls: list[str] = []
+
+    class Audited(Ev):  # type: ignore[misc,valid-type]
+        async def add_items(self, items: list[Any]) -> None:
+            calls.append(f"add:{len(items)}")
+            await super().add_items([{**i, "audited": True} for i in items])
+
+        async def clear_session(self) -> None:
+            calls.append("clear")
+            await super().clear_session()
+
+    compacted = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "S"}]}
+
+    class Responses:
+        async def compact(self, **kwargs: Any) -> Any:
+            return SimpleNamespace(output=[compacted], usage=None)
+
+    under = Audited("sub", fstore)
+    await under.add_items(_items("q1", "a1"))
+    assert await under._atomic_replace_items([compacted]) is False  # nothing written by the hook
+    assert (await fstore.head("sub")).n == 2
+    cs = OpenAIResponsesCompactionSession("sub", under, client=SimpleNamespace(responses=Responses()), model="gpt-4.1")
+    await cs.run_compaction({"compaction_mode": "input", "force": True})
+    assert calls == ["add:2", "clear", "add:1"]
+    got = await under.get_items()
+    assert len(got) == 1 and got[0]["audited"] is True
+
+
+async def test_a_non_json_item_raises_type_error_like_the_sdk(fstore: Any, Ev: Any) -> None:
+    from agents.extensions.memory.redis_session import RedisSession
+
+    bad = [{"role": "user", "content": "ok"}, {"role": "user", "content": object()}]
+    with pytest.raises(TypeError):  # the SDK's own (json.dumps), before any I/O
+        await RedisSession("s", redis_client=_NoIO()).add_items(bad)  # type: ignore[arg-type]
+    s = Ev("nonjson", fstore)
+    await s.add_items(_items("keep"))
+    for call in (
+        lambda: s.add_items(bad),
+        lambda: s.add_items([{"role": "user", "content": {1, 2}}]),
+        lambda: s.add_items([{"role": "user", "content": float("nan")}]),
+        lambda: s._atomic_replace_items(bad),
+    ):
+        with pytest.raises(TypeError):
+            await call()
+    assert (await fstore.head("nonjson")).n == 1  # nothing written
+    assert await s.get_items() == _items("keep")
+
+
+class _NoIO:
+    """A stand-in client for the SDK's session: any command fails the test."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the SDK's session used its client ({name}) before refusing the item")
+
+
+async def test_add_nothing_after_close_raises_like_the_sdk(
+    redis_url: str, prefix: str, redis_store: Any, Ev: Any
+) -> None:
+    from agents.extensions.memory.redis_session import RedisSession
+
+    sdk = RedisSession.from_url("c", url=redis_url)
+    await sdk.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await sdk.add_items([])
+    ours = Ev.from_url("c", url=redis_url, key_prefix=prefix)
+    await ours.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await ours.add_items([])
+
+
+async def test_built_as_the_sdk_users_build_it(redis_url: str, prefix: str, redis_store: Any, Ev: Any) -> None:
+    """``from_url(session_id, *, url, redis_kwargs, key_prefix, ttl, session_settings)`` and a
+    constructor taking a redis client, as the SDK's ``RedisSession`` is built."""
+    import redis.asyncio as aioredis
+    from agents.memory import SessionSettings
+
+    s = Ev.from_url(
+        "built",
+        url=redis_url,
+        redis_kwargs={"socket_timeout": 7, "client_name": "agents"},
+        key_prefix=prefix,
+        ttl=60,
+        session_settings={"limit": 1},
+    )
+    try:
+        assert s.session_settings == SessionSettings(limit=1) and s.ttl == 60
+        assert s.store.prefix == prefix
+        assert s.store._user_client.connection_pool.connection_kwargs["socket_timeout"] == 7
+        await s.add_items(_items("a", "b"))
+        assert await s.get_items() == _items("a", "b")[-1:]
+        assert 0 < await redis_store.client.pttl(redis_store.keys.hdr("built")) <= 60_000
+    finally:
+        await s.close()
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        t = Ev("built", redis_client=client, key_prefix=prefix)
+        assert [i["content"] for i in await t.get_items(limit=None)] == ["a", "b"]
+        await t.close()  # the caller's client: left open
+        assert await client.ping()
+        assert [i["content"] for i in await Ev("built", redis_store).get_items()] == ["a", "b"]
+    finally:
+        await client.aclose()
+    with pytest.raises(TypeError):
+        Ev("x")
+    with pytest.raises(TypeError):
+        Ev("x", redis_store, redis_client=client)
+    with pytest.raises(TypeError):
+        Ev("x", redis_client=object())
+    with pytest.raises(TypeError):
+        Ev("x", redis_store, key_prefix="p")
+
+
+def test_one_session_from_several_event_loops(redis_url: str, prefix: str, Ev: Any) -> None:
+    """``asyncio.run`` twice, then the SDK's ``Runner.run_sync`` (the thread's default loop), on
+    one session and one store."""
+    from agents import Agent, RunConfig, Runner
+    from test_adapters import _scripted_model
+
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    try:
+        s = Ev("loops", store)
+
+        async def turn(text: str) -> int:
+            await s.add_items(_items(text))
+            return len(await s.get_items())
+
+        assert asyncio.run(turn("run-1")) == 1
+        assert asyncio.run(turn("run-2")) == 2
+        agent = Agent(name="t", model=_scripted_model(["sync-1", "sync-2"]))
+        config = RunConfig(tracing_disabled=True)
+        assert Runner.run_sync(agent, "q1", session=s, run_config=config).final_output == "sync-1"
+        assert Runner.run_sync(agent, "q2", session=s, run_config=config).final_output == "sync-2"
+        assert asyncio.run(turn("run-3")) == 7
+    finally:
+        _cleanup_sync(redis_url, prefix)
+
+
 # =========================================================================== LangChain
 
 
@@ -309,3 +455,81 @@ async def test_langchain_ttl_expires_the_session(fstore: Any, History: Any) -> N
     await let_pass(fstore, 1.4)
     assert await fstore.head("lc-eph") is None
     assert await h.aget_messages() == []
+
+
+# --------------------------------------------------------------------------- issue 24 (LangChain)
+
+
+def test_langchain_session_ids_limit_zero_and_ttl_zero_as_langchain_redis(History: Any) -> None:
+    from langchain_core.messages import HumanMessage
+
+    store = MemorySessionStore()
+    for bad in ("", None):
+        with pytest.raises(ValueError, match="session_id must be a non-empty, valid string"):
+            History(bad, store)
+        with pytest.raises(ValueError, match="non-empty"):
+            History(bad, store, key_prefix="chat:")  # the prefix does not make it a session id
+    h = History("s", store, ttl=0)
+    assert h.ttl == 0
+    h.add_messages([HumanMessage("find me"), HumanMessage("find me too")])
+    assert h.search_messages("find", limit=0) == []
+    assert h.search_messages("find", limit=-1) == []
+    assert len(h.search_messages("find", limit=1)) == 1
+    with pytest.raises(ValueError):
+        History("s", store, ttl=-1)
+
+
+async def test_langchain_ttl_zero_never_expires(redis_store: Any, History: Any) -> None:
+    from langchain_core.messages import HumanMessage
+
+    h = History("forever", redis_store, ttl=0)
+    await h.aadd_messages([HumanMessage("stays")])
+    assert await redis_store.client.pttl(redis_store.keys.hdr("forever")) == -1  # no expiry
+
+
+async def test_langchain_async_paths_do_not_block_the_loop(redis_url: str, prefix: str, History: Any) -> None:
+    """No blocking call on the async paths, including the first connection on a loop (redis-py
+    reads its own version from package metadata for every new connection unless told it); and a
+    sync method called inside a running loop never waits on a lock for another thread."""
+    blockbuster = pytest.importorskip("blockbuster")
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    try:
+        with blockbuster.blockbuster_ctx() as bb:  # every module, not only langchain_core
+            for fn in bb.functions.values():  # the test's own cleanup and pytest's plumbing
+                fn.can_block_in("_pytest/", {"__call__"})
+            h = History("bb", store)
+            await h.aadd_messages([HumanMessage("async")])
+            h.add_messages([AIMessage("sync inside the loop")])  # in place: no other thread
+            assert [m.content for m in h.messages] == ["async", "sync inside the loop"]
+            assert [m.content for m in await h.aget_messages()] == ["async", "sync inside the loop"]
+            await h.aclear()
+            assert await h.aget_messages() == []
+    finally:
+        await store.aclose()
+        await _cleanup_async(redis_url, prefix)
+
+
+def test_close_of_a_from_url_session_used_on_several_loops(redis_url: str, prefix: str, Ev: Any) -> None:
+    """``asyncio.run`` twice, then ``close()`` in a third: the store of the loop it runs on is
+    closed, those of the loops that are gone went with them, and later calls raise."""
+    s = Ev.from_url("closing-loops", url=redis_url, key_prefix=prefix)
+
+    async def add(text: str) -> None:
+        await s.add_items(_items(text))
+
+    asyncio.run(add("a"))
+    asyncio.run(add("b"))
+
+    async def finish() -> None:
+        assert len(await s.get_items()) == 2
+        assert await s.store.delete("closing-loops")  # the store of this loop
+        await s.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await s.get_items()
+
+    try:
+        asyncio.run(finish())
+    finally:
+        _cleanup_sync(redis_url, prefix)

@@ -1,10 +1,20 @@
-"""What both adapters share: one session's log, read incrementally and appended with expected n.
+"""What the adapters share: one session's log, read incrementally and appended with expected n,
+always on the one life of the id that the adapter object belongs to.
 
 `SessionLog` keeps the n it has folded up to. Reads fetch only the entries after it; writes go
 through `store.put(session_id, n, entries)` and, on a conflict (another writer appended first),
 catch up and rebuild the entries from the fresh state before retrying, so no write is ever lost
 or interleaved silently. The session is created on the first write (reads of a missing session
 see an empty log and create nothing).
+
+**One session reference** (docs/design.md): a log pins the incarnation of the id it first sees
+(the life it reads, or the one its first write creates) in a `Life`, shared by every log of one
+adapter object (one per event loop), and passes it on every read and write, so the store refuses
+another life atomically: once the id was deleted and created again (by anyone but this object),
+every read and write raises `SessionReplacedError`, however long the new life is. A life that
+ended with nothing in its place (deleted, or an ephemeral session that expired) reads as empty,
+and the next write creates a new life that this object then belongs to; a life created by
+someone else meanwhile is refused.
 """
 
 from __future__ import annotations
@@ -13,14 +23,25 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
+import anyio
+
+from ..errors import (
+    SessionAlreadyExistsError,
+    SessionConflictError,
+    SessionNotFoundError,
+    SessionReplacedError,
+    StoreUnavailableError,
+)
 from ..keys import validate_session_id
 from ..model import Entry, NewEntry, SessionHeader
 from ..retry import conflict_backoff
 from ..store import SessionStore
+from ._loops import LoopStores
 
 #: Attempts of one write under contention before the last conflict is raised.
 MAX_ATTEMPTS = 100
+#: Pauses (seconds) before re-sending a write whose reply was lost, with its idempotency key.
+LOST_REPLY_RETRIES = (0.05, 0.2, 0.5)
 
 
 def resolve_store(store_or_sessions: Any) -> SessionStore:
@@ -33,14 +54,43 @@ def resolve_store(store_or_sessions: Any) -> SessionStore:
     return store  # type: ignore[no-any-return]
 
 
+class Life:
+    """The life (incarnation) of a session id that one adapter object belongs to: None until the
+    object first sees one; then only a create by this object moves it (onto the life it made).
+    Shared by logs on several threads without a lock (an async path never waits on one): the
+    first pin is a ``dict.setdefault``, atomic in CPython."""
+
+    __slots__ = ("_pin",)
+
+    def __init__(self, incarnation: str | None = None) -> None:
+        self._pin: dict[str, str] = {} if incarnation is None else {"life": incarnation}
+
+    @property
+    def incarnation(self) -> str | None:
+        return self._pin.get("life")
+
+    def adopt(self, incarnation: str) -> str:
+        """Pin `incarnation` unless a life is pinned already; the pinned one."""
+        return self._pin.setdefault("life", incarnation)
+
+    def created(self, incarnation: str) -> None:
+        """This object created `incarnation` (the life it belonged to had ended): it is its now."""
+        self._pin["life"] = incarnation
+
+
 class SessionLog:
     """One session's log as an adapter sees it: `fold` is called with every entry in order
-    (contiguous n from 0), `reset` when the session turned out to be a new one (deleted and
-    created again under the same id), after which everything is folded again from 0."""
+    (contiguous n from 0), `reset` when the folded state must be dropped (the life it was folded
+    from ended), after which everything is folded again from 0.
+
+    `store` is a `SessionStore`, or a `LoopStores` (then each call uses the store of the running
+    event loop). `life` is shared by the logs of one adapter object (see the module docstring);
+    each log gets a `Life` of its own by default. Reads and writes raise `SessionReplacedError`
+    once the id names another life than the pinned one."""
 
     def __init__(
         self,
-        store: SessionStore,
+        store: SessionStore | LoopStores,
         session_id: str,
         *,
         origin: Any,
@@ -48,16 +98,20 @@ class SessionLog:
         reset: Callable[[], None],
         mark_types: Iterable[str] = (),
         ttl_ms: int | None = None,
+        life: Life | None = None,
     ) -> None:
-        self.store = store
+        self._stores = store if isinstance(store, LoopStores) else None
+        self._store: SessionStore = store.store if isinstance(store, LoopStores) else store
         self.ttl_ms = ttl_ms
         self.session_id = validate_session_id(session_id)
+        self.life = Life() if life is None else life
         self.n = 0
         self._origin = origin
         self._fold = fold
         self._reset = reset
         self._exists = False
-        vocabulary = store.vocabulary
+        self._of: str | None = None  # the life the folded state is of (None: nothing folded yet)
+        vocabulary = self._store.vocabulary
         for t in mark_types:
             # The adapter's own mark types, registered as "any JSON object" so a strict
             # vocabulary accepts them; a schema someone defined already is left alone.
@@ -65,20 +119,63 @@ class SessionLog:
                 vocabulary.define(t, None)
 
     @property
+    def store(self) -> SessionStore:
+        """The store to use now (on the running loop, given a `LoopStores`)."""
+        return self._store if self._stores is None else self._stores.get()
+
+    @property
+    def incarnation(self) -> str | None:
+        """The life of the id this log belongs to (None until it first sees one)."""
+        return self.life.incarnation
+
+    @property
     def max_batch(self) -> int:
-        return self.store.max_batch
+        return self._store.max_batch
 
     def _restart(self) -> None:
         self.n = 0
         self._reset()
 
+    def _align(self) -> str | None:
+        """The pinned life, with the folded state made of it: another log of the same object may
+        have moved the pin onto a life it created (the state of the ended one is dropped)."""
+        pin = self.life.incarnation
+        if self._of != pin:
+            if self._of is not None:
+                self._restart()
+                self._exists = False
+            self._of = pin
+        return pin
+
+    def _ended(self) -> None:
+        """The pinned life is gone and nothing took its place: nothing of it remains."""
+        self._restart()
+        self._exists = False
+
+    def _replaced(self, detail: str = "") -> SessionReplacedError:
+        return SessionReplacedError(
+            self.session_id, detail or f"this object belongs to incarnation {self.life.incarnation}"
+        )
+
     async def catch_up(self) -> None:
-        """Fold the entries other writers appended since we last looked."""
+        """Fold the entries other writers appended since we last looked (`SessionReplacedError`
+        when the id names another life now)."""
+        store = self.store
+        pin = self._align()
+        if pin is None:
+            head = await store.head(self.session_id)
+            if head is None:
+                self._exists = False
+                return
+            pin = self.life.adopt(head.header.incarnation)
+            self._align()
         try:
-            entries = await self.store.read(self.session_id, self.n)
+            entries = await store.read(self.session_id, self.n, incarnation=pin)
+        except SessionReplacedError:
+            raise self._replaced() from None
         except SessionNotFoundError:
             if self.n:
-                self._restart()
+                self._ended()
             self._exists = False
             return
         self._exists = True
@@ -89,44 +186,77 @@ class SessionLog:
         self._fold(entries)
         self.n = entries[-1].n + 1
 
-    async def _ensure_exists(self) -> None:
-        if self._exists:
-            return
-        try:
-            await self.store.create(SessionHeader(id=self.session_id, origin=self._origin), ttl_ms=self.ttl_ms)
-        except SessionAlreadyExistsError:
-            pass
-        self._exists = True
+    async def _ensure_exists(self, store: SessionStore) -> str:
+        """The pinned life, after creating one (owned by this object) if none exists."""
+        pin = self._align()
+        if self._exists and pin is not None:
+            return pin
+        for _ in range(MAX_ATTEMPTS):
+            try:
+                created = await store.create(SessionHeader(id=self.session_id, origin=self._origin), ttl_ms=self.ttl_ms)
+            except SessionAlreadyExistsError:
+                head = await store.head(self.session_id)
+                if head is None:
+                    continue  # gone again (or hidden): try to create it once more
+                current = self.life.incarnation
+                if current is None:
+                    current = self.life.adopt(head.header.incarnation)
+                if head.header.incarnation != current:
+                    raise self._replaced("created again by another writer after this object's life ended") from None
+            else:
+                # The life this object belonged to had ended (or it had none): the one it created
+                # is its own now, with an empty log.
+                current = created.header.incarnation
+                self.life.created(current)
+            self._align()
+            self._exists = True
+            return current
+        raise self._replaced("the id kept being deleted and created again")
 
     async def write(self, build: Callable[[], Sequence[NewEntry]], *, fresh: bool) -> list[Entry]:
         """Append what `build()` returns (called again after each conflict, against the caught-up
-        state) at the current n. `fresh` catches up first (for entries that depend on the log);
-        otherwise the first attempt is optimistic. An empty build writes nothing."""
+        state) at the current n, on the pinned life (`SessionReplacedError` on another one).
+        `fresh` catches up first (for entries that depend on the log); otherwise the first
+        attempt is optimistic. An empty build writes nothing."""
         if fresh:
             await self.catch_up()
+        store = self.store
         key = uuid.uuid4().hex
         last: Exception | None = None
         for attempt in range(MAX_ATTEMPTS):
+            self._align()
             entries = build()
             if not entries:
                 return []
-            await self._ensure_exists()
+            pin = await self._ensure_exists(store)
             try:
-                stored = await self.store.put(self.session_id, self.n, entries, idempotency_key=key)
+                stored = await self._put(store, entries, key, pin)
+            except SessionReplacedError:
+                raise self._replaced("nothing was written") from None
             except SessionConflictError as e:
                 last = e
-                if e.actual_n < self.n:
-                    self._restart()  # a new session under the same id: our state is stale
                 await self.catch_up()
                 await conflict_backoff(attempt, base=0.0005, cap=0.05)
                 continue
             except SessionNotFoundError as e:
-                # Deleted since we looked: start over on a new session.
-                last = e
-                self._restart()
-                self._exists = False
+                last = e  # the life ended since we looked: the next attempt starts a new one
+                self._ended()
                 continue
             self._apply(stored)
             return stored
         assert last is not None
         raise last
+
+    async def _put(self, store: SessionStore, entries: Sequence[NewEntry], key: str, pin: str) -> list[Entry]:
+        """One expected-n put on the pinned life. A lost reply (`StoreUnavailableError`: the write
+        may have landed) is re-sent as it was, with its key, a few times: the store answers a
+        landed batch with what it wrote, so it lands once; the incarnation still refuses
+        another life."""
+        for pause in (*LOST_REPLY_RETRIES, None):
+            try:
+                return await store.put(self.session_id, self.n, entries, idempotency_key=key, incarnation=pin)
+            except StoreUnavailableError:
+                if pause is None:
+                    raise
+                await anyio.sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover

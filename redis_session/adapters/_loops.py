@@ -10,8 +10,13 @@ is dead ("Event loop is closed"). Frameworks call one history or checkpointer fr
   loop that uses it, and on every other loop a clone of it (same server, prefix, vocabulary and
   limits; a connection pool of its own), dropped with its loop. A store that is not bound to a
   loop (`MemorySessionStore`) is shared as it is.
-- `run_sync(fn)` runs a coroutine function on one private event loop (a daemon thread) and waits;
-  sync methods go through it, so they work inside and outside a running loop.
+- `run_sync(fn)` runs a coroutine function for a sync method: outside a running loop, on one
+  private event loop (a daemon thread), waiting for it; called from inside a running loop (a sync
+  method in async code), on a private loop of that thread, in place, so the loop's thread never
+  waits on a lock for another thread (it blocks for the I/O, as any sync call does).
+
+No call on an async path blocks on a lock or on the file system (a `RedisSessionStore` hands its
+pools redis-py's driver info resolved once, at import: `redis_session.redis.wire.settle_client`).
 """
 
 from __future__ import annotations
@@ -64,25 +69,39 @@ class LoopStores:
 
     def __init__(self, store: SessionStore) -> None:
         self.store = store
-        self._home: weakref.ref[asyncio.AbstractEventLoop] | None = None
+        # {"home": weakref to the store's loop}: set once, by dict.setdefault (atomic), so the
+        # loops' threads agree on it without a lock
+        self._home: dict[str, weakref.ref[asyncio.AbstractEventLoop]] = {}
         self._clones: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SessionStore] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
 
     def get(self) -> SessionStore:
         loop = asyncio.get_running_loop()
-        with self._lock:
-            # The first caller's loop is the store's home for good (once that loop is gone, so is
-            # the store's pool: later loops get clones). The private sync loop never is: the
-            # caller may use their store on their own loop too.
-            if self._home is None and loop is not _portal_loop:
-                self._home = weakref.ref(loop)
-            if self._home is not None and self._home() is loop:
-                return self.store
-            clone = self._clones.get(loop)
-            if clone is None:
-                clone = clone_store(self.store)
-                self._clones[loop] = clone
-            return clone
+        # The first caller's loop is the store's home for good (once that loop is gone, so is
+        # the store's pool: later loops get clones). The private sync loops never are: the
+        # caller may use their store on their own loop too.
+        home = self._home.get("home")
+        if home is None and not _is_private(loop):
+            home = self._home.setdefault("home", weakref.ref(loop))
+        if home is not None and home() is loop:
+            return self.store
+        # only the thread running `loop` gets or adds its clone: no other thread races for it
+        clone = self._clones.get(loop)
+        if clone is None:
+            clone = clone_store(self.store)
+            self._clones[loop] = clone
+        return clone
+
+    async def aclose(self) -> None:
+        """Close the stores of the running loop (the given one, if this is its loop, and the
+        clone made for it). A store bound to another loop cannot be closed from here: those of
+        loops that are gone went with them."""
+        loop = asyncio.get_running_loop()
+        home = self._home.get("home")
+        if home is None or home() is loop:  # never used on a loop, or on this one
+            await self.store.aclose()
+        clone = self._clones.pop(loop, None)
+        if clone is not None:
+            await clone.aclose()
 
     def loops(self) -> int:
         """How many loops hold a clone (for tests)."""
@@ -116,8 +135,44 @@ def _shared_portal() -> BlockingPortal:
         return _portal
 
 
+_in_place = threading.local()  # .loop: the private loop of a thread that also runs a loop
+_private_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def _is_private(loop: asyncio.AbstractEventLoop) -> bool:
+    return loop is _portal_loop or loop in _private_loops
+
+
+def _run_in_place(outer: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[T]]) -> T:
+    """Run `fn()` to its end on this thread's private loop while `outer` (this thread's running
+    loop) is suspended, as any sync call suspends it: no other thread, so no lock to wait on."""
+    loop = getattr(_in_place, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = asyncio.new_event_loop()
+        _private_loops.add(loop)
+        _in_place.loop = loop
+
+    async def call() -> T:
+        return await fn()
+
+    asyncio.events._set_running_loop(None)
+    try:
+        return loop.run_until_complete(call())
+    finally:
+        asyncio.events._set_running_loop(outer)
+
+
 def run_sync(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run `fn()` on the private loop thread and return its result (or raise its error)."""
+    """Run `fn()` for a sync method and return its result (or raise its error): on the private
+    loop thread, or in place when this thread runs a loop (see the module docstring)."""
+    try:
+        outer = asyncio.get_running_loop()
+    except RuntimeError:
+        outer = None
+    if outer is not None:
+        if outer is getattr(_in_place, "loop", None):
+            raise RuntimeError("a sync adapter call inside another one's I/O: use the async methods")
+        return _run_in_place(outer, fn)
 
     async def call() -> T:
         return await fn()

@@ -63,7 +63,7 @@ from ..keys import validate_session_id
 from ..model import CUT, Entry, NewEntry
 from ..projection import Message, ProjectionState, openai_messages
 from ..store import SessionStore
-from ._log import SessionLog, resolve_store
+from ._log import Life, SessionLog, resolve_store
 from ._loops import LoopStores, run_sync
 
 CLEAR_REASON = "langchain:clear"
@@ -273,7 +273,8 @@ class _View:
             origin=history._origin,
             fold=self.fold,
             reset=self.reset,
-            ttl_ms=None if history.ttl is None else history.ttl * 1000,
+            ttl_ms=history.ttl * 1000 if history.ttl else None,
+            life=history._life,
         )
 
     def reset(self) -> None:
@@ -343,8 +344,8 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
 
     `store` is a `SessionStore` or a `Sessions` service. As in langchain-redis: `key_prefix`
     starts the session's id (``key_prefix + session_id``; any length, as long as the whole id
-    stays a valid session id of at most 256 characters), `ttl` (seconds) makes a session this
-    history creates expire `ttl` after its last write, `id` is the session id, ``len(history)``
+    stays a valid session id of at most 256 characters), `ttl` (seconds; 0 or None: never) makes
+    a session this history creates expire `ttl` after its last write, `id` is the session id, ``len(history)``
     counts the messages, `search_messages` finds messages by text and `delete` removes the
     session. `origin` goes into the header of the session when this history creates it.
 
@@ -362,6 +363,9 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
         origin: Any = None,
     ) -> None:
         super().__init__()
+        if not session_id or not isinstance(session_id, str):
+            # langchain-redis's own check and words ("" and None never name a session)
+            raise InvalidSessionIdError("session_id must be a non-empty, valid string")
         if not isinstance(key_prefix, str):
             raise TypeError("key_prefix must be a str")
         full = f"{key_prefix}{session_id}"
@@ -373,14 +377,15 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
                 "the id, so the whole id is limited to 256 characters without braces, whitespace "
                 "or control characters (braces would move the session's keys to another cluster slot)"
             ) from None
-        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0):
-            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 0):
+            raise ValueError(f"ttl must be a non-negative number of seconds, got {ttl!r}")
         self.session_id = full
         self.key_prefix = key_prefix
-        self.ttl = ttl
+        self.ttl = ttl  # 0: no expiry, as in langchain-redis (it sets a TTL only when truthy)
         self._stores = LoopStores(resolve_store(store))
         self._origin = {"adapter": "langchain"} if origin is None else origin
         self._views: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _View] = weakref.WeakKeyDictionary()
+        self._life = Life()  # the one life of the id every view (one per loop) belongs to
 
     @property
     def id(self) -> str:
@@ -427,8 +432,9 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
 
     def search_messages(self, query: str, limit: int = 10) -> list[dict[str, Any]]:
         """The messages whose text contains `query` (case-insensitive), oldest first, as dicts
-        ``{type, content, ...}`` (langchain-redis's full-text search, without an index)."""
-        if not query or not isinstance(query, str):
+        ``{type, content, ...}`` (langchain-redis's full-text search, without an index); at most
+        `limit` of them (none for a limit <= 0)."""
+        if not query or not isinstance(query, str) or limit <= 0:
             return []
         needle = query.casefold()
         out: list[dict[str, Any]] = []

@@ -19,11 +19,24 @@ The log stays append-only; nothing is ever deleted:
   ONE batch: a ``cut`` (reason ``openai-agents:compaction``) and the new items. Another reader sees
   the old history or the new one, never an empty or a mixed one.
 
+Built as the SDK's ``RedisSession`` is built, too: ``RedisEventSession.from_url(session_id,
+url=..., redis_kwargs=..., key_prefix=..., ttl=..., session_settings=...)`` or
+``RedisEventSession(session_id, redis_client=client, key_prefix=...)`` (``key_prefix`` is the
+store's key prefix; ``rs`` by default, so every redis-session reader finds the session).
+
 ``ttl`` (seconds, as in the SDK) makes the session ephemeral: every key of it expires ``ttl``
 after its last write. ``pop_item``, ``clear_session`` and the replacement finish their write even
 when the caller is cancelled (the cancellation is raised once the write has landed, as the SDK
 does), so a call never stops between the store's commit and this instance's view of it. After
-``close()`` of a session built by ``from_url``, every call raises ``RuntimeError``.
+``close()`` of a session built by ``from_url``, every call raises ``RuntimeError``. An item that
+is not JSON raises ``TypeError``, as in the SDK. One session works from several event loops
+(``Runner.run_sync`` next to ``asyncio.run``): each loop gets its own connections.
+
+A session object belongs to one life of its id: the incarnation it first sees is checked by the
+store on every read and write, so once the id is deleted and created again by someone else (a
+new conversation, however long), every call raises `SessionReplacedError`; nothing is written to,
+or read from, the new conversation. Open a new ``RedisEventSession`` to work on it. A session that
+was only deleted (or expired) reads as empty, and the next write starts a new one.
 
 ``get_items`` folds those: the items of the entries with n >= the last cut's ``before`` that no
 pop hid (after a compaction by another tool, the cut's ``summary`` messages come first, as
@@ -45,8 +58,10 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 
-from ..model import CUT, Entry, NewEntry
+from ..errors import InvalidEntryError
+from ..model import CUT, Entry, NewEntry, lossless_json
 from ._log import SessionLog, resolve_store
+from ._loops import LoopStores
 
 if TYPE_CHECKING:
     from agents.items import TResponseInputItem
@@ -105,36 +120,72 @@ def _coerce_settings(settings: Any) -> Any:
     return coerce_session_settings(settings)
 
 
-def _as_item(item: Any) -> dict[str, Any]:
+def _as_item(item: Any, index: int) -> dict[str, Any]:
+    """`item` as the JSON object it is stored as; ``TypeError`` when it is not one (the SDK's
+    ``json.dumps`` raises ``TypeError`` too), before anything is written."""
+    out: Any = None
     if isinstance(item, Mapping):
-        return dict(item)
-    dump = getattr(item, "model_dump", None)  # a pydantic Responses type
-    if callable(dump):
-        out = dump(mode="json", exclude_unset=True)
-        if isinstance(out, dict):
-            return out
-    raise TypeError(f"a session item must be a JSON object (dict), got {type(item).__name__}")
+        out = dict(item)
+    else:
+        dump = getattr(item, "model_dump", None)  # a pydantic Responses type
+        if callable(dump):
+            out = dump(mode="json", exclude_unset=True)
+    if not isinstance(out, dict):
+        raise TypeError(f"a session item must be a JSON object (dict), got {type(item).__name__}")
+    try:
+        lossless_json(out, f"session item {index}")
+    except InvalidEntryError as e:
+        raise TypeError(str(e)) from None
+    return out
+
+
+def _items_of(items: Any) -> list[dict[str, Any]]:
+    return [_as_item(item, i) for i, item in enumerate(items)]
+
+
+def _store_of(store: Any, redis_client: Any, key_prefix: str | None) -> Any:
+    """The store of a session: `store` (a store or a `Sessions`), or one over `redis_client`."""
+    if redis_client is None:
+        if store is None:
+            raise TypeError("RedisEventSession needs a store (or a Sessions), or redis_client=")
+        if key_prefix is not None:
+            raise TypeError("key_prefix goes with redis_client=; a store has its own prefix")
+        return resolve_store(store)
+    if store is not None:
+        raise TypeError("give a store or redis_client=, not both")
+    import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster
+
+    from ..redis.store import RedisSessionStore
+
+    if not isinstance(redis_client, (aioredis.Redis, RedisCluster)):
+        raise TypeError(f"redis_client must be a redis.asyncio client, got {type(redis_client).__name__}")
+    return RedisSessionStore(redis_client, prefix="rs" if key_prefix is None else key_prefix)
 
 
 class RedisEventSession:
     """The Agents SDK ``Session`` protocol over a redis-session log (see the module docstring).
 
-    `store` is a `SessionStore` or a `Sessions` service. `session_settings` (an
-    ``agents.memory.SessionSettings`` or a dict; ``SessionSettings()`` by default, as in the SDK)
-    gives the default ``limit`` of `get_items`. `ttl` (seconds) makes a session this instance
-    creates ephemeral. Calls on one instance are serialised; several instances (or pods) may
-    share a session.
+    `store` is a `SessionStore` or a `Sessions` service; or, as in the SDK, `redis_client` (a
+    ``redis.asyncio`` client the caller keeps and closes) with `key_prefix` (the store's prefix,
+    ``rs`` by default). `session_settings` (an ``agents.memory.SessionSettings`` or a dict;
+    ``SessionSettings()`` by default, as in the SDK) gives the default ``limit`` of `get_items`.
+    `ttl` (seconds) makes a session this instance creates ephemeral. Calls on one instance are
+    serialised; several instances (or pods) may share a session.
     """
 
     def __init__(
         self,
         session_id: str,
-        store: Any,
+        store: Any = None,
         *,
+        redis_client: Any = None,
+        key_prefix: str | None = None,
         session_settings: SessionSettings | Mapping[str, Any] | None = None,
         ttl: int | None = None,
         origin: Any = None,
     ) -> None:
+        store = _store_of(store, redis_client, key_prefix)
         self.session_id = session_id
         self.session_settings: SessionSettings | None = _coerce_settings(session_settings)
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0):
@@ -147,7 +198,7 @@ class RedisEventSession:
         self._summary: list[dict[str, Any]] = []
         self._lock = anyio.Lock()
         self._log = SessionLog(
-            resolve_store(store),
+            LoopStores(store),
             session_id,
             origin={"adapter": "openai-agents"} if origin is None else origin,
             fold=self._fold,
@@ -162,23 +213,40 @@ class RedisEventSession:
         session_id: str,
         *,
         url: str | None = None,
-        prefix: str = "rs",
+        redis_kwargs: Mapping[str, Any] | None = None,
+        key_prefix: str | None = None,
+        prefix: str | None = None,
         session_settings: SessionSettings | Mapping[str, Any] | None = None,
         ttl: int | None = None,
     ) -> RedisEventSession:
         """Like the SDK's ``RedisSession.from_url``: a store of its own (`url`, else
-        ``$REDIS_URL``, else the embedded server), closed by `close()`, after which every call
-        raises ``RuntimeError``."""
+        ``$REDIS_URL``, else the embedded server; `redis_kwargs` go to the client), closed by
+        `close()`, after which every call raises ``RuntimeError``. `key_prefix` (the SDK's name)
+        or `prefix` is the store's key prefix (``rs`` by default)."""
         from ..redis.connect import open_store
 
-        store = open_store(url, prefix=prefix)
+        if key_prefix is not None and prefix is not None and key_prefix != prefix:
+            raise TypeError("give key_prefix or prefix, not both")
+        chosen = key_prefix if key_prefix is not None else prefix if prefix is not None else "rs"
+        store = open_store(url, prefix=chosen, client_options=dict(redis_kwargs or {}))
+        # (a session that fails to build leaves a client that never connected: nothing to close)
         session = cls(session_id, store, session_settings=session_settings, ttl=ttl)
         session._owned = store
         return session
 
     @property
     def store(self) -> Any:
-        return self._log.store
+        """The store (the one given, or the one `from_url` or `redis_client` made; inside an
+        event loop, its twin for that loop)."""
+        try:
+            return self._log.store
+        except RuntimeError:  # no running loop
+            return self._log._store
+
+    @property
+    def incarnation(self) -> str | None:
+        """The life of the id this session belongs to (None until it first sees one)."""
+        return self._log.incarnation
 
     # ------------------------------------------------------------------ the fold
 
@@ -228,7 +296,8 @@ class RedisEventSession:
 
     async def add_items(self, items: list[TResponseInputItem]) -> None:
         """Append the items, in order (one expected-n batch per store batch)."""
-        converted = [_as_item(i) for i in items]
+        self._check_open()
+        converted = _items_of(items)
         if not converted:
             return
         async with self._lock:
@@ -272,9 +341,12 @@ class RedisEventSession:
     async def _atomic_replace_items(self, items: list[TResponseInputItem]) -> bool:
         """The SDK's atomic replacement hook (``OpenAIResponsesCompactionSession`` calls it to
         swap the history for the compacted one): ONE batch, a ``cut`` hiding everything before
-        it and then `items`. False (the SDK then clears and adds) only when the items do not fit
-        in one batch."""
-        converted = [_as_item(i) for i in items]
+        it and then `items`. False (the SDK then clears and adds) when the items do not fit in
+        one batch, and on a subclass (as the SDK's own sessions do: the subclass's overridden
+        ``clear_session`` / ``add_items`` must run, so the replacement may not bypass them)."""
+        if type(self) is not RedisEventSession:
+            return False
+        converted = _items_of(items)
         if len(converted) + 1 > self._log.max_batch:
             return False
 
@@ -305,5 +377,7 @@ class RedisEventSession:
             if self._owned is None:
                 return
             self._closed = True
-            owned, self._owned = self._owned, None
-            await owned.aclose()
+            self._owned = None
+            stores = self._log._stores
+            assert stores is not None
+            await stores.aclose()

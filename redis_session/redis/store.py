@@ -80,7 +80,19 @@ from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_f
 from .cluster import ClusterRouter
 from .doctor import stream_problems
 from .rows import _decode_entries, _splice_rows, rows_to_entries
-from .wire import EVAL, EVALSHA, RAW, PooledWire, bulks, pack, pool_size, raw_client, read_replies, socket_timeout
+from .wire import (
+    EVAL,
+    EVALSHA,
+    RAW,
+    PooledWire,
+    bulks,
+    pack,
+    pool_size,
+    raw_client,
+    read_replies,
+    settle_client,
+    socket_timeout,
+)
 
 _json = msgspec.json.Encoder()
 _decode_any = msgspec.json.Decoder()
@@ -342,6 +354,7 @@ class RedisSessionStore(StoreRules):
         if not 1 <= max_batch <= 65_535:
             raise ValueError("max_batch must be in [1, 65535] (append.lua packs the batch length in 16 bits)")
         self.cluster = isinstance(client, RedisCluster)
+        settle_client(client)  # no package-metadata lookup per new connection (on the loop)
         self._user_client = client
         self.client = raw_client(client)
         self.keys = Keys(prefix, feed_shards, index_shards)

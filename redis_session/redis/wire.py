@@ -14,7 +14,9 @@ used here, checked against redis-py 8.1 (the version ``pyproject.toml`` pins):
   adjusted in place);
 - ``NEVER_DECODE``, redis-py's per-command option to read a reply undecoded;
 - ``RedisCluster.nodes_manager.connection_kwargs`` (the socket timeout) and the attributes a
-  clone of a client for another event loop needs.
+  clone of a client for another event loop needs;
+- ``redis.driver_info.DriverInfo``, resolved once and set in the pools' ``connection_kwargs``
+  (`settle_client`): redis-py 8 otherwise reads package metadata for every new connection.
 """
 
 from __future__ import annotations
@@ -130,14 +132,50 @@ def clone_client(client: aioredis.Redis | RedisCluster) -> aioredis.Redis | Redi
 
     if isinstance(client, RedisCluster):
         nodes = [ClusterNode(n.host, n.port) for n in client.get_nodes()] or list(client.startup_nodes)
-        return RedisCluster(startup_nodes=nodes, **client.connection_kwargs)
+        cluster = RedisCluster(startup_nodes=nodes, **client.connection_kwargs)
+        settle_client(cluster)
+        return cluster
     pool = client.connection_pool
     kwargs = dict(pool.connection_kwargs)
-    return aioredis.Redis(
+    clone = aioredis.Redis(
         connection_pool=ConnectionPool(
             connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
         )
     )
+    settle_client(clone)
+    return clone
+
+
+def _resolve_driver_info() -> Any:
+    try:
+        from redis.driver_info import DriverInfo
+    except ImportError:  # redis-py < 8: nothing is looked up per connection
+        return None
+    return DriverInfo()
+
+
+#: redis-py's client name and version (CLIENT SETINFO), resolved once, at import
+_DRIVER_INFO = _resolve_driver_info()
+_PER_CONNECTION = ("driver_info", "lib_name", "lib_version")
+
+
+def settle_client(client: Any) -> None:
+    """Give `client`'s connection pools redis-py's driver info resolved once, at import. Without it
+    redis-py 8 reads its own version from the package metadata (``importlib.metadata``: file system
+    calls) for every connection a pool opens, that is on the event loop, in the middle of a
+    command. Options the caller set stay as they are."""
+    if _DRIVER_INFO is None:
+        return
+    kwargs_list: list[dict[str, Any]] = []
+    pool_kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if isinstance(pool_kwargs, dict):
+        kwargs_list.append(pool_kwargs)
+    if isinstance(client, RedisCluster):  # the cluster's own options, and its nodes'
+        kwargs_list.append(client.connection_kwargs)
+        kwargs_list.extend(node.connection_kwargs for node in client.get_nodes())
+    for kwargs in kwargs_list:
+        if not any(k in kwargs for k in _PER_CONNECTION):
+            kwargs["driver_info"] = _DRIVER_INFO
 
 
 # --------------------------------------------------------------------------- connections
