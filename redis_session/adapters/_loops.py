@@ -103,6 +103,12 @@ class LoopStores:
         if clone is not None:
             await clone.aclose()
 
+    def home_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the given store belongs to (its first caller's), None before any use or once
+        that loop is gone."""
+        home = self._home.get("home")
+        return None if home is None else home()
+
     def loops(self) -> int:
         """How many loops hold a clone (for tests)."""
         return len(self._clones)

@@ -859,8 +859,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         self._owns_store = False
         # The store's connections belong to the first event loop that used it; once that loop has
         # ended they are gone with it (nothing to close, and redis-py cannot close them from here).
-        home_ref = self._stores._home
-        home = None if home_ref is None else home_ref()
+        home = self._stores.home_loop()
         if home is not None and home is not asyncio.get_running_loop() and home.is_closed():
             return
         await self.store.aclose()
