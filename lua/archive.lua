@@ -1,0 +1,49 @@
+-- archive.lua: move an archived range out of the hot stream (archive), or bring every archived
+-- entry back into it (restore). One slot; the header's `cold` field lists the archived segments.
+--
+-- KEYS[1] hdr      HASH    {prefix}:{id}:hdr
+-- KEYS[2] log      STREAM  {prefix}:{id}:log
+-- KEYS[3] restore  STREAM  {prefix}:{id}:restore  restore only: the archived entries, staged
+--
+-- ARGV[1] mode         "archive" | "restore"
+-- ARGV[2] incarnation  the life the archiver read: another one is refused
+-- ARGV[3] cold         the header's `cold` field as the archiver read it ("" = none); it must be
+--                      unchanged (compare-and-set: two archivers never both commit one range)
+-- archive: ARGV[4] the new `cold` field (ARGV[3]'s list plus the segment [lo, hi) just written,
+--          read back and verified), ARGV[5] lo, ARGV[6] hi; entries [lo, hi) leave the stream
+-- restore: ARGV[4] hot start (the end of the archived range): KEYS[3] must end just below it
+--
+-- Returns {0, entries moved}     done
+--         {3}                    session not found (or deleted)
+--         {8}                    the session has another incarnation (replaced)
+--         {9}                    the `cold` field changed meanwhile (another archiver or a restore)
+--         {2, n}                 hi is beyond the header's n
+--         {10, id or ""}         the hot stream does not hold [lo, hi) (archive) or the staged
+--                                stream does not end at hot start (restore): nothing changed
+local call = redis.call
+local h = call('HMGET', KEYS[1], 'n', 'deleted', 'incarnation', 'created_at', 'cold')
+if not h[1] or h[2] then return {3} end
+if ARGV[2] ~= (h[3] or ('legacy-' .. (h[4] or '0'))) then return {8} end
+if (h[5] or '') ~= ARGV[3] then return {9} end
+
+if ARGV[1] == 'archive' then
+  local lo, hi = tonumber(ARGV[5]), tonumber(ARGV[6])
+  if hi > tonumber(h[1]) then return {2, tonumber(h[1])} end
+  local first = call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)[1]
+  if not first or first[1] ~= string.format('%d-1', lo) then return {10, first and first[1] or ''} end
+  local last_id = string.format('%d-1', hi - 1)
+  if not call('XRANGE', KEYS[2], last_id, last_id)[1] then return {10, ''} end
+  -- the header names the segment before the entries leave: never neither
+  call('HSET', KEYS[1], 'cold', ARGV[4])
+  return {0, call('XTRIM', KEYS[2], 'MINID', string.format('%d-1', hi))}
+end
+
+-- restore: the staged archived entries, then the hot ones, become the stream
+local hot = tonumber(ARGV[4])
+local staged = call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
+if not staged or staged[1] ~= string.format('%d-1', hot - 1) then return {10, staged and staged[1] or ''} end
+local rows = call('XRANGE', KEYS[2], '-', '+')
+for _, row in ipairs(rows) do call('XADD', KEYS[3], row[1], unpack(row[2])) end
+call('RENAME', KEYS[3], KEYS[2])
+call('HDEL', KEYS[1], 'cold')
+return {0, #rows}
