@@ -1,0 +1,214 @@
+"""Operating the cold tier: the `archive` / `restore` commands, the change-feed worker, a real
+S3-compatible server (moto) through obstore, and an archiver process killed with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from redis_session import NewEntry, RedisSessionStore, SessionHeader
+from redis_session.archiver import Archiver, ArchiveWorker, Policy, set_cold_url
+from redis_session.cold import ColdTier
+
+from test_cli import cli
+
+pytestmark = pytest.mark.anyio
+
+
+def um(i: int) -> NewEntry:
+    return NewEntry("user/message", {"content": f"m{i}"})
+
+
+async def seed(store: RedisSessionStore, sid: str, k: int = 30) -> list[Any]:
+    await store.create(SessionHeader(id=sid), [um(i) for i in range(k)])
+    return list(await store.read(sid))
+
+
+async def until(cond: Any, timeout: float = 45.0) -> None:
+    with anyio.fail_after(timeout):
+        while not await cond():
+            await anyio.sleep(0.05)
+
+
+async def test_cli_archive_restore_and_sweep(redis_store: RedisSessionStore, redis_url: str, tmp_path: Path) -> None:
+    p = redis_store.prefix
+    before = await seed(redis_store, "a")
+    await seed(redis_store, "b")
+    r = cli("archive", "a", "--to", str(tmp_path / "cold"), "--json", url=redis_url, prefix=p)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["status"] == "archived"
+    assert await redis_store._raw("XLEN", redis_store.keys.log("a")) == 0
+    # the URL is recorded: this store (built without a tier) reads it back
+    assert msgspec.json.encode(await redis_store.read("a")) == msgspec.json.encode(before)
+    r = cli("archive", "--keep", "10", "--json", url=redis_url, prefix=p)
+    assert r.returncode == 0, r.stderr
+    got = {d["session"]: d for d in map(json.loads, r.stdout.splitlines())}
+    assert got["b"]["status"] == "archived" and (got["b"]["lo"], got["b"]["hi"]) == (0, 20)
+    r = cli("restore", "a", "--json", url=redis_url, prefix=p)
+    assert r.returncode == 0 and json.loads(r.stdout)["status"] == "restored", r.stderr
+    assert await redis_store._raw("XLEN", redis_store.keys.log("a")) == 30
+    r = cli("archive", "--sweep", "--grace", "0s", "--json", url=redis_url, prefix=p)
+    assert r.returncode == 0 and json.loads(r.stdout)["swept"] == 0, r.stderr
+    r = cli("archive", url=redis_url, prefix=p)
+    assert r.returncode != 0 and "give a SESSION_ID" in r.stderr
+    r = cli("archive", "--idle", "soon", url=redis_url, prefix=p)
+    assert r.returncode != 0 and "not a duration" in r.stderr
+    r = cli("restore", "nope", url=redis_url, prefix=p)
+    assert r.returncode != 0 and "not found" in r.stderr
+
+
+async def test_worker_keeps_n_hot_from_the_feed(redis_store: RedisSessionStore, tmp_path: Path) -> None:
+    await set_cold_url(redis_store, str(tmp_path / "cold"))
+    w1 = ArchiveWorker(redis_store, Policy(keep=5, min_entries=10), block_ms=100, consumer="w1")
+    w2 = ArchiveWorker(redis_store, Policy(keep=5, min_entries=10), block_ms=100, consumer="w2")
+    before = await seed(redis_store, "s1", 3)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(w1.run)
+        tg.start_soon(w2.run)
+        for i in range(3, 40):
+            before += await redis_store.put("s1", i, [um(i)])
+
+        async def hot_small() -> bool:
+            st = await redis_store.cold_state("s1")
+            return st is not None and st.n == 40 and st.n - st.hot_start < 15
+
+        await until(hot_small)
+        w1.stop()
+        w2.stop()
+    assert msgspec.json.encode(await redis_store.read("s1")) == msgspec.json.encode(before)
+    archived = w1.metrics.value("entries_total") + w2.metrics.value("entries_total")
+    st = await redis_store.cold_state("s1")
+    assert st is not None and archived == st.hot_start
+
+
+async def test_worker_archives_idle_sessions(redis_store: RedisSessionStore, tmp_path: Path) -> None:
+    await set_cold_url(redis_store, str(tmp_path / "cold"))
+    w = ArchiveWorker(redis_store, Policy(idle_ms=300), block_ms=100)
+    before = await seed(redis_store, "idle")
+    await redis_store.put("idle", 30, [um(30)])  # a feed hint (a create with entries gives one too)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(w.run)
+
+        async def cold() -> bool:
+            st = await redis_store.cold_state("idle")
+            return st is not None and st.hot_start == 31
+
+        await until(cold)
+        w.stop()
+    assert len(await redis_store.read("idle")) == len(before) + 1
+
+
+# --------------------------------------------------------------------------- S3 (moto)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3_url() -> Iterator[str]:
+    pytest.importorskip("obstore")
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
+        pytest.skip("moto[server] is not installed")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.skip("moto server did not start")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+async def test_s3_compatible_server_through_obstore(redis_store: RedisSessionStore, s3_url: str) -> None:
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{s3_url}/cold-bucket", method="PUT")).read()
+    from redis_session.cold import CloudObjects
+
+    objects = CloudObjects(
+        "s3://cold-bucket/tier",
+        endpoint=s3_url,
+        region="us-east-1",
+        access_key_id="test",
+        secret_access_key="test",
+        client_options={"allow_http": True},
+    )
+    redis_store.cold = ColdTier(objects, prefix=redis_store.prefix)
+    before = await seed(redis_store, "s3")
+    res = await Archiver(redis_store).archive("s3", upto=25)
+    assert res.status == "archived"
+    redis_store.cold._cache.clear()
+    assert msgspec.json.encode(await redis_store.read("s3")) == msgspec.json.encode(before)
+    assert len([o async for o in objects.list("")]) == 1
+    assert await Archiver(redis_store, grace_ms=0).sweep() == []
+    await redis_store.delete("s3")
+    assert [o async for o in objects.list("")] == []
+
+
+# --------------------------------------------------------------------------- a real kill
+
+
+_KILLED_ARCHIVER = """
+import anyio, os, sys
+from redis_session import RedisSessionStore
+from redis_session.archiver import Archiver
+from redis_session.cold import ColdTier
+
+async def main():
+    url, prefix, folder, step = sys.argv[1:5]
+    store = RedisSessionStore.from_url(url, prefix=prefix, cold=ColdTier(folder, prefix=prefix))
+    async def hook(at):
+        if at == step:
+            os.kill(os.getpid(), 9)
+    await Archiver(store, hook=hook).archive("k")
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("step", ["before_upload", "after_upload", "after_script"])
+async def test_sigkill_at_every_step(redis_store: RedisSessionStore, redis_url: str, tmp_path: Path, step: str) -> None:
+    before = await seed(redis_store, "k", 50)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    folder = str(tmp_path / "cold")
+    r = subprocess.run(
+        [sys.executable, "-c", _KILLED_ARCHIVER, redis_url, redis_store.prefix, folder, step],
+        env=env, capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    redis_store.cold = ColdTier(folder, prefix=redis_store.prefix)
+    assert msgspec.json.encode(await redis_store.read("k")) == msgspec.json.encode(before)
+    await Archiver(redis_store).archive("k")
+    assert msgspec.json.encode(await redis_store.read("k")) == msgspec.json.encode(before)
+    st = await redis_store.cold_state("k")
+    assert st is not None and st.hot_start == 50
+    assert await redis_store._raw("XLEN", redis_store.keys.log("k")) == 0
