@@ -17,12 +17,13 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+from test_cli import cli
 
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
 from redis_session.archiver import Archiver, ArchiveWorker, Policy, set_cold_url
 from redis_session.cold import ColdTier
 
-from test_cli import cli
+from support import wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -34,12 +35,6 @@ def um(i: int) -> NewEntry:
 async def seed(store: RedisSessionStore, sid: str, k: int = 30) -> list[Any]:
     await store.create(SessionHeader(id=sid), [um(i) for i in range(k)])
     return list(await store.read(sid))
-
-
-async def until(cond: Any, timeout: float = 45.0) -> None:
-    with anyio.fail_after(timeout):
-        while not await cond():
-            await anyio.sleep(0.05)
 
 
 async def test_cli_archive_restore_and_sweep(redis_store: RedisSessionStore, redis_url: str, tmp_path: Path) -> None:
@@ -84,7 +79,7 @@ async def test_worker_keeps_n_hot_from_the_feed(redis_store: RedisSessionStore, 
             st = await redis_store.cold_state("s1")
             return st is not None and st.n == 40 and st.n - st.hot_start < 15
 
-        await until(hot_small)
+        await wait_for(hot_small, within=45)
         w1.stop()
         w2.stop()
     assert msgspec.json.encode(await redis_store.read("s1")) == msgspec.json.encode(before)
@@ -105,7 +100,7 @@ async def test_worker_archives_idle_sessions(redis_store: RedisSessionStore, tmp
             st = await redis_store.cold_state("idle")
             return st is not None and st.hot_start == 31
 
-        await until(cold)
+        await wait_for(cold, within=45)
         w.stop()
     assert len(await redis_store.read("idle")) == len(before) + 1
 
@@ -151,7 +146,8 @@ def s3_url() -> Iterator[str]:
 async def test_s3_compatible_server_through_obstore(redis_store: RedisSessionStore, s3_url: str) -> None:
     import urllib.request
 
-    urllib.request.urlopen(urllib.request.Request(f"{s3_url}/cold-bucket", method="PUT")).read()
+    bucket = urllib.request.Request(f"{s3_url}/cold-bucket", method="PUT")
+    await anyio.to_thread.run_sync(lambda: urllib.request.urlopen(bucket).read())
     from redis_session.cold import CloudObjects
 
     objects = CloudObjects(
@@ -177,6 +173,7 @@ async def test_s3_compatible_server_through_obstore(redis_store: RedisSessionSto
 # --------------------------------------------------------------------------- a real kill
 
 
+_ROOT = str(Path(__file__).resolve().parents[1])
 _KILLED_ARCHIVER = """
 import anyio, os, sys
 from redis_session import RedisSessionStore
@@ -198,12 +195,10 @@ anyio.run(main)
 @pytest.mark.parametrize("step", ["before_upload", "after_upload", "after_script"])
 async def test_sigkill_at_every_step(redis_store: RedisSessionStore, redis_url: str, tmp_path: Path, step: str) -> None:
     before = await seed(redis_store, "k", 50)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": _ROOT}
     folder = str(tmp_path / "cold")
-    r = subprocess.run(
-        [sys.executable, "-c", _KILLED_ARCHIVER, redis_url, redis_store.prefix, folder, step],
-        env=env, capture_output=True, timeout=60,
-    )  # fmt: skip
+    argv = [sys.executable, "-c", _KILLED_ARCHIVER, redis_url, redis_store.prefix, folder, step]
+    r = await anyio.run_process(argv, env=env, check=False)
     assert r.returncode == -signal.SIGKILL, r.stderr
     redis_store.cold = ColdTier(folder, prefix=redis_store.prefix)
     assert msgspec.json.encode(await redis_store.read("k")) == msgspec.json.encode(before)
