@@ -35,7 +35,16 @@ if ARGV[1] == 'archive' then
   if not call('XRANGE', KEYS[2], last_id, last_id)[1] then return {10, ''} end
   -- the header names the segment before the entries leave: never neither
   call('HSET', KEYS[1], 'cold', ARGV[4])
-  return {0, call('XTRIM', KEYS[2], 'MINID', string.format('%d-1', hi))}
+  local removed = call('XTRIM', KEYS[2], 'MINID', string.format('%d-1', hi))
+  -- XTRIM frees whole stream nodes only: the entries it takes from a node that keeps others
+  -- still hold their memory. A short hot tail is rewritten compactly (same IDs and fields).
+  local left = call('XLEN', KEYS[2])
+  if left <= 100 then
+    local rows = call('XRANGE', KEYS[2], '-', '+')
+    call('DEL', KEYS[2])
+    for _, row in ipairs(rows) do call('XADD', KEYS[2], row[1], unpack(row[2])) end
+  end
+  return {0, removed}
 end
 
 -- restore: the staged archived entries, then the hot ones, become the stream

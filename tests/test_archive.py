@@ -294,3 +294,40 @@ async def test_archive_refuses_a_replaced_session_in_the_script(redis_store: Red
     with pytest.raises(SessionReplacedError):
         await redis_store.commit_archive("s1", state, seg)
     assert await redis_store._raw("XLEN", redis_store.keys.log("s1")) == 40
+
+
+@pytest.mark.parametrize(
+    "sid", ["../../etc/passwd", "a/b/./c", "..", ".", "日本語:チャット", "x" * 256, "%2E%2E", "a\\b"]
+)
+async def test_hostile_ids_stay_inside_the_folder(astore: Any, sid: str) -> None:
+    before = await seeded(astore, sid, 10)
+    assert (await Archiver(astore).archive(sid)).status == "archived"
+    root = Path(astore.cold.objects.root)
+    (key,) = await objects(astore)
+    path = (root / key).resolve()
+    assert path.is_relative_to(root) and len(path.relative_to(root).parts) == 4
+    astore.cold._cache.clear()
+    assert enc(await astore.read(sid)) == enc(before)
+    assert await Archiver(astore, grace_ms=0).sweep() == []  # the sweep maps the folder back to the id
+
+
+async def test_a_damaged_cold_field_is_a_typed_error(redis_store: RedisSessionStore, tmp_path: Path) -> None:
+    from redis_session.errors import SessionError
+
+    redis_store.cold = ColdTier(str(tmp_path), prefix=redis_store.prefix)
+    await seeded(redis_store)
+    await Archiver(redis_store).archive("s1", upto=20)
+    await redis_store._raw("HSET", redis_store.keys.hdr("s1"), "cold", "0:20:nothex")
+    with pytest.raises(SessionError, match="cold field is damaged"):
+        await redis_store.read("s1")
+    assert len(await redis_store.read("s1", 20)) == 20  # the hot part still reads
+    assert any(p.code == "segment-corrupt" for p in (await doctor(redis_store, "s1")).problems)
+
+
+async def test_the_contract_wrapper_really_archives(astore: Any) -> None:
+    from redis_session.testing.contract import ArchivedPrefixStore, SessionStoreContract
+
+    wrapped = ArchivedPrefixStore(astore)
+    await SessionStoreContract().test_branch_stitches_parent_prefix(wrapped)
+    assert wrapped.archived > 0
+    assert await objects(astore)

@@ -11,6 +11,7 @@ from .segments import (
     decode_segment,
     encode_cold,
     encode_segment,
+    hot_start,
     segment_key,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "decode_segment",
     "encode_cold",
     "encode_segment",
+    "hot_start",
     "open_objects",
     "segment_key",
 ]

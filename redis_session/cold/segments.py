@@ -7,10 +7,11 @@ An object is zstd-compressed JSONL in the native export's entry format (`importe
     {"n":0,"time":1718000000000,"type":"user/message","data":{"content":"hi"}}
 
 Its key names the store prefix, the session, the incarnation and the range, and the header's
-``cold`` field lists ``[lo, hi, sha256, size]`` per segment (`ColdSegment`): the key is derived,
-so a segment costs ~90 bytes of Redis memory. Reading one checks the checksum, the line-1 identity
-and every n; a failure is `SegmentCorruptError`, an absent object `SegmentMissingError`, both
-naming the range. `ColdTier` reads through a small LRU of decoded segments.
+``cold`` field lists ``lo:hi:checksum:size`` per segment, ``;``-separated (`ColdSegment`; the
+checksum is the first 64 bits of the object's SHA-256, in hex): the key is derived, so one or two
+segments stay under Redis's 64-byte limit for a compact (listpack) header hash. Reading one
+checks the checksum, the line-1 identity and every n; a failure is `SegmentCorruptError`, an
+absent object `SegmentMissingError`, both naming the range. `ColdTier` reads through a small LRU of decoded segments.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from urllib.parse import quote
 import msgspec
 import zstandard
 
-from ..errors import SegmentCorruptError, SegmentMissingError
+from ..errors import SegmentCorruptError, SegmentMissingError, SessionError
 from ..model import ENTRY_LIST_DECODER, Entry
 from .objects import ObjectMissing, ObjectStore, open_objects
 
@@ -35,12 +36,13 @@ SEGMENT_VERSION = 1
 _ZSTD_LEVEL = 3
 
 
-class ColdSegment(msgspec.Struct, array_like=True, frozen=True):
-    """One archived range as the header lists it: ``[lo, hi, sha256 of the object, its size]``."""
+class ColdSegment(msgspec.Struct, frozen=True):
+    """One archived range as the header lists it: [lo, hi), the object's checksum (the first 16
+    hex digits of its SHA-256) and its size in bytes."""
 
     lo: int
     hi: int
-    sha256: str
+    checksum: str
     size: int
 
 
@@ -54,19 +56,38 @@ class _SegmentHead(msgspec.Struct):
 
 
 _encode = msgspec.json.Encoder()
-_cold_decoder = msgspec.json.Decoder(list[ColdSegment])
 _head_decoder = msgspec.json.Decoder(_SegmentHead)
 
 
 def decode_cold(raw: bytes | str | None) -> builtins.list[ColdSegment]:
-    """The header's ``cold`` field (None or empty: nothing archived)."""
+    """The header's ``cold`` field (None or empty: nothing archived); `SessionError` if damaged."""
     if not raw:
         return []
-    return _cold_decoder.decode(raw)
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    out = []
+    try:
+        for part in text.split(";"):
+            lo, hi, checksum, size = part.split(":")
+            seg = ColdSegment(int(lo), int(hi), checksum, int(size))
+            if not (0 <= seg.lo < seg.hi and len(checksum) == 16 and seg.size > 0):
+                raise ValueError(part)
+            out.append(seg)
+    except ValueError as e:
+        raise SessionError(f"the header's cold field is damaged ({e}): run `redis-session doctor`") from None
+    return out
+
+
+def hot_start(raw: bytes) -> int:
+    """Where the hot stream starts, from a non-empty ``cold`` field: its last segment's hi (read
+    without decoding the list; a damaged field reads as 0, and `decode_cold` reports it)."""
+    try:
+        return int(raw[raw.rfind(b";") + 1 :].split(b":", 2)[1])
+    except (IndexError, ValueError):
+        return 0
 
 
 def encode_cold(segments: Sequence[ColdSegment]) -> bytes:
-    return _encode.encode(list(segments))
+    return ";".join(f"{s.lo}:{s.hi}:{s.checksum}:{s.size}" for s in segments).encode()
 
 
 def cold_end(segments: Sequence[ColdSegment], own_start: int) -> int:
@@ -85,7 +106,7 @@ def session_dir(session_id: str) -> str:
 
 def segment_key(prefix: str, session_id: str, incarnation: str, seg: ColdSegment) -> str:
     inc = quote(incarnation, safe="-_~").replace(".", "%2E")
-    return f"{prefix}/{session_dir(session_id)}/{inc}/{seg.lo:012d}-{seg.hi:012d}-{seg.sha256[:16]}.jsonl.zst"
+    return f"{prefix}/{session_dir(session_id)}/{inc}/{seg.lo:012d}-{seg.hi:012d}-{seg.checksum}.jsonl.zst"
 
 
 def encode_segment(session_id: str, incarnation: str, entries: Sequence[Entry]) -> bytes:
@@ -102,7 +123,7 @@ def encode_segment(session_id: str, incarnation: str, entries: Sequence[Entry]) 
 
 
 def describe(data: bytes, lo: int, hi: int) -> ColdSegment:
-    return ColdSegment(lo=lo, hi=hi, sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    return ColdSegment(lo=lo, hi=hi, checksum=hashlib.sha256(data).hexdigest()[:16], size=len(data))
 
 
 def decode_segment(session_id: str, incarnation: str, seg: ColdSegment, key: str, data: bytes) -> builtins.list[Entry]:
@@ -111,7 +132,7 @@ def decode_segment(session_id: str, incarnation: str, seg: ColdSegment, key: str
     def bad(detail: str) -> SegmentCorruptError:
         return SegmentCorruptError(session_id, seg.lo, seg.hi, key, detail)
 
-    if len(data) != seg.size or hashlib.sha256(data).hexdigest() != seg.sha256:
+    if len(data) != seg.size or hashlib.sha256(data).hexdigest()[:16] != seg.checksum:
         raise bad("the object fails its checksum")
     try:
         body = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31)

@@ -45,7 +45,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..cold.segments import ColdSegment, ColdTier, cold_end, decode_cold, encode_cold
+from ..cold.segments import ColdSegment, ColdTier, cold_end, decode_cold, encode_cold, hot_start
 from ..errors import (
     AccessDeniedError,
     DurabilityError,
@@ -1284,12 +1284,10 @@ class RedisSessionStore(StoreRules):
         incarnation: str | None,
     ) -> builtins.list[Entry]:
         """`own` (the hot stream's part of a read from `lo`) with the archived entries before it."""
-        if cold_raw is None:
-            return own
+        if cold_raw is None or min(n if stop is None else stop, n, hot_start(cold_raw)) <= lo:
+            return own  # the range is all hot (a tail read): nothing decoded
         segments = decode_cold(cold_raw)
         hi = min(n if stop is None else stop, n, cold_end(segments, lo))
-        if hi <= lo:
-            return own
         tier = await self._tier_for(session_id, segments)
         try:
             cold = await tier.read(session_id, inc, segments, lo, hi)
