@@ -331,3 +331,17 @@ async def test_the_contract_wrapper_really_archives(astore: Any) -> None:
     await SessionStoreContract().test_branch_stitches_parent_prefix(wrapped)
     assert wrapped.archived > 0
     assert await objects(astore)
+
+
+@pytest.mark.parametrize("live", [False, True])
+async def test_tail_of_a_wholly_archived_idle_session_yields_its_backlog(astore: Any, live: bool) -> None:
+    before = await seeded(astore)
+    await Archiver(astore).archive("s1")
+    got: list[Any] = []
+    with anyio.fail_after(20):
+        tail = astore.tail_live("s1", 3) if live else astore.tail("s1", 3)
+        async for e in tail:
+            got.append(e)
+            if len(got) == 37:
+                break
+    assert enc(got) == enc(before[3:])

@@ -276,6 +276,7 @@ class _Hdr(msgspec.Struct):
     segments: builtins.list[Segment]
     deleted: bool
     ttl_ms: int | None
+    cold_end: int = 0  # the end of the archived range (0: nothing archived)
 
 
 def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
@@ -304,6 +305,7 @@ def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
         segments=[] if seg_raw is None else _segments_decoder.decode(seg_raw),
         deleted=b"deleted" in raw,
         ttl_ms=_i(g(b"ttl_ms")),
+        cold_end=hot_start(raw[b"cold"]) if b"cold" in raw else 0,
     )
 
 
@@ -1039,7 +1041,7 @@ class RedisSessionStore(StoreRules):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
-        at = h.header.at or 0
+        at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
             for e in await self.read(session_id, nxt, at, incarnation=inc):
@@ -1151,7 +1153,7 @@ class RedisSessionStore(StoreRules):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
-        at = h.header.at or 0
+        at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
             for e in await self.read(session_id, nxt, at, incarnation=inc):
