@@ -207,3 +207,26 @@ async def test_sigkill_at_every_step(redis_store: RedisSessionStore, redis_url: 
     st = await redis_store.cold_state("k")
     assert st is not None and st.hot_start == 50
     assert await redis_store._raw("XLEN", redis_store.keys.log("k")) == 0
+
+
+async def test_gateway_reads_an_archived_session_as_before(redis_store: RedisSessionStore, tmp_path: Path) -> None:
+    import httpx
+
+    from support import running_gateway
+    from test_gateway import collect_entries, path
+
+    redis_store.cold = ColdTier(str(tmp_path / "cold"), prefix=redis_store.prefix)
+    await seed(redis_store, "g", 30)
+    cut = NewEntry("cut", {"before": 25, "summary": [{"role": "user", "content": "sum"}], "reason": "manual"})
+    await redis_store.put("g", 30, [cut, um(31)])
+    with anyio.fail_after(30):
+        async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
+            urls = [path("g", "entries"), path("g", "entries") + "?start=3&stop=28", path("g", "messages"), path("g")]
+            hot = [(await client.get(u)).content for u in urls]
+            assert (await Archiver(redis_store).archive("g", upto=29)).status == "archived"
+            redis_store.cold._cache.clear()
+            assert [(await client.get(u)).content for u in urls] == hot
+            assert await collect_entries(client, path("g", "events"), 31) == list(range(32))
+            assert await collect_entries(client, path("g", "events"), 31, {"Last-Event-ID": "10"}) == list(
+                range(11, 32)
+            )
