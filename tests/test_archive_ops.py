@@ -211,9 +211,9 @@ async def test_sigkill_at_every_step(redis_store: RedisSessionStore, redis_url: 
 
 async def test_gateway_reads_an_archived_session_as_before(redis_store: RedisSessionStore, tmp_path: Path) -> None:
     import httpx
+    from test_gateway import collect_entries, path
 
     from support import running_gateway
-    from test_gateway import collect_entries, path
 
     redis_store.cold = ColdTier(str(tmp_path / "cold"), prefix=redis_store.prefix)
     await seed(redis_store, "g", 30)
