@@ -291,6 +291,29 @@ async def set_cold_url(store: RedisSessionStore, url: str) -> ColdTier:
     return store.cold
 
 
+async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dict[str, Any]:
+    """The tier, the group's counters (sessions, entries and compressed bytes moved cold), the
+    sessions due for an idle archive and the server's memory in use (the hot side)."""
+    tier = await store.cold_tier()
+    raw, due, info = await store._pipeline(
+        ("HGETALL", store.keys.archiver_stats(group)),
+        ("ZCARD", f"{store.prefix}:archiver:{group}:due"),
+        ("INFO", "memory"),
+    )
+    pairs = raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2], strict=False)
+    counters = {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in pairs}
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    used = next((int(line.split(":")[1]) for line in text.splitlines() if line.startswith("used_memory:")), None)
+    return {
+        "prefix": store.prefix,
+        "group": group,
+        "cold": None if tier is None else tier.url,
+        "counters": counters,
+        "due": int(due),
+        "redis_used_memory": used,
+    }
+
+
 # --------------------------------------------------------------------------- worker
 
 
@@ -361,6 +384,29 @@ class ArchiveWorker(FeedWorker):
         self._claim_cursor = {k: "0-0" for k in self.feeds}
         self._deferred: dict[str, Any] = {}
         self._next_claim = 0.0
+
+    async def run(self) -> None:
+        """`FeedWorker.run`; an ``idle`` policy first schedules every listed session (the feed
+        only names sessions that moved since its entries were trimmed)."""
+        if self.policy.idle_ms is not None and not self._stopping:
+            await self.schedule_all()
+        await super().run()
+
+    async def schedule_all(self) -> int:
+        """Put every session of the list index in the due set (idempotent: ZADD of its own
+        score); the number scheduled."""
+        assert self.policy.idle_ms is not None
+        count, cursor = 0, None
+        while True:
+            page = await self.store.list(limit=500, cursor=cursor)
+            for h in page.items:
+                state = await self.store.cold_state(h.id)
+                if state is not None and not state.ephemeral and state.n > state.hot_start:
+                    await self.store._raw("ZADD", self._due_key, state.updated_at + self.policy.idle_ms, h.id)
+                    count += 1
+            cursor = page.cursor
+            if cursor is None:
+                return count
 
     async def run_once(self, *, block: bool = False) -> int:
         """One batch of feed entries (and the due idle sessions); the feed entries acked."""

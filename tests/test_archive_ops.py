@@ -56,6 +56,10 @@ async def test_cli_archive_restore_and_sweep(redis_store: RedisSessionStore, red
     assert await redis_store._raw("XLEN", redis_store.keys.log("a")) == 30
     r = cli("archive", "--sweep", "--grace", "0s", "--json", url=redis_url, prefix=p)
     assert r.returncode == 0 and json.loads(r.stdout)["swept"] == 0, r.stderr
+    r = cli("archive", "--status", url=redis_url, prefix=p)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["cold"].startswith("file://") and st["redis_used_memory"] > 0
     r = cli("archive", url=redis_url, prefix=p)
     assert r.returncode != 0 and "give a SESSION_ID" in r.stderr
     r = cli("archive", "--idle", "soon", url=redis_url, prefix=p)
@@ -230,3 +234,22 @@ async def test_gateway_reads_an_archived_session_as_before(redis_store: RedisSes
             assert await collect_entries(client, path("g", "events"), 31, {"Last-Event-ID": "10"}) == list(
                 range(11, 32)
             )
+
+
+async def test_idle_worker_schedules_sessions_the_feed_no_longer_names(
+    redis_store: RedisSessionStore, tmp_path: Path
+) -> None:
+    await set_cold_url(redis_store, str(tmp_path / "cold"))
+    await seed(redis_store, "old", 20)
+    for key in redis_store.keys.all_feeds():
+        await redis_store._raw("DEL", key)  # its hint trimmed long ago
+    w = ArchiveWorker(redis_store, Policy(idle_ms=200), block_ms=100)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(w.run)
+
+        async def cold() -> bool:
+            st = await redis_store.cold_state("old")
+            return st is not None and st.hot_start == 20
+
+        await wait_for(cold, within=45)
+        w.stop()

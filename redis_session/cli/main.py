@@ -838,9 +838,9 @@ def archive_cmd(
         async with _opened(url, prefix) as store:
             tier = await _cold_tier(store, to)
             if status:
-                raw = await store._raw("HGETALL", store.keys.archiver_stats(group))
-                counters = {k.decode(): int(v) for k, v in zip(raw[::2], raw[1::2], strict=False)} if raw else {}
-                _emit_json({"prefix": prefix, "cold": tier.url, "group": group, "counters": counters})
+                from ..archiver import status as archive_status
+
+                _emit_json(await archive_status(store, group=group))
                 return
             archiver = Archiver(store, tier, grace_ms=grace_ms)
             if sweep:
