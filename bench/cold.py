@@ -102,7 +102,7 @@ async def main(url: str, seconds: float, sessions: int, folder: str, repeat: int
         assert tier is not None
 
         async def cold_whole() -> None:
-            tier._cache.clear()
+            tier.clear_cache()
             await arch.read("big")
 
         heads: dict[str, SessionHead] = {}

@@ -110,7 +110,8 @@ class Archiver:
     """Archive, restore and sweep on one store (a `RedisSessionStore` or any `ArchivableStore`).
 
     `tier` defaults to the store's; `hook` is awaited at each step ("before_upload",
-    "after_upload", "after_script"): tests kill the archiver there."""
+    "after_upload", "after_script"): tests kill the archiver there. A range longer than
+    `segment_entries` becomes several segments (a reader of a few entries fetches one of them)."""
 
     def __init__(
         self,
@@ -119,11 +120,15 @@ class Archiver:
         *,
         grace_ms: int = DEFAULT_GRACE_MS,
         hook: Hook | None = None,
+        segment_entries: int = 10_000,
     ) -> None:
         self.store = store
         self.tier = tier if tier is not None else store.cold
         self.grace_ms = grace_ms
         self.hook = hook or _no_hook
+        if segment_entries < 1:
+            raise ValueError("segment_entries must be >= 1")
+        self.segment_entries = segment_entries
 
     async def _tier(self) -> ColdTier:
         if self.tier is None and isinstance(self.store, RedisSessionStore):
@@ -160,6 +165,20 @@ class Archiver:
         lo = state.hot_start
         if k <= lo:
             return ArchiveResult(session_id, "nothing", lo, lo)
+        total, first = 0, lo
+        while True:  # one segment of at most `segment_entries` per step, each step committed alone
+            hi = min(k, lo + self.segment_entries)
+            res = await self._archive_range(tier, session_id, state, lo, hi)
+            total += res.bytes
+            if res.status != "archived" or hi >= k:
+                return res._replace(lo=first if res.status == "archived" else res.lo, bytes=total)
+            nxt = await self.store.cold_state(session_id)
+            if nxt is None or nxt.incarnation != state.incarnation or nxt.hot_start != hi:
+                return ArchiveResult(session_id, "moved", lo, hi, total)
+            state, lo = nxt._replace(own_start=state.own_start), hi
+
+    async def _archive_range(self, tier: ColdTier, session_id: str, state: ColdState, lo: int, k: int) -> ArchiveResult:
+        """Steps 2 and 3 for [lo, k) (lo: the hot start of `state`)."""
         t0 = time.monotonic()
         try:
             entries = await self.store.read(session_id, lo, k, incarnation=state.incarnation)

@@ -142,7 +142,7 @@ async def test_missing_and_corrupt_segments_are_typed_errors_naming_the_range(as
     (key,) = await objects(astore)
     path = Path(astore.cold.objects.root) / key
     data = path.read_bytes()
-    astore.cold._cache.clear()
+    astore.cold.clear_cache()
     path.write_bytes(data[:-3] + b"xyz")
     with pytest.raises(SegmentCorruptError) as e:
         await astore.read("s1")
@@ -152,7 +152,7 @@ async def test_missing_and_corrupt_segments_are_typed_errors_naming_the_range(as
         codes = {p.code for p in (await doctor(astore, "s1")).problems}
         assert "segment-corrupt" in codes
     path.unlink()
-    astore.cold._cache.clear()
+    astore.cold.clear_cache()
     with pytest.raises(SegmentMissingError) as e2:
         await astore.read("s1", 3, 5)
     assert (e2.value.lo, e2.value.hi) == (0, 30)
@@ -255,7 +255,7 @@ async def test_a_reader_racing_a_restore_sees_every_entry(astore: Any) -> None:
     a = Archiver(astore)
     for _ in range(3):
         await a.archive("s1")
-        astore.cold._cache.clear()
+        astore.cold.clear_cache()
         async with anyio.create_task_group() as tg:
             tg.start_soon(a.restore, "s1")
             for _ in range(5):
@@ -306,7 +306,7 @@ async def test_hostile_ids_stay_inside_the_folder(astore: Any, sid: str) -> None
     (key,) = await objects(astore)
     path = (root / key).resolve()
     assert path.is_relative_to(root) and len(path.relative_to(root).parts) == 4
-    astore.cold._cache.clear()
+    astore.cold.clear_cache()
     assert enc(await astore.read(sid)) == enc(before)
     assert await Archiver(astore, grace_ms=0).sweep() == []  # the sweep maps the folder back to the id
 
@@ -345,3 +345,16 @@ async def test_tail_of_a_wholly_archived_idle_session_yields_its_backlog(astore:
             if len(got) == 37:
                 break
     assert enc(got) == enc(before[3:])
+
+
+async def test_long_ranges_become_several_segments_and_the_lru_is_bounded(astore: Any) -> None:
+    before = await seeded(astore, k=40)
+    res = await Archiver(astore, segment_entries=15).archive("s1")
+    assert (res.status, res.lo, res.hi) == ("archived", 0, 40)
+    state = await astore.cold_state("s1")
+    assert [(s.lo, s.hi) for s in state.cold] == [(0, 15), (15, 30), (30, 40)]
+    astore.cold.cache_entries = 20
+    astore.cold.clear_cache()
+    assert enc(await astore.read("s1")) == enc(before)
+    assert astore.cold._cached <= 20 and len(astore.cold._cache) == 1
+    assert enc(await astore.read("s1", 16, 18)) == enc(before[16:18])

@@ -166,7 +166,7 @@ async def test_s3_compatible_server_through_obstore(redis_store: RedisSessionSto
     before = await seed(redis_store, "s3")
     res = await Archiver(redis_store).archive("s3", upto=25)
     assert res.status == "archived"
-    redis_store.cold._cache.clear()
+    redis_store.cold.clear_cache()
     assert msgspec.json.encode(await redis_store.read("s3")) == msgspec.json.encode(before)
     assert len([o async for o in objects.list("")]) == 1
     assert await Archiver(redis_store, grace_ms=0).sweep() == []
@@ -228,7 +228,7 @@ async def test_gateway_reads_an_archived_session_as_before(redis_store: RedisSes
             urls = [path("g", "entries"), path("g", "entries") + "?start=3&stop=28", path("g", "messages"), path("g")]
             hot = [(await client.get(u)).content for u in urls]
             assert (await Archiver(redis_store).archive("g", upto=29)).status == "archived"
-            redis_store.cold._cache.clear()
+            redis_store.cold.clear_cache()
             assert [(await client.get(u)).content for u in urls] == hot
             assert await collect_entries(client, path("g", "events"), 31) == list(range(32))
             assert await collect_entries(client, path("g", "events"), 31, {"Last-Event-ID": "10"}) == list(

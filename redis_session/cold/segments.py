@@ -167,13 +167,23 @@ class ColdStats:
 
 class ColdTier:
     """Reads (and writes) a store prefix's cold segments: an object store and an LRU of decoded
-    segments (`cache_segments` of them, keyed by object key: objects are immutable)."""
+    segments keyed by object key (objects are immutable), holding at most `cache_segments`
+    segments and `cache_entries` entries."""
 
-    def __init__(self, objects: ObjectStore | str, *, prefix: str = "rs", cache_segments: int = 64) -> None:
+    def __init__(
+        self,
+        objects: ObjectStore | str,
+        *,
+        prefix: str = "rs",
+        cache_segments: int = 64,
+        cache_entries: int = 100_000,
+    ) -> None:
         self.objects = open_objects(objects) if isinstance(objects, str) else objects
         self.prefix = prefix
         self.cache_segments = cache_segments
+        self.cache_entries = cache_entries
         self._cache: OrderedDict[str, builtins.list[Entry]] = OrderedDict()
+        self._cached = 0  # entries held by the LRU
         self.stats = ColdStats()
 
     @property
@@ -182,6 +192,11 @@ class ColdTier:
 
     def key(self, session_id: str, incarnation: str, seg: ColdSegment) -> str:
         return segment_key(self.prefix, session_id, incarnation, seg)
+
+    def clear_cache(self) -> None:
+        """Forget every decoded segment (the next read of each fetches its object again)."""
+        self._cache.clear()
+        self._cached = 0
 
     async def segment(self, session_id: str, incarnation: str, seg: ColdSegment) -> builtins.list[Entry]:
         """All entries of one segment (checked), from the LRU or the object store."""
@@ -205,9 +220,11 @@ class ColdTier:
         st.read_latencies.append(dt)
         if len(st.read_latencies) > 1000:
             del st.read_latencies[:500]
-        self._cache[key] = entries
-        while len(self._cache) > self.cache_segments:
-            self._cache.popitem(last=False)
+        if len(entries) <= self.cache_entries:
+            self._cache[key] = entries
+            self._cached += len(entries)
+            while len(self._cache) > self.cache_segments or self._cached > self.cache_entries:
+                self._cached -= len(self._cache.popitem(last=False)[1])
         return entries
 
     async def read(
@@ -241,5 +258,6 @@ class ColdTier:
     async def drop(self, session_id: str, incarnation: str, segments: Sequence[ColdSegment]) -> None:
         for seg in segments:
             key = self.key(session_id, incarnation, seg)
-            self._cache.pop(key, None)
+            dropped = self._cache.pop(key, None)
+            self._cached -= 0 if dropped is None else len(dropped)
             await self.objects.delete(key)
