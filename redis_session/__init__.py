@@ -16,6 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .errors import (
     AccessDeniedError,
+    ColdSegmentError,
     DurabilityError,
     IdempotencyKeyReusedError,
     ImportFormatError,
@@ -23,6 +24,8 @@ from .errors import (
     InvalidSessionIdError,
     LeaseHeldError,
     LeaseLostError,
+    SegmentCorruptError,
+    SegmentMissingError,
     SessionAlreadyExistsError,
     SessionConflictError,
     SessionError,
@@ -58,6 +61,7 @@ except PackageNotFoundError:  # pragma: no cover - a source tree that was never 
 __all__ = [
     "AccessDeniedError",
     "AnswerStream",
+    "ColdSegmentError",
     "Delta",
     "DoctorReport",
     "DurabilityError",
@@ -75,6 +79,8 @@ __all__ = [
     "Problem",
     "ReconstructedRequest",
     "RedisSessionStore",
+    "SegmentCorruptError",
+    "SegmentMissingError",
     "Session",
     "SessionAlreadyExistsError",
     "SessionConflictError",
