@@ -358,3 +358,31 @@ async def test_long_ranges_become_several_segments_and_the_lru_is_bounded(astore
     assert enc(await astore.read("s1")) == enc(before)
     assert astore.cold._cached <= 20 and len(astore.cold._cache) == 1
     assert enc(await astore.read("s1", 16, 18)) == enc(before[16:18])
+
+
+@pytest.mark.parametrize("which", ["commit_archive", "commit_restore"])
+async def test_a_lost_script_reply_then_a_rerun_loses_nothing(astore: Any, which: str) -> None:
+    from redis_session.errors import StoreUnavailableError
+
+    before = await seeded(astore)
+    a = Archiver(astore)
+    if which == "commit_restore":
+        await a.archive("s1")
+    real = getattr(astore, which)
+
+    async def ran_but_reply_lost(*args: Any) -> str:
+        await real(*args)
+        raise StoreUnavailableError("the reply was lost")
+
+    setattr(astore, which, ran_but_reply_lost)
+    with pytest.raises(StoreUnavailableError):
+        await (a.archive("s1") if which == "commit_archive" else a.restore("s1"))
+    setattr(astore, which, real)
+    assert enc(await astore.read("s1")) == enc(before)
+    again = await (a.archive("s1") if which == "commit_archive" else a.restore("s1"))
+    assert again.status == "nothing"
+    assert enc(await astore.read("s1")) == enc(before)
+    # a restore whose reply was lost left its objects: unnamed now, the sweep takes them
+    swept = await Archiver(astore, grace_ms=0).sweep()
+    assert len(swept) == (1 if which == "commit_restore" else 0)
+    assert enc(await astore.read("s1")) == enc(before)
