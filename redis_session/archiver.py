@@ -96,7 +96,7 @@ class Policy:
 
 class ArchiveResult(NamedTuple):
     session: str
-    status: str  # archived | nothing | absent | replaced | moved | slow
+    status: str  # archived | nothing | absent | ephemeral | replaced | moved | slow
     lo: int = 0
     hi: int = 0
     bytes: int = 0
@@ -149,6 +149,8 @@ class Archiver:
         state = await self.store.cold_state(session_id)
         if state is None:
             return ArchiveResult(session_id, "absent")
+        if state.ephemeral:  # it expires with its keys: its objects would outlive it
+            return ArchiveResult(session_id, "ephemeral")
         if policy is not None:
             cut_before = None
             if policy.before_last_cut and state.last_cut is not None:

@@ -386,3 +386,10 @@ async def test_a_lost_script_reply_then_a_rerun_loses_nothing(astore: Any, which
     swept = await Archiver(astore, grace_ms=0).sweep()
     assert len(swept) == (1 if which == "commit_restore" else 0)
     assert enc(await astore.read("s1")) == enc(before)
+
+
+async def test_an_ephemeral_session_is_never_archived(astore: Any) -> None:
+    await astore.create(SessionHeader(id="e"), [um(i) for i in range(5)], ttl_ms=60_000)
+    assert (await Archiver(astore).archive("e")).status == "ephemeral"
+    assert (await Archiver(astore).archive("e", policy=Policy(keep=0))).status == "ephemeral"
+    assert await objects(astore) == []
