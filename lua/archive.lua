@@ -3,7 +3,8 @@
 --
 -- KEYS[1] hdr      HASH    {prefix}:{id}:hdr
 -- KEYS[2] log      STREAM  {prefix}:{id}:log
--- KEYS[3] restore  STREAM  {prefix}:{id}:restore  restore only: the archived entries, staged
+-- KEYS[3] restore  STREAM  {prefix}:{id}:restore:<token>  restore only: this restore's staged
+--                          archived entries (PEXPIRE'd by the caller: a dead restorer's vanish)
 --
 -- ARGV[1] mode         "archive" | "restore"
 -- ARGV[2] incarnation  the life the archiver read: another one is refused
@@ -11,7 +12,8 @@
 --                      unchanged (compare-and-set: two archivers never both commit one range)
 -- archive: ARGV[4] the new `cold` field (ARGV[3]'s list plus the segment [lo, hi) just written,
 --          read back and verified), ARGV[5] lo, ARGV[6] hi; entries [lo, hi) leave the stream
--- restore: ARGV[4] hot start (the end of the archived range): KEYS[3] must end just below it
+-- restore: ARGV[4] hot start (the end of the archived range), ARGV[5] own start (the branch
+--          point): KEYS[3] must hold exactly the entries [own start, hot start)
 --
 -- Returns {0, entries moved}     done
 --         {3}                    session not found (or deleted)
@@ -47,12 +49,19 @@ if ARGV[1] == 'archive' then
   return {0, removed}
 end
 
--- restore: the staged archived entries, then the hot ones, become the stream
-local hot = tonumber(ARGV[4])
-local staged = call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
-if not staged or staged[1] ~= string.format('%d-1', hot - 1) then return {10, staged and staged[1] or ''} end
+-- restore: the staged archived entries, then the hot ones, become the stream. The staged stream
+-- must hold exactly [own start, hot start): its IDs only increase, so its length, first and last
+-- IDs prove it (a restore never renames a stream with a hole onto the log)
+local hot, own = tonumber(ARGV[4]), tonumber(ARGV[5])
+local first = call('XRANGE', KEYS[3], '-', '+', 'COUNT', 1)[1]
+local last = call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
+if not first or first[1] ~= string.format('%d-1', own) or last[1] ~= string.format('%d-1', hot - 1)
+    or call('XLEN', KEYS[3]) ~= hot - own then
+  return {10, last and last[1] or ''}
+end
 local rows = call('XRANGE', KEYS[2], '-', '+')
 for _, row in ipairs(rows) do call('XADD', KEYS[3], row[1], unpack(row[2])) end
 call('RENAME', KEYS[3], KEYS[2])
+call('PERSIST', KEYS[2])  -- the staging stream's expiry must not follow it onto the log
 call('HDEL', KEYS[1], 'cold')
 return {0, #rows}

@@ -14,7 +14,8 @@ All keys of one session share the hash tag ``{<id>}`` so each script touches one
     {prefix}:{<id>}:lease   STRING  the writer lease token
     {prefix}:{<id>}:live    STREAM  streamed answers in flight: begin, deltas, end records (plain
                                     XADD, MAXLEN-capped, PEXPIRE: a dead writer's records vanish)
-    {prefix}:{<id>}:restore STREAM  a restore's staged archived entries (renamed onto log)
+    {prefix}:{<id>}:restore:<token>  STREAM  one restore's staged archived entries (renamed
+                                    onto log; PEXPIRE 1 h: a dead restorer's vanish)
 
 Cross-session keys (never needed for an append's correctness)::
 
@@ -125,7 +126,8 @@ class Keys:
         return self._k(session_id, "live")
 
     def restore(self, session_id: str) -> str:
-        """A restore's staging stream (same slot; renamed onto the log by archive.lua)."""
+        """The prefix of a restore's staging streams (``…:restore:<token>``: same slot; renamed
+        onto the log by archive.lua)."""
         return self._k(session_id, "restore")
 
     @property

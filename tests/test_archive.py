@@ -393,3 +393,82 @@ async def test_an_ephemeral_session_is_never_archived(astore: Any) -> None:
     assert (await Archiver(astore).archive("e")).status == "ephemeral"
     assert (await Archiver(astore).archive("e", policy=Policy(keep=0))).status == "ephemeral"
     assert await objects(astore) == []
+
+
+@pytest.mark.parametrize("seed", [2, 3, 7])  # 2 and 3 once found two restores mixing one staging stream
+async def test_random_interleaving_of_appends_archives_restores_reads_and_a_tail(astore: Any, seed: int) -> None:
+    """Writers, archivers (random k, several at once), restores, random-range readers and a tail
+    from 0, all at once: every read is contiguous from its start with entry n's own content, and
+    the tail yields every entry once, in order."""
+    import random
+
+    rng = random.Random(seed)
+    total = 240
+    await astore.create(SessionHeader(id="r"), [um(0)])
+    tailed: list[int] = []
+    errors: list[str] = []
+
+    async def writer() -> None:
+        n = 1
+        while n < total:
+            k = min(total - n, rng.randint(1, 6))
+            await astore.put("r", n, [um(n + i) for i in range(k)])
+            n += k
+            await anyio.sleep(0)
+
+    async def archiver(seed: int) -> None:
+        r = random.Random(seed)
+        a = Archiver(astore, segment_entries=r.randint(5, 40))
+        for _ in range(25):
+            head = await astore.head("r")
+            if r.random() < 0.15:
+                await a.restore("r")
+            else:
+                await a.archive("r", upto=r.randint(0, head.n))
+            await anyio.sleep(0)
+
+    async def reader() -> None:
+        for _ in range(60):
+            head = await astore.head("r")
+            lo = rng.randint(0, head.n)
+            hi = rng.randint(lo, head.n)
+            got = await astore.read("r", lo, hi)
+            if [e.n for e in got] != list(range(lo, hi)) or any(e.data["content"] != f"m{e.n}" for e in got):
+                errors.append(f"read [{lo}, {hi}) gave {[e.n for e in got][:5]}…")
+            await anyio.sleep(0)
+
+    async def tail() -> None:
+        async for e in astore.tail("r", 0):
+            if e.data["content"] != f"m{e.n}":
+                errors.append(f"tail n={e.n}")
+            tailed.append(e.n)
+            if e.n == total - 1:
+                return
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tail)
+            tg.start_soon(writer)
+            for s in range(3):
+                tg.start_soon(archiver, seed * 10 + s)
+            tg.start_soon(reader)
+    assert errors == []
+    assert tailed == list(range(total))
+    assert [e.data["content"] for e in await astore.read("r")] == [f"m{i}" for i in range(total)]
+    if isinstance(astore, RedisSessionStore):
+        assert (await doctor(astore, "r")).problems == []
+
+
+async def test_two_restores_at_once_never_rename_a_stream_with_a_hole(astore: Any) -> None:
+    before = await seeded(astore, k=40)
+    await Archiver(astore, segment_entries=7).archive("s1")
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(Archiver(astore).restore, "s1")
+    assert enc(await astore.read("s1")) == enc(before)
+    state = await astore.cold_state("s1")
+    assert state is not None and state.cold == []
+    if isinstance(astore, RedisSessionStore):
+        assert await astore._raw("XLEN", astore.keys.log("s1")) == 40
+        assert await astore._raw("PTTL", astore.keys.log("s1")) == -1  # the staging expiry did not follow
+        assert [k async for k in astore.client.scan_iter(match=f"{astore.prefix}:*restore*")] == []

@@ -26,6 +26,7 @@ import builtins
 import contextlib
 import heapq
 import itertools
+import secrets
 from collections.abc import AsyncIterator, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
@@ -116,6 +117,9 @@ class _Script:
 
 _SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj", "archive")}
 
+
+# A restore's staging stream expires by itself this long after its last write (a dead restorer's).
+_STAGING_TTL_MS = 3_600_000
 
 # An unlink that leaves a hidden or ephemeral parent with at most this many links checks them.
 _REPAIR_ON_UNLINK = 64
@@ -1381,15 +1385,20 @@ class RedisSessionStore(StoreRules):
         validate_session_id(session_id)
         if not state.cold:
             return "done"
-        staging = self.keys.restore(session_id)
+        # a staging stream of this restore only (two restores at once never mix their rows); it
+        # expires by itself if this process dies before its script
+        staging = f"{self.keys.restore(session_id)}:{secrets.token_hex(6)}"
+        args = ["restore", state.incarnation, state.cold_raw, state.hot_start, state.own_start]
         with _io():
-            await self._raw("DEL", staging)
-            for i in range(0, len(entries), 500):
-                chunk = entries[i : i + 500]
-                await self._pipeline(*[("XADD", staging, f"{e.n}-1", *_stream_fields(e)) for e in chunk])
-            keys = [self.keys.hdr(session_id), self.keys.log(session_id), staging]
             try:
-                res = await self._eval("archive", keys, ["restore", state.incarnation, state.cold_raw, state.hot_start])
+                for i in range(0, len(entries), 500):
+                    chunk = entries[i : i + 500]
+                    await self._pipeline(
+                        *[("XADD", staging, f"{e.n}-1", *_stream_fields(e)) for e in chunk],
+                        ("PEXPIRE", staging, _STAGING_TTL_MS),
+                    )
+                keys = [self.keys.hdr(session_id), self.keys.log(session_id), staging]
+                res = await self._eval("archive", keys, args)
             finally:
                 await self._raw("DEL", staging)
         return self._archive_reply(session_id, res)
