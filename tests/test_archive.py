@@ -414,7 +414,7 @@ async def test_random_interleaving_of_appends_archives_restores_reads_and_a_tail
             k = min(total - n, rng.randint(1, 6))
             await astore.put("r", n, [um(n + i) for i in range(k)])
             n += k
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
     async def archiver(seed: int) -> None:
         r = random.Random(seed)
@@ -425,7 +425,7 @@ async def test_random_interleaving_of_appends_archives_restores_reads_and_a_tail
                 await a.restore("r")
             else:
                 await a.archive("r", upto=r.randint(0, head.n))
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
     async def reader() -> None:
         for _ in range(60):
@@ -435,7 +435,7 @@ async def test_random_interleaving_of_appends_archives_restores_reads_and_a_tail
             got = await astore.read("r", lo, hi)
             if [e.n for e in got] != list(range(lo, hi)) or any(e.data["content"] != f"m{e.n}" for e in got):
                 errors.append(f"read [{lo}, {hi}) gave {[e.n for e in got][:5]}…")
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
     async def tail() -> None:
         async for e in astore.tail("r", 0):
