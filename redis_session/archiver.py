@@ -32,11 +32,10 @@ from urllib.parse import unquote
 
 import anyio
 import zstandard
-from redis.exceptions import RedisError
 
 from .cold.objects import ObjectStore, open_objects
 from .cold.segments import ColdTier
-from .errors import SessionError, SessionNotFoundError, SessionReplacedError, StoreUnavailableError
+from .errors import SessionError, SessionNotFoundError, SessionReplacedError
 from .feed import FeedWorker, default_consumer, feed_client_of, validate_group
 from .keys import validate_session_id
 from .model import now_ms
@@ -453,8 +452,8 @@ class ArchiveWorker(FeedWorker):
             by_session.setdefault((fields or {}).get("s") or "", []).append((key, rid))
         acked = 0
         for sid, ids in by_session.items():
-            if sid and _valid(sid):
-                await self._consider(sid)
+            if sid and _valid(sid) and not await self._consider(sid):
+                continue  # left pending: reclaimed and tried again after claim_idle_ms
             pipe = self._r.pipeline(transaction=False)
             for key, rid in ids:
                 pipe.execute_command("XACK", key, self.group, rid)
@@ -467,14 +466,15 @@ class ArchiveWorker(FeedWorker):
             self.metrics.read_seconds.set(st.read_seconds)
         return acked
 
-    async def _consider(self, session_id: str) -> None:
-        """A session moved: archive it now (keep / before_last_cut) or when it is idle."""
+    async def _consider(self, session_id: str) -> bool:
+        """A session moved: archive it now (keep / before_last_cut) or schedule it for when it is
+        idle. False: it failed (its feed entries stay pending)."""
         if self.policy.idle_ms is not None:
             state = await self.store.cold_state(session_id)
             if state is not None and not state.ephemeral:
                 await self.store._raw("ZADD", self._due_key, state.updated_at + self.policy.idle_ms, session_id)
-            return
-        await self._archive(session_id)
+            return True
+        return await self._archive(session_id) is not None
 
     async def _run_due(self) -> None:
         if self.policy.idle_ms is None:
@@ -485,7 +485,9 @@ class ArchiveWorker(FeedWorker):
             if int(await self.store._raw("ZREM", self._due_key, sid)) != 1:
                 continue  # another worker claimed it
             res = await self._archive(sid)
-            if res is not None and res.status == "nothing":
+            if res is None:  # failed: due again in a while
+                await self.store._raw("ZADD", self._due_key, now_ms() + self.claim_idle_ms, sid)
+            elif res.status == "nothing":
                 state = await self.store.cold_state(sid)
                 if state is not None and now_ms() - state.updated_at < self.policy.idle_ms:
                     await self.store._raw("ZADD", self._due_key, state.updated_at + self.policy.idle_ms, sid)
@@ -494,8 +496,8 @@ class ArchiveWorker(FeedWorker):
     async def _archive(self, session_id: str) -> ArchiveResult | None:
         try:
             res = await self.archiver.archive(session_id, policy=self.policy)
-        except (StoreUnavailableError, RedisError, OSError) as e:
-            log.warning("archiver %s: %s: %s", self.consumer, session_id, e)
+        except Exception as e:  # an object store, the server or a damaged session: never the worker
+            log.warning("archiver %s: %s: %s: %s", self.consumer, session_id, type(e).__name__, e)
             self.metrics.outcomes.labels("error").inc()
             return None
         self.metrics.outcomes.labels(res.status).inc()

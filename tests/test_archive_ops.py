@@ -255,3 +255,28 @@ async def test_idle_worker_schedules_sessions_the_feed_no_longer_names(
 
         await wait_for(cold, within=45)
         w.stop()
+
+
+async def test_worker_survives_a_failing_object_store_and_retries(
+    redis_store: RedisSessionStore, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    bad = ColdTier(str(blocker / "cold"), prefix=redis_store.prefix)  # every write fails (OSError)
+    redis_store.cold = bad
+    w = ArchiveWorker(redis_store, Policy(keep=2), tier=bad, block_ms=100, claim_idle_ms=300)
+    before = await seed(redis_store, "f", 3)
+    before += await redis_store.put("f", 3, [um(3), um(4)])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(w.run)
+        await wait_for(lambda: w.metrics.value("sessions_total", outcome="error") >= 1, within=45)
+        good = ColdTier(str(tmp_path / "good"), prefix=redis_store.prefix)
+        w.archiver.tier = redis_store.cold = good
+
+        async def archived() -> bool:
+            st = await redis_store.cold_state("f")
+            return st is not None and st.hot_start == 3
+
+        await wait_for(archived, within=45)  # the pending feed entry, reclaimed
+        w.stop()
+    assert msgspec.json.encode(await redis_store.read("f")) == msgspec.json.encode(before)
