@@ -280,3 +280,24 @@ async def test_worker_survives_a_failing_object_store_and_retries(
         await wait_for(archived, within=45)  # the pending feed entry, reclaimed
         w.stop()
     assert msgspec.json.encode(await redis_store.read("f")) == msgspec.json.encode(before)
+
+
+async def test_archive_restore_and_branch_on_the_cluster(cluster_url: str, prefix: str, tmp_path: Path) -> None:
+    from conftest import _cleanup_cluster
+
+    store = RedisSessionStore.from_url(cluster_url, prefix=prefix, cluster=True)
+    try:
+        await set_cold_url(store, str(tmp_path / "cold"))
+        before = await seed(store, "c1", 40)
+        await store.create(SessionHeader(id="c1-b", parent="c1", at=30), [um(100)])  # another slot
+        a = Archiver(store, segment_entries=12)
+        assert (await a.archive("c1")).status == "archived"
+        assert msgspec.json.encode(await store.read("c1")) == msgspec.json.encode(before)
+        assert msgspec.json.encode((await store.read("c1-b"))[:30]) == msgspec.json.encode(before[:30])
+        assert (await a.restore("c1")).status == "restored"
+        assert msgspec.json.encode(await store.read("c1")) == msgspec.json.encode(before)
+        st = await store.cold_state("c1")
+        assert st is not None and st.cold == []
+    finally:
+        await store.aclose()
+        await _cleanup_cluster(cluster_url, prefix)
