@@ -303,11 +303,22 @@ def _valid(sid: str) -> bool:
     return True
 
 
-async def set_cold_url(store: RedisSessionStore, url: str) -> ColdTier:
-    """Record where this prefix's cold segments live (every store on the prefix finds it)."""
-    open_objects(url)  # a bad URL fails here, before anything is recorded
-    await store._raw("SET", store.keys.cold_url, url)
-    store.cold = ColdTier(url, prefix=store.prefix)
+async def set_cold_url(store: RedisSessionStore, url: str, *, replace: bool = False) -> ColdTier:
+    """Record where this prefix's cold segments live (every store on the prefix finds it).
+
+    Another URL already recorded is refused (`ValueError`) unless `replace`: the segments
+    already archived stay where they are, and readers would look for them in the new place."""
+    objects = open_objects(url)  # a bad URL fails here, before anything is recorded
+    old = await store._raw("GET", store.keys.cold_url)
+    if old is not None and not replace:
+        old_url = old.decode() if isinstance(old, bytes) else str(old)
+        if old_url not in (url, objects.url):
+            raise ValueError(
+                f"this prefix's cold segments live in {old_url}; archiving to {url} would leave readers "
+                "looking for them there (copy the objects over, then set it with replace=True)"
+            )
+    await store._raw("SET", store.keys.cold_url, objects.url)
+    store.cold = ColdTier(objects, prefix=store.prefix)
     return store.cold
 
 

@@ -64,6 +64,8 @@ async def test_cli_archive_restore_and_sweep(redis_store: RedisSessionStore, red
     assert r.returncode != 0 and "give a SESSION_ID" in r.stderr
     r = cli("archive", "--idle", "soon", url=redis_url, prefix=p)
     assert r.returncode != 0 and "not a duration" in r.stderr
+    r = cli("archive", "b", "--to", str(tmp_path / "elsewhere"), url=redis_url, prefix=p)
+    assert r.returncode == 1 and "cold segments live in" in r.stderr  # the recorded place is kept
     r = cli("archive", "a", "--to", "ftp://example.com/x", url=redis_url, prefix=p)
     assert r.returncode == 1 and "unsupported object store URL" in r.stderr and "Traceback" not in r.stderr
     r = cli("restore", "nope", url=redis_url, prefix=p)

@@ -6,10 +6,13 @@ An object is zstd-compressed JSONL in the native export's entry format (`importe
     {"_type":"redis-session/segment","version":1,"session":"s1","incarnation":"…","lo":0,"hi":190}
     {"n":0,"time":1718000000000,"type":"user/message","data":{"content":"hi"}}
 
-Its key names the store prefix, the session, the incarnation and the range, and the header's
-``cold`` field lists ``lo:hi:checksum:size`` per segment, ``;``-separated (`ColdSegment`; the
-checksum is the first 64 bits of the object's SHA-256, in hex): the key is derived, so one or two
-segments stay under Redis's 64-byte limit for a compact (listpack) header hash. Reading one
+Its key names the store prefix, the session, the incarnation, the range, the checksum and a
+nonce, and the header's ``cold`` field lists ``lo:hi:checksum:size:nonce`` per segment,
+``;``-separated (`ColdSegment`; the checksum is the first 48 bits of the object's SHA-256, and
+the zstd frame carries its own content checksum too): the key is derived, so one or two segments
+stay under Redis's 64-byte limit for a compact (listpack) header hash. The nonce makes every
+upload its own object: an archiver never writes over an object another one named (a restore or a
+delete deleting "its" object could otherwise delete a later archiver's identical upload). Reading one
 checks the checksum, the line-1 identity and every n; a failure is `SegmentCorruptError`, an
 absent object `SegmentMissingError`, both naming the range. `ColdTier` reads through a small LRU of decoded segments.
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import re
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,13 +42,14 @@ _ZSTD_LEVEL = 3
 
 
 class ColdSegment(msgspec.Struct, frozen=True):
-    """One archived range as the header lists it: [lo, hi), the object's checksum (the first 16
-    hex digits of its SHA-256) and its size in bytes."""
+    """One archived range as the header lists it: [lo, hi), the object's checksum (the first 12
+    hex digits of its SHA-256), its size in bytes and the upload's nonce (6 hex digits)."""
 
     lo: int
     hi: int
     checksum: str
     size: int
+    nonce: str
 
 
 class _SegmentHead(msgspec.Struct):
@@ -56,6 +62,7 @@ class _SegmentHead(msgspec.Struct):
 
 
 _encode = msgspec.json.Encoder()
+_HEX6 = re.compile(r"[0-9a-f]{6}")
 _head_decoder = msgspec.json.Decoder(_SegmentHead)
 
 
@@ -67,9 +74,9 @@ def decode_cold(raw: bytes | str | None) -> builtins.list[ColdSegment]:
     out = []
     try:
         for part in text.split(";"):
-            lo, hi, checksum, size = part.split(":")
-            seg = ColdSegment(int(lo), int(hi), checksum, int(size))
-            if not (0 <= seg.lo < seg.hi and len(checksum) == 16 and seg.size > 0):
+            lo, hi, checksum, size, nonce = part.split(":")
+            seg = ColdSegment(int(lo), int(hi), checksum, int(size), nonce)
+            if not (0 <= seg.lo < seg.hi and len(checksum) == 12 and seg.size > 0 and _HEX6.fullmatch(nonce)):
                 raise ValueError(part)
             out.append(seg)
     except ValueError as e:
@@ -87,7 +94,7 @@ def hot_start(raw: bytes) -> int:
 
 
 def encode_cold(segments: Sequence[ColdSegment]) -> bytes:
-    return ";".join(f"{s.lo}:{s.hi}:{s.checksum}:{s.size}" for s in segments).encode()
+    return ";".join(f"{s.lo}:{s.hi}:{s.checksum}:{s.size}:{s.nonce}" for s in segments).encode()
 
 
 def cold_end(segments: Sequence[ColdSegment], own_start: int) -> int:
@@ -106,7 +113,8 @@ def session_dir(session_id: str) -> str:
 
 def segment_key(prefix: str, session_id: str, incarnation: str, seg: ColdSegment) -> str:
     inc = quote(incarnation, safe="-_~").replace(".", "%2E")
-    return f"{prefix}/{session_dir(session_id)}/{inc}/{seg.lo:012d}-{seg.hi:012d}-{seg.checksum}.jsonl.zst"
+    name = f"{seg.lo:012d}-{seg.hi:012d}-{seg.checksum}-{seg.nonce}.jsonl.zst"
+    return f"{prefix}/{session_dir(session_id)}/{inc}/{name}"
 
 
 def encode_segment(session_id: str, incarnation: str, entries: Sequence[Entry]) -> bytes:
@@ -119,11 +127,13 @@ def encode_segment(session_id: str, incarnation: str, entries: Sequence[Entry]) 
          "incarnation": incarnation, "lo": lo, "hi": hi}
     )  # fmt: skip
     body = b"\n".join([head, *[_encode.encode(e) for e in entries]]) + b"\n"
-    return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(body)
+    return zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_checksum=True).compress(body)
 
 
 def describe(data: bytes, lo: int, hi: int) -> ColdSegment:
-    return ColdSegment(lo=lo, hi=hi, checksum=hashlib.sha256(data).hexdigest()[:16], size=len(data))
+    """The header's record of a new upload of `data` (a fresh nonce: its own object)."""
+    checksum = hashlib.sha256(data).hexdigest()[:12]
+    return ColdSegment(lo=lo, hi=hi, checksum=checksum, size=len(data), nonce=secrets.token_hex(3))
 
 
 def decode_segment(session_id: str, incarnation: str, seg: ColdSegment, key: str, data: bytes) -> builtins.list[Entry]:
@@ -132,7 +142,7 @@ def decode_segment(session_id: str, incarnation: str, seg: ColdSegment, key: str
     def bad(detail: str) -> SegmentCorruptError:
         return SegmentCorruptError(session_id, seg.lo, seg.hi, key, detail)
 
-    if len(data) != seg.size or hashlib.sha256(data).hexdigest()[:16] != seg.checksum:
+    if len(data) != seg.size or hashlib.sha256(data).hexdigest()[:12] != seg.checksum:
         raise bad("the object fails its checksum")
     try:
         body = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31)
