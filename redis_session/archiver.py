@@ -146,7 +146,7 @@ class Archiver:
         validate_session_id(session_id)
         tier = await self._tier()
         state = await self.store.cold_state(session_id)
-        if state is None:
+        if state is None or state.deleted:
             return ArchiveResult(session_id, "absent")
         if state.ephemeral:  # it expires with its keys: its objects would outlive it
             return ArchiveResult(session_id, "ephemeral")
@@ -174,7 +174,7 @@ class Archiver:
             if res.status != "archived" or hi >= k:
                 return res._replace(lo=first if res.status == "archived" else res.lo, bytes=total)
             nxt = await self.store.cold_state(session_id)
-            if nxt is None or nxt.incarnation != state.incarnation or nxt.hot_start != hi:
+            if nxt is None or nxt.deleted or nxt.incarnation != state.incarnation or nxt.hot_start != hi:
                 return ArchiveResult(session_id, "moved", lo, hi, total)
             state, lo = nxt._replace(own_start=state.own_start), hi
 
@@ -210,7 +210,7 @@ class Archiver:
         validate_session_id(session_id)
         for _attempt in range(5):
             state = await self.store.cold_state(session_id)
-            if state is None:
+            if state is None or state.deleted:
                 return ArchiveResult(session_id, "absent")
             if not state.cold:
                 return ArchiveResult(session_id, "nothing")
@@ -258,9 +258,8 @@ class Archiver:
             sid, inc = ident
             used = named.get((parts[1], parts[2]))
             if used is None:
-                state = await self.store.cold_state(session_id=sid) if _valid(sid) else None
-                if state is None and await self._hidden(sid):
-                    continue  # deleted but still read by its branches: kept
+                # a hidden session (deleted, still read by its branches) keeps its segments too
+                state = await self.store.cold_state(sid) if _valid(sid) else None
                 used = set()
                 if state is not None and state.incarnation == inc:
                     used = {tier.key(sid, inc, s) for s in state.cold}
@@ -269,14 +268,6 @@ class Archiver:
                 await tier.objects.delete(info.key)
                 removed.append(info.key)
         return removed
-
-    async def _hidden(self, session_id: str) -> bool:
-        store = self.store
-        if isinstance(store, RedisSessionStore):
-            raw = await store._raw("HGET", store.keys.hdr(session_id), "deleted")
-            return raw is not None
-        sessions = getattr(store, "_sessions", None)
-        return bool(sessions and session_id in sessions)
 
     @staticmethod
     async def _identity(objects: ObjectStore, key: str, sdir: str, idir: str) -> tuple[str, str] | None:
@@ -432,7 +423,7 @@ class ArchiveWorker(FeedWorker):
             page = await self.store.list(limit=500, cursor=cursor)
             for h in page.items:
                 state = await self.store.cold_state(h.id)
-                if state is not None and not state.ephemeral and state.n > state.hot_start:
+                if state is not None and not (state.ephemeral or state.deleted) and state.n > state.hot_start:
                     await self.store._raw("ZADD", self._due_key, state.updated_at + self.policy.idle_ms, h.id)
                     count += 1
             cursor = page.cursor
@@ -482,7 +473,7 @@ class ArchiveWorker(FeedWorker):
         idle. False: it failed (its feed entries stay pending)."""
         if self.policy.idle_ms is not None:
             state = await self.store.cold_state(session_id)
-            if state is not None and not state.ephemeral:
+            if state is not None and not (state.ephemeral or state.deleted):
                 await self.store._raw("ZADD", self._due_key, state.updated_at + self.policy.idle_ms, session_id)
             return True
         return await self._archive(session_id) is not None
@@ -500,7 +491,7 @@ class ArchiveWorker(FeedWorker):
                 await self.store._raw("ZADD", self._due_key, now_ms() + self.claim_idle_ms, sid)
             elif res.status == "nothing":
                 state = await self.store.cold_state(sid)
-                if state is not None and now_ms() - state.updated_at < self.policy.idle_ms:
+                if state is not None and not state.deleted and now_ms() - state.updated_at < self.policy.idle_ms:
                     await self.store._raw("ZADD", self._due_key, state.updated_at + self.policy.idle_ms, sid)
         self.metrics.due.set(int(await self.store._raw("ZCARD", self._due_key)))
 

@@ -1359,7 +1359,7 @@ class RedisSessionStore(StoreRules):
                 "updated_at", "last_cut", "ttl_ms",
             )  # fmt: skip
         n_raw, deleted, at_raw, inc_raw, born_raw, cold_raw, upd, last_cut, ttl = h
-        if n_raw is None or deleted is not None:
+        if n_raw is None:
             return None
         return ColdState(
             incarnation=self._check_incarnation(session_id, None, inc_raw, born_raw),
@@ -1370,6 +1370,7 @@ class RedisSessionStore(StoreRules):
             updated_at=int(upd or 0),
             last_cut=_i(last_cut),
             ephemeral=ttl is not None,
+            deleted=deleted is not None,
         )
 
     async def commit_archive(self, session_id: str, state: ColdState, segment: ColdSegment) -> str:

@@ -515,7 +515,7 @@ class MemorySessionStore(StoreRules):
     # -- cold tier (`ArchivableStore`)
     async def cold_state(self, session_id: str) -> ColdState | None:
         validate_session_id(session_id)
-        s = self._get(session_id)
+        s = self._get(session_id, include_deleted=True)
         if s is None:
             return None
         return ColdState(
@@ -527,6 +527,7 @@ class MemorySessionStore(StoreRules):
             updated_at=s.updated_at,
             last_cut=s.last_cut,
             ephemeral=s.ttl_ms is not None,
+            deleted=s.deleted,
         )
 
     def _committing(self, session_id: str, state: ColdState) -> _MemSession | None:

@@ -168,6 +168,7 @@ class ColdState(NamedTuple):
     updated_at: int
     last_cut: int | None
     ephemeral: bool
+    deleted: bool = False  # hidden: deleted, its entries kept for its branches (never archived)
 
     @property
     def hot_start(self) -> int:
@@ -185,7 +186,9 @@ class ArchivableStore(SessionStore, Protocol):
 
     cold: ColdTier | None
 
-    async def cold_state(self, session_id: str) -> ColdState | None: ...
+    async def cold_state(self, session_id: str) -> ColdState | None:
+        """The session's archive state (a hidden one's too, ``deleted``); None when absent."""
+        ...
 
     async def commit_archive(self, session_id: str, state: ColdState, segment: ColdSegment) -> str:
         """Name `segment` (written, read back and verified) in the header and drop its entries
