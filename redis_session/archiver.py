@@ -40,7 +40,7 @@ from .feed import FeedWorker, default_consumer, feed_client_of, validate_group
 from .keys import validate_session_id
 from .model import now_ms
 from .redis.store import RedisSessionStore
-from .store.protocol import ArchivableStore, ColdState
+from .store.protocol import MAX_READ_RANGE, ArchivableStore, ColdState
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,8 @@ class Archiver:
         self.tier = tier if tier is not None else store.cold
         self.grace_ms = grace_ms
         self.hook = hook or _no_hook
-        if segment_entries < 1:
-            raise ValueError("segment_entries must be >= 1")
+        if not 1 <= segment_entries <= MAX_READ_RANGE:
+            raise ValueError(f"segment_entries must be in [1, {MAX_READ_RANGE}] (one read covers a segment)")
         self.segment_entries = segment_entries
 
     async def _tier(self) -> ColdTier:

@@ -488,3 +488,26 @@ async def test_a_restore_never_deletes_a_later_archivers_identical_upload(astore
     await astore.cold.drop("s1", state.incarnation, state.cold)  # the restore's clean-up, late
     astore.cold.clear_cache()
     assert enc(await astore.read("s1")) == enc(before)
+
+
+async def test_a_long_log_paged_while_it_is_archived_is_read_again(
+    redis_store: RedisSessionStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis_session.redis.store as store_mod
+
+    monkeypatch.setattr(store_mod, "MAX_READ_RANGE", 7)  # pages of 7 rows
+    redis_store.cold = ColdTier(str(tmp_path), prefix=redis_store.prefix)
+    before = await seeded(redis_store)
+    assert enc(await redis_store.read("s1")) == enc(before)  # paged, all hot
+    real = redis_store._page_on
+    raced: list[int] = []
+
+    async def archive_under_the_pages(*args: Any) -> Any:
+        if not raced:
+            raced.append(1)
+            await Archiver(redis_store, segment_entries=5).archive("s1", upto=30)  # beyond the first page
+        return await real(*args)
+
+    monkeypatch.setattr(redis_store, "_page_on", archive_under_the_pages)
+    assert enc(await redis_store.read("s1")) == enc(before)
+    assert raced and (await redis_store.cold_state("s1")).hot_start == 30

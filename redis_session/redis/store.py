@@ -617,15 +617,10 @@ class RedisSessionStore(StoreRules):
             if stop is not None and stop <= start:
                 return []
             if stop is None and len(rows) == MAX_READ_RANGE:  # a long log: page on, no giant reply
-                rows = builtins.list(rows)
-                while True:
-                    more = await self._raw("XRANGE", log_key, b"(" + rows[-1][0], b"+", b"COUNT", MAX_READ_RANGE)
-                    rows.extend(more)
-                    if len(more) < MAX_READ_RANGE:
-                        break
-                after = await self._raw("HMGET", hdr_key, b"incarnation", b"created_at")
-                if after[0] != inc_raw or after[1] != born_raw:
-                    raise SessionReplacedError(session_id, "replaced while a long log was read")
+                paged = await self._page_on(session_id, rows, (inc_raw, born_raw, cold_raw))
+                if paged is None:  # archived (or restored) under the pages: read again
+                    return await self.read(session_id, start, stop, incarnation=incarnation)
+                rows = paged
             # The reply's ~9 objects per row are dropped before the decode, so the collector
             # passes that the new entries trigger do not walk them.
             blob = _splice_rows(rows) if rows else b""
@@ -648,6 +643,22 @@ class RedisSessionStore(StoreRules):
                     out.extend(await self._own_range(anc, lo, hi2))
             out.extend(own)
             return out
+
+    async def _page_on(self, session_id: str, rows: Any, seen: tuple[Any, Any, Any]) -> builtins.list[Any] | None:
+        """The rest of a long log after its first page `rows`, then the header checked against
+        `seen` (incarnation, created_at, cold as read before the first page): None when an
+        archive or restore moved entries meanwhile (the caller reads again)."""
+        k = self._keys_of(session_id)
+        rows = builtins.list(rows)
+        while True:
+            more = await self._raw("XRANGE", k.log, b"(" + rows[-1][0], b"+", b"COUNT", MAX_READ_RANGE)
+            rows.extend(more)
+            if len(more) < MAX_READ_RANGE:
+                break
+        after = await self._raw("HMGET", k.hdr, b"incarnation", b"created_at", b"cold")
+        if after[0] != seen[0] or after[1] != seen[1]:
+            raise SessionReplacedError(session_id, "replaced while a long log was read")
+        return rows if after[2] == seen[2] else None
 
     @staticmethod
     def _check_incarnation(session_id: str, expected: str | None, inc_raw: Any, born_raw: Any) -> str:
