@@ -45,7 +45,8 @@ from .store.protocol import MAX_READ_RANGE, ArchivableStore, ColdState
 log = logging.getLogger(__name__)
 
 #: an object younger than this is never swept (an archiver may be between its upload and its
-#: script); an archiver that took longer than half of it gives up before its script
+#: script); an archiver that took longer than half of it gives up before its script. A grace of
+#: 0 is for a sweep while no archiver runs
 DEFAULT_GRACE_MS = 3_600_000
 DEFAULT_GROUP = "archiver"
 
@@ -192,7 +193,7 @@ class Archiver:
         await self.hook("before_upload")
         seg = await tier.write(session_id, state.incarnation, entries)
         await self.hook("after_upload")
-        if (time.monotonic() - t0) * 1000 > self.grace_ms / 2:
+        if 0 < self.grace_ms < (time.monotonic() - t0) * 2000:
             return ArchiveResult(session_id, "slow", lo, k)  # the sweep may take the object now
         try:
             status = await self.store.commit_archive(session_id, state, seg)
