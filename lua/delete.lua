@@ -5,8 +5,10 @@
 --
 -- Returns {0}                                  absent (or already hidden)
 --         {1, created_at}                       hidden: its branches keep reading its entries
---         {2, created_at, parent or ""}         deleted: every key gone
-local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'created_at', 'parent')
+--         {2, created_at, parent or "", incarnation or "", cold or ""}
+--                                               deleted: every key gone (the caller deletes the
+--                                               archived segments `cold` names, else the sweep does)
+local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'created_at', 'parent', 'incarnation', 'cold')
 if not h[1] or h[2] then return {0} end
 if redis.call('ZCARD', KEYS[6]) > 0 then
   -- the tombstone is written last: a Redis user refused a DEL or PERSIST here (ACL) leaves the
@@ -18,4 +20,4 @@ if redis.call('ZCARD', KEYS[6]) > 0 then
   return {1, h[3]}
 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
-return {2, h[3], h[4] or ''}
+return {2, h[3], h[4] or '', h[5] or '', h[6] or ''}

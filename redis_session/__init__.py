@@ -15,6 +15,7 @@ from __future__ import annotations
 from . import live as live  # `redis_session.live.follow` / `follow_deltas` after a plain `import redis_session`
 from .errors import (
     AccessDeniedError,
+    ColdSegmentError,
     DurabilityError,
     IdempotencyKeyReusedError,
     ImportFormatError,
@@ -22,6 +23,8 @@ from .errors import (
     InvalidSessionIdError,
     LeaseHeldError,
     LeaseLostError,
+    SegmentCorruptError,
+    SegmentMissingError,
     SessionAlreadyExistsError,
     SessionConflictError,
     SessionError,
@@ -56,6 +59,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDeniedError",
     "AnswerStream",
+    "ColdSegmentError",
     "Delta",
     "DoctorReport",
     "DurabilityError",
@@ -73,6 +77,8 @@ __all__ = [
     "Problem",
     "ReconstructedRequest",
     "RedisSessionStore",
+    "SegmentCorruptError",
+    "SegmentMissingError",
     "Session",
     "SessionAlreadyExistsError",
     "SessionConflictError",

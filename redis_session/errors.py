@@ -136,3 +136,20 @@ class ImportFormatError(SessionError, ValueError):
         self.session_id = session_id
         where = self.path if line is None else f"{self.path}:{line}"
         super().__init__(f"{where}: {message}")
+
+
+class ColdSegmentError(SessionError):
+    """An archived range of a session (a cold segment in object storage) could not be read:
+    `session_id`, the range [`lo`, `hi`) and the object `key` name it. Nothing was returned."""
+
+    def __init__(self, session_id: str, lo: int, hi: int, key: str, detail: str) -> None:
+        super().__init__(f"session {session_id!r}: archived entries [{lo}, {hi}) ({key}): {detail}")
+        self.session_id, self.lo, self.hi, self.key = session_id, lo, hi, key
+
+
+class SegmentMissingError(ColdSegmentError):
+    """The header names a cold segment the object store does not hold (or no store is set)."""
+
+
+class SegmentCorruptError(ColdSegmentError):
+    """A cold segment's bytes fail their checksum, do not decompress, or hold other entries."""

@@ -14,6 +14,8 @@ All keys of one session share the hash tag ``{<id>}`` so each script touches one
     {prefix}:{<id>}:lease   STRING  the writer lease token
     {prefix}:{<id>}:live    STREAM  streamed answers in flight: begin, deltas, end records (plain
                                     XADD, MAXLEN-capped, PEXPIRE: a dead writer's records vanish)
+    {prefix}:{<id>}:restore:<token>  STREAM  one restore's staged archived entries (renamed
+                                    onto log; PEXPIRE 1 h: a dead restorer's vanish)
 
 Cross-session keys (never needed for an append's correctness)::
 
@@ -23,6 +25,8 @@ Cross-session keys (never needed for an append's correctness)::
     {prefix}:events         PUBSUB  session-branch notifications
     {prefix}:projector:<group>:stats  HASH  projector counters summed over workers
     {prefix}:compactor:{<group>}:stats  HASH  compactor counters summed over workers
+    {prefix}:cold:url       STRING  where this prefix's cold segments live (an object store URL)
+    {prefix}:archiver:{<group>}:stats  HASH  archiver counters summed over workers
 """
 
 from __future__ import annotations
@@ -120,6 +124,19 @@ class Keys:
 
     def live(self, session_id: str) -> str:
         return self._k(session_id, "live")
+
+    def restore(self, session_id: str) -> str:
+        """The prefix of a restore's staging streams (``…:restore:<token>``: same slot; renamed
+        onto the log by archive.lua)."""
+        return self._k(session_id, "restore")
+
+    @property
+    def cold_url(self) -> str:
+        """STRING: the object store URL of this prefix's cold segments (`redis-session archive`)."""
+        return f"{self.prefix}:cold:url"
+
+    def archiver_stats(self, group: str) -> str:
+        return f"{self.prefix}:archiver:{group}:stats"
 
     def session_keys(self, session_id: str) -> list[str]:
         """Every per-session key, in the order the Lua scripts take them."""

@@ -773,6 +773,155 @@ def compactor_cmd(
     _run(main)
 
 
+_DURATION_UNITS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def _duration_ms(text: str) -> int:
+    """``7d``, ``12h``, ``30m``, ``45s``, ``500ms`` or plain seconds, as ms."""
+    t = text.strip().lower()
+    for unit in ("ms", "s", "m", "h", "d"):
+        if t.endswith(unit) and t[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * _DURATION_UNITS[unit])
+    if t.replace(".", "", 1).isdigit():
+        return int(float(t) * 1000)
+    raise CliError(f"not a duration: {text!r} (e.g. 7d, 12h, 30m, 45s)")
+
+
+async def _cold_tier(store: Any, to: str | None) -> Any:
+    """The prefix's cold tier: `to` (recorded for every store of the prefix), else the one
+    recorded, else a local folder in the user data dir (recorded)."""
+    from ..archiver import set_cold_url
+
+    if to is None and await store.cold_tier() is not None:
+        return store.cold
+    if to is None:
+        from ..redis.embedded import default_data_dir
+
+        to = str(default_data_dir() / "cold")
+    return await set_cold_url(store, to)
+
+
+@app.command("archive")
+def archive_cmd(
+    session_id: Annotated[str | None, typer.Argument(help="One session (else every one the policy selects).")] = None,
+    url: UrlOpt = None,
+    prefix: PrefixOpt = "rs",
+    to: Annotated[
+        str | None,
+        typer.Option(
+            "--to",
+            envvar="REDIS_SESSION_COLD",
+            help="Object store URL (file:///path or a path, s3://, gs://, az://); recorded for the prefix. "
+            "Default: the one recorded, else <data dir>/cold.",
+        ),
+    ] = None,
+    idle: Annotated[
+        str | None, typer.Option(help="Only sessions idle this long (7d, 12h, 30m); alone: whole logs.")
+    ] = None,
+    before_last_cut: Annotated[bool, typer.Option("--before-last-cut", help="Up to the last cut's 'before'.")] = False,
+    keep: Annotated[int | None, typer.Option(min=0, help="Keep at most this many entries hot.")] = None,
+    min_entries: Annotated[int, typer.Option(min=1, help="Leave shorter ranges hot.")] = 1,
+    worker: Annotated[
+        bool, typer.Option("--worker", help="Run as a change-feed worker (beside the projector).")
+    ] = False,
+    sweep: Annotated[
+        bool, typer.Option("--sweep", help="Delete objects no header names (older than --grace).")
+    ] = False,
+    grace: Annotated[str, typer.Option(help="Age before an unnamed object is swept.")] = "1h",
+    status: Annotated[
+        bool, typer.Option("--status", help="Print the tier and the archiver counters, then exit.")
+    ] = False,
+    group: Annotated[str, typer.Option(help="Consumer group (--worker).")] = "archiver",
+    consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port (--worker).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Move old entries into the cold tier (object storage): one session, a policy pass, --worker, or --sweep."""
+
+    async def main() -> None:
+        import logging
+
+        from ..archiver import Archiver, ArchiveWorker, Policy
+
+        grace_ms = _duration_ms(grace)
+        policy = None
+        if idle is not None or before_last_cut or keep is not None:
+            policy = Policy(
+                idle_ms=None if idle is None else _duration_ms(idle), before_last_cut=before_last_cut,
+                keep=keep, min_entries=min_entries,
+            )  # fmt: skip
+        if policy is None and session_id is None and not (sweep or status):
+            raise CliError("give a SESSION_ID, a policy (--idle, --before-last-cut, --keep), --sweep or --status")
+        if worker and policy is None:
+            raise CliError("--worker needs a policy (--idle, --before-last-cut or --keep)")
+
+        if worker:
+            assert policy is not None
+
+            async def body(store: Any) -> None:
+                logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                tier = await _cold_tier(store, to)
+                w = ArchiveWorker(
+                    store, policy, tier=tier, group=group, consumer=consumer, grace_ms=grace_ms,
+                    metrics_port=metrics_port,
+                )  # fmt: skip
+                err.print(f"archiver {w.consumer} running into {tier.url} (Ctrl-C or SIGTERM to stop)")
+                await w.run_forever()
+
+            await _supervised(url, prefix, body)
+            return
+        async with _opened(url, prefix) as store:
+            tier = await _cold_tier(store, to)
+            if status:
+                from ..archiver import status as archive_status
+
+                _emit_json(await archive_status(store, group=group))
+                return
+            archiver = Archiver(store, tier, grace_ms=grace_ms)
+            if sweep:
+                removed = await archiver.sweep()
+                _emit_json({"swept": len(removed), "keys": removed}) if as_json else out.print(
+                    f"swept {len(removed)} objects", highlight=False
+                )
+                return
+            results = (
+                [await archiver.archive(session_id, policy=policy)]
+                if session_id is not None
+                else await archiver.run_policy(policy)  # type: ignore[arg-type]
+            )
+            for r in results:
+                if as_json:
+                    _emit_json(r._asdict())
+                else:
+                    out.print(f"{r.session}: {r.status} [{r.lo}, {r.hi}) {r.bytes} B", highlight=False, markup=False)
+
+    _run(main)
+
+
+@app.command("restore")
+def restore_cmd(
+    session_id: Annotated[str, typer.Argument(help="The session to bring back hot.")],
+    url: UrlOpt = None,
+    prefix: PrefixOpt = "rs",
+    as_json: JsonOpt = False,
+) -> None:
+    """Bring a session's archived entries back into Redis (and delete its segment objects)."""
+
+    async def main() -> None:
+        from ..archiver import Archiver
+
+        async with _opened(url, prefix) as store:
+            r = await Archiver(store, await _cold_tier(store, None)).restore(session_id)
+            if r.status == "absent":
+                raise CliError(f"session {session_id!r} not found")
+            if as_json:
+                _emit_json(r._asdict())
+            else:
+                out.print(f"{r.session}: {r.status} [{r.lo}, {r.hi})", highlight=False, markup=False)
+
+    _run(main)
+
+
 @app.command("gateway")
 def gateway_cmd(
     url: UrlOpt = None,

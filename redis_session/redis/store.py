@@ -26,6 +26,7 @@ import builtins
 import contextlib
 import heapq
 import itertools
+import secrets
 from collections.abc import AsyncIterator, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
@@ -45,11 +46,13 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..cold.segments import ColdSegment, ColdTier, cold_end, decode_cold, encode_cold, hot_start
 from ..errors import (
     AccessDeniedError,
     DurabilityError,
     IdempotencyKeyReusedError,
     InvalidEntryError,
+    SegmentMissingError,
     SessionAlreadyExistsError,
     SessionConflictError,
     SessionError,
@@ -75,10 +78,10 @@ from ..model import (
     now_ms,
 )
 from ..projection.chunks import TEXT, LiveRecord, live_draft
-from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
+from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, ColdState, StorageCheck
 from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .cluster import ClusterRouter
-from .doctor import stream_problems
+from .doctor import ColdCheck, stream_problems
 from .rows import _decode_entries, _splice_rows, rows_to_entries
 from .wire import (
     EVAL,
@@ -125,8 +128,13 @@ class _Script:
         self.source_bulk = b"$%d\r\n%b\r\n" % (len(source), source)
 
 
-_SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj", "swap")}
+_SCRIPTS = {
+    name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj", "swap", "archive")
+}
 
+
+# A restore's staging stream expires by itself this long after its last write (a dead restorer's).
+_STAGING_TTL_MS = 3_600_000
 
 # An unlink that leaves a hidden or ephemeral parent with at most this many links checks them.
 _REPAIR_ON_UNLINK = 64
@@ -247,6 +255,7 @@ class _Hdr(msgspec.Struct):
     segments: builtins.list[Segment]
     deleted: bool
     ttl_ms: int | None
+    cold_end: int = 0  # the end of the archived range (0: nothing archived)
 
 
 def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
@@ -275,6 +284,7 @@ def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
         segments=[] if seg_raw is None else _segments_decoder.decode(seg_raw),
         deleted=b"deleted" in raw,
         ttl_ms=_i(g(b"ttl_ms")),
+        cold_end=hot_start(raw[b"cold"]) if b"cold" in raw else 0,
     )
 
 
@@ -341,6 +351,7 @@ class RedisSessionStore(StoreRules):
         durability: str = "none",
         wait_timeout_ms: int = 2_000,
         owns_client: bool = False,
+        cold: ColdTier | str | None = None,
     ) -> None:
         if durability not in ("none", "aof", "replica"):
             raise ValueError("durability must be 'none', 'aof' or 'replica'")
@@ -367,6 +378,8 @@ class RedisSessionStore(StoreRules):
         self.block_ms = block_ms
         self.live_maxlen = live_maxlen
         self._owns_client = owns_client
+        # the cold tier (archived segments): given, or found at first need under {prefix}:cold:url
+        self.cold: ColdTier | None = ColdTier(cold, prefix=prefix) if isinstance(cold, str) else cold
         # The fast path: the pool of a standalone client (None on a cluster: redis-py routes).
         self._pool = None if isinstance(self.client, RedisCluster) else PooledWire(self.client)
         self._router = ClusterRouter(self.client, read_replies) if isinstance(self.client, RedisCluster) else None
@@ -533,13 +546,6 @@ class RedisSessionStore(StoreRules):
         raw = await self._raw("HGETALL", self.keys.hdr(session_id))
         return _parse_hdr(_as_dict(raw))
 
-    async def _xrange(self, session_id: str, lo: int, hi: int) -> builtins.list[Entry]:
-        """Entries [lo, hi) of one session's own stream."""
-        if hi <= lo:
-            return []
-        rows = await self._raw("XRANGE", self.keys.log(session_id), f"{lo}-1", f"{hi - 1}-1")
-        return rows_to_entries(rows)
-
     # ------------------------------------------------------------------ contract
 
     async def head(self, session_id: str) -> SessionHead | None:
@@ -562,8 +568,8 @@ class RedisSessionStore(StoreRules):
             k = self._keys_of(session_id)
             hdr_key, log_key = k.hdr, k.log
             for _attempt in range(3):
-                (n_raw, deleted, at_raw, seg_raw, inc_raw, born_raw), rows, after = await self._pipeline(
-                    ("HMGET", hdr_key, b"n", b"deleted", b"at", b"segments", b"incarnation", b"created_at"),
+                (n_raw, deleted, at_raw, seg_raw, inc_raw, born_raw, cold_raw), rows, after = await self._pipeline(
+                    ("HMGET", hdr_key, b"n", b"deleted", b"at", b"segments", b"incarnation", b"created_at", b"cold"),
                     (
                         "XRANGE",
                         log_key,
@@ -572,14 +578,14 @@ class RedisSessionStore(StoreRules):
                         b"COUNT",
                         MAX_READ_RANGE,
                     ),
-                    ("HMGET", hdr_key, b"incarnation", b"created_at"),
+                    ("HMGET", hdr_key, b"incarnation", b"created_at", b"cold"),
                 )
                 if n_raw is None or deleted is not None:
                     raise SessionNotFoundError(session_id)
-                self._check_incarnation(session_id, incarnation, inc_raw, born_raw)
-                if after[0] == inc_raw and after[1] == born_raw:
-                    break
-                if incarnation is not None:
+                inc = self._check_incarnation(session_id, incarnation, inc_raw, born_raw)
+                if after[0] == inc_raw and after[1] == born_raw and after[2] == cold_raw:
+                    break  # the same life, and no archive or restore moved entries in between
+                if incarnation is not None and (after[0] != inc_raw or after[1] != born_raw):
                     raise SessionReplacedError(session_id)
             else:
                 raise StoreUnavailableError(f"session {session_id!r} was replaced during every read attempt")
@@ -587,15 +593,10 @@ class RedisSessionStore(StoreRules):
             if stop is not None and stop <= start:
                 return []
             if stop is None and len(rows) == MAX_READ_RANGE:  # a long log: page on, no giant reply
-                rows = builtins.list(rows)
-                while True:
-                    more = await self._raw("XRANGE", log_key, b"(" + rows[-1][0], b"+", b"COUNT", MAX_READ_RANGE)
-                    rows.extend(more)
-                    if len(more) < MAX_READ_RANGE:
-                        break
-                after = await self._raw("HMGET", hdr_key, b"incarnation", b"created_at")
-                if after[0] != inc_raw or after[1] != born_raw:
-                    raise SessionReplacedError(session_id, "replaced while a long log was read")
+                paged = await self._page_on(session_id, rows, (inc_raw, born_raw, cold_raw))
+                if paged is None:  # archived (or restored) under the pages: read again
+                    return await self.read(session_id, start, stop, incarnation=incarnation)
+                rows = paged
             # The reply's ~9 objects per row are dropped before the decode, so the collector
             # passes that the new entries trigger do not walk them.
             blob = _splice_rows(rows) if rows else b""
@@ -607,15 +608,33 @@ class RedisSessionStore(StoreRules):
             if own and own[-1].n >= n:  # written after our HMGET: not part of this snapshot
                 own = [e for e in own if e.n < n]
             at = 0 if at_raw is None else int(at_raw)
+            # an archived prefix (the header's `cold` field): stitched in front of the hot stream
+            own = await self._with_cold(session_id, inc, cold_raw, max(start, at), stop, n, own, incarnation)
             if start >= at:
                 return own
             segments = [] if seg_raw is None else _segments_decoder.decode(seg_raw)
             out: builtins.list[Entry] = []
             for anc, lo, hi2 in plan_read(segments, at, n, start, stop):
                 if anc:
-                    out.extend(await self._xrange(anc, lo, hi2))
+                    out.extend(await self._own_range(anc, lo, hi2))
             out.extend(own)
             return out
+
+    async def _page_on(self, session_id: str, rows: Any, seen: tuple[Any, Any, Any]) -> builtins.list[Any] | None:
+        """The rest of a long log after its first page `rows`, then the header checked against
+        `seen` (incarnation, created_at, cold as read before the first page): None when an
+        archive or restore moved entries meanwhile (the caller reads again)."""
+        k = self._keys_of(session_id)
+        rows = builtins.list(rows)
+        while True:
+            more = await self._raw("XRANGE", k.log, b"(" + rows[-1][0], b"+", b"COUNT", MAX_READ_RANGE)
+            rows.extend(more)
+            if len(more) < MAX_READ_RANGE:
+                break
+        after = await self._raw("HMGET", k.hdr, b"incarnation", b"created_at", b"cold")
+        if after[0] != seen[0] or after[1] != seen[1]:
+            raise SessionReplacedError(session_id, "replaced while a long log was read")
+        return rows if after[2] == seen[2] else None
 
     @staticmethod
     def _check_incarnation(session_id: str, expected: str | None, inc_raw: Any, born_raw: Any) -> str:
@@ -994,6 +1013,8 @@ class RedisSessionStore(StoreRules):
                 return False
             member = index_member(int(res[1]), session_id)
             await self._raw("ZREM", self.keys.sessions(session_id), member)
+            if code == 2 and len(res) > 4 and res[4]:
+                await self._drop_cold(session_id, _s(res[3]) or legacy_incarnation(int(res[1])), res[4])
             if code == 2 and res[2]:
                 await self._unlink(_s(res[2]) or "", member)
             if code == 1:
@@ -1070,7 +1091,7 @@ class RedisSessionStore(StoreRules):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
-        at = h.header.at or 0
+        at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
             for e in await self.read(session_id, nxt, at, incarnation=inc):
@@ -1091,6 +1112,7 @@ class RedisSessionStore(StoreRules):
             rows = _xread_rows(resp)
             if rows:
                 batch = rows_to_entries(rows)
+                batch = await self._cold_gap(session_id, nxt, batch, inc)  # archived behind us
                 if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
                     raise SessionError(
                         f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
@@ -1181,7 +1203,7 @@ class RedisSessionStore(StoreRules):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
-        at = h.header.at or 0
+        at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
             for e in await self.read(session_id, nxt, at, incarnation=inc):
@@ -1212,6 +1234,7 @@ class RedisSessionStore(StoreRules):
                 live_after = _s(live_rows[-1][0]) or live_after
             if log_rows:
                 batch = rows_to_entries(log_rows)
+                batch = await self._cold_gap(session_id, nxt, batch, inc)  # archived behind us
                 if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
                     raise SessionError(
                         f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
@@ -1273,7 +1296,182 @@ class RedisSessionStore(StoreRules):
         """Doctor's storage checks: the session's own stream walked raw (`redis.doctor`)."""
         validate_session_id(session_id)
         with _io():
-            return await stream_problems(self._raw, self.keys.log(session_id), n, at)
+            cold_raw, inc_raw, born_raw = await self._raw(
+                "HMGET", self.keys.hdr(session_id), "cold", "incarnation", "created_at"
+            )
+            cold = None
+            if cold_raw is not None:
+                inc = self._check_incarnation(session_id, None, inc_raw, born_raw)
+                cold = ColdCheck(session_id, inc, cold_raw, await self.cold_tier())
+            return await stream_problems(self._raw, self.keys.log(session_id), n, at, cold)
+
+    # ------------------------------------------------------------------ cold tier (archive.lua)
+
+    async def cold_tier(self) -> ColdTier | None:
+        """The cold tier: the one given, else the object store recorded under ``{prefix}:cold:url``."""
+        if self.cold is None:
+            with _io():
+                url = _s(await self._raw("GET", self.keys.cold_url))
+            if url:
+                self.cold = ColdTier(url, prefix=self.prefix)
+        return self.cold
+
+    async def _tier_for(self, session_id: str, segments: Sequence[ColdSegment]) -> ColdTier:
+        tier = await self.cold_tier()
+        if tier is None:
+            seg = segments[0]
+            raise SegmentMissingError(
+                session_id,
+                seg.lo,
+                seg.hi,
+                "?",
+                f"no cold tier: set one (RedisSessionStore(cold=…) or {self.keys.cold_url})",
+            )
+        return tier
+
+    async def _with_cold(
+        self,
+        session_id: str,
+        inc: str,
+        cold_raw: bytes | None,
+        lo: int,
+        stop: int | None,
+        n: int,
+        own: builtins.list[Entry],
+        incarnation: str | None,
+    ) -> builtins.list[Entry]:
+        """`own` (the hot stream's part of a read from `lo`) with the archived entries before it."""
+        if cold_raw is None or min(n if stop is None else stop, n, hot_start(cold_raw)) <= lo:
+            return own  # the range is all hot (a tail read): nothing decoded
+        segments = decode_cold(cold_raw)
+        hi = min(n if stop is None else stop, n, cold_end(segments, lo))
+        tier = await self._tier_for(session_id, segments)
+        try:
+            cold = await tier.read(session_id, inc, segments, lo, hi)
+        except SegmentMissingError:
+            # a restore or a delete removes objects after its script: if the header moved on, so
+            # does this read (it raises for a deleted session); else the object is really gone
+            with _io():
+                now = await self._raw("HGET", self.keys.hdr(session_id), "cold")
+            if now == cold_raw:
+                raise
+            fresh = await self.read(session_id, lo, stop, incarnation=incarnation or inc)
+            return [e for e in fresh if e.n < hi] + own
+        return cold + own
+
+    async def _own_range(self, session_id: str, lo: int, hi: int) -> builtins.list[Entry]:
+        """Entries [lo, hi) of one session's own log (an ancestor a branch reads): its hot
+        stream, and its archived segments where the range starts below them."""
+        if hi <= lo:
+            return []
+        hdr_key = self.keys.hdr(session_id)
+        for _attempt in range(3):
+            (cold_raw, inc_raw, born_raw), rows, after = await self._pipeline(
+                ("HMGET", hdr_key, "cold", "incarnation", "created_at"),
+                ("XRANGE", self.keys.log(session_id), f"{lo}-1", f"{hi - 1}-1"),
+                ("HGET", hdr_key, "cold"),
+            )
+            if after == cold_raw:
+                break
+        else:
+            raise StoreUnavailableError(f"session {session_id!r} was archived or restored during every read attempt")
+        own = rows_to_entries(rows)
+        if cold_raw is None:
+            return own
+        inc = self._check_incarnation(session_id, None, inc_raw, born_raw)
+        segments = decode_cold(cold_raw)
+        top = min(hi, cold_end(segments, lo))
+        if top <= lo:
+            return own
+        tier = await self._tier_for(session_id, segments)
+        return await tier.read(session_id, inc, segments, lo, top) + own
+
+    async def _cold_gap(self, session_id: str, nxt: int, batch: builtins.list[Entry], inc: str) -> builtins.list[Entry]:
+        """A tail's `batch` read from the hot stream, with the entries [nxt, first) before it
+        that were archived behind the tail (or before its start). Unchanged when there is no
+        such gap or the cold tier does not hold it all (the tail's sequence check reports it)."""
+        if batch[0].n <= nxt:
+            return batch
+        got = await self.read(session_id, nxt, batch[0].n, incarnation=inc)
+        return got + batch if len(got) == batch[0].n - nxt and got[0].n == nxt else batch
+
+    async def _drop_cold(self, session_id: str, incarnation: str, cold_raw: bytes) -> None:
+        """Delete a deleted session's segments; what fails here is left to `Archiver.sweep`."""
+        with contextlib.suppress(Exception):
+            tier = await self.cold_tier()
+            if tier is not None:
+                await tier.drop(session_id, incarnation, decode_cold(cold_raw))
+
+    async def cold_state(self, session_id: str) -> ColdState | None:
+        validate_session_id(session_id)
+        with _io():
+            h = await self._raw(
+                "HMGET", self.keys.hdr(session_id), "n", "deleted", "at", "incarnation", "created_at", "cold",
+                "updated_at", "last_cut", "ttl_ms",
+            )  # fmt: skip
+        n_raw, deleted, at_raw, inc_raw, born_raw, cold_raw, upd, last_cut, ttl = h
+        if n_raw is None:
+            return None
+        return ColdState(
+            incarnation=self._check_incarnation(session_id, None, inc_raw, born_raw),
+            n=int(n_raw),
+            own_start=int(at_raw or 0),
+            cold=decode_cold(cold_raw),
+            cold_raw=bytes(cold_raw or b""),
+            updated_at=int(upd or 0),
+            last_cut=_i(last_cut),
+            ephemeral=ttl is not None,
+            deleted=deleted is not None,
+        )
+
+    async def commit_archive(self, session_id: str, state: ColdState, segment: ColdSegment) -> str:
+        validate_session_id(session_id)
+        new = encode_cold([*state.cold, segment])
+        keys = [self.keys.hdr(session_id), self.keys.log(session_id), self.keys.restore(session_id)]
+        args = ["archive", state.incarnation, state.cold_raw, new, segment.lo, segment.hi]
+        with _io():
+            res = await self._eval("archive", keys, args)
+        return self._archive_reply(session_id, res)
+
+    async def commit_restore(self, session_id: str, state: ColdState, entries: builtins.list[Entry]) -> str:
+        validate_session_id(session_id)
+        if not state.cold:
+            return "done"
+        # a staging stream of this restore only (two restores at once never mix their rows); it
+        # expires by itself if this process dies before its script
+        staging = f"{self.keys.restore(session_id)}:{secrets.token_hex(6)}"
+        args = ["restore", state.incarnation, state.cold_raw, state.hot_start, state.own_start]
+        with _io():
+            try:
+                for i in range(0, len(entries), 500):
+                    chunk = entries[i : i + 500]
+                    await self._pipeline(
+                        *[("XADD", staging, f"{e.n}-1", *_stream_fields(e)) for e in chunk],
+                        ("PEXPIRE", staging, _STAGING_TTL_MS),
+                    )
+                keys = [self.keys.hdr(session_id), self.keys.log(session_id), staging]
+                res = await self._eval("archive", keys, args)
+            finally:
+                await self._raw("DEL", staging)
+        return self._archive_reply(session_id, res)
+
+    @staticmethod
+    def _archive_reply(session_id: str, res: Any) -> str:
+        code = int(res[0])
+        if code == 0:
+            return "done"
+        if code == 3:
+            raise SessionNotFoundError(session_id)
+        if code == 8:
+            raise SessionReplacedError(session_id, "archived while the session was replaced")
+        if code == 9:
+            return "moved"
+        if code == 2:
+            raise SessionError(f"session {session_id!r}: the archived range is beyond n={int(res[1])}")
+        raise SessionError(
+            f"session {session_id!r}: the hot stream does not hold the range to move (at {_s(res[1])!r}); "
+            "run `redis-session doctor`"
+        )
 
     async def publish(self, event: str, payload: dict[str, Any]) -> None:
         """Publish `event` on ``{prefix}:events`` and, for the projector, on the change feed."""
@@ -1286,6 +1484,16 @@ class RedisSessionStore(StoreRules):
                     "XADD", self.keys.feed(self.keys.feed_shard(sid)), "MAXLEN", "~", str(self.feed_maxlen),
                     "*", "s", sid, "ev", event,
                 )  # fmt: skip
+
+
+def _stream_fields(e: Entry) -> builtins.list[bytes]:
+    """An entry's stream fields as append.lua writes them (type, time, data, meta?, surface?)."""
+    f = [b"type", e.type.encode(), b"time", b"%d" % e.time, b"data", _json.encode(e.data)]
+    if e.meta is not None:
+        f += [b"meta", _json.encode(e.meta)]
+    if e.surface is not None:
+        f += [b"surface", _json.encode(e.surface)]
+    return f
 
 
 def _as_dict(raw: Any) -> dict[bytes, bytes]:

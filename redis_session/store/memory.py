@@ -7,17 +7,21 @@ Redis store must behave like, and what tests and stateless runs use.
 from __future__ import annotations
 
 import builtins
+import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
 import msgspec
 
+from ..cold.segments import ColdSegment, ColdTier, cold_end, encode_cold
 from ..errors import (
     IdempotencyKeyReusedError,
     InvalidEntryError,
+    SegmentMissingError,
     SessionAlreadyExistsError,
     SessionConflictError,
+    SessionError,
     SessionNotFoundError,
     SessionReplacedError,
 )
@@ -39,7 +43,7 @@ from ..model import (
     now_ms,
 )
 from ..projection.chunks import LiveRecord, live_draft
-from .protocol import IDEMPOTENCY_WINDOW, StorageCheck
+from .protocol import IDEMPOTENCY_WINDOW, ColdState, StorageCheck
 from .protocol import SessionStore as SessionStore  # re-exported: modules import it from here
 from .rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .rules import check_header as check_header  # re-exported: modules import it from here
@@ -48,6 +52,7 @@ from .rules import check_header as check_header  # re-exported: modules import i
 class _MemSession:
     __slots__ = (
         "changed",
+        "cold",
         "deleted",
         "draft",
         "entries",
@@ -86,6 +91,7 @@ class _MemSession:
         self.live_seq = 0
         self.live_expires_at: int | None = None  # ms on the store's clock
         self.changed = anyio.Event()
+        self.cold: list[ColdSegment] = []  # archived ranges of the own log (gone from `entries`)
 
     def live_records(self, now: int) -> list[LiveRecord]:
         """The live stream's records, as of `now` (ms on the store's clock): gone once expired."""
@@ -121,10 +127,13 @@ class MemorySessionStore(StoreRules):
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         max_batch: int = DEFAULT_MAX_BATCH,
         clock: Callable[[], int] = now_ms,
+        cold: ColdTier | str | None = None,
     ) -> None:
         #: the store's clock, ms since the epoch: entry times, created_at, TTLs and leases (a
         #: test passes one it can move forward instead of sleeping)
         self.clock = clock
+        #: where archived segments live (`redis_session.archiver`); None: nothing can be archived
+        self.cold: ColdTier | None = ColdTier(cold, prefix="memory") if isinstance(cold, str) else cold
         self.vocabulary = vocabulary if vocabulary is not None else Vocabulary()
         self.max_entry_bytes = max_entry_bytes
         self.max_batch = max_batch
@@ -192,8 +201,28 @@ class MemorySessionStore(StoreRules):
             raise SessionReplacedError(session_id)
         out: builtins.list[Entry] = []
         for anc, lo, hi in plan_read(s.segments, s.header.at or 0, s.n, start, stop):
-            out.extend(self._entries_of(anc or session_id, lo, hi))
+            out.extend(await self._own_entries(anc or session_id, lo, hi))
         return out
+
+    async def _own_entries(self, session_id: str, lo: int, hi: int) -> builtins.list[Entry]:
+        """Entries [lo, hi) of a session's own log: the archived ones from the cold tier."""
+        s = self._sessions[session_id]
+        cold = s.cold
+        top = min(hi, cold_end(cold, lo))
+        hot = self._entries_of(session_id, max(lo, top), hi)  # taken now: an archive may move them
+        if top <= lo:
+            return hot
+        if self.cold is None:
+            seg = cold[0]
+            raise SegmentMissingError(session_id, seg.lo, seg.hi, "?", "no cold tier: MemorySessionStore(cold=…)")
+        try:
+            return await self.cold.read(session_id, s.header.incarnation, cold, lo, top) + hot
+        except SegmentMissingError:
+            if self._sessions.get(session_id) is s and s.cold is cold:
+                raise
+            if self._sessions.get(session_id) is not s:  # deleted meanwhile
+                raise SessionNotFoundError(session_id) from None
+            return await self._own_entries(session_id, lo, hi)  # restored meanwhile
 
     async def put(
         self,
@@ -216,7 +245,7 @@ class MemorySessionStore(StoreRules):
                 first, count, digest = s.idem[idempotency_key]
                 if digest != batch_digest(batch):
                     raise IdempotencyKeyReusedError(session_id, idempotency_key)
-                return [s.entries[i] for i in range(first, first + count)]
+                return await self._own_entries(session_id, first, first + count)
             if expected_n is not None and expected_n != s.n:
                 raise SessionConflictError(session_id, expected_n, s.n)
             for i, enc in enumerate(batch):
@@ -298,6 +327,9 @@ class MemorySessionStore(StoreRules):
             s = self._get(session_id)
             if s is None:
                 return False
+            if not s.kids and s.cold and self.cold is not None:
+                with contextlib.suppress(Exception):  # what fails is left to the sweep
+                    await self.cold.drop(session_id, s.header.incarnation, s.cold)
             if s.kids:
                 s.deleted = True
                 s.draft = None
@@ -514,6 +546,56 @@ class MemorySessionStore(StoreRules):
         """Nothing is stored below `read` here: no storage problems (see `InspectableStore`)."""
         validate_session_id(session_id)
         return StorageCheck([])
+
+    # -- cold tier (`ArchivableStore`)
+    async def cold_state(self, session_id: str) -> ColdState | None:
+        validate_session_id(session_id)
+        s = self._get(session_id, include_deleted=True)
+        if s is None:
+            return None
+        return ColdState(
+            incarnation=s.header.incarnation,
+            n=s.n,
+            own_start=s.header.at or 0,
+            cold=builtins.list(s.cold),
+            cold_raw=encode_cold(s.cold) if s.cold else b"",
+            updated_at=s.updated_at,
+            last_cut=s.last_cut,
+            ephemeral=s.ttl_ms is not None,
+            deleted=s.deleted,
+        )
+
+    def _committing(self, session_id: str, state: ColdState) -> _MemSession | None:
+        s = self._get(session_id)
+        if s is None:
+            raise SessionNotFoundError(session_id)
+        if s.header.incarnation != state.incarnation:
+            raise SessionReplacedError(session_id, "archived while the session was replaced")
+        return s if (encode_cold(s.cold) if s.cold else b"") == state.cold_raw else None
+
+    async def commit_archive(self, session_id: str, state: ColdState, segment: ColdSegment) -> str:
+        validate_session_id(session_id)
+        async with self._lock:
+            s = self._committing(session_id, state)
+            if s is None:
+                return "moved"
+            if segment.hi > s.n or segment.lo != cold_end(s.cold, s.header.at or 0):
+                raise SessionError(f"session {session_id!r}: the archived range is not the hot log's start")
+            s.cold = [*s.cold, segment]  # a new list: a read in flight keeps the one it took
+            for i in range(segment.lo, segment.hi):
+                del s.entries[i]
+            return "done"
+
+    async def commit_restore(self, session_id: str, state: ColdState, entries: builtins.list[Entry]) -> str:
+        validate_session_id(session_id)
+        async with self._lock:
+            s = self._committing(session_id, state)
+            if s is None:
+                return "moved"
+            for e in entries:
+                s.entries[e.n] = e
+            s.cold = []
+            return "done"
 
     async def aclose(self) -> None:
         return None

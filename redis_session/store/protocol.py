@@ -10,6 +10,7 @@ import builtins
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from ..cold.segments import ColdSegment, ColdTier
 from ..model import Entry, NewEntryLike, Page, SessionHead, SessionHeader, Vocabulary
 from ..projection.chunks import LiveRecord
 from ..projection.invariants import Problem
@@ -147,9 +148,54 @@ class InspectableStore(Protocol):
 
     Optional: `doctor` checks a store without it through `read` (contiguous n, against the
     header's n). Storage codes: ``stream-id``, ``stream-gap``, ``stream-order``, ``stream-ahead``,
-    ``stream-behind``, ``decode`` (see `redis_session.doctor`)."""
+    ``stream-behind``, ``decode``, and for archived ranges ``segment-missing``, ``segment-corrupt``,
+    ``segment-gap`` (see `redis_session.doctor`)."""
 
     async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
         """The problems of the session's own log [at, n) as stored (`n` and `at` from the head
         the caller read), and its entries that decode."""
+        ...
+
+
+class ColdState(NamedTuple):
+    """What an archiver reads of a session before it moves a range out (`ArchivableStore`)."""
+
+    incarnation: str
+    n: int
+    own_start: int  # the branch point (0 for a root): the session's own log is [own_start, n)
+    cold: list[ColdSegment]  # archived ranges, in order; the hot stream starts at the last one's hi
+    cold_raw: bytes  # the header's `cold` field as stored: the commit's compare-and-set value
+    updated_at: int
+    last_cut: int | None
+    ephemeral: bool
+    deleted: bool = False  # hidden: deleted, its entries kept for its branches (never archived)
+
+    @property
+    def hot_start(self) -> int:
+        return self.cold[-1].hi if self.cold else self.own_start
+
+
+@runtime_checkable
+class ArchivableStore(SessionStore, Protocol):
+    """A store whose sessions can keep a prefix of their own log in the cold tier (`cold`).
+
+    `commit_archive` and `commit_restore` are each one atomic step, guarded by the incarnation
+    and the ``cold`` field read in `cold_state` (compare-and-set); they return "done", or
+    "moved" when another archiver or a restore changed the cold list meanwhile (nothing done),
+    and raise `SessionNotFoundError` / `SessionReplacedError` for a session gone or replaced."""
+
+    cold: ColdTier | None
+
+    async def cold_state(self, session_id: str) -> ColdState | None:
+        """The session's archive state (a hidden one's too, ``deleted``); None when absent."""
+        ...
+
+    async def commit_archive(self, session_id: str, state: ColdState, segment: ColdSegment) -> str:
+        """Name `segment` (written, read back and verified) in the header and drop its entries
+        from the hot log."""
+        ...
+
+    async def commit_restore(self, session_id: str, state: ColdState, entries: list[Entry]) -> str:
+        """Put the archived `entries` (all of [own_start, hot_start)) back in the hot log and
+        clear the cold list; the caller deletes the objects after."""
         ...

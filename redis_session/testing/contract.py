@@ -54,7 +54,7 @@ from .. import (
     SessionReplacedError,
 )
 
-__all__ = ["SessionStoreContract"]
+__all__ = ["ArchivedPrefixStore", "SessionStoreContract"]
 
 
 def um(text: str) -> NewEntry:
@@ -770,3 +770,44 @@ class SessionStoreContract:
         assert await store.put_projection("s1", 3, b'{"new":1}', incarnation=new) is True
         assert await store.get_projection("s1", incarnation=old) is None
         assert await store.get_projection("s1", incarnation=new) == (3, b'{"new":1}')
+
+
+# --------------------------------------------------------------------------- an archived prefix
+
+
+class ArchivedPrefixStore:
+    """A store whose sessions keep all but their last `keep` entries in the cold tier: after
+    every create and put it archives the rest (`redis_session.archiver.Archiver`), so the
+    contract runs with nearly every entry read back from segment objects (tests/test_archive_contract.py).
+    Everything else is the wrapped store's."""
+
+    def __init__(self, store: Any, keep: int = 1) -> None:
+        from ..archiver import Archiver
+
+        if store.cold is None:
+            raise ValueError("the wrapped store needs a cold tier (cold=…)")
+        self._inner = store
+        self._keep = keep
+        self.archiver = Archiver(store)
+        self.archived = 0  # entries moved (a run that archived nothing proves nothing)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def _archive(self, session_id: str) -> None:
+        head = await self._inner.head(session_id)
+        if head is None:
+            return
+        res = await self.archiver.archive(session_id, upto=head.n - self._keep)
+        if res.status == "archived":
+            self.archived += res.hi - res.lo
+
+    async def create(self, header: Any, entries: Any = (), **kw: Any) -> Any:
+        head = await self._inner.create(header, entries, **kw)
+        await self._archive(head.header.id)
+        return head
+
+    async def put(self, session_id: str, *args: Any, **kw: Any) -> Any:
+        got = await self._inner.put(session_id, *args, **kw)
+        await self._archive(session_id)
+        return got
