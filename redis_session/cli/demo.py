@@ -22,7 +22,7 @@ from rich.console import Console
 
 from ..errors import SessionConflictError
 from ..model import NewEntry
-from ..projection.chunks import Delta, unpack_row
+from ..projection.chunks import Delta, DeltaGap, unpack_row
 from ..retry import conflict_backoff
 from ..streaming import tail_deltas
 from .scripts import SCRIPTS, ToolStep, Turn
@@ -195,6 +195,8 @@ async def _print_tail(store: Any, session_id: str, console: Console) -> None:
     streaming = False
     live: set[str] = set()  # answers printed from their live deltas (their chunk rows are not)
     async for e in tail_deltas(store, session_id, start):
+        if isinstance(e, DeltaGap):
+            continue  # the demo's writer streams everything live
         if isinstance(e, Delta) or e.type == "assistant/chunk":
             if isinstance(e, Delta):
                 live.add(e.answer)

@@ -28,6 +28,17 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
+from ..errors import (
+    AnswerAliveError,
+    AnswerClosedError,
+    AnswerIncompleteError,
+    AnswerNotFoundError,
+    AnswerOrderError,
+    SessionConflictError,
+    SessionError,
+    SessionNotFoundError,
+    SessionReplacedError,
+)
 from ..model import NewEntry
 
 CHUNK = "assistant/chunk"
@@ -67,6 +78,60 @@ class Delta(Struct, frozen=True, kw_only=True):
     def chunk(self) -> dict[str, Any]:
         """The dsh ``StreamChunk`` of this delta."""
         return delta_chunk(self.kind, self.text, self.call_id, self.name)
+
+
+class DeltaGap(Struct, frozen=True, kw_only=True):
+    """A reader could not be given deltas [`start`, `stop`) of `answer` (the live stream no
+    longer holds them: trimmed after the grace, capped, or never sent live). The log's chunk rows
+    hold every delta of the answer in order (`replay`): re-read it from there. `stop` is the
+    index of the next delta the reader gets (None: the answer ended without more). `cursor` is
+    the live stream id it came with."""
+
+    answer: str
+    start: int
+    stop: int | None
+    cursor: str = ""
+
+
+class AnswerState(Struct, frozen=True, kw_only=True):
+    """The server's state of one streamed answer (``lua/answer.lua``): the life it began in, the
+    log's n at its begin, its next live / logged delta index, the server ms of its writer's last
+    write or heartbeat, and once ended the closing entry's n (-1: none) and the reason."""
+
+    answer: str
+    incarnation: str
+    n: int
+    live: int
+    logged: int
+    beat_ms: int
+    ended: int | None = None
+    reason: str | None = None
+
+
+class AnswerBegun(Struct, frozen=True, kw_only=True):
+    answer: str
+    n: int
+    begin_id: str
+    incarnation: str
+    retry: bool = False
+
+
+class AnswerAck(Struct, frozen=True, kw_only=True):
+    """A delta batch's outcome: the answer's next logged and live index, the row's n (None: no
+    row was written now), `retry` when everything in it had landed already."""
+
+    logged: int
+    live: int
+    row_n: int | None = None
+    retry: bool = False
+
+
+class AnswerEnded(Struct, frozen=True, kw_only=True):
+    """An end's outcome: `n` is the closing entry (None: none), `retry` when it had ended."""
+
+    n: int | None
+    reason: str
+    retry: bool = False
 
 
 class LiveRecord(Struct, frozen=True, kw_only=True):
@@ -154,6 +219,32 @@ class LiveRecord(Struct, frozen=True, kw_only=True):
             incarnation=f.get("inc"),
             reason=f.get("r"),
         )
+
+
+def answer_refusal(
+    code: int, res: Sequence[Any], session_id: str, answer: str, first: int = 0, expected: int = -1
+) -> Exception:
+    """The typed error of a refusal ``lua/answer.lua`` (or the memory store) answered with."""
+    if code == 3:
+        return SessionNotFoundError(session_id)
+    if code == 8:
+        return SessionReplacedError(session_id, f"answer {answer!r} belongs to another life of the id")
+    if code == 9:
+        return AnswerNotFoundError(session_id, answer)
+    if code == 10:
+        closing = int(res[1])
+        return AnswerClosedError(session_id, answer, None if closing < 0 else closing)
+    if code == 11:
+        return AnswerOrderError(session_id, answer, int(res[1]), first)
+    if code == 12:
+        return AnswerIncompleteError(session_id, answer, int(res[1]), int(res[2]))
+    if code == 2:
+        return SessionConflictError(session_id, expected, int(res[1]))
+    if code == 13:
+        return AnswerAliveError(session_id, answer)
+    if code == 6:
+        return SessionError(f"session {session_id!r}: the stream is ahead of the header; run `redis-session doctor`")
+    return SessionError(f"unexpected reply from answer.lua: {res!r}")
 
 
 def delta_chunk(kind: str, text: str, call_id: str | None = None, name: str | None = None) -> dict[str, Any]:
@@ -401,9 +492,15 @@ __all__ = [
     "REASONING",
     "TEXT",
     "TOOL_CALL",
+    "AnswerAck",
+    "AnswerBegun",
+    "AnswerEnded",
+    "AnswerState",
     "Delta",
+    "DeltaGap",
     "LiveRecord",
     "PackedChunks",
+    "answer_refusal",
     "answers_to_skip",
     "assemble",
     "assemble_deltas",

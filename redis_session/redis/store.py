@@ -75,7 +75,18 @@ from ..model import (
     new_incarnation,
     now_ms,
 )
-from ..projection.chunks import TEXT, LiveRecord, live_draft
+from ..projection.chunks import (
+    TEXT,
+    AnswerAck,
+    AnswerBegun,
+    AnswerEnded,
+    AnswerState,
+    Delta,
+    LiveRecord,
+    answer_refusal,
+    chunk_row,
+    live_draft,
+)
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
 from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .cluster import ClusterRouter
@@ -112,7 +123,9 @@ class _Script:
         self.source_bulk = b"$%d\r\n%b\r\n" % (len(source), source)
 
 
-_SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj")}
+_SCRIPTS = {
+    name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj", "answer")
+}
 
 
 # An unlink that leaves a hidden or ephemeral parent with at most this many links checks them.
@@ -1125,6 +1138,156 @@ class RedisSessionStore(StoreRules):
         with _io():
             replies = await self._send_write(key, b"".join(parts), len(parts))
         return [_s(r) or "" for r in replies[: len(records)]]
+
+    # ------------------------------------------------------------------ streamed answers (lua/answer.lua)
+
+    def _answer_keys(self, session_id: str, answer: str) -> builtins.list[str]:
+        keys = self.keys.session_keys(session_id)
+        keys.append(f"{self.keys.live(session_id)}:{answer}")
+        if self.feed and not self.cluster:
+            keys.append(self.keys.feed(self.keys.feed_shard(session_id)))
+        return keys
+
+    async def _answer(
+        self, session_id: str, answer: str, args: Sequence[Any], *, durable: bool = False
+    ) -> tuple[builtins.list[Any], Any]:
+        validate_session_id(session_id)
+        keys = self._answer_keys(session_id, answer)
+        body = bulks([len(keys), *keys, *args])
+        with _io():
+            res = await self._eval_packed(_SCRIPTS["answer"], 1 + len(keys) + len(args), body, keys[0], durable)
+            acks = self._last_acks if durable else None
+        if isinstance(res, ResponseError):
+            raise _typed(res)
+        return builtins.list(res), acks
+
+    def _row_data(
+        self, answer: str, first: int, deltas: Sequence[Delta], turn: int | None, step: int | None
+    ) -> bytes:
+        if not deltas:
+            return b""
+        row = chunk_row([d.chunk() for d in deltas], turn=turn, step=step, answer=answer, seq=first)
+        return self._put_batch(None, [row], None)[0].data_raw
+
+    async def answer_begin(
+        self,
+        session_id: str,
+        answer: str,
+        *,
+        turn: int | None = None,
+        step: int | None = None,
+        n: int | None = None,
+        incarnation: str | None = None,
+        ttl_ms: int,
+    ) -> AnswerBegun:
+        args = ["begin", answer, incarnation or "", ttl_ms, self.live_maxlen]
+        args += ["" if turn is None else turn, "" if step is None else step, "" if n is None else n]
+        res, _ = await self._answer(session_id, answer, args)
+        code = int(res[0])
+        if code in (0, 1):
+            return AnswerBegun(
+                answer=answer, n=int(res[1]), begin_id=_s(res[2]) or "", incarnation=_s(res[3]) or "", retry=code == 1
+            )
+        raise answer_refusal(code, res, session_id, answer)
+
+    async def answer_deltas(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        live: bool = True,
+        log: bool = True,
+        turn: int | None = None,
+        step: int | None = None,
+        incarnation: str | None = None,
+        ttl_ms: int,
+    ) -> AnswerAck:
+        data = self._row_data(answer, first, deltas, turn, step) if log else b""
+        args: builtins.list[Any] = ["deltas", answer, incarnation or "", ttl_ms, self.live_maxlen]
+        args += [first, len(deltas), data, len(deltas) if live else 0]
+        if live:
+            for i, d in enumerate(deltas):
+                f = LiveRecord(
+                    answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name
+                ).fields()
+                args.append(len(f))
+                args.extend(f)
+        res, acks = await self._answer(session_id, answer, args, durable=bool(data) and bool(self._durable))
+        code = int(res[0])
+        if code in (0, 1):
+            row_n = int(res[3])
+            ack = AnswerAck(logged=int(res[1]), live=int(res[2]), row_n=None if row_n < 0 else row_n, retry=code == 1)
+            if acks is not None:
+                self._check_durable(session_id, [], acks)
+            return ack
+        raise answer_refusal(code, res, session_id, answer, first)
+
+    async def answer_beat(
+        self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int
+    ) -> None:
+        res, _ = await self._answer(session_id, answer, ["beat", answer, incarnation or "", ttl_ms, self.live_maxlen])
+        if int(res[0]) != 0:
+            raise answer_refusal(int(res[0]), res, session_id, answer)
+
+    async def answer_end(
+        self,
+        session_id: str,
+        answer: str,
+        *,
+        deltas: int,
+        reason: str,
+        closing: NewEntryLike | None = None,
+        expected: int | str | None = None,
+        rest_first: int = 0,
+        rest: Sequence[Delta] = (),
+        turn: int | None = None,
+        step: int | None = None,
+        incarnation: str | None = None,
+        grace_ms: int,
+        stale_ms: int | None = None,
+    ) -> AnswerEnded:
+        data = self._row_data(answer, rest_first, rest, turn, step)
+        enc = self._put_batch(None, [closing], None)[0] if closing is not None else None
+        args: builtins.list[Any] = ["end", answer, incarnation or "", grace_ms, self.live_maxlen]
+        args += [deltas, reason, "" if expected is None else expected, rest_first, len(rest), data]
+        args += [b"", b"", b""] if enc is None else [enc.type, enc.data_raw, enc.meta_raw or b""]
+        args += ["" if stale_ms is None else stale_ms, self.feed_maxlen, session_id]
+        res, acks = await self._answer(session_id, answer, args, durable=bool(self._durable))
+        code = int(res[0])
+        if code == 0:
+            n = int(res[1])
+            ended = AnswerEnded(n=None if n < 0 else n, reason=reason)
+            if enc is not None and n >= 0 and self.feed and self.cluster:
+                self._feed_cluster(session_id, n + 1)
+            if acks is not None and enc is not None:
+                self._check_durable(session_id, [enc.stored(n, int(res[2]))], acks)
+            return ended
+        if code == 1:
+            n = int(res[1])
+            return AnswerEnded(n=None if n < 0 else n, reason=_s(res[2]) or reason, retry=True)
+        exp = expected if isinstance(expected, int) else -1
+        raise answer_refusal(code, res, session_id, answer, rest_first, exp)
+
+    async def answer_states(self, session_id: str, answers: Sequence[str]) -> dict[str, AnswerState]:
+        """The server's state of each of `answers` still known (see `AnswerState`)."""
+        validate_session_id(session_id)
+        if not answers:
+            return {}
+        live = self.keys.live(session_id)
+        fields = ("inc", "n", "live", "log", "t", "e", "r")
+        with _io():
+            rows = await self._pipeline(*[("HMGET", f"{live}:{a}", *fields) for a in answers])
+        out: dict[str, AnswerState] = {}
+        for a, (inc, n, lv, lg, t, e, r) in zip(answers, rows, strict=True):
+            if inc is None:
+                continue
+            out[a] = AnswerState(
+                answer=a, incarnation=_s(inc) or "", n=int(n), live=int(lv), logged=int(lg), beat_ms=int(t),
+                ended=None if e is None else int(e), reason=_s(r),
+            )  # fmt: skip
+        return out
 
     async def read_live(self, session_id: str, after: str | None = None) -> builtins.list[LiveRecord]:
         """The live stream's records (after stream id `after`, else all), oldest first."""
