@@ -26,7 +26,8 @@
 --        The log row must start at the answer's next logged index, the live records at (or
 --        before: a retry) its next live index; whatever landed already is skipped, so a retried
 --        or concurrent copy lands nowhere twice.
---        -> {0, log_next, live_next, row_n (-1 none)} | {1, log_next, live_next, -1} all there
+--        -> {0, log_next, live_next, row_n (-1 none)} | {1, log_next, live_next, rn} all there (rn:
+--        the n of the answer's last row, -1 none: a retried row learns where it landed)
 -- beat   -> {0} (the writer is alive: t and the expiries are refreshed)
 -- end    ARGV[6] deltas (how many the answer has), ARGV[7] reason (committed | interrupted |
 --        conflict), ARGV[8] expected ("" none | "answer": nobody else wrote since the answer's
@@ -42,6 +43,7 @@
 --   {11, expected_index} a batch not at the answer's next index
 --   {12, logged, deltas} end: the log holds deltas [0, logged) and the end names `deltas`
 --   {2, n} end: conflict (expected)   {13} end with stale_ms: the writer is alive
+--   {14, first} a row at `first` landed with other deltas than this one (a key reused)
 --   {6, last_id} the stream is ahead of the header (corrupt)
 local call, fmt = redis.call, string.format
 local op, answer, want_inc = ARGV[1], ARGV[2], ARGV[3]
@@ -105,7 +107,7 @@ if op == 'begin' then
   return {0, at, bid, cur}
 end
 
-local s = call('HMGET', state, 'inc', 'live', 'log', 'e', 'ln', 't', 'r')
+local s = call('HMGET', state, 'inc', 'live', 'log', 'e', 'ln', 't', 'r', 'rn')
 if not s[1] then return {9} end
 if s[1] ~= cur then return {8} end
 if s[4] and op ~= 'end' then return {10, tonumber(s[4])} end
@@ -123,7 +125,9 @@ local function row_rule(first, count, data)
   if first > log_next then return false, {11, log_next} end
   if first < log_next then
     if first + count > log_next then return false, {11, log_next} end  -- straddles what landed
-    return false, nil  -- a retry of a row that landed
+    -- a retry of a row that landed: the same row (its digest), or another batch at that index
+    if call('HGET', state, 'd' .. first) ~= redis.sha1hex(data) then return false, {14, first} end
+    return false, nil
   end
   return true, nil
 end
@@ -159,8 +163,9 @@ if op == 'deltas' then
   end
   if not write_row and sent == 0 then
     call('HSET', state, 't', fmt('%d', now))
-    return {1, log_next, live_next, -1}
+    return {1, log_next, live_next, tonumber(s[8] or '-1')}
   end
+  if write_row then call('HSET', state, 'rn', fmt('%d', row_n), 'd' .. first, redis.sha1hex(data)) end
   call('HSET', state, 'live', live_next, 'log', log_next, 'ln', fmt('%d', ln), 't', fmt('%d', now))
   expire(ttl)
   return {0, log_next, live_next, row_n}
@@ -183,13 +188,14 @@ if op == 'end' then
   local at = n
   if write_row then at = n + 1 end
   if expected == 'answer' then
-    if mine ~= n then return {2, n} end
+    if mine ~= at then return {2, n} end
   elseif expected ~= '' then
     if tonumber(expected) ~= n then return {2, n} end
   end
   if write_row then
     local err = add_entry(n, 'assistant/chunk', data, '')
     if err then return err end
+    call('HSET', state, 'd' .. first, redis.sha1hex(data))
   end
   local closing = -1
   if ctype ~= '' then

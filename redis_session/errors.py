@@ -193,3 +193,11 @@ class AnswerAliveError(AnswerError):
 
     def __init__(self, session_id: str, answer: str) -> None:
         super().__init__(session_id, answer, "its writer is alive (recent write or heartbeat)")
+
+
+class AnswerBatchMismatchError(AnswerError):
+    """A batch at index `first` landed already with other deltas: this is no retry of it."""
+
+    def __init__(self, session_id: str, answer: str, first: int) -> None:
+        super().__init__(session_id, answer, f"the batch at index {first} landed with other deltas")
+        self.first = first

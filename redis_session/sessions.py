@@ -755,6 +755,7 @@ class Session:
         `stale_ms`: then nothing is done), then the open turn."""
         out: builtins.list[Entry] = []
         if opened:
+            before = self._n
             marks, alive = await close_dead_answers(
                 self._store, self.id, await self.read(), records, opened,
                 incarnation=self._header.incarnation or None, stale_ms=stale_ms,
@@ -762,7 +763,7 @@ class Session:
             if alive:
                 return []  # an answer is still streaming: its writer is alive
             await self.refresh()
-            out = [e for e in await self.read(min(marks), self._n) if e.n in marks] if marks else []
+            out = await self.read(before, self._n) if marks else []
         closers = interrupted_turn_closers(await self.read())
         if closers:
             out.extend(await self._write(closers))

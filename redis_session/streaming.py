@@ -51,18 +51,21 @@ from .errors import (
     SessionReplacedError,
     StoreUnavailableError,
 )
-from .model import Entry, NewEntry
+from .model import Entry, NewEntry, now_ms
 from .projection.chunks import (
     INTERRUPTED,
     REASONING,
     TEXT,
     TOOL_CALL,
+    CHUNK,
+    AnswerAck,
     AnswerEnded,
     Delta,
     DeltaGap,
     LiveRecord,
     answers_to_skip,
     assemble,
+    chunk_row,
     delta_chunk,
     new_answer_id,
     open_answers,
@@ -258,13 +261,16 @@ class AnswerStream:
                 return
             self._row = (self._flushed, min(len(self._deltas), self._flushed + self.max_chunks))
         lo, hi = self._row
+        ack: AnswerAck | None
         try:
-            await self.store.answer_deltas(
+            ack = await self.store.answer_deltas(
                 self.session_id, self.answer, lo, self._deltas[lo:hi], live=False, log=True,
                 ttl_ms=self.live_ttl_ms, **self._common(),
             )  # fmt: skip
         except DurabilityError as e:  # the row landed; the close's wait covers it again
             log.warning("chunks of %r (answer %s) landed unconfirmed: %s", self.session_id, self.answer, e)
+            got = [x for x in e.entries if isinstance(x, Entry)]
+            ack = AnswerAck(logged=hi, live=self._live, row_n=got[0].n) if got else None
         except StoreUnavailableError as e:
             log.warning("chunks of %r (answer %s) not flushed yet: %s", self.session_id, self.answer, e)
             await anyio.sleep(min(self.flush_interval, 0.2))
@@ -275,6 +281,11 @@ class AnswerStream:
         self._row = None
         self._flushed = hi
         self._wrote_at = anyio.current_time()
+        if ack is not None and ack.row_n is not None and self._advance is not None:
+            # the handle moves past its answer's own row (a write through it stays in order)
+            row = chunk_row([d.chunk() for d in self._deltas[lo:hi]], turn=self.turn, step=self.step,
+                            answer=self.answer, seq=lo)  # fmt: skip
+            await self._advance([Entry(n=ack.row_n, time=now_ms(), type=CHUNK, data=row.data)])
 
     async def _beat_loop(self) -> None:
         """Tell the server this writer is alive while it has nothing to send (a quiet writer is
@@ -349,7 +360,9 @@ class AnswerStream:
                 except Exception:
                     log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
 
-    async def _end(self, reason: str, closing: NewEntry | None, expected: str | None) -> tuple[AnswerEnded, bool]:
+    async def _end(
+        self, reason: str, closing: NewEntry | None, expected: int | str | None
+    ) -> tuple[AnswerEnded, bool]:
         """The end op (retried on a lost reply: an end that landed answers as a retry); whether
         its durability wait failed."""
         if self._row is not None:  # a row whose outcome is unknown: settle it first (same bounds)
@@ -373,6 +386,11 @@ class AnswerStream:
         self._flushed = len(self._deltas)
         return ended, unconfirmed
 
+    def _expected(self) -> int | str:
+        """The close's fence: the handle's n (it moved past the answer's own rows), else
+        ``"answer"`` (nobody else wrote since the answer's own last row)."""
+        return self._position() if self._advance is not None else "answer"
+
     async def _flush_strict(self) -> None:
         await self._flush()
         if self._row is not None and self._broken is None:
@@ -392,7 +410,7 @@ class AnswerStream:
     async def _commit(self) -> None:
         message = answer_message(self.answer, self.turn, self.step, self.content(), self.usage, self._meta)
         try:
-            ended, unconfirmed = await self._end("committed", message, "answer")
+            ended, unconfirmed = await self._end("committed", message, self._expected())
         except SessionConflictError:
             # someone wrote since the answer's rows: keep the deltas, close the answer, let the
             # caller retry the message (`Session.commit`)

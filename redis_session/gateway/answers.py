@@ -13,7 +13,8 @@ answer between requests).
     and the deltas on the live stream, in one script. It must start at the answer's next index:
     409 ``out_of_order`` with ``expected_index`` otherwise (never reordered, holes never
     accepted). A retry of a batch that landed is a no-op that still leaves its deltas on the
-    live stream exactly once (two copies at once too). 201 ``{n, next_index, entries: []}``.
+    live stream exactly once (two copies at once too); the same index with other deltas is 422
+    ``batch_mismatch``. 201 ``{n, next_index, entries: []}``.
 ``POST /sessions/{id}/answers/{answer}/end`` ``{reason, deltas?, content?, usage?, meta?, cause?}``
     closes it: ``committed`` appends the ``assistant/message`` (content assembled by index from
     the answer's chunk rows, unless given), ``interrupted`` the ``assistant/interrupted`` mark;
@@ -38,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import (
+    AnswerBatchMismatchError,
     AnswerClosedError,
     AnswerError,
     AnswerIncompleteError,
@@ -126,6 +128,9 @@ def _refused(e: AnswerError) -> Response:
     if isinstance(e, AnswerNotFoundError):
         body["error"] = "answer_not_found"
         return _JSON(body, status_code=404)
+    if isinstance(e, AnswerBatchMismatchError):
+        body.update(error="batch_mismatch", first_index=e.first)
+        return _JSON(body, status_code=422)
     return _JSON(body, status_code=409)
 
 
@@ -182,7 +187,7 @@ async def deltas(gw: Gateway, request: Request, sid: str) -> Response:
     head = await gw.store.head(sid)
     n = head.n if head is not None else (ack.row_n or 0) + 1
     inc = head.header.incarnation if head is not None else None
-    body = {"n": n, "next_index": ack.logged, "retry": ack.retry, "entries": []}
+    body = {"n": n, "next_index": ack.logged, "entries": []}
     return _JSON(body, status_code=201, headers=_tags(n, inc))
 
 
@@ -246,4 +251,4 @@ async def end(gw: Gateway, request: Request, sid: str) -> Response:
     head = await gw.store.head(sid)
     n = head.n if head is not None else (ended.n or 0) + 1
     headers = _tags(n, head.header.incarnation if head is not None else inc)
-    return _JSON({"n": n, "entries": entries, "retry": ended.retry}, status_code=201, headers=headers)
+    return _JSON({"n": n, "entries": entries}, status_code=201, headers=headers)

@@ -30,6 +30,7 @@ from msgspec import Struct
 
 from ..errors import (
     AnswerAliveError,
+    AnswerBatchMismatchError,
     AnswerClosedError,
     AnswerIncompleteError,
     AnswerNotFoundError,
@@ -242,6 +243,8 @@ def answer_refusal(
         return SessionConflictError(session_id, expected, int(res[1]))
     if code == 13:
         return AnswerAliveError(session_id, answer)
+    if code == 14:
+        return AnswerBatchMismatchError(session_id, answer, int(res[1]))
     if code == 6:
         return SessionError(f"session {session_id!r}: the stream is ahead of the header; run `redis-session doctor`")
     return SessionError(f"unexpected reply from answer.lua: {res!r}")

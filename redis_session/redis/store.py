@@ -1219,8 +1219,9 @@ class RedisSessionStore(StoreRules):
         if code in (0, 1):
             row_n = int(res[3])
             ack = AnswerAck(logged=int(res[1]), live=int(res[2]), row_n=None if row_n < 0 else row_n, retry=code == 1)
-            if acks is not None:
-                self._check_durable(session_id, [], acks)
+            if acks is not None:  # DurabilityError.entries: the row that landed unconfirmed
+                row = [] if ack.row_n is None else [Entry(n=ack.row_n, time=0, type="assistant/chunk", data={})]
+                self._check_durable(session_id, row, acks)
             return ack
         raise answer_refusal(code, res, session_id, answer, first)
 

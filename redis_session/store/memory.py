@@ -7,6 +7,7 @@ Redis store must behave like, and what tests and stateless runs use.
 from __future__ import annotations
 
 import builtins
+import hashlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -437,14 +438,21 @@ class MemorySessionStore(StoreRules):
             raise answer_refusal(8, [8], session_id, answer)
         return st
 
-    def _row_rule(self, st: dict[str, Any], first: int, count: int, has_row: bool) -> tuple[bool, int | None]:
-        """(write the row?, the expected index when refused)."""
-        if not has_row:
-            return False, None
+    def _row_rule(
+        self, session_id: str, answer: str, st: dict[str, Any], first: int, count: int, row: EncodedEntry | None
+    ) -> bool:
+        """Whether to write the row (False: none, or a retry of the one that landed); raises the
+        refusal otherwise."""
+        if row is None:
+            return False
         nxt = int(st["log"])
         if first > nxt or (first < nxt and first + count > nxt):
-            return False, nxt
-        return first == nxt, None
+            raise answer_refusal(11, [11, nxt], session_id, answer, first)
+        if first < nxt:
+            if st.get(f"d{first}") != hashlib.sha1(row.data_raw).hexdigest():
+                raise answer_refusal(14, [14, first], session_id, answer, first)
+            return False
+        return True
 
     def _chunk_entry(
         self, answer: str, first: int, deltas: Sequence[Delta], turn: int | None, step: int | None
@@ -495,9 +503,7 @@ class MemorySessionStore(StoreRules):
             st = self._answer_state(session_id, answer, s, st0)
             if st["e"] is not None:
                 raise answer_refusal(10, [10, st["e"]], session_id, answer)
-            write_row, refused = self._row_rule(st, first, len(deltas), enc is not None)
-            if refused is not None:
-                raise answer_refusal(11, [11, refused], session_id, answer, first)
+            write_row = self._row_rule(session_id, answer, st, first, len(deltas), enc)
             if live and deltas and first > st["live"]:
                 raise answer_refusal(11, [11, st["live"]], session_id, answer, first)
             row_n = None
@@ -519,7 +525,11 @@ class MemorySessionStore(StoreRules):
                 st["live"] = max(st["live"], first + len(deltas))
             st["t"] = self.clock()
             if not write_row and not sent:
-                return AnswerAck(logged=st["log"], live=st["live"], retry=True)
+                return AnswerAck(logged=st["log"], live=st["live"], row_n=st.get("rn"), retry=True)
+            if write_row:
+                assert enc is not None
+                st["rn"] = row_n
+                st[f"d{first}"] = hashlib.sha1(enc.data_raw).hexdigest()
             self._answer_expire(s, (session_id, answer), st, ttl)
             return AnswerAck(logged=st["log"], live=st["live"], row_n=row_n)
 
@@ -557,9 +567,7 @@ class MemorySessionStore(StoreRules):
             st = self._answer_state(session_id, answer, s, st0)
             if st["e"] is not None:
                 return AnswerEnded(n=None if st["e"] < 0 else st["e"], reason=st["r"] or reason, retry=True)
-            write_row, refused = self._row_rule(st, rest_first, len(rest), enc is not None)
-            if refused is not None:
-                raise answer_refusal(11, [11, refused], session_id, answer, rest_first)
+            write_row = self._row_rule(session_id, answer, st, rest_first, len(rest), enc)
             logged = rest_first + len(rest) if write_row else st["log"]
             if logged != deltas:
                 raise answer_refusal(12, [12, logged, deltas], session_id, answer)
@@ -567,9 +575,12 @@ class MemorySessionStore(StoreRules):
             if stale_ms is not None and now - st["t"] < stale_ms:
                 raise answer_refusal(13, [13], session_id, answer)
             mine = s.n + 1 if write_row and st["ln"] == s.n else st["ln"]
-            if (expected == "answer" and mine != s.n) or (isinstance(expected, int) and expected != s.n):
+            if (expected == "answer" and mine != s.n + (1 if write_row else 0)) or (isinstance(expected, int) and expected != s.n):
                 exp = expected if isinstance(expected, int) else -1
                 raise answer_refusal(2, [2, s.n], session_id, answer, expected=exp)
+            if write_row:
+                assert enc is not None
+                st[f"d{rest_first}"] = hashlib.sha1(enc.data_raw).hexdigest()
             batch = [e for e in (enc if write_row else None, cenc) if e is not None]
             stored = self._append(s, batch, None) if batch else []
             closing_n = stored[-1].n if cenc is not None else -1
