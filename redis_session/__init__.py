@@ -16,6 +16,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .errors import (
     AccessDeniedError,
+    AnswerAliveError,
+    AnswerBatchMismatchError,
+    AnswerClosedError,
+    AnswerError,
+    AnswerIncompleteError,
+    AnswerNotFoundError,
+    AnswerOrderError,
     DurabilityError,
     IdempotencyKeyReusedError,
     ImportFormatError,
@@ -42,7 +49,7 @@ from .model import (
     Vocabulary,
 )
 from .projection import Message, history, project, to_anthropic, to_openai
-from .projection.chunks import Delta, pack_chunks
+from .projection.chunks import Delta, DeltaGap, pack_chunks
 from .projection.invariants import Problem, check_invariants
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .redis import RedisSessionStore, open_store, resolve_url
@@ -57,8 +64,16 @@ except PackageNotFoundError:  # pragma: no cover - a source tree that was never 
 
 __all__ = [
     "AccessDeniedError",
+    "AnswerAliveError",
+    "AnswerBatchMismatchError",
+    "AnswerClosedError",
+    "AnswerError",
+    "AnswerIncompleteError",
+    "AnswerNotFoundError",
+    "AnswerOrderError",
     "AnswerStream",
     "Delta",
+    "DeltaGap",
     "DoctorReport",
     "DurabilityError",
     "Entry",

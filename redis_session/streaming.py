@@ -537,13 +537,19 @@ async def tail_deltas(
     of the last delta delivered), delivery resumes right after it. Every delta once and in
     order, per answer; where the live stream cannot give an answer's next delta (trimmed after
     its grace, capped, never sent live) a `DeltaGap` says which ones, so the reader re-reads the
-    answer from the log's chunk rows. Answers closed before `start` (their entries are behind the
-    reader) are not sent; a begin of another life raises `SessionReplacedError`."""
+    answer from the log's chunk rows; a resume whose cursor the live stream no longer holds gets
+    a `DeltaGap` with an empty `answer` first (records after it may be gone too: re-read the
+    answers it was following from the log). Answers closed before `start` (their entries are
+    behind the reader) are not sent; a begin of another life raises `SessionReplacedError`."""
     records = await store.read_live(session_id)
     skip = answers_to_skip(records, start, None)
     expect: dict[str, int] = {}  # answer -> the next index the reader is owed
     floor = (-1, -1) if live_after is None else _id_key(live_after)
     pending: list[Entry | Delta | DeltaGap] = []
+    if live_after is not None and live_after != "0-0" and (not records or _id_key(records[0].id) > floor):
+        # the records up to the cursor are gone (trimmed after their grace, or the stream
+        # expired): some after it may be too, of answers it cannot name any more
+        pending.append(DeltaGap(answer="", start=0, stop=None, cursor=live_after))
     for r in records:
         if incarnation and r.kind == "begin" and r.incarnation and r.incarnation != incarnation:
             raise SessionReplacedError(session_id, "its live stream belongs to another life")

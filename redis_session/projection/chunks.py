@@ -85,8 +85,10 @@ class DeltaGap(Struct, frozen=True, kw_only=True):
     """A reader could not be given deltas [`start`, `stop`) of `answer` (the live stream no
     longer holds them: trimmed after the grace, capped, or never sent live). The log's chunk rows
     hold every delta of the answer in order (`replay`): re-read it from there. `stop` is the
-    index of the next delta the reader gets (None: the answer ended without more). `cursor` is
-    the live stream id it came with."""
+    index of the next delta the reader gets (None: the answer ended without more). An empty
+    `answer`: a resumed reader's cursor is gone from the live stream, so records after it may be
+    gone too, of answers it cannot name (re-read the answers it followed). `cursor` is the live
+    stream id it came with."""
 
     answer: str
     start: int
