@@ -154,7 +154,9 @@ if op == 'deltas' then
     for i = 0, nrec - 1 do
       local nf = tonumber(ARGV[p])
       if first + i >= live_next then
-        call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, p + 1, p + nf))
+        local f = {unpack(ARGV, p + 1, p + nf)}
+        f[#f + 1] = 'l'; f[#f + 1] = cur  -- every record names the answer's life
+        call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
         sent = sent + 1
       end
       p = p + 1 + nf
@@ -211,7 +213,7 @@ if op == 'end' then
   if closing >= 0 and KEYS[10] then
     call('XADD', KEYS[10], 'MAXLEN', '~', ARGV[16], '*', 's', ARGV[17], 'n', fmt('%d', at))
   end
-  local f = {'a', answer, 'k', 'e', 'i', fmt('%d', deltas)}
+  local f = {'a', answer, 'k', 'e', 'i', fmt('%d', deltas), 'l', cur}
   if closing >= 0 then f[#f + 1] = 'n'; f[#f + 1] = fmt('%d', closing) end
   f[#f + 1] = 'r'; f[#f + 1] = reason
   call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))

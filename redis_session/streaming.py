@@ -152,6 +152,8 @@ class AnswerStream:
         self._closed = False
         self._broken: BaseException | None = None  # the session was replaced, the answer closed
         self._durability: DurabilityError | None = None
+        self._live_unsure = False  # a live send's reply was lost: resend through the script
+        self._expired_at = 0.0
 
     # ------------------------------------------------------------------ writing
 
@@ -224,18 +226,38 @@ class AnswerStream:
             return
         first = self._live
         try:
-            ack = await self.store.answer_deltas(
-                self.session_id, self.answer, first, self._deltas[first:upto], live=True, log=False,
-                ttl_ms=self.live_ttl_ms, **self._common(),
-            )  # fmt: skip
+            if self._live_unsure or not self._incarnation:
+                # the last send's outcome is unknown: the script skips what landed (exactly once)
+                ack = await self.store.answer_deltas(
+                    self.session_id, self.answer, first, self._deltas[first:upto], live=True, log=False,
+                    ttl_ms=self.live_ttl_ms, **self._common(),
+                )  # fmt: skip
+                self._live = max(self._live, ack.live)
+                self._live_unsure = False
+            else:
+                # the hot path: plain XADDs in one MULTI (this task is the answer's only sender,
+                # so order holds; every record names the life, so no reader of another life takes it)
+                await self.store.answer_live(
+                    self.session_id, self.answer, first, self._deltas[first:upto],
+                    incarnation=self._incarnation, expire_ms=self._expiry(),
+                )  # fmt: skip
+                self._live = upto
         except StoreUnavailableError as e:
             log.warning("live deltas of %r (answer %s) not sent yet: %s", self.session_id, self.answer, e)
+            self._live_unsure = True
             return
         except (AnswerError, SessionNotFoundError) as e:
             self._break(e)
             return
-        self._live = max(self._live, ack.live)
         self._wrote_at = anyio.current_time()
+
+    def _expiry(self) -> int | None:
+        """The live expiry, pushed forward with the records at most once a second."""
+        now = anyio.current_time()
+        if now - self._expired_at < 1.0:
+            return None
+        self._expired_at = now
+        return self.live_ttl_ms
 
     # ------------------------------------------------------------------ durable path
 
@@ -317,7 +339,7 @@ class AnswerStream:
         )
         self.begin_id = begun.begin_id
         self._incarnation = self._incarnation or begun.incarnation
-        self._wrote_at = anyio.current_time()
+        self._wrote_at = self._expired_at = anyio.current_time()
         # plain asyncio tasks, not a task group: the block's own cancellation must not cut a
         # write in flight short, and its exit must wait for them (see __aexit__)
         loop = asyncio.get_running_loop()
@@ -551,10 +573,12 @@ async def tail_deltas(
         # expired): some after it may be too, of answers it cannot name any more
         pending.append(DeltaGap(answer="", start=0, stop=None, cursor=live_after))
     for r in records:
-        if incarnation and r.kind == "begin" and r.incarnation and r.incarnation != incarnation:
-            raise SessionReplacedError(session_id, "its live stream belongs to another life")
+        if incarnation and r.incarnation and r.incarnation != incarnation:
+            if r.kind == "begin":
+                raise SessionReplacedError(session_id, "its live stream belongs to another life")
+            continue  # a straggler of another life's answer: never this session's
         if _id_key(r.id) <= floor:
-            _seen(expect, r)  # delivered before the reader resumed
+            _seen(expect, skip, r)  # delivered before the reader resumed
             continue
         pending.extend(_deliver(expect, r, skip))
     for given in pending:
@@ -566,19 +590,22 @@ async def tail_deltas(
         if not isinstance(got, LiveRecord):
             yield got
             continue
-        if incarnation and got.kind == "begin" and got.incarnation and got.incarnation != incarnation:
-            raise SessionReplacedError(session_id, "its live stream belongs to another life")
+        if incarnation and got.incarnation and got.incarnation != incarnation:
+            if got.kind == "begin":
+                raise SessionReplacedError(session_id, "its live stream belongs to another life")
+            continue
         for out in _deliver(expect, got, skip):
             yield out
 
 
-def _seen(expect: dict[str, int], r: LiveRecord) -> None:
+def _seen(expect: dict[str, int], skip: set[str], r: LiveRecord) -> None:
     if r.kind == "begin":
         expect.setdefault(r.answer, 0)
     elif r.is_delta and r.index is not None:
         expect[r.answer] = max(expect.get(r.answer, 0), r.index + 1)
     elif r.kind == "end":
         expect.pop(r.answer, None)
+        skip.add(r.answer)
 
 
 def _deliver(expect: dict[str, int], r: LiveRecord, skip: set[str]) -> list[Delta | DeltaGap]:
@@ -590,6 +617,7 @@ def _deliver(expect: dict[str, int], r: LiveRecord, skip: set[str]) -> list[Delt
         expect.setdefault(r.answer, 0)
         return []
     if r.kind == "end":
+        skip.add(r.answer)  # nothing of it after its end
         nxt = expect.pop(r.answer, None)
         total = r.index or 0
         if nxt is not None and nxt < total:

@@ -141,6 +141,8 @@ class LiveRecord(Struct, frozen=True, kw_only=True):
     """One record of a session's live stream: ``kind`` is ``begin``, ``end`` or a delta kind.
 
     begin: `turn`, `step`, `n` (the log's n when the answer began), `incarnation`.
+    every record: `incarnation`, the life the answer began in (``inc`` on a begin, ``l`` on the
+    others), so a reader never takes a record of another life of the id for its own.
     delta: `index`, `text` (+ `call_id`, `name` for a tool call).
     end:   `n` (the entry that closed the answer: its message or its interrupted mark), `index`
            (how many deltas it had), `reason` (``committed``, ``interrupted``)."""
@@ -177,10 +179,11 @@ class LiveRecord(Struct, frozen=True, kw_only=True):
     def fields(self) -> list[str]:
         """The record as XADD field/value pairs (short names: a delta is ``a i t`` only)."""
         f = ["a", self.answer]
+        life = [] if self.incarnation is None else ["l", self.incarnation]
         if self.kind == TEXT:
-            return [*f, "i", str(self.index), "t", self.text]
+            return [*f, "i", str(self.index), "t", self.text, *life]
         if self.kind in _KIND_CODE:
-            f += ["k", _KIND_CODE[self.kind], "i", str(self.index), "t", self.text]
+            f += ["k", _KIND_CODE[self.kind], "i", str(self.index), "t", self.text, *life]
             if self.call_id is not None:
                 f += ["c", self.call_id]
             if self.name is not None:
@@ -219,7 +222,7 @@ class LiveRecord(Struct, frozen=True, kw_only=True):
             turn=num("turn"),
             step=num("step"),
             n=num("n"),
-            incarnation=f.get("inc"),
+            incarnation=f.get("inc") or f.get("l"),
             reason=f.get("r"),
         )
 
@@ -471,10 +474,12 @@ def open_answers(records: Sequence[LiveRecord]) -> dict[str, tuple[LiveRecord | 
     return out
 
 
-def live_draft(records: Sequence[LiveRecord]) -> dict[str, Any] | None:
+def live_draft(records: Sequence[LiveRecord], incarnation: str | None = None) -> dict[str, Any] | None:
     """The draft view of a live backlog: the last open answer so far, as
     ``{"answer", "turn", "step", "content"}`` (content: the text, or blocks when the answer has
     reasoning or tool calls), or None when no answer is open."""
+    if incarnation:  # records of another life of the id are not this session's
+        records = [r for r in records if r.incarnation in (None, incarnation)]
     answers = open_answers(records)
     if not answers:
         return None

@@ -268,11 +268,14 @@ def _live_records(rows: Any) -> builtins.list[LiveRecord]:
     out: builtins.list[LiveRecord] = []
     append = out.append
     for rid, f in rows or ():
-        if type(f) is builtins.list and len(f) == 6 and f[0] == b"a" and f[2] == b"i" and f[4] == b"t":
-            # the commonest record, a plain text delta ("a i t"): built directly
+        if type(f) is builtins.list and len(f) == 8 and f[0] == b"a" and f[2] == b"i" and f[4] == b"t" and f[6] == b"l":
+            # the commonest record, a plain text delta ("a i t l"): built directly
             i = f[3]
             if i.isdigit():
-                append(LiveRecord(answer=f[1].decode(), kind=TEXT, id=rid.decode(), index=int(i), text=f[5].decode()))
+                append(LiveRecord(
+                    answer=f[1].decode(), kind=TEXT, id=rid.decode(), index=int(i), text=f[5].decode(),
+                    incarnation=f[7].decode(),
+                ))  # fmt: skip
                 continue
         d = f if isinstance(f, dict) else dict(zip(f[::2], f[1::2], strict=False))
         append(LiveRecord.from_fields(_s(rid) or "", {_s(k) or "": _s(v) or "" for k, v in d.items()}))
@@ -1088,15 +1091,15 @@ class RedisSessionStore(StoreRules):
         legacy draft `set_draft` wrote; with ``live=False`` only the latter."""
         validate_session_id(session_id)
         with _io():
-            (n_raw, deleted), raw, *rows = await self._pipeline(
-                ("HMGET", self.keys.hdr(session_id), "n", "deleted"),
+            (n_raw, deleted, inc_raw, born_raw), raw, *rows = await self._pipeline(
+                ("HMGET", self.keys.hdr(session_id), "n", "deleted", "incarnation", "created_at"),
                 ("GET", self.keys.draft(session_id)),
                 *([("XRANGE", self.keys.live(session_id), "-", "+")] if live else []),
             )
         if n_raw is None or deleted is not None:
             raise SessionNotFoundError(session_id)
         if rows:
-            streamed = live_draft(_live_records(rows[0]))
+            streamed = live_draft(_live_records(rows[0]), self._check_incarnation(session_id, None, inc_raw, born_raw))
             if streamed is not None:
                 return streamed
         return None if raw is None else _draft_decoder.decode(raw)
@@ -1224,6 +1227,41 @@ class RedisSessionStore(StoreRules):
                 self._check_durable(session_id, row, acks)
             return ack
         raise answer_refusal(code, res, session_id, answer, first)
+
+    async def answer_live(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        incarnation: str,
+        expire_ms: int | None = None,
+    ) -> None:
+        """The hot path of one writer's live deltas: plain XADDs (each record tagged with the
+        answer's life) and the answer's next live index, in one MULTI, no script. Only for a
+        single sender that keeps its order; a send whose reply was lost is resent through
+        `answer_deltas` (``live=True, log=False``), which skips what landed."""
+        validate_session_id(session_id)
+        key = self.keys.live(session_id)
+        state = f"{key}:{answer}"
+        head = bulks(("XADD", key, "MAXLEN", "~", self.live_maxlen, "*"))
+        parts = [pack(("MULTI",))]
+        for i, d in enumerate(deltas):
+            f = LiveRecord(
+                answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name,
+                incarnation=incarnation,
+            ).fields()  # fmt: skip
+            parts.append(b"*%d\r\n%b%b" % (6 + len(f), head, bulks(f)))
+        parts.append(pack(("HSET", state, "live", first + len(deltas))))
+        if expire_ms is not None:
+            parts += [pack(("PEXPIRE", key, expire_ms)), pack(("PEXPIRE", state, expire_ms))]
+        parts.append(pack(("EXEC",)))
+        with _io():
+            replies = await self._send_write(key, b"".join(parts), len(parts))
+        done = replies[-1]
+        if not isinstance(done, builtins.list):
+            raise SessionError(f"live deltas of {session_id!r} were refused: {done!r}")
 
     async def answer_beat(
         self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int

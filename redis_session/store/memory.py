@@ -365,7 +365,7 @@ class MemorySessionStore(StoreRules):
         if s is None:
             raise SessionNotFoundError(session_id)
         if live:
-            streamed = live_draft(s.live_records(self.clock()))
+            streamed = live_draft(s.live_records(self.clock()), s.header.incarnation)
             if streamed is not None:
                 return streamed
         return s.draft
@@ -519,7 +519,8 @@ class MemorySessionStore(StoreRules):
                 for i, d in enumerate(deltas):
                     if first + i >= st["live"]:
                         self._live_xadd(s, LiveRecord(
-                            answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name
+                            answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name,
+                            incarnation=s.header.incarnation,
                         ))  # fmt: skip
                         sent += 1
                 st["live"] = max(st["live"], first + len(deltas))
@@ -532,6 +533,20 @@ class MemorySessionStore(StoreRules):
                 st[f"d{first}"] = hashlib.sha1(enc.data_raw).hexdigest()
             self._answer_expire(s, (session_id, answer), st, ttl)
             return AnswerAck(logged=st["log"], live=st["live"], row_n=row_n)
+
+    async def answer_live(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        incarnation: str,
+        expire_ms: int | None = None,
+    ) -> None:
+        await self.answer_deltas(
+            session_id, answer, first, deltas, log=False, incarnation=incarnation, ttl_ms=expire_ms or 60_000
+        )
 
     async def answer_beat(
         self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int
@@ -585,7 +600,8 @@ class MemorySessionStore(StoreRules):
             stored = self._append(s, batch, None) if batch else []
             closing_n = stored[-1].n if cenc is not None else -1
             self._live_xadd(s, LiveRecord(
-                answer=answer, kind="end", index=deltas, n=None if closing_n < 0 else closing_n, reason=reason
+                answer=answer, kind="end", index=deltas, n=None if closing_n < 0 else closing_n, reason=reason,
+                incarnation=s.header.incarnation,
             ))  # fmt: skip
             st.update(log=logged, e=closing_n, r=reason, t=now)
             floor = (now - ttl) << 20

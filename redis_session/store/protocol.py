@@ -141,6 +141,20 @@ class SessionStore(Protocol):
         start past the next live index). A retry of what landed is a no-op."""
         ...
 
+    async def answer_live(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        incarnation: str,
+        expire_ms: int | None = None,
+    ) -> None:
+        """One sender's live deltas, the cheap way (no script; each record names the life); a
+        send whose outcome is unknown is resent with `answer_deltas` (``log=False``)."""
+        ...
+
     async def answer_beat(self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int) -> None:
         """The writer of `answer` is alive (refreshes its state and the live stream's expiry)."""
         ...
