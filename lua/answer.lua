@@ -167,9 +167,15 @@ if op == 'deltas' then
     call('HSET', state, 't', fmt('%d', now))
     return {1, log_next, live_next, tonumber(s[8] or '-1')}
   end
-  if write_row then call('HSET', state, 'rn', fmt('%d', row_n), 'd' .. first, redis.sha1hex(data)) end
-  call('HSET', state, 'live', live_next, 'log', log_next, 'ln', fmt('%d', ln), 't', fmt('%d', now))
-  expire(ttl)
+  if write_row then
+    call('HSET', state, 'live', live_next, 'log', log_next, 'ln', fmt('%d', ln), 't', fmt('%d', now),
+      'rn', fmt('%d', row_n), 'd' .. first, redis.sha1hex(data))
+  else
+    call('HSET', state, 'live', live_next, 't', fmt('%d', now))
+  end
+  -- live records push the expiries forward (a log-only row leaves that to the writer's live
+  -- sends and heartbeats: one script call stays small)
+  if nrec > 0 then expire(ttl) end
   return {0, log_next, live_next, row_n}
 end
 

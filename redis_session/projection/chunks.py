@@ -470,7 +470,9 @@ def open_answers(records: Sequence[LiveRecord]) -> dict[str, tuple[LiveRecord | 
         elif r.kind == "begin":
             out[r.answer] = (r, out.get(r.answer, (None, []))[1])
         elif r.is_delta:
-            out.setdefault(r.answer, (None, []))[1].append(r.delta())
+            got = out.setdefault(r.answer, (None, []))[1]
+            if r.index is None or not got or (got[-1].index < r.index):  # each index once, in order
+                got.append(r.delta())
     return out
 
 
