@@ -53,11 +53,11 @@ from .errors import (
 )
 from .model import Entry, NewEntry, now_ms
 from .projection.chunks import (
+    CHUNK,
     INTERRUPTED,
     REASONING,
     TEXT,
     TOOL_CALL,
-    CHUNK,
     AnswerAck,
     AnswerEnded,
     Delta,
@@ -382,9 +382,7 @@ class AnswerStream:
                 except Exception:
                     log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
 
-    async def _end(
-        self, reason: str, closing: NewEntry | None, expected: int | str | None
-    ) -> tuple[AnswerEnded, bool]:
+    async def _end(self, reason: str, closing: NewEntry | None, expected: int | str | None) -> tuple[AnswerEnded, bool]:
         """The end op (retried on a lost reply: an end that landed answers as a retry); whether
         its durability wait failed."""
         if self._row is not None:  # a row whose outcome is unknown: settle it first (same bounds)

@@ -40,7 +40,7 @@ from redis_session.projection.chunks import CHUNK, INTERRUPTED, replay
 from support import running_gateway, wait_for
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability"))
-from _proxy import FaultProxy  # noqa: E402
+from _proxy import FaultProxy
 
 pytestmark = pytest.mark.anyio
 
@@ -185,9 +185,13 @@ async def test_two_concurrent_copies_of_a_batch_go_live_once(
         a = await _begin(client, "twice")
         url = path("twice", f"answers/{a}/deltas")
         body = {"first_index": 0, "deltas": [{"text": "Hello "}, {"text": "world"}]}
+
+        async def post(url: str = url, body: dict[str, Any] = body) -> None:
+            await client.post(url, json=body)
+
         async with anyio.create_task_group() as tg:
             for _ in range(2):
-                tg.start_soon(lambda: client.post(url, json=body))
+                tg.start_soon(post)
         live = [r for r in await redis_store.read_live("twice") if r.answer == a and r.is_delta]
         assert [r.text for r in live] == ["Hello ", "world"], trial
         assert (await redis_store.get_draft("twice") or {}).get("content") == "Hello world"
@@ -242,7 +246,7 @@ async def test_a_reader_resuming_past_the_grace_is_told_of_the_gap(redis_store: 
     await redis_store.create(SessionHeader(id="gap"))
     s = await Sessions(redis_store).open("gap")
     a = await _stream(s, ["x0", "x1", "x2"], grace=0.2)
-    cursor = [r for r in await redis_store.read_live("gap") if r.is_delta][0].id  # read x0, then left
+    cursor = next(r for r in await redis_store.read_live("gap") if r.is_delta).id  # read x0, then left
     await anyio.sleep(0.3)
     await _stream(s, ["y0"], grace=0.2)  # its end trims what is older than the grace
     got: list[Any] = []

@@ -123,9 +123,7 @@ class _Script:
         self.source_bulk = b"$%d\r\n%b\r\n" % (len(source), source)
 
 
-_SCRIPTS = {
-    name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj", "answer")
-}
+_SCRIPTS = {name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj", "answer")}
 
 
 # An unlink that leaves a hidden or ephemeral parent with at most this many links checks them.
@@ -1164,9 +1162,7 @@ class RedisSessionStore(StoreRules):
             raise _typed(res)
         return builtins.list(res), acks
 
-    def _row_data(
-        self, answer: str, first: int, deltas: Sequence[Delta], turn: int | None, step: int | None
-    ) -> bytes:
+    def _row_data(self, answer: str, first: int, deltas: Sequence[Delta], turn: int | None, step: int | None) -> bytes:
         if not deltas:
             return b""
         row = chunk_row([d.chunk() for d in deltas], turn=turn, step=step, answer=answer, seq=first)
@@ -1263,9 +1259,7 @@ class RedisSessionStore(StoreRules):
         if not isinstance(done, builtins.list):
             raise SessionError(f"live deltas of {session_id!r} were refused: {done!r}")
 
-    async def answer_beat(
-        self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int
-    ) -> None:
+    async def answer_beat(self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int) -> None:
         res, _ = await self._answer(session_id, answer, ["beat", answer, incarnation or "", ttl_ms, self.live_maxlen])
         if int(res[0]) != 0:
             raise answer_refusal(int(res[0]), res, session_id, answer)

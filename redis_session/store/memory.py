@@ -476,9 +476,7 @@ class MemorySessionStore(StoreRules):
         if st is not None and st["inc"] == cur:
             return AnswerBegun(answer=answer, n=st["n"], begin_id=st["bid"], incarnation=cur, retry=True)
         at = s.n if n is None else n
-        bid = self._live_xadd(
-            s, LiveRecord(answer=answer, kind="begin", turn=turn, step=step, n=at, incarnation=cur)
-        )
+        bid = self._live_xadd(s, LiveRecord(answer=answer, kind="begin", turn=turn, step=step, n=at, incarnation=cur))
         st = {"inc": cur, "n": at, "ln": at, "live": 0, "log": 0, "t": self.clock(), "bid": bid, "e": None, "r": None}
         self._answer_expire(s, (session_id, answer), st, ttl)
         return AnswerBegun(answer=answer, n=at, begin_id=bid, incarnation=cur)
@@ -548,9 +546,7 @@ class MemorySessionStore(StoreRules):
             session_id, answer, first, deltas, log=False, incarnation=incarnation, ttl_ms=expire_ms or 60_000
         )
 
-    async def answer_beat(
-        self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int
-    ) -> None:
+    async def answer_beat(self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int) -> None:
         s, ttl, st0 = self._answer_prelude(session_id, answer, incarnation, ttl_ms)
         st = self._answer_state(session_id, answer, s, st0)
         if st["e"] is not None:
@@ -590,7 +586,9 @@ class MemorySessionStore(StoreRules):
             if stale_ms is not None and now - st["t"] < stale_ms:
                 raise answer_refusal(13, [13], session_id, answer)
             mine = s.n + 1 if write_row and st["ln"] == s.n else st["ln"]
-            if (expected == "answer" and mine != s.n + (1 if write_row else 0)) or (isinstance(expected, int) and expected != s.n):
+            if (expected == "answer" and mine != s.n + (1 if write_row else 0)) or (
+                isinstance(expected, int) and expected != s.n
+            ):
                 exp = expected if isinstance(expected, int) else -1
                 raise answer_refusal(2, [2, s.n], session_id, answer, expected=exp)
             if write_row:
