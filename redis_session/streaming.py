@@ -562,6 +562,15 @@ async def tail_deltas(
     answers it was following from the log). Answers closed before `start` (their entries are
     behind the reader) are not sent; a begin of another life raises `SessionReplacedError`."""
     records = await store.read_live(session_id)
+    # the life, after the records: those were read from the stream of the life the header still
+    # names, so a straggler of another life (an old writer's last live records land in whatever
+    # stream holds the id now) never passes for this one's, nor does a reader resume on it
+    head = await store.head(session_id)
+    if head is None:
+        raise SessionNotFoundError(session_id)
+    if incarnation is not None and head.header.incarnation != incarnation:
+        raise SessionReplacedError(session_id)
+    incarnation = head.header.incarnation or None
     skip = answers_to_skip(records, start, None)
     expect: dict[str, int] = {}  # answer -> the next index the reader is owed
     floor = (-1, -1) if live_after is None else _id_key(live_after)

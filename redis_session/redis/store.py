@@ -1241,14 +1241,16 @@ class RedisSessionStore(StoreRules):
         validate_session_id(session_id)
         key = self.keys.live(session_id)
         state = f"{key}:{answer}"
-        head = bulks(("XADD", key, "MAXLEN", "~", self.live_maxlen, "*"))
+        # NOMKSTREAM: the answer's begin made the stream; a stream that is gone (the session
+        # deleted, maybe created again) gets no straggler of this writer
+        head = bulks(("XADD", key, "NOMKSTREAM", "MAXLEN", "~", self.live_maxlen, "*"))
         parts = [pack(("MULTI",))]
         for i, d in enumerate(deltas):
             f = LiveRecord(
                 answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name,
                 incarnation=incarnation,
             ).fields()  # fmt: skip
-            parts.append(b"*%d\r\n%b%b" % (6 + len(f), head, bulks(f)))
+            parts.append(b"*%d\r\n%b%b" % (7 + len(f), head, bulks(f)))
         parts.append(pack(("HSET", state, "live", first + len(deltas))))
         if expire_ms is not None:
             parts += [pack(("PEXPIRE", key, expire_ms)), pack(("PEXPIRE", state, expire_ms))]
