@@ -15,8 +15,8 @@ TypeScript client) use the same ops, so the rules cannot drift between writers.
 Each delta goes two ways:
 
 - **live**: a record on the session's ``live`` stream, sent by a background task that sends
-  whatever is queued in one op, so `delta` never waits for Redis; a lost reply is simply sent
-  again (the script skips what landed);
+  whatever is queued as plain pipelined XADDs (no script per delta), so `delta` never waits for
+  Redis; after a lost reply it reads what landed before it sends the rest (each delta once);
 - **durable**: buffered and appended as packed ``assistant/chunk`` rows every `flush_interval`
   seconds or `max_chunks` deltas, whichever comes first; a row that failed is retried with the
   same bounds, so it lands once.
@@ -75,7 +75,7 @@ from .store.memory import SessionStore
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FLUSH_INTERVAL = 0.1
+DEFAULT_FLUSH_INTERVAL = 0.25
 DEFAULT_MAX_CHUNKS = 64
 DEFAULT_LIVE_TTL = 60.0
 DEFAULT_GRACE = 30.0
@@ -152,7 +152,8 @@ class AnswerStream:
         self._closed = False
         self._broken: BaseException | None = None  # the session was replaced, the answer closed
         self._durability: DurabilityError | None = None
-        self._live_unsure = False  # a live send's reply was lost: resend through the script
+        self._live_unsure = False  # a live send's reply was lost: read what landed first
+        self._live_id: str | None = None  # the live id of our last delta that landed
         self._expired_at = 0.0
 
     # ------------------------------------------------------------------ writing
@@ -219,29 +220,32 @@ class AnswerStream:
             await self._send_pending()
 
     async def _send_pending(self) -> None:
-        """Send the deltas not live yet in one op; a lost reply leaves them pending (resent next
-        time: the script skips what landed)."""
+        """Send the deltas not live yet in one round trip; after a lost reply, first read what
+        landed (so none goes live twice), then send the rest."""
         upto = len(self._deltas)
         if upto <= self._live or self._broken is not None:
             return
-        first = self._live
         try:
-            if self._live_unsure or not self._incarnation:
-                # the last send's outcome is unknown: the script skips what landed (exactly once)
-                ack = await self.store.answer_deltas(
-                    self.session_id, self.answer, first, self._deltas[first:upto], live=True, log=False,
-                    ttl_ms=self.live_ttl_ms, **self._common(),
-                )  # fmt: skip
-                self._live = max(self._live, ack.live)
+            if self._live_unsure:
+                # the last send's outcome is unknown: what landed is on the live stream after the
+                # last id we know, so each delta goes live once
+                landed = [
+                    r.index for r in await self.store.read_live(self.session_id, self._live_id)
+                    if r.answer == self.answer and r.is_delta and r.index is not None
+                ]  # fmt: skip
+                self._live = max(self._live, max(landed, default=-1) + 1)
                 self._live_unsure = False
-            else:
-                # the hot path: plain XADDs in one MULTI (this task is the answer's only sender,
-                # so order holds; every record names the life, so no reader of another life takes it)
-                await self.store.answer_live(
+            first = self._live
+            if first < upto:
+                # the hot path: plain XADDs, no script (this task is the answer's only sender, so
+                # order holds; every record names the life, so no reader of another life takes it)
+                ids = await self.store.answer_live(
                     self.session_id, self.answer, first, self._deltas[first:upto],
-                    incarnation=self._incarnation, expire_ms=self._expiry(),
+                    incarnation=self._incarnation or "", expire_ms=self._expiry(),
                 )  # fmt: skip
                 self._live = upto
+                if ids and ids[-1]:
+                    self._live_id = ids[-1]
         except StoreUnavailableError as e:
             log.warning("live deltas of %r (answer %s) not sent yet: %s", self.session_id, self.answer, e)
             self._live_unsure = True
@@ -338,6 +342,7 @@ class AnswerStream:
             )
         )
         self.begin_id = begun.begin_id
+        self._live_id = begun.begin_id or None
         self._incarnation = self._incarnation or begun.incarnation
         self._wrote_at = self._expired_at = anyio.current_time()
         # plain asyncio tasks, not a task group: the block's own cancellation must not cut a

@@ -541,10 +541,22 @@ class MemorySessionStore(StoreRules):
         *,
         incarnation: str,
         expire_ms: int | None = None,
-    ) -> None:
-        await self.answer_deltas(
-            session_id, answer, first, deltas, log=False, incarnation=incarnation, ttl_ms=expire_ms or 60_000
-        )
+    ) -> builtins.list[str]:
+        s = self._get(validate_session_id(session_id))
+        if s is None or s.header.incarnation != incarnation:
+            return []  # NOMKSTREAM on Redis: a stream of another life gets no straggler either
+        live = s.live_records(self.clock())
+        before = len(live)
+        for i, d in enumerate(deltas):
+            self._live_xadd(s, LiveRecord(
+                answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name,
+                incarnation=incarnation,
+            ))  # fmt: skip
+        if expire_ms is not None:
+            s.live_expires_at = self.clock() + expire_ms
+        old, s.changed = s.changed, anyio.Event()
+        old.set()
+        return [r.id for r in s.live[before:]]
 
     async def answer_beat(self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int) -> None:
         s, ttl, st0 = self._answer_prelude(session_id, answer, incarnation, ttl_ms)

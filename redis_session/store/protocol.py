@@ -150,9 +150,10 @@ class SessionStore(Protocol):
         *,
         incarnation: str,
         expire_ms: int | None = None,
-    ) -> None:
-        """One sender's live deltas, the cheap way (no script; each record names the life); a
-        send whose outcome is unknown is resent with `answer_deltas` (``log=False``)."""
+    ) -> builtins.list[str]:
+        """One sender's live deltas, the cheap way (no script; each record names the life; no
+        stream is made); their ids. Never resent blindly: after a lost reply the sender reads
+        what landed (`read_live`) and sends the rest."""
         ...
 
     async def answer_beat(self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int) -> None:
