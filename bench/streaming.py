@@ -306,9 +306,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=50.0)
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--ways", nargs="+", default=["raw", "stream", "entries"])
-    p.add_argument(
-        "--flush", type=float, default=DEFAULT_FLUSH_INTERVAL, help="the stream writer's flush_interval (s)"
-    )
+    p.add_argument("--flush", type=float, default=DEFAULT_FLUSH_INTERVAL, help="the stream writer's flush_interval (s)")
     args = p.parse_args()
     with server(args.url) as url:
         for s in args.sessions:
