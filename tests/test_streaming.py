@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -418,3 +419,60 @@ async def test_a_strict_vocabulary_accepts_the_interrupted_mark() -> None:
             await anyio.sleep(1)
     types = [e.type for e in await s.read()]
     assert types[-1] == "assistant/interrupted" and "assistant/chunk" in types
+
+
+def test_a_gateway_stopped_with_sse_clients_open_stops_cleanly(redis_url: str, prefix: str) -> None:
+    """Issue 25 item 6: SIGTERM with a viewer open (its store-wide ``/events`` and a session's
+    ``?deltas=1`` stream) ends every stream and exits 0, with no 'Exception in ASGI application'."""
+    import signal
+    import socket
+    import subprocess
+
+    async def make() -> None:
+        store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+        try:
+            await store.create(SessionHeader(id="shut"))
+        finally:
+            await store.aclose()
+
+    anyio.run(make)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from redis_session.cli.main import main; main()", "gateway", "--url", redis_url,
+           "--prefix", prefix, "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the gateway did not start"
+            time.sleep(0.1)
+        with (
+            httpx.Client(base_url=base, timeout=20) as c,
+            c.stream("GET", "/events") as store_events,
+            c.stream("GET", "/sessions/shut/events?deltas=1") as session_events,
+        ):
+            assert store_events.status_code == session_events.status_code == 200
+            lines = store_events.iter_lines()
+            next(lines)
+            next(session_events.iter_lines())
+            stopped_at = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            for _ in lines:  # the server ends it (a browser would read on)
+                pass
+            _, err = proc.communicate(timeout=30)
+            took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.decode()
+    assert proc.returncode == 0, text[-3000:]
+    assert "Exception in ASGI application" not in text and "Traceback" not in text, text[-3000:]
+    assert took < 5, f"the streams were not ended at once ({took:.1f} s)"

@@ -23,6 +23,8 @@ from ..store import SessionStore
 from .auth import principal
 from .common import _error, _json, log
 
+_LAST_STREAMS: _Streams | None = None
+
 
 class _Streams:
     """The open SSE streams, so a shutting-down server can end them at once instead of waiting
@@ -32,6 +34,8 @@ class _Streams:
         self.limit = limit
         self.scopes: set[anyio.CancelScope] = set()
         self.closing = False
+        global _LAST_STREAMS
+        _LAST_STREAMS = self
 
     def full(self) -> bool:
         return self.closing or (self.limit is not None and len(self.scopes) >= self.limit)
@@ -342,13 +346,20 @@ class _EventStream(Response):
 # --------------------------------------------------------------------------- store-wide events
 
 
-def _store_events_route(store: SessionStore, heartbeat: float) -> Callable[[Request], Awaitable[Response]]:
+def _store_events_route(
+    store: SessionStore, heartbeat: float, streams: _Streams | None = None
+) -> Callable[[Request], Awaitable[Response]]:
     """``GET /events``: the store's notifications as SSE (``event: session-branch`` with
-    ``{parent, session, at}``), so a viewer updates its branch tree and session list at once."""
+    ``{parent, session, at}``), so a viewer updates its branch tree and session list at once.
+
+    Its streams are ended with the session streams when the server shuts down (`streams`:
+    default the `_Streams` the gateway made just before this route), so a stop with a viewer open
+    is clean instead of a cancelled task's traceback."""
+    streams = streams if streams is not None else _LAST_STREAMS
 
     async def store_events(request: Request) -> Response:
         who = principal(request.scope)
-        return _StoreEventStream(store, heartbeat, None if who.prefix is None else who.sees)
+        return _StoreEventStream(store, heartbeat, None if who.prefix is None else who.sees, streams)
 
     return store_events
 
@@ -378,18 +389,35 @@ async def _store_notifications(store: SessionStore) -> Any:
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
+@contextlib.contextmanager
+def _registered(scopes: set[anyio.CancelScope]) -> Iterator[list[anyio.CancelScope]]:
+    """Yield a list the caller puts its cancel scope in; it leaves `scopes` on the way out."""
+    mine: list[anyio.CancelScope] = []
+    try:
+        yield mine
+    finally:
+        scopes.difference_update(mine)
+
+
 class _StoreEventStream(Response):
     """One client of ``/events``: store notifications, with heartbeats."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, store: SessionStore, heartbeat: float, sees: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        heartbeat: float,
+        sees: Callable[[str], bool] | None = None,
+        streams: _Streams | None = None,
+    ) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.store = store
         self.heartbeat = heartbeat
         self.sees = sees  # a tenant's token: only notifications about its own sessions
+        self.streams = streams  # ended with the others on shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -400,8 +428,14 @@ class _StoreEventStream(Response):
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        with contextlib.suppress(OSError):
+        if self.streams is not None and self.streams.closing:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        scopes: set[anyio.CancelScope] = self.streams.scopes if self.streams is not None else set()
+        with contextlib.suppress(OSError), _registered(scopes) as mine:
             async with anyio.create_task_group() as tg:
+                mine.append(tg.cancel_scope)
+                scopes.add(tg.cancel_scope)
 
                 async def disconnect() -> None:
                     while (await receive())["type"] != "http.disconnect":
