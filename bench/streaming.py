@@ -9,7 +9,7 @@ ways, one after the other on the same server, with the same deltas:
 (raw)     each delta a plain ``XADD key * d <text>``; each reader an ``XREAD BLOCK`` loop on its key
           (the floor: what a bare relay costs);
 (stream)  `Session.stream`: live records (plain XADD, pipelined) + packed ``assistant/chunk`` rows
-          through append.lua every 100 ms, the ``assistant/message`` at the end; readers are
+          through lua/answer.lua every flush interval, the message with the end; readers are
           `live.follow_deltas` (deltas and entries in one XREAD on two keys);
 (entries) what the demo did before: an ``assistant/chunk`` entry per delta (append.lua each), then
           the message; readers are `live.follow` (the memory baseline: one entry per delta).
@@ -42,6 +42,7 @@ from _common import drop_prefix, percentile, print_table, server, unique_prefix
 from redis_session import Delta, RedisSessionStore, Sessions
 from redis_session.live import follow, follow_deltas
 from redis_session.projection.chunks import assemble, replay
+from redis_session.streaming import DEFAULT_FLUSH_INTERVAL
 
 GRACE = 2.0  # the live stream's expiry after an answer ends (the library's default is 30 s)
 
@@ -106,7 +107,7 @@ async def _raw(url: str, prefix: str, trackers: list[Tracker], rate: float) -> b
     return True
 
 
-FLUSH = 0.1  # the writer's flush_interval (the library's default); --flush changes it
+FLUSH = DEFAULT_FLUSH_INTERVAL  # the writer's flush_interval (the library's default); --flush changes it
 
 
 async def _stream(url: str, prefix: str, trackers: list[Tracker], rate: float) -> bool:
@@ -198,7 +199,7 @@ WAYS = {"raw": _raw, "stream": _stream, "entries": _entries}
 
 
 async def run_sessions(
-    url: str, prefix: str, way: str, sids: list[str], deltas: int, rate: float, flush: float = 0.1
+    url: str, prefix: str, way: str, sids: list[str], deltas: int, rate: float, flush: float = DEFAULT_FLUSH_INTERVAL
 ) -> dict[str, Any]:
     """One process's share of a run: its answers, their readers; latencies and completeness."""
     global FLUSH
@@ -305,7 +306,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=50.0)
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--ways", nargs="+", default=["raw", "stream", "entries"])
-    p.add_argument("--flush", type=float, default=0.1, help="the stream writer's flush_interval (s)")
+    p.add_argument("--flush", type=float, default=DEFAULT_FLUSH_INTERVAL, help="the stream writer's flush_interval (s)")
     args = p.parse_args()
     with server(args.url) as url:
         for s in args.sessions:

@@ -15,6 +15,13 @@ from __future__ import annotations
 from . import live as live  # `redis_session.live.follow` / `follow_deltas` after a plain `import redis_session`
 from .errors import (
     AccessDeniedError,
+    AnswerAliveError,
+    AnswerBatchMismatchError,
+    AnswerClosedError,
+    AnswerError,
+    AnswerIncompleteError,
+    AnswerNotFoundError,
+    AnswerOrderError,
     ColdSegmentError,
     DurabilityError,
     IdempotencyKeyReusedError,
@@ -44,7 +51,7 @@ from .model import (
     Vocabulary,
 )
 from .projection import Message, history, project, to_anthropic, to_openai
-from .projection.chunks import Delta, pack_chunks
+from .projection.chunks import Delta, DeltaGap, pack_chunks
 from .projection.invariants import Problem, check_invariants
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .redis import RedisSessionStore, open_store, resolve_url
@@ -58,9 +65,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",
+    "AnswerAliveError",
+    "AnswerBatchMismatchError",
+    "AnswerClosedError",
+    "AnswerError",
+    "AnswerIncompleteError",
+    "AnswerNotFoundError",
+    "AnswerOrderError",
     "AnswerStream",
     "ColdSegmentError",
     "Delta",
+    "DeltaGap",
     "DoctorReport",
     "DurabilityError",
     "Entry",

@@ -153,3 +153,68 @@ class SegmentMissingError(ColdSegmentError):
 
 class SegmentCorruptError(ColdSegmentError):
     """A cold segment's bytes fail their checksum, do not decompress, or hold other entries."""
+
+
+# --------------------------------------------------------------------------- streamed answers
+
+
+class AnswerError(SessionError):
+    """A streamed answer's protocol refused a write (nothing was written). `answer` names it."""
+
+    def __init__(self, session_id: str, answer: str, message: str) -> None:
+        super().__init__(f"session {session_id!r}, answer {answer!r}: {message}")
+        self.session_id = session_id
+        self.answer = answer
+
+
+class AnswerNotFoundError(AnswerError):
+    """No such answer in this session's life: never begun, or ended longer ago than its grace."""
+
+    def __init__(self, session_id: str, answer: str) -> None:
+        super().__init__(session_id, answer, "no such answer (never begun, or expired)")
+
+
+class AnswerClosedError(AnswerError):
+    """The answer has ended (committed, interrupted, or closed by `repair`): `n` is the entry
+    that closed it (None when none landed)."""
+
+    def __init__(self, session_id: str, answer: str, n: int | None) -> None:
+        super().__init__(session_id, answer, f"the answer has ended (closing entry {n})")
+        self.n = n
+
+
+class AnswerOrderError(AnswerError):
+    """A delta batch did not start at the answer's next index (`expected`): refused, never
+    reordered. Send the batch starting at `expected` (or the missing ones first)."""
+
+    def __init__(self, session_id: str, answer: str, expected: int, got: int) -> None:
+        super().__init__(session_id, answer, f"a batch must start at index {expected}; this one starts at {got}")
+        self.expected = expected
+        self.got = got
+
+
+class AnswerIncompleteError(AnswerError):
+    """The end of an answer was refused: the log holds deltas [0, `logged`) and the end names
+    `deltas`; `missing` is the range to send first (empty when the end names fewer)."""
+
+    def __init__(self, session_id: str, answer: str, logged: int, deltas: int) -> None:
+        what = f"deltas {logged}..{deltas - 1} are missing" if deltas > logged else f"the log holds {logged} deltas"
+        super().__init__(session_id, answer, f"cannot end with {deltas} deltas: {what}")
+        self.logged = logged
+        self.deltas = deltas
+        self.missing = (logged, max(logged, deltas))
+
+
+class AnswerAliveError(AnswerError):
+    """`repair` would close an answer whose writer wrote or beat less than `stale_after` ago."""
+
+    def __init__(self, session_id: str, answer: str) -> None:
+        super().__init__(session_id, answer, "its writer is alive (recent write or heartbeat)")
+
+
+class AnswerBatchMismatchError(AnswerError):
+    """A batch at index `first` landed already with other deltas: this is no retry of it."""
+
+    def __init__(self, session_id: str, answer: str, first: int) -> None:
+        super().__init__(session_id, answer, f"the batch at index {first} landed with other deltas")
+        self.first = first

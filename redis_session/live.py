@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import SessionNotFoundError, SessionReplacedError
 from .model import Entry
-from .projection.chunks import Delta
+from .projection.chunks import Delta, DeltaGap
 from .store import SessionStore
 from .streaming import tail_deltas
 
@@ -83,12 +83,14 @@ def follow_deltas(
     min_backoff: float = 0.05,
     max_backoff: float = 5.0,
     incarnation: str | None = None,
-) -> AsyncGenerator[Entry | Delta, None]:
+) -> AsyncGenerator[Entry | Delta | DeltaGap, None]:
     """`follow`, plus the deltas of streamed answers (`Delta`) as they are streamed
     (`streaming.tail_deltas`): a reader arriving mid-answer gets the answer so far, then the rest.
 
     Across connection drops it resumes at the last delivered n + 1 and right after the last
-    delivered delta's `cursor`, so entries and deltas both arrive exactly once and in order.
+    delivered delta's `cursor`, so entries and deltas both arrive exactly once and in order; a
+    delta the live stream no longer holds comes as a `DeltaGap` (re-read the answer's chunk rows
+    from the log), never silently missing. A begin of another life raises `SessionReplacedError`.
     Pass `live_after` (a `Delta.cursor`) with `start` to resume a reader of an earlier call.
 
     >>> async for item in follow_deltas(store, "chat-1", start=s.n):
@@ -112,7 +114,7 @@ async def _resume(
     min_backoff: float,
     max_backoff: float,
     incarnation: str | None,
-) -> AsyncGenerator[Entry | Delta, None]:
+) -> AsyncGenerator[Entry | Delta | DeltaGap, None]:
     """The one reconnecting reader behind `follow` and `follow_deltas`: entries from `start`
     exactly once and in order (a gap, never expected, is filled by a read), and with `deltas` the
     live deltas after `live_after`; a drop waits (backoff with jitter) and resumes after the last
@@ -128,15 +130,15 @@ async def _resume(
                     raise SessionNotFoundError(session_id)
                 incarnation = head.header.incarnation
             if deltas:
-                tail: AsyncIterator[Entry | Delta] = tail_deltas(
+                tail: AsyncIterator[Entry | Delta | DeltaGap] = tail_deltas(
                     store, session_id, nxt, incarnation=incarnation, live_after=live_after
                 )
             else:
                 tail = store.tail(session_id, nxt, incarnation=incarnation)
             async with _closing(tail) as items:
                 async for item in items:
-                    if isinstance(item, Delta):
-                        live_after = item.cursor
+                    if isinstance(item, (Delta, DeltaGap)):
+                        live_after = item.cursor or live_after
                         yield item
                         continue
                     if item.n < nxt:

@@ -64,9 +64,8 @@ from .model import (
     as_new_entry,
     encode_batch,
     kind_of,
-    now_ms,
 )
-from .projection.chunks import Delta, LiveRecord, open_answers
+from .projection.chunks import Delta, DeltaGap, LiveRecord, open_answers
 from .projection.fold import Message, ProjectionState, check_surface, history, openai_messages
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
@@ -76,11 +75,11 @@ from .store import MemorySessionStore, SessionStore
 from .streaming import (
     DEFAULT_FLUSH_INTERVAL,
     DEFAULT_GRACE,
+    DEFAULT_HEARTBEAT,
     DEFAULT_LIVE_TTL,
     DEFAULT_MAX_CHUNKS,
     AnswerStream,
     close_dead_answers,
-    dead_answers,
     tail_deltas,
 )
 
@@ -590,9 +589,12 @@ class Session:
             return self._store.tail(self.id, self._n if start is None else start)
         return self._store.tail(self.id, self._n if start is None else start, incarnation=self._header.incarnation)
 
-    def tail_deltas(self, start: int | None = None, *, live_after: str | None = None) -> AsyncIterator[Entry | Delta]:
+    def tail_deltas(
+        self, start: int | None = None, *, live_after: str | None = None
+    ) -> AsyncIterator[Entry | Delta | DeltaGap]:
         """`tail`, plus the deltas of streamed answers as they are streamed (`Delta`): a reader
-        arriving mid-answer gets the answer so far, then the rest (see `streaming.tail_deltas`;
+        arriving mid-answer gets the answer so far, then the rest, or a `DeltaGap` naming what the
+        live stream no longer holds (see `streaming.tail_deltas`;
         `live.follow_deltas` also survives dropped connections)."""
         return tail_deltas(
             self._store,
@@ -634,19 +636,24 @@ class Session:
         max_chunks: int = DEFAULT_MAX_CHUNKS,
         live_ttl: float = DEFAULT_LIVE_TTL,
         grace: float = DEFAULT_GRACE,
+        heartbeat: float = DEFAULT_HEARTBEAT,
         meta: Mapping[str, Any] | None = None,
     ) -> AnswerStream:
         """``async with s.stream(turn=1, step=1) as w: await w.delta("Hel")`` — stream one
         assistant answer (see `redis_session.streaming`): each delta reaches tailing readers at
         once on the session's live stream and lands in the log packed into ``assistant/chunk``
         rows (every `flush_interval` s or `max_chunks` deltas); a clean exit appends the
-        ``assistant/message`` with this handle's n as expected_n, an error or a cancellation an
-        ``assistant/interrupted`` mark."""
+        ``assistant/message`` (refused with `SessionConflictError` when anyone else wrote since
+        this handle's n and the answer's own rows), an error or a cancellation an
+        ``assistant/interrupted`` mark. Every write goes through the store's answer protocol
+        (``lua/answer.lua``), in this handle's life; the writer beats every `heartbeat` seconds
+        while quiet, so `repair` never closes it. Write through the handle after the block (the
+        handle moves past the answer's rows and message on exit)."""
         return AnswerStream(
             self._store,
             self.id,
-            write=self._write,
             position=lambda: self._n,
+            advance=self._absorb,
             incarnation=self._header.incarnation or None,
             turn=turn,
             step=step,
@@ -654,8 +661,14 @@ class Session:
             max_chunks=max_chunks,
             live_ttl=live_ttl,
             grace=grace,
+            heartbeat=heartbeat,
             meta=None if meta is None else dict(meta),
         )
+
+    async def _absorb(self, stored: Sequence[Entry]) -> None:
+        """Move the handle past entries written outside `_write` (an answer's rows and message)."""
+        async with self._lock:
+            await self._advance(stored)
 
     async def draft(self) -> dict[str, Any] | None:
         """The streaming assistant draft other readers can see (None when there is none): the
@@ -694,24 +707,21 @@ class Session:
         uses expected_n, so it never races a writer: on a conflict it re-reads and decides again.
         """
         last_conflict: SessionConflictError | None = None
+        stale_ms = round(stale_after * 1000)
         for _ in range(3):
             await self.refresh()
-            entries = await self.read()
-            closers = interrupted_turn_closers(entries)
             records = await self._store.read_live(self.id)
-            dead = dead_answers(records, stale_ms=round(stale_after * 1000), now_ms=now_ms())
-            if len(open_answers(records)) > len(dead):
-                return []  # an answer is still streaming: its writer is alive (or died < stale_after ago)
-            if not closers and not dead:
+            opened = list(open_answers(records))
+            if not opened and not interrupted_turn_closers(await self.read()):
                 return []
             try:
                 if self.lease_held:
-                    return await self._repair_now(entries, records, dead)
+                    return await self._repair_now(records, opened, stale_ms)
                 token = uuid.uuid4().hex
                 if not await self._store.acquire_lease(self.id, token, _ttl_ms(lease_ttl)):
                     raise LeaseHeldError(f"session {self.id!r} has a live writer (its lease is held): not repairing")
                 try:
-                    return await self._repair_now(entries, records, dead)
+                    return await self._repair_now(records, opened, stale_ms)
                 finally:
                     with anyio.CancelScope(shield=True):
                         await self._store.release_lease(self.id, token)
@@ -721,10 +731,22 @@ class Session:
         raise last_conflict
 
     async def _repair_now(
-        self, entries: Sequence[Entry], records: Sequence[LiveRecord], dead: Sequence[str]
+        self, records: Sequence[LiveRecord], opened: Sequence[str], stale_ms: int
     ) -> builtins.list[Entry]:
-        out = await close_dead_answers(self._store, self.id, self._write, entries, records, dead) if dead else []
-        closers = interrupted_turn_closers([*entries, *out])
+        """Close the dead answers (the server refuses one whose writer wrote or beat within
+        `stale_ms`: then nothing is done), then the open turn."""
+        out: builtins.list[Entry] = []
+        if opened:
+            before = self._n
+            marks, alive = await close_dead_answers(
+                self._store, self.id, await self.read(), records, opened,
+                incarnation=self._header.incarnation or None, stale_ms=stale_ms,
+            )  # fmt: skip
+            if alive:
+                return []  # an answer is still streaming: its writer is alive
+            await self.refresh()
+            out = await self.read(before, self._n) if marks else []
+        closers = interrupted_turn_closers(await self.read())
         if closers:
             out.extend(await self._write(closers))
         return out

@@ -1,48 +1,67 @@
 """The streaming writer: one streamed answer, live for readers and packed into the log
-(docs/design.md §8.2).
+(docs/design.md §8.2), through the one answer protocol (``lua/answer.lua``).
 
 >>> async with s.stream(turn=1, step=1) as w:      # `Session.stream`
 ...     async for piece in model_stream:
 ...         await w.delta(piece)
->>> # on exit: the remaining chunk rows and the assistant/message, in one append
+>>> # on exit: the remaining chunk rows, the assistant/message and the live end, in one script
+
+Every write of an answer goes through the store's answer ops (`answer_begin`, `answer_deltas`,
+`answer_beat`, `answer_end`), which keep its rules server-side: the life it began in, the next
+live and logged delta index (a batch elsewhere is refused, a retry of what landed is a no-op),
+and an end refused while the log lacks a delta. The gateway's answer routes (and through them the
+TypeScript client) use the same ops, so the rules cannot drift between writers.
 
 Each delta goes two ways:
 
-- **live**: a record on the session's ``live`` stream (a plain ``XADD``, no script), sent by a
-  background task that pipelines whatever is queued, so `delta` never waits for Redis;
-- **durable**: buffered and appended as packed ``assistant/chunk`` rows (`chunk_row`) every
-  `flush_interval` seconds or `max_chunks` deltas, whichever comes first, with
-  ``expected_n=None`` (a chunk depends on nothing; the handle's write lock orders them).
+- **live**: a record on the session's ``live`` stream, sent by a background task that sends
+  whatever is queued as plain pipelined XADDs (no script per delta), so `delta` never waits for
+  Redis; after a lost reply it reads what landed before it sends the rest (each delta once);
+- **durable**: buffered and appended as packed ``assistant/chunk`` rows every `flush_interval`
+  seconds or `max_chunks` deltas, whichever comes first; a row that failed is retried with the
+  same bounds, so it lands once.
 
-A clean exit appends the last chunk rows and the ``assistant/message`` (content assembled from the
-deltas, ``meta.answer`` = the answer id) in one batch with the handle's n as ``expected_n``, then
-closes the answer on the live stream (an ``end`` record naming the message's n; older records are
-trimmed and the stream expires after `grace`). An error or a cancellation instead appends the last
-rows and an ``assistant/interrupted`` mark carrying what was streamed (the turn itself is left to
-the caller: dsh closes it ``aborted`` or ``error``), then closes the live answer as interrupted.
-A writer that dies without either leaves an open answer; its live records expire (`live_ttl`) and
-`Sessions.repair` closes it from what the live stream and the log still hold.
+While the answer is open its writer beats every `heartbeat` seconds when it has nothing to send,
+so `Sessions.repair` can tell a quiet writer (a slow model, a long tool call) from a dead one. A
+clean exit appends the last rows and the ``assistant/message`` (content assembled from the
+deltas, ``meta.answer`` = the answer id), checked so that nobody else wrote since the answer's own
+rows (else `SessionConflictError`, the rows kept), and ends the answer on the live stream. An
+error or a cancellation instead appends the last rows and an ``assistant/interrupted`` mark
+carrying what was streamed (the turn itself is left to the caller: dsh closes it ``aborted`` or
+``error``). A `DurabilityError` on a row means it landed; on the close it is raised after the
+message is stored (`message` is set).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 import anyio
 
-from .errors import SessionConflictError, StoreUnavailableError
-from .model import Entry, NewEntry, NewEntryLike
+from .errors import (
+    AnswerAliveError,
+    AnswerError,
+    DurabilityError,
+    SessionConflictError,
+    SessionNotFoundError,
+    SessionReplacedError,
+    StoreUnavailableError,
+)
+from .model import Entry, NewEntry, now_ms
 from .projection.chunks import (
     CHUNK,
     INTERRUPTED,
     REASONING,
     TEXT,
     TOOL_CALL,
+    AnswerAck,
+    AnswerEnded,
     Delta,
+    DeltaGap,
     LiveRecord,
     answers_to_skip,
     assemble,
@@ -56,18 +75,29 @@ from .store.memory import SessionStore
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FLUSH_INTERVAL = 0.1
+DEFAULT_FLUSH_INTERVAL = 0.25
 DEFAULT_MAX_CHUNKS = 64
 DEFAULT_LIVE_TTL = 60.0
 DEFAULT_GRACE = 30.0
-# the live stream's expiry is pushed forward at most this often (a PEXPIRE with the records)
-_EXPIRE_EVERY = 1.0
+DEFAULT_HEARTBEAT = 5.0
+# a store op that failed for want of the server is tried again this many times (each op is
+# idempotent: the script skips what landed), then the error is raised
+_RETRIES = 8
+
+T = TypeVar("T")
 
 
-class _Write(Protocol):
-    def __call__(
-        self, items: Iterable[NewEntryLike], *, expected: bool = True, idempotency_key: str | None = None
-    ) -> Awaitable[list[Entry]]: ...
+async def _retrying(op: Callable[[], Awaitable[T]]) -> T:
+    delay = 0.02
+    for attempt in range(_RETRIES):
+        try:
+            return await op()
+        except StoreUnavailableError:
+            if attempt == _RETRIES - 1:
+                raise
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+    raise AssertionError("unreachable")
 
 
 class AnswerStream:
@@ -75,15 +105,16 @@ class AnswerStream:
 
     `answer` is its id: the live records, the chunk rows (``data.answer``) and the closing entry
     (``meta.answer``) all carry it. After a clean exit `message` holds the stored
-    ``assistant/message``; after an error or cancellation, `interrupted` holds the mark."""
+    ``assistant/message``; after an error or cancellation, `interrupted` holds the mark. Once the
+    session is replaced (or the answer closed by `repair`), `delta` raises that error."""
 
     def __init__(
         self,
         store: SessionStore,
         session_id: str,
         *,
-        write: _Write,
         position: Callable[[], int],
+        advance: Callable[[Sequence[Entry]], Awaitable[None]] | None = None,
         incarnation: str | None,
         turn: int | None,
         step: int | None,
@@ -91,47 +122,55 @@ class AnswerStream:
         max_chunks: int = DEFAULT_MAX_CHUNKS,
         live_ttl: float = DEFAULT_LIVE_TTL,
         grace: float = DEFAULT_GRACE,
+        heartbeat: float = DEFAULT_HEARTBEAT,
         meta: dict[str, Any] | None = None,
     ) -> None:
-        if not flush_interval > 0 or max_chunks < 1 or not live_ttl > 0 or not grace > 0:
-            raise ValueError("flush_interval, live_ttl and grace must be > 0, max_chunks >= 1")
+        if not flush_interval > 0 or max_chunks < 1 or not live_ttl > 0 or not grace > 0 or not heartbeat > 0:
+            raise ValueError("flush_interval, live_ttl, grace and heartbeat must be > 0, max_chunks >= 1")
         self.store = store
         self.session_id = session_id
         self.answer = new_answer_id()
         self.turn, self.step = turn, step
         self.flush_interval, self.max_chunks = flush_interval, max_chunks
         self.live_ttl_ms, self.grace_ms = round(live_ttl * 1000), round(grace * 1000)
+        self.heartbeat = heartbeat
         self.usage: dict[str, Any] | None = None
         self.message: Entry | None = None
         self.interrupted: Entry | None = None
-        self._write, self._position, self._incarnation = write, position, incarnation
+        self.begin_id: str | None = None
+        self._position, self._advance, self._incarnation = position, advance, incarnation
         self._meta = dict(meta or {})
-        self._chunks: list[dict[str, Any]] = []  # every delta's dsh chunk, in order
-        self._flushed = 0  # chunks [0, _flushed) are in the log
-        self._outbox: list[LiveRecord] = []
+        self._deltas: list[Delta] = []  # every delta, in order (index = position)
+        self._flushed = 0  # deltas [0, _flushed) are in the log
+        self._live = 0  # deltas [0, _live) are on the live stream
+        self._row: tuple[int, int] | None = None  # a row sent but not acknowledged: resent as it is
         self._send_wake = anyio.Event()
         self._have_chunks = anyio.Event()
         self._full = anyio.Event()
-        self._expired_at = 0.0
-        self._begin_id: str | None = None
+        self._wrote_at = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._broken: BaseException | None = None  # the session was replaced, the answer closed
+        self._durability: DurabilityError | None = None
+        self._live_unsure = False  # a live send's reply was lost: read what landed first
+        self._live_id: str | None = None  # the live id of our last delta that landed
+        self._expired_at = 0.0
 
     # ------------------------------------------------------------------ writing
 
     @property
     def count(self) -> int:
         """Deltas so far."""
-        return len(self._chunks)
+        return len(self._deltas)
 
     @property
     def text(self) -> str:
         """The answer's text so far (text deltas only)."""
-        return "".join(c["text"] for c in self._chunks if c["type"] == "text-delta")
+        return "".join(d.text for d in self._deltas if d.kind == TEXT)
 
     def content(self) -> list[dict[str, Any]]:
         """The answer so far as message content blocks (reasoning, text, tool calls)."""
-        return assemble(self._chunks)
+        return assemble(d.chunk() for d in self._deltas)
 
     async def delta(self, text: str) -> None:
         """A piece of the answer's text."""
@@ -150,26 +189,27 @@ class AnswerStream:
     def _add(self, kind: str, text: str, call_id: str | None, name: str | None) -> None:
         if not isinstance(text, str):
             raise TypeError(f"a delta is a str, got {type(text).__name__}")
+        if self._broken is not None:
+            raise self._broken
         if self._closed or not self._tasks:
             raise RuntimeError("this answer stream is not open (use `async with s.stream(...)`)")
-        index = len(self._chunks)
-        self._chunks.append(delta_chunk(kind, text, call_id, name))
-        self._outbox.append(
-            LiveRecord(answer=self.answer, kind=kind, index=index, text=text, call_id=call_id, name=name)
-        )
+        delta_chunk(kind, text, call_id, name)  # validates the kind
+        index = len(self._deltas)
+        self._deltas.append(Delta(answer=self.answer, index=index, kind=kind, text=text, call_id=call_id, name=name))
         self._send_wake.set()
         self._have_chunks.set()
-        if len(self._chunks) - self._flushed >= self.max_chunks:
+        if len(self._deltas) - self._flushed >= self.max_chunks:
             self._full.set()
 
-    # ------------------------------------------------------------------ live path
+    def _break(self, e: BaseException) -> None:
+        if self._broken is None:
+            log.warning("answer %s of %r cannot go on: %s", self.answer, self.session_id, e)
+            self._broken = e
 
-    def _expiry(self) -> int | None:
-        now = anyio.current_time()
-        if now - self._expired_at < _EXPIRE_EVERY:
-            return None
-        self._expired_at = now
-        return self.live_ttl_ms
+    def _common(self) -> dict[str, Any]:
+        return {"incarnation": self._incarnation, "turn": self.turn, "step": self.step}
+
+    # ------------------------------------------------------------------ live path
 
     async def _send_loop(self) -> None:
         while not self._closed:
@@ -179,28 +219,51 @@ class AnswerStream:
                 return  # what is left goes out with the close
             await self._send_pending()
 
-    async def _send_pending(self, *extra: LiveRecord, expire_ms: int | None = None, trim: bool = False) -> None:
-        batch, self._outbox = [*self._outbox, *extra], []
-        if not batch and expire_ms is None:
+    async def _send_pending(self) -> None:
+        """Send the deltas not live yet in one round trip; after a lost reply, first read what
+        landed (so none goes live twice), then send the rest."""
+        upto = len(self._deltas)
+        if upto <= self._live or self._broken is not None:
             return
         try:
-            await self.store.live_add(
-                self.session_id,
-                batch,
-                expire_ms=expire_ms if expire_ms is not None else self._expiry(),
-                trim_before=self._begin_id if trim else None,
-            )
-        except Exception as e:  # readers miss these deltas live; the log still gets them
-            log.warning("live deltas of %r (answer %s) were not sent: %s", self.session_id, self.answer, e)
+            if self._live_unsure:
+                # the last send's outcome is unknown: what landed is on the live stream after the
+                # last id we know, so each delta goes live once
+                landed = [
+                    r.index for r in await self.store.read_live(self.session_id, self._live_id)
+                    if r.answer == self.answer and r.is_delta and r.index is not None
+                ]  # fmt: skip
+                self._live = max(self._live, max(landed, default=-1) + 1)
+                self._live_unsure = False
+            first = self._live
+            if first < upto:
+                # the hot path: plain XADDs, no script (this task is the answer's only sender, so
+                # order holds; every record names the life, so no reader of another life takes it)
+                ids = await self.store.answer_live(
+                    self.session_id, self.answer, first, self._deltas[first:upto],
+                    incarnation=self._incarnation or "", expire_ms=self._expiry(),
+                )  # fmt: skip
+                self._live = upto
+                if ids and ids[-1]:
+                    self._live_id = ids[-1]
+        except StoreUnavailableError as e:
+            log.warning("live deltas of %r (answer %s) not sent yet: %s", self.session_id, self.answer, e)
+            self._live_unsure = True
+            return
+        except (AnswerError, SessionNotFoundError) as e:
+            self._break(e)
+            return
+        self._wrote_at = anyio.current_time()
+
+    def _expiry(self) -> int | None:
+        """The live expiry, pushed forward with the records at most once a second."""
+        now = anyio.current_time()
+        if now - self._expired_at < 1.0:
+            return None
+        self._expired_at = now
+        return self.live_ttl_ms
 
     # ------------------------------------------------------------------ durable path
-
-    def _rows(self, upto: int) -> list[NewEntry]:
-        rows = []
-        for lo in range(self._flushed, upto, self.max_chunks):
-            hi = min(upto, lo + self.max_chunks)
-            rows.append(chunk_row(self._chunks[lo:hi], turn=self.turn, step=self.step, answer=self.answer, seq=lo))
-        return rows
 
     async def _flush_loop(self) -> None:
         while not self._closed:
@@ -211,55 +274,110 @@ class AnswerStream:
                 return  # the last rows go with the closing entry
             self._have_chunks, self._full = anyio.Event(), anyio.Event()
             await self._flush()
-            if len(self._chunks) > self._flushed:
+            if len(self._deltas) > self._flushed:
                 self._have_chunks.set()
 
     async def _flush(self) -> None:
-        """Append the buffered chunks as rows (expected_n=None). A lost reply is checked against
-        the log before the rows are sent again, so a chunk never lands twice."""
-        upto = len(self._chunks)
-        if upto <= self._flushed:
+        """Append the buffered deltas as one row (at most `max_chunks`). A row whose reply was
+        lost is sent again with the same bounds: it lands once."""
+        if self._broken is not None:
             return
+        if self._row is None:
+            if len(self._deltas) <= self._flushed:
+                return
+            self._row = (self._flushed, min(len(self._deltas), self._flushed + self.max_chunks))
+        lo, hi = self._row
+        ack: AnswerAck | None
         try:
-            await self._write(self._rows(upto), expected=False)
+            ack = await self.store.answer_deltas(
+                self.session_id, self.answer, lo, self._deltas[lo:hi], live=False, log=True,
+                ttl_ms=self.live_ttl_ms, **self._common(),
+            )  # fmt: skip
+        except DurabilityError as e:  # the row landed; the close's wait covers it again
+            log.warning("chunks of %r (answer %s) landed unconfirmed: %s", self.session_id, self.answer, e)
+            got = [x for x in e.entries if isinstance(x, Entry)]
+            ack = AnswerAck(logged=hi, live=self._live, row_n=got[0].n) if got else None
         except StoreUnavailableError as e:
             log.warning("chunks of %r (answer %s) not flushed yet: %s", self.session_id, self.answer, e)
-            with anyio.CancelScope(shield=True):
-                self._flushed = await _landed(self.store, self.session_id, self.answer, self._flushed)
+            await anyio.sleep(min(self.flush_interval, 0.2))
             return
-        self._flushed = upto
+        except (AnswerError, SessionNotFoundError) as e:
+            self._break(e)
+            return
+        self._row = None
+        self._flushed = hi
+        self._wrote_at = anyio.current_time()
+        if ack is not None and ack.row_n is not None and self._advance is not None:
+            # the handle moves past its answer's own row (a write through it stays in order)
+            row = chunk_row([d.chunk() for d in self._deltas[lo:hi]], turn=self.turn, step=self.step,
+                            answer=self.answer, seq=lo)  # fmt: skip
+            await self._advance([Entry(n=ack.row_n, time=now_ms(), type=CHUNK, data=row.data)])
+
+    async def _beat_loop(self) -> None:
+        """Tell the server this writer is alive while it has nothing to send (a quiet writer is
+        never repaired)."""
+        while not self._closed and self._broken is None:
+            await anyio.sleep(max(0.0, self._wrote_at + self.heartbeat - anyio.current_time()))
+            if self._closed:
+                return
+            if anyio.current_time() - self._wrote_at < self.heartbeat:
+                continue
+            try:
+                await self.store.answer_beat(
+                    self.session_id, self.answer, incarnation=self._incarnation, ttl_ms=self.live_ttl_ms
+                )
+                self._wrote_at = anyio.current_time()
+            except StoreUnavailableError as e:
+                log.warning("heartbeat of answer %s of %r failed: %s", self.answer, self.session_id, e)
+                await anyio.sleep(min(1.0, self.heartbeat))
+            except (AnswerError, SessionNotFoundError) as e:
+                self._break(e)
 
     # ------------------------------------------------------------------ open and close
 
     async def __aenter__(self) -> AnswerStream:
-        begin = begin_record(self.answer, self.turn, self.step, self._position(), self._incarnation)
-        self._expired_at = anyio.current_time()
-        try:
-            ids = await self.store.live_add(self.session_id, [begin], expire_ms=self.live_ttl_ms)
-            self._begin_id = ids[0] if ids else None
-        except Exception as e:
-            log.warning("the live stream of %r is unavailable: %s", self.session_id, e)
+        begun = await _retrying(
+            lambda: self.store.answer_begin(
+                self.session_id, self.answer, n=self._position(), ttl_ms=self.live_ttl_ms, **self._common()
+            )
+        )
+        self.begin_id = begun.begin_id
+        self._live_id = begun.begin_id or None
+        self._incarnation = self._incarnation or begun.incarnation
+        self._wrote_at = self._expired_at = anyio.current_time()
         # plain asyncio tasks, not a task group: the block's own cancellation must not cut a
         # write in flight short, and its exit must wait for them (see __aexit__)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._send_loop()), loop.create_task(self._flush_loop())]
+        self._tasks = [
+            loop.create_task(self._send_loop()),
+            loop.create_task(self._flush_loop()),
+            loop.create_task(self._beat_loop()),
+        ]
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        # Stop both loops, letting a flush or a send in flight finish (a write is never cut
-        # short: its outcome would be unknown), even while this task is being cancelled.
+        # Stop the loops, letting a write in flight finish (a write is never cut short: its
+        # outcome would be unknown), even while this task is being cancelled.
         self._closed = True
         self._send_wake.set()
         self._have_chunks.set()
         self._full.set()
         with anyio.CancelScope(shield=True):
+            self._tasks[2].cancel()  # the heartbeat has nothing in flight worth waiting for
             for result in await asyncio.gather(*self._tasks, return_exceptions=True):
-                if isinstance(result, BaseException):
+                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                     log.warning("answer %s of %r: a background write failed: %r", self.answer, self.session_id, result)
+            if self._broken is not None:
+                if exc_type is None:
+                    raise self._broken
+                return
             # every delta is live before the entry that closes the answer lands
-            await self._send_pending()
+            for _ in range(3):
+                await self._send_pending()
+                if self._live >= len(self._deltas) or self._broken is not None:
+                    break
             if exc_type is None:
                 await self._commit()
             else:
@@ -269,41 +387,70 @@ class AnswerStream:
                 except Exception:
                     log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
 
+    async def _end(self, reason: str, closing: NewEntry | None, expected: int | str | None) -> tuple[AnswerEnded, bool]:
+        """The end op (retried on a lost reply: an end that landed answers as a retry); whether
+        its durability wait failed."""
+        if self._row is not None:  # a row whose outcome is unknown: settle it first (same bounds)
+            await _retrying(self._flush_strict)
+        rest = self._deltas[self._flushed :]
+        unconfirmed = False
+
+        async def op() -> AnswerEnded:
+            return await self.store.answer_end(
+                self.session_id, self.answer, deltas=len(self._deltas), reason=reason, closing=closing,
+                expected=expected, rest_first=self._flushed, rest=rest, grace_ms=self.grace_ms, **self._common(),
+            )  # fmt: skip
+
+        try:
+            ended = await _retrying(op)
+        except DurabilityError as e:
+            unconfirmed = True
+            n = e.entries[-1].n if e.entries and isinstance(e.entries[-1], Entry) else None
+            ended = AnswerEnded(n=n, reason=reason)
+            self._durability = e
+        self._flushed = len(self._deltas)
+        return ended, unconfirmed
+
+    def _expected(self) -> int | str:
+        """The close's fence: the handle's n (it moved past the answer's own rows), else
+        ``"answer"`` (nobody else wrote since the answer's own last row)."""
+        return self._position() if self._advance is not None else "answer"
+
+    async def _flush_strict(self) -> None:
+        await self._flush()
+        if self._row is not None and self._broken is None:
+            raise StoreUnavailableError("a chunk row is still unsettled")
+        if self._broken is not None:
+            raise self._broken
+
+    async def _closing_entry(self, n: int | None) -> Entry | None:
+        if n is None:
+            return None
+        got = await _retrying(lambda: self.store.read(self.session_id, n, n + 1, incarnation=self._incarnation))
+        entry = got[0] if got else None
+        if entry is not None and self._advance is not None:
+            await self._advance([entry])
+        return entry
+
     async def _commit(self) -> None:
         message = answer_message(self.answer, self.turn, self.step, self.content(), self.usage, self._meta)
-        rows = self._rows(len(self._chunks))
         try:
-            stored = await self._write([*rows, message])
+            ended, unconfirmed = await self._end("committed", message, self._expected())
         except SessionConflictError:
-            # someone wrote since our last flush: keep the deltas, let the caller retry the message
-            if rows:
-                await self._write(rows, expected=False)
-            self._flushed = len(self._chunks)
-            await self._close_live(None, "conflict")
+            # someone wrote since the answer's rows: keep the deltas, close the answer, let the
+            # caller retry the message (`Session.commit`)
+            await self._end("conflict", None, None)
             raise
-        except BaseException:
-            await self._close_live(None, "interrupted")
-            raise
-        self._flushed = len(self._chunks)
-        self.message = stored[-1]
-        await self._close_live(self.message.n, "committed")
+        self.message = await self._closing_entry(ended.n)
+        if unconfirmed and self._durability is not None:
+            raise self._durability
 
     async def _interrupt(self, reason: str) -> None:
         mark = interrupted_mark(
-            self.answer, self.turn, self.step, reason, len(self._chunks), self.content(), self._meta
+            self.answer, self.turn, self.step, reason, len(self._deltas), self.content(), self._meta
         )
-        try:
-            stored = await self._write([*self._rows(len(self._chunks)), mark], expected=False)
-        except BaseException:
-            await self._close_live(None, "interrupted")
-            raise
-        self._flushed = len(self._chunks)
-        self.interrupted = stored[-1]
-        await self._close_live(self.interrupted.n, "interrupted")
-
-    async def _close_live(self, n: int | None, reason: str) -> None:
-        end = end_record(self.answer, len(self._chunks), n, reason)
-        await self._send_pending(end, expire_ms=self.grace_ms, trim=True)
+        ended, _ = await self._end("interrupted", mark, None)
+        self.interrupted = await self._closing_entry(ended.n)
 
 
 def answer_message(
@@ -327,18 +474,6 @@ def answer_message(
     return NewEntry("assistant/message", data, {**(meta or {}), "answer": answer})
 
 
-def begin_record(answer: str, turn: int | None, step: int | None, n: int, incarnation: str | None) -> LiveRecord:
-    """The live record that opens an answer: begun when the log was at `n`, in `incarnation`."""
-    return LiveRecord(answer=answer, kind="begin", turn=turn, step=step, n=n, incarnation=incarnation)
-
-
-def end_record(answer: str, deltas: int, n: int | None, reason: str) -> LiveRecord:
-    """The live record that closes an answer of `deltas` deltas: `n` is the entry that closed it
-    (its message or its interrupted mark; None when none landed), `reason` ``committed`` or
-    ``interrupted`` (``conflict``: the message was refused)."""
-    return LiveRecord(answer=answer, kind="end", index=deltas, n=n, reason=reason)
-
-
 def interrupted_mark(
     answer: str,
     turn: int | None,
@@ -360,71 +495,55 @@ def interrupted_mark(
     return NewEntry(INTERRUPTED, data, {**(meta or {}), "answer": answer})
 
 
-def _is_cancel(exc: BaseException) -> bool:
-    return isinstance(exc, anyio.get_cancelled_exc_class()) or isinstance(exc, KeyboardInterrupt)
-
-
-async def _landed(store: SessionStore, session_id: str, answer: str, flushed: int, window: int = 64) -> int:
-    """How many of `answer`'s chunks the log holds (after a lost reply): scans the last `window`
-    entries; `flushed` when none is found there."""
-    try:
-        head = await store.head(session_id)
-        if head is None:
-            return flushed
-        rows = await store.read(session_id, max(0, head.n - window), head.n)
-    except Exception:
-        return flushed
-    best = flushed
-    for e in rows:
-        if e.type == CHUNK and e.data.get("answer") == answer:
-            best = max(best, int(e.data.get("seq", 0)) + len(e.data.get("chunks") or ()))
-    return best
-
-
-def dead_answers(records: Sequence[LiveRecord], *, stale_ms: int, now_ms: int) -> list[str]:
-    """Answers of a live backlog whose writer is gone: no end record, and no record for
-    `stale_ms` (stream ids are the server's ms)."""
-    last_seen: dict[str, int] = {}
-    for r in records:
-        last_seen[r.answer] = _id_ms(r.id)
-    return [a for a in open_answers(records) if now_ms - last_seen.get(a, 0) >= stale_ms]
-
-
 async def close_dead_answers(
     store: SessionStore,
     session_id: str,
-    write: _Write,
     entries: Sequence[Entry],
     records: Sequence[LiveRecord],
     answers: Sequence[str],
-) -> list[Entry]:
-    """Close `answers` (see `dead_answers`): pack the deltas the log lacks (the live stream still
-    has them) into chunk rows, append them with an ``assistant/interrupted`` mark (reason
-    ``crashed``), and end the answer on the live stream. `entries` is the log, to find what was
-    flushed already. Returns the entries appended."""
+    *,
+    incarnation: str | None,
+    stale_ms: int,
+) -> tuple[list[int], bool]:
+    """Close `answers` whose writer is gone through the answer protocol: the deltas the log
+    lacks (the live stream still has them) as the last row, an ``assistant/interrupted`` mark
+    (reason ``crashed``) and the live end, in one `answer_end` that the server refuses when the
+    writer wrote or beat within `stale_ms` (`AnswerAliveError`: it is alive after all) or when
+    the answer has ended (a second repair: nothing twice). `entries` is the log. Returns the n of
+    each mark written, and whether an answer's writer is alive (it was left open)."""
     opened = open_answers(records)
     logged = replay(entries)
-    out: list[Entry] = []
+    out: list[int] = []
+    alive = False
+    states = await store.answer_states(session_id, answers)
     for answer in answers:
-        begin, deltas = opened.get(answer, (None, []))
+        begin, live = opened.get(answer, (None, []))
         turn = begin.turn if begin is not None else None
         step = begin.step if begin is not None else None
-        have = logged.get(answer, [])
-        chunks = list(have)
-        for d in deltas:  # the live stream holds them from some index on (all unless capped)
-            if d.index == len(chunks):
-                chunks.append(d.chunk())
-        size = DEFAULT_MAX_CHUNKS * 4
-        rows = [
-            chunk_row(chunks[lo : lo + size], turn=turn, step=step, answer=answer, seq=lo)
-            for lo in range(len(have), len(chunks), size)
-        ]
+        chunks = list(logged.get(answer, []))
+        have = len(chunks)
+        st = states.get(answer)
+        if st is None:
+            continue  # its state expired: the protocol cannot close it (the turn closers still do)
+        rest = [d for d in live if d.index >= have]
+        rest = [d for i, d in enumerate(rest) if d.index == have + i]  # contiguous from the log's end
+        chunks.extend(d.chunk() for d in rest)
         mark = interrupted_mark(answer, turn, step, "crashed", len(chunks), assemble(chunks))
-        stored = await write([*rows, mark], expected=False)
-        out.extend(stored)
-        end = end_record(answer, len(chunks), stored[-1].n, "interrupted")
-        await store.live_add(session_id, [end], expire_ms=round(DEFAULT_GRACE * 1000))
-    return out
+        try:
+            ended = await store.answer_end(
+                session_id, answer, deltas=have + len(rest), reason="interrupted", closing=mark,
+                rest_first=have, rest=rest, turn=turn, step=step, incarnation=incarnation,
+                grace_ms=round(DEFAULT_GRACE * 1000), stale_ms=stale_ms,
+            )  # fmt: skip
+        except AnswerAliveError:
+            alive = True
+            continue
+        except AnswerError as e:
+            log.info("not repairing answer %s of %r: %s", answer, session_id, e)
+            continue
+        if not ended.retry and ended.n is not None:
+            out.append(ended.n)
+    return out, alive
 
 
 async def tail_deltas(
@@ -434,43 +553,114 @@ async def tail_deltas(
     *,
     incarnation: str | None = None,
     live_after: str | None = None,
-) -> AsyncGenerator[Entry | Delta, None]:
+) -> AsyncGenerator[Entry | Delta | DeltaGap, None]:
     """Entries from `start` as `SessionStore.tail` gives them, and the deltas of streamed
     answers as they are streamed (one connection; `live.follow_deltas` survives drops).
 
     Without `live_after` (a fresh reader) the live stream is read from its start, so a reader
     that arrives mid-answer gets the answer so far, then the rest. With `live_after` (the cursor
-    of the last delta delivered), delivery resumes right after it. Either way, answers the live
-    stream shows closed before `start` (their entries are behind the reader) and answers begun by
-    another incarnation are not sent. Each delta once, in order."""
-    records = await store.read_live(session_id, live_after)
-    skip = answers_to_skip(records, start, incarnation)
+    of the last delta delivered), delivery resumes right after it. Every delta once and in
+    order, per answer; where the live stream cannot give an answer's next delta (trimmed after
+    its grace, capped, never sent live) a `DeltaGap` says which ones, so the reader re-reads the
+    answer from the log's chunk rows; a resume whose cursor the live stream no longer holds gets
+    a `DeltaGap` with an empty `answer` first (records after it may be gone too: re-read the
+    answers it was following from the log). Answers closed before `start` (their entries are
+    behind the reader) are not sent; a begin of another life raises `SessionReplacedError`."""
+    records = await store.read_live(session_id)
+    # the life, after the records: those were read from the stream of the life the header still
+    # names, so a straggler of another life (an old writer's last live records land in whatever
+    # stream holds the id now) never passes for this one's, nor does a reader resume on it
+    head = await store.head(session_id)
+    if head is None:
+        raise SessionNotFoundError(session_id)
+    if incarnation is not None and head.header.incarnation != incarnation:
+        raise SessionReplacedError(session_id)
+    incarnation = head.header.incarnation or None
+    skip = answers_to_skip(records, start, None)
+    expect: dict[str, int] = {}  # answer -> the next index the reader is owed
+    floor = (-1, -1) if live_after is None else _id_key(live_after)
+    pending: list[Entry | Delta | DeltaGap] = []
+    if live_after is not None and live_after != "0-0" and (not records or _id_key(records[0].id) > floor):
+        # the records up to the cursor are gone (trimmed after their grace, or the stream
+        # expired): some after it may be too, of answers it cannot name any more
+        pending.append(DeltaGap(answer="", start=0, stop=None, cursor=live_after))
     for r in records:
-        if r.is_delta and r.answer not in skip:
-            yield r.delta()
+        if incarnation and r.incarnation and r.incarnation != incarnation:
+            if r.kind == "begin":
+                raise SessionReplacedError(session_id, "its live stream belongs to another life")
+            continue  # a straggler of another life's answer: never this session's
+        if _id_key(r.id) <= floor:
+            _seen(expect, skip, r)  # delivered before the reader resumed
+            continue
+        pending.extend(_deliver(expect, r, skip))
+    for given in pending:
+        yield given
     cursor = records[-1].id if records else (live_after or "0-0")
-    async for item in store.tail_live(session_id, start, live_after=cursor, incarnation=incarnation):
-        if not isinstance(item, LiveRecord):
-            yield item
-        elif item.is_delta:
-            if item.answer not in skip:
-                yield item.delta()
-        elif item.kind == "begin" and incarnation and item.incarnation and item.incarnation != incarnation:
-            skip.add(item.answer)
+    if live_after is not None and _id_key(live_after) > _id_key(cursor):
+        cursor = live_after
+    async for got in store.tail_live(session_id, start, live_after=cursor, incarnation=incarnation):
+        if not isinstance(got, LiveRecord):
+            yield got
+            continue
+        if incarnation and got.incarnation and got.incarnation != incarnation:
+            if got.kind == "begin":
+                raise SessionReplacedError(session_id, "its live stream belongs to another life")
+            continue
+        for out in _deliver(expect, got, skip):
+            yield out
 
 
-def _id_ms(rid: str) -> int:
-    head = rid.partition("-")[0]
-    return int(head) if head.isdigit() else 0
+def _seen(expect: dict[str, int], skip: set[str], r: LiveRecord) -> None:
+    if r.kind == "begin":
+        expect.setdefault(r.answer, 0)
+    elif r.is_delta and r.index is not None:
+        expect[r.answer] = max(expect.get(r.answer, 0), r.index + 1)
+    elif r.kind == "end":
+        expect.pop(r.answer, None)
+        skip.add(r.answer)
+
+
+def _deliver(expect: dict[str, int], r: LiveRecord, skip: set[str]) -> list[Delta | DeltaGap]:
+    """What one live record gives the reader: a delta (after a gap when indexes are missing),
+    a gap at an end that names more deltas than were given, or nothing."""
+    if r.answer in skip:
+        return []
+    if r.kind == "begin":
+        expect.setdefault(r.answer, 0)
+        return []
+    if r.kind == "end":
+        skip.add(r.answer)  # nothing of it after its end
+        nxt = expect.pop(r.answer, None)
+        total = r.index or 0
+        if nxt is not None and nxt < total:
+            return [DeltaGap(answer=r.answer, start=nxt, stop=None, cursor=r.id)]
+        return []
+    if not r.is_delta or r.index is None:
+        return []
+    nxt = expect.get(r.answer, 0)
+    if r.index < nxt:
+        return []  # never expected from the protocol (a duplicate): not given twice
+    out: list[Delta | DeltaGap] = []
+    if r.index > nxt:
+        out.append(DeltaGap(answer=r.answer, start=nxt, stop=r.index, cursor=r.id))
+    expect[r.answer] = r.index + 1
+    out.append(r.delta())
+    return out
+
+
+def _id_key(rid: str) -> tuple[int, int]:
+    ms, _, seq = rid.partition("-")
+    return (int(ms) if ms.isdigit() else 0, int(seq) if seq.isdigit() else 0)
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    return isinstance(exc, anyio.get_cancelled_exc_class()) or isinstance(exc, KeyboardInterrupt)
 
 
 __all__ = [
     "AnswerStream",
     "answer_message",
-    "begin_record",
     "close_dead_answers",
-    "dead_answers",
-    "end_record",
     "interrupted_mark",
     "tail_deltas",
 ]

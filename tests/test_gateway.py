@@ -47,6 +47,17 @@ async def sse(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
                 ev[field] = value
 
 
+def event_n(event_id: str) -> int:
+    """The n of an SSE event id ``<incarnation>:<n>`` (``…/<live id>`` on a deltas stream)."""
+    return int(event_id.split("/")[0].rsplit(":", 1)[1])
+
+
+async def incarnation_of(store: Any, sid: str) -> str:
+    head = await store.head(sid)
+    assert head is not None
+    return str(head.header.incarnation)
+
+
 async def collect_entries(
     client: httpx.AsyncClient, url: str, until_n: int, headers: dict[str, str] | None = None
 ) -> list[int]:
@@ -56,7 +67,7 @@ async def collect_entries(
         assert r.status_code == 200, r.text
         async for ev in sse(r):
             if "id" in ev:
-                assert int(ev["id"]) == ev["data"]["n"]
+                assert event_n(ev["id"]) == ev["data"]["n"]
                 got.append(ev["data"]["n"])
                 if got[-1] >= until_n:
                     return got
@@ -102,7 +113,8 @@ async def test_sse_resumes_with_last_event_id_without_gap_or_repeat(redis_store:
             assert first == list(range(7))
             await write_marks(redis_store, "r", 20, batch=4)  # written while disconnected
             # a browser reconnects to the same URL (here with ?start=0) and sends Last-Event-ID
-            rest = await collect_entries(client, path("r", "events") + "?start=0", 29, {"Last-Event-ID": "6"})
+            inc = await incarnation_of(redis_store, "r")  # event ids name the life: <incarnation>:<n>
+            rest = await collect_entries(client, path("r", "events") + "?start=0", 29, {"Last-Event-ID": f"{inc}:6"})
             assert first + rest == list(range(30))
             # without Last-Event-ID, ?start= decides
             assert await collect_entries(client, path("r", "events") + "?start=25", 29) == [25, 26, 27, 28, 29]
@@ -110,7 +122,7 @@ async def test_sse_resumes_with_last_event_id_without_gap_or_repeat(redis_store:
             got: list[int] = []
 
             async def late() -> None:
-                got.extend(await collect_entries(client, path("r", "events"), 30, {"Last-Event-ID": "29"}))
+                got.extend(await collect_entries(client, path("r", "events"), 30, {"Last-Event-ID": f"{inc}:29"}))
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(late)
@@ -480,8 +492,8 @@ async def test_replaced_session_is_never_served_from_the_old_log(redis_store: Re
             assert [m["content"] for m in r.json()["messages"]] == ["m0", "m1", "m2"]
             async with client.stream("GET", path("x", "events")) as stream:
                 events = sse(stream)
-                got = [ev async for ev in _until(events, lambda ev: ev.get("id") == "2")]
-                assert [int(e["id"]) for e in got if "id" in e] == [0, 1, 2]
+                got = [ev async for ev in _until(events, lambda ev: "id" in ev and event_n(ev["id"]) == 2)]
+                assert [event_n(e["id"]) for e in got if "id" in e] == [0, 1, 2]
                 await redis_store.delete("x")
                 await redis_store.create(
                     SessionHeader(id="x"), [("user/message", {"content": f"new{i}"}) for i in range(5)]

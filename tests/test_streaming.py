@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -203,7 +204,11 @@ async def test_deleting_a_session_leaves_no_live_key(redis_store: RedisSessionSt
         await anyio.sleep(0.05)
         assert await redis_store.client.exists(live)
     assert await redis_store.delete("chat")
-    assert await redis_store.client.keys(f"{redis_store.prefix}:{{chat}}:*") == []
+    # only the answer's state is left, and it expires by itself (within the grace); it names the
+    # life it began in, so no later life of the id can take it for its own
+    left = await redis_store.client.keys(f"{redis_store.prefix}:{{chat}}:*")
+    assert [k.decode() for k in left] == [f"{live}:{w.answer}"]
+    assert 0 < await redis_store.client.pttl(left[0]) <= 30_000
     # and a create never inherits a predecessor's live records
     await redis_store.live_add("again", [], expire_ms=1000)
     await redis_store.client.xadd(redis_store.keys.live("again"), {"a": "old", "i": "0", "t": "stale"})
@@ -414,3 +419,60 @@ async def test_a_strict_vocabulary_accepts_the_interrupted_mark() -> None:
             await anyio.sleep(1)
     types = [e.type for e in await s.read()]
     assert types[-1] == "assistant/interrupted" and "assistant/chunk" in types
+
+
+def test_a_gateway_stopped_with_sse_clients_open_stops_cleanly(redis_url: str, prefix: str) -> None:
+    """Issue 25 item 6: SIGTERM with a viewer open (its store-wide ``/events`` and a session's
+    ``?deltas=1`` stream) ends every stream and exits 0, with no 'Exception in ASGI application'."""
+    import signal
+    import socket
+    import subprocess
+
+    async def make() -> None:
+        store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+        try:
+            await store.create(SessionHeader(id="shut"))
+        finally:
+            await store.aclose()
+
+    anyio.run(make)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from redis_session.cli.main import main; main()", "gateway", "--url", redis_url,
+           "--prefix", prefix, "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the gateway did not start"
+            time.sleep(0.1)
+        with (
+            httpx.Client(base_url=base, timeout=20) as c,
+            c.stream("GET", "/events") as store_events,
+            c.stream("GET", "/sessions/shut/events?deltas=1") as session_events,
+        ):
+            assert store_events.status_code == session_events.status_code == 200
+            lines = store_events.iter_lines()
+            next(lines)
+            next(session_events.iter_lines())
+            stopped_at = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            for _ in lines:  # the server ends it (a browser would read on)
+                pass
+            _, err = proc.communicate(timeout=30)
+            took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.decode()
+    assert proc.returncode == 0, text[-3000:]
+    assert "Exception in ASGI application" not in text and "Traceback" not in text, text[-3000:]
+    assert took < 5, f"the streams were not ended at once ({took:.1f} s)"

@@ -57,4 +57,4 @@ async def test_typescript_client_against_a_real_gateway(redis_store: RedisSessio
     out = (run.stdout + run.stderr).decode()
     assert run.returncode == 0, out[-8000:]
     assert "# fail 0" in out and "# skipped 0" in out, out[-4000:]
-    assert "# pass 13" in out, out[-4000:]  # 8 client tests, the 2 seed flows, 3 streaming tests
+    assert "# pass 17" in out, out[-4000:]  # 8 client tests, the 2 seed flows, 3 streaming tests, 4 tail tests

@@ -23,7 +23,7 @@ from rich.text import Text
 
 from ..errors import SessionConflictError
 from ..model import NewEntry
-from ..projection.chunks import Delta, unpack_row
+from ..projection.chunks import Delta, DeltaGap, unpack_row
 from ..retry import conflict_backoff
 from ..streaming import tail_deltas
 from .scripts import SCRIPTS, ToolStep, Turn
@@ -203,6 +203,8 @@ async def _print_tail(store: Any, session_id: str, console: Console, stats: Stat
     buffered = console.is_terminal and stats is not None
     answer = ""
     async for e in tail_deltas(store, session_id, start):
+        if isinstance(e, DeltaGap):
+            continue  # the demo's writer streams everything live
         if isinstance(e, Delta) or e.type == "assistant/chunk":
             if isinstance(e, Delta):
                 live.add(e.answer)

@@ -18,7 +18,7 @@ from rich.text import Text
 from ..errors import SessionNotFoundError
 from ..live import follow, follow_deltas
 from ..model import Entry
-from ..projection.chunks import Delta, unpack_row
+from ..projection.chunks import Delta, DeltaGap, unpack_row
 from ..store.memory import SessionStore
 
 # --------------------------------------------------------------------------- rendering
@@ -391,6 +391,9 @@ async def run_tail(
             async for e in entries:
                 if isinstance(e, Delta):
                     view.render_delta(e)
+                    continue
+                if isinstance(e, DeltaGap):  # the rest of that answer is in its entries
+                    view.note(f"deltas {e.start}.. of answer {e.answer} are gone from the live stream", "yellow")
                     continue
                 view.render(e)
                 nxt = e.n + 1

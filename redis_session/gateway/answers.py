@@ -1,26 +1,31 @@
-"""The streaming routes: one answer streamed over HTTP, as `Session.stream` streams it in Python
-(docs/design.md §8.2), by any replica (the gateway keeps nothing per answer between requests).
+"""The streaming routes: one answer streamed over HTTP through the same answer protocol as
+`Session.stream` (``lua/answer.lua``: its rules are kept server-side, so an HTTP writer, a Python
+one and the TypeScript client cannot drift apart), by any replica (the gateway keeps nothing per
+answer between requests).
 
 ``POST /sessions/{id}/answers`` ``{turn?, step?}``
-    opens an answer: a ``begin`` record on the session's live stream; 201
-    ``{answer, n, incarnation, begin_id}`` (the log's n when it began, the begin's live id).
-    With an ``Idempotency-Key`` the answer id is derived from it (a retry gets the same answer).
+    opens an answer in the session's current life (or the ``X-Session-Incarnation`` one: 409
+    ``session_replaced`` otherwise); 201 ``{answer, n, incarnation, begin_id}``. With an
+    ``Idempotency-Key`` the answer id is derived from it (a retry gets the same answer).
 ``POST /sessions/{id}/answers/{answer}/deltas`` ``{first_index, deltas: [...], turn?, step?}``
     a batch of deltas (``{text}``, ``{kind: "reasoning", text}``, ``{kind: "tool-call", callId,
     name?, text}``) numbered from `first_index`: one packed ``assistant/chunk`` row in the log
-    (``expected_n`` none, the session's incarnation, idempotency key
-    ``answer:<answer>:<first_index>``), then the deltas on the live stream. A retried batch lands
-    nowhere twice: its row is the one already there, and its deltas are not sent again.
-``POST /sessions/{id}/answers/{answer}/end`` ``{reason, begun_at, begin_id?, content?, ...}``
-    closes it: ``committed`` appends the ``assistant/message`` (content assembled from the
-    answer's chunk rows in the log since `begun_at`, unless given), ``interrupted`` the
-    ``assistant/interrupted`` mark; ``If-Match`` (or ``expected_n``) as on ``/entries`` (412,
-    nothing written); then the ``end`` record on the live stream (trimming what precedes
-    `begin_id`, expiring after the grace period).
+    and the deltas on the live stream, in one script. It must start at the answer's next index:
+    409 ``out_of_order`` with ``expected_index`` otherwise (never reordered, holes never
+    accepted). A retry of a batch that landed is a no-op that still leaves its deltas on the
+    live stream exactly once (two copies at once too); the same index with other deltas is 422
+    ``batch_mismatch``. 201 ``{n, next_index, entries: []}``.
+``POST /sessions/{id}/answers/{answer}/end`` ``{reason, deltas?, content?, usage?, meta?, cause?}``
+    closes it: ``committed`` appends the ``assistant/message`` (content assembled by index from
+    the answer's chunk rows, unless given), ``interrupted`` the ``assistant/interrupted`` mark;
+    `deltas` is how many the writer sent (default: as many as the log holds): 409 ``incomplete``
+    with the ``missing`` range while the log lacks any. ``If-Match`` (or ``expected_n``) as on
+    ``/entries`` (412, nothing written). A retried end answers the entry the first one wrote.
 
-Records and rows are made by the same functions `AnswerStream` uses, so readers (`follow_deltas`,
-SSE ``?deltas=1``, the viewer, `repair`) cannot tell an HTTP-streamed answer from a Python one.
-The log is written before the live stream: a delta batch's row decides whether it is new.
+Every op after the begin is checked against the life the answer began in, with or without the
+``X-Session-Incarnation`` header: an answer of a deleted session never writes into the one that
+took its id (409 ``session_replaced``). Unknown answer: 404 ``answer_not_found``; an answer that
+has ended: 409 ``answer_ended``.
 """
 
 from __future__ import annotations
@@ -33,17 +38,19 @@ from msgspec import Struct
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..errors import InvalidEntryError, SessionNotFoundError, SessionReplacedError
-from ..model import Entry, NewEntry, SessionHead
-from ..projection.chunks import TOOL_CALL, LiveRecord, assemble, chunk_row, new_answer_id, replay
-from ..streaming import (
-    DEFAULT_GRACE,
-    DEFAULT_LIVE_TTL,
-    answer_message,
-    begin_record,
-    end_record,
-    interrupted_mark,
+from ..errors import (
+    AnswerBatchMismatchError,
+    AnswerClosedError,
+    AnswerError,
+    AnswerIncompleteError,
+    AnswerNotFoundError,
+    AnswerOrderError,
+    InvalidEntryError,
+    SessionNotFoundError,
 )
+from ..model import NewEntry
+from ..projection.chunks import TOOL_CALL, Delta, assemble, new_answer_id, replay
+from ..streaming import DEFAULT_GRACE, DEFAULT_LIVE_TTL, answer_message, interrupted_mark
 from .body import (
     NonNeg,
     Preconditions,
@@ -55,9 +62,9 @@ from .body import (
     preconditions,
     read_body,
 )
-from .common import _JSON, _BadRequest, _session_path, log, route_key
+from .common import _JSON, _BadRequest, _session_path, route_key
 from .context import Gateway
-from .writes import _tags, _written
+from .writes import _tags
 
 MAX_DELTAS = 4096
 """Deltas per batch request (a client batches ~75 ms of them; more answers 413)."""
@@ -88,8 +95,9 @@ class DeltasIn(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class EndIn(Struct, forbid_unknown_fields=True, kw_only=True):
     reason: Literal["committed", "interrupted"]
-    begun_at: NonNeg
-    begin_id: str | None = None
+    deltas: NonNeg | None = None
+    begun_at: NonNeg | None = None  # accepted from older clients; the answer's state knows it
+    begin_id: str | None = None  # likewise
     turn: int | None = None
     step: int | None = None
     content: list[dict[str, Any]] | None = None
@@ -106,31 +114,24 @@ def _answer_of(request: Request) -> str:
     return answer
 
 
-async def _head(gw: Gateway, sid: str, cond: Preconditions) -> SessionHead:
-    """The session's head (404 when there is none; 409 when it is not the pinned incarnation)."""
-    head = await gw.store.head(sid)
-    if head is None:
-        raise SessionNotFoundError(sid)
-    if cond.incarnation is not None and head.header.incarnation != cond.incarnation:
-        raise SessionReplacedError(sid)
-    return head
-
-
-async def _put(gw: Gateway, sid: str, expected: int | None, entry: NewEntry, key: str, inc: str | None) -> list[Entry]:
-    try:
-        return await gw.store.put(sid, expected, [entry], idempotency_key=key, incarnation=inc)
-    except InvalidEntryError as e:
-        raise entry_error(e, "") from None
-
-
-async def _live(gw: Gateway, sid: str, records: list[LiveRecord], **kw: Any) -> list[str]:
-    """Add live records; a failure only costs readers the live view (the log has it all), as in
-    `AnswerStream`."""
-    try:
-        return await gw.store.live_add(sid, records, **kw)
-    except Exception as e:
-        log.warning("live records of %r (answer %s) were not sent: %s", sid, records[0].answer, e)
-        return []
+def _refused(e: AnswerError) -> Response:
+    body: dict[str, Any] = {"error": "answer", "message": str(e), "answer": e.answer}
+    if isinstance(e, AnswerOrderError):
+        body.update(error="out_of_order", expected_index=e.expected, first_index=e.got)
+        return _JSON(body, status_code=409)
+    if isinstance(e, AnswerIncompleteError):
+        body.update(error="incomplete", logged=e.logged, deltas=e.deltas, missing=list(e.missing))
+        return _JSON(body, status_code=409)
+    if isinstance(e, AnswerClosedError):
+        body.update(error="answer_ended", n=e.n)
+        return _JSON(body, status_code=409)
+    if isinstance(e, AnswerNotFoundError):
+        body["error"] = "answer_not_found"
+        return _JSON(body, status_code=404)
+    if isinstance(e, AnswerBatchMismatchError):
+        body.update(error="batch_mismatch", first_index=e.first)
+        return _JSON(body, status_code=422)
+    return _JSON(body, status_code=409)
 
 
 # --------------------------------------------------------------------------- begin
@@ -139,27 +140,30 @@ async def _live(gw: Gateway, sid: str, records: list[LiveRecord], **kw: Any) -> 
 async def begin(gw: Gateway, request: Request, sid: str) -> Response:
     cond = preconditions(request)
     req = convert(decode_json(await read_body(request, gw.max_body)), BeginIn)
-    head = await _head(gw, sid, cond)
-    inc = head.header.incarnation or None
     answer = new_answer_id()
     if cond.idempotency_key is not None:
         answer = hashlib.sha256(f"{sid}\0{cond.idempotency_key}".encode()).hexdigest()[:10]
-    ids = await _live(gw, sid, [begin_record(answer, req.turn, req.step, head.n, inc)], expire_ms=LIVE_TTL_MS)
-    body = {"answer": answer, "n": head.n, "incarnation": inc, "begin_id": ids[0] if ids else None}
-    return _JSON(body, status_code=201, headers=_tags(head.n, inc))
+    try:
+        begun = await gw.store.answer_begin(
+            sid, answer, turn=req.turn, step=req.step, incarnation=cond.incarnation, ttl_ms=LIVE_TTL_MS
+        )
+    except AnswerError as e:
+        return _refused(e)
+    body = {"answer": answer, "n": begun.n, "incarnation": begun.incarnation, "begin_id": begun.begin_id}
+    return _JSON(body, status_code=201, headers=_tags(begun.n, begun.incarnation))
 
 
 # --------------------------------------------------------------------------- deltas
 
 
-def _record(answer: str, index: int, d: DeltaIn, path: str) -> LiveRecord:
+def _delta(answer: str, index: int, d: DeltaIn, path: str) -> Delta:
     if d.kind == TOOL_CALL:
         if not d.call_id:
             raise Unprocessable("a tool-call delta names its call (a non-empty callId)", path + ".callId")
     elif d.call_id is not None or d.name is not None:
         field = "callId" if d.call_id is not None else "name"
         raise Unprocessable(f"only a tool-call delta has a {field}", f"{path}.{field}")
-    return LiveRecord(answer=answer, kind=d.kind, index=index, text=d.text, call_id=d.call_id, name=d.name)
+    return Delta(answer=answer, index=index, kind=d.kind, text=d.text, call_id=d.call_id, name=d.name)
 
 
 async def deltas(gw: Gateway, request: Request, sid: str) -> Response:
@@ -170,16 +174,21 @@ async def deltas(gw: Gateway, request: Request, sid: str) -> Response:
         raise Unprocessable("a batch holds at least one delta", "$.deltas")
     if len(req.deltas) > MAX_DELTAS:
         raise TooLarge(f"a batch holds at most {MAX_DELTAS} deltas; this one has {len(req.deltas)}", "batch_too_large")
-    records = [_record(answer, req.first_index + i, d, f"$.deltas[{i}]") for i, d in enumerate(req.deltas)]
-    row = chunk_row(
-        [r.delta().chunk() for r in records], turn=req.turn, step=req.step, answer=answer, seq=req.first_index
-    )
-    head = await _head(gw, sid, cond)
-    inc = head.header.incarnation or None
-    stored = await _put(gw, sid, None, row, f"answer:{answer}:{req.first_index}", inc)
-    if stored[0].n >= head.n:  # a new row (a retry's row is behind the head it read): send them live
-        await _live(gw, sid, records, expire_ms=LIVE_TTL_MS)
-    return _written(stored, stored[-1].n + 1, inc)
+    batch = [_delta(answer, req.first_index + i, d, f"$.deltas[{i}]") for i, d in enumerate(req.deltas)]
+    try:
+        ack = await gw.store.answer_deltas(
+            sid, answer, req.first_index, batch, turn=req.turn, step=req.step,
+            incarnation=cond.incarnation, ttl_ms=LIVE_TTL_MS,
+        )  # fmt: skip
+    except InvalidEntryError as e:
+        raise entry_error(e, "") from None
+    except AnswerError as e:
+        return _refused(e)
+    head = await gw.store.head(sid)
+    n = head.n if head is not None else (ack.row_n or 0) + 1
+    inc = head.header.incarnation if head is not None else None
+    body = {"n": n, "next_index": ack.logged, "entries": []}
+    return _JSON(body, status_code=201, headers=_tags(n, inc))
 
 
 # --------------------------------------------------------------------------- end
@@ -191,11 +200,25 @@ def _expected(cond: Preconditions, req: EndIn) -> int | None:
     return cond.expected if cond.expected is not None else req.expected_n
 
 
-def _closing(answer: str, req: EndIn, chunks: list[Any]) -> NewEntry:
-    content = req.content if req.content is not None else assemble(chunks)
-    if req.reason == "committed":
-        return answer_message(answer, req.turn, req.step, content, req.usage, req.meta)
-    return interrupted_mark(answer, req.turn, req.step, req.cause, len(chunks), content, req.meta)
+async def _logged_chunks(gw: Gateway, sid: str, answer: str) -> tuple[list[Any], int, str | None]:
+    """The answer's deltas in the log, assembled by index (its rows' ``seq``), the count of the
+    contiguous run from 0, and its life."""
+    states = await gw.store.answer_states(sid, [answer])
+    st = states.get(answer)
+    if st is None:
+        raise AnswerNotFoundError(sid, answer)
+    head = await gw.store.head(sid)
+    if head is None:
+        raise SessionNotFoundError(sid)
+    rows = await gw.store.read(sid, st.n, head.n, incarnation=st.incarnation) if st.n < head.n else []
+    by_seq: dict[int, list[Any]] = {}
+    for e in rows:
+        if e.type == "assistant/chunk" and isinstance(e.data, dict) and e.data.get("answer") == answer:
+            by_seq[int(e.data.get("seq", 0))] = replay([e]).get(answer, [])
+    chunks: list[Any] = []
+    while len(chunks) in by_seq:
+        chunks.extend(by_seq[len(chunks)])
+    return chunks, st.logged, st.incarnation
 
 
 async def end(gw: Gateway, request: Request, sid: str) -> Response:
@@ -205,16 +228,27 @@ async def end(gw: Gateway, request: Request, sid: str) -> Response:
     if req.begin_id is not None and not _LIVE_ID.fullmatch(req.begin_id):
         raise Unprocessable("begin_id is a live stream id (<ms>-<seq>), as the begin answered", "$.begin_id")
     expected = _expected(cond, req)
-    head = await _head(gw, sid, cond)
-    if req.begun_at > head.n:
-        raise Unprocessable(f"begun_at is the n the begin answered; the log is at {head.n}", "$.begun_at")
-    inc = head.header.incarnation or None
-    logged = await gw.store.read(sid, req.begun_at, head.n, incarnation=inc) if req.begun_at < head.n else []
-    chunks = replay(logged).get(answer, [])
-    closing = _closing(answer, req, chunks)
-    stored = await _put(gw, sid, expected, closing, cond.idempotency_key or f"answer:{answer}:end", inc)
-    if stored[0].n >= head.n:  # not a retry of an end that landed
-        reason = "committed" if req.reason == "committed" else "interrupted"
-        record = end_record(answer, len(chunks), stored[0].n, reason)
-        await _live(gw, sid, [record], expire_ms=GRACE_MS, trim_before=req.begin_id)
-    return _written(stored, stored[-1].n + 1, inc)
+    try:
+        chunks, logged, inc = await _logged_chunks(gw, sid, answer)
+        count = logged if req.deltas is None else req.deltas
+        if len(chunks) != logged or count != logged:
+            raise AnswerIncompleteError(sid, answer, min(len(chunks), logged), count)
+        content = req.content if req.content is not None else assemble(chunks)
+        closing: NewEntry
+        if req.reason == "committed":
+            closing = answer_message(answer, req.turn, req.step, content, req.usage, req.meta)
+        else:
+            closing = interrupted_mark(answer, req.turn, req.step, req.cause, count, content, req.meta)
+        ended = await gw.store.answer_end(
+            sid, answer, deltas=count, reason=req.reason, closing=closing, expected=expected,
+            turn=req.turn, step=req.step, incarnation=cond.incarnation or inc, grace_ms=GRACE_MS,
+        )  # fmt: skip
+    except InvalidEntryError as e:
+        raise entry_error(e, "") from None
+    except AnswerError as e:
+        return _refused(e)
+    entries = await gw.store.read(sid, ended.n, ended.n + 1) if ended.n is not None else []
+    head = await gw.store.head(sid)
+    n = head.n if head is not None else (ended.n or 0) + 1
+    headers = _tags(n, head.header.incarnation if head is not None else inc)
+    return _JSON({"n": n, "entries": entries}, status_code=201, headers=headers)

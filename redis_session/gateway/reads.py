@@ -14,7 +14,6 @@ from ..model import SessionHeader
 from ..projection.fold import to_anthropic, to_openai
 from .auth import principal
 from .common import (
-    _INT,
     _JSON,
     DEFAULT_ENTRY_LIMIT,
     FORMATS,
@@ -26,7 +25,7 @@ from .common import (
 )
 from .context import Gateway
 from .openapi import openapi
-from .sse import _delta_cursor, _EventStream
+from .sse import _EventStream, parse_resume
 from .viewer import _viewer
 
 
@@ -136,17 +135,25 @@ async def messages(gw: Gateway, request: Request, sid: str) -> Response:
 
 
 async def events(gw: Gateway, request: Request, sid: str) -> Response:
+    """The live tail as SSE. Event ids are ``<incarnation>:<n>`` (``<incarnation>:<n>/<live id>``
+    on a ``?deltas=1`` stream), so a Last-Event-ID names the life it resumes: a resume into
+    another life (the id deleted and created again) is answered ``event: replaced``. A plain
+    ``<n>`` (an id of an older release) names none: it is taken only with the life pinned by
+    ``X-Session-Incarnation`` or ``?incarnation=``, else answered ``event: replaced`` too (it
+    could be read as the new life's)."""
     last_id = request.headers.get("last-event-id")
+    pinned = request.headers.get("x-session-incarnation") or request.query_params.get("incarnation") or None
     live_after: str | None = None
-    if last_id and "/" in last_id:
-        cursor = _delta_cursor(last_id)
-        if cursor is None:
-            raise _BadRequest("Last-Event-ID must be an entry n, or <n>/<live id> on a stream with deltas")
-        start, live_after = cursor
-    elif last_id:
-        if not _INT.fullmatch(last_id.strip()):
-            raise _BadRequest("Last-Event-ID must be an entry n")
-        start = int(last_id.strip()) + 1
+    incarnation: str | None = pinned
+    if last_id:
+        resume = parse_resume(last_id)
+        if resume is None:
+            raise _BadRequest("Last-Event-ID must be <incarnation>:<n> or <incarnation>:<n>/<live id>, as sent")
+        if resume.incarnation is not None and pinned is not None and resume.incarnation != pinned:
+            raise _BadRequest("Last-Event-ID and X-Session-Incarnation name different lives")
+        start, live_after = resume.start, resume.live_after
+        # a plain <n> without a pin could continue any life: it continues none ("" matches no life)
+        incarnation = resume.incarnation or pinned or ""
     else:
         start = _int_arg(request, "start", 0) or 0
     if await gw.store.head(sid) is None:
@@ -161,4 +168,5 @@ async def events(gw: Gateway, request: Request, sid: str) -> Response:
         drafts=gw.drafts,
         deltas=request.query_params.get("deltas") in ("1", "true"),
         live_after=live_after,
+        incarnation=incarnation,
     )

@@ -18,10 +18,12 @@ from starlette.types import Receive, Scope, Send
 from ..errors import SessionError, SessionNotFoundError, SessionReplacedError, StoreUnavailableError
 from ..live import RETRYABLE, follow, follow_deltas
 from ..model import Entry
-from ..projection.chunks import Delta
+from ..projection.chunks import Delta, DeltaGap
 from ..store import SessionStore
 from .auth import principal
 from .common import _error, _json, log
+
+_LAST_STREAMS: _Streams | None = None
 
 
 class _Streams:
@@ -32,6 +34,8 @@ class _Streams:
         self.limit = limit
         self.scopes: set[anyio.CancelScope] = set()
         self.closing = False
+        global _LAST_STREAMS
+        _LAST_STREAMS = self
 
     def full(self) -> bool:
         return self.closing or (self.limit is not None and len(self.scopes) >= self.limit)
@@ -92,10 +96,16 @@ def _default_stream_limit(store: SessionStore) -> int | None:
 # --------------------------------------------------------------------------- SSE
 
 
-def _entry_event(e: Entry, cursor: str | None = None) -> bytes:
+def _event_id(inc: str, n: int, cursor: str | None) -> bytes:
+    """``<incarnation>:<n>``, or ``<incarnation>:<n>/<live id>`` once a delta was sent: the resume
+    token names the life it belongs to, so a resume into another life is answered ``replaced``."""
     if cursor:
-        return b"id: %d/%b\ndata: %b\n\n" % (e.n, cursor.encode(), _json.encode(e))
-    return b"id: %d\ndata: %b\n\n" % (e.n, _json.encode(e))
+        return b"%b:%d/%b" % (inc.encode(), n, cursor.encode())
+    return b"%b:%d" % (inc.encode(), n)
+
+
+def _entry_event(e: Entry, inc: str, cursor: str | None = None) -> bytes:
+    return b"id: %b\ndata: %b\n\n" % (_event_id(inc, e.n, cursor), _json.encode(e))
 
 
 Write = Callable[[bytes], Awaitable[None]]
@@ -103,45 +113,62 @@ Write = Callable[[bytes], Awaitable[None]]
 
 # --------------------------------------------------------------------------- SSE deltas (§8.2)
 
-_DELTA_CURSOR = re.compile(r"(-1|[0-9]{1,15})/([0-9]{1,20}-[0-9]{1,20})")
+_RESUME = re.compile(r"(?:([0-9A-Za-z_.-]{1,64}):)?(-1|[0-9]{1,15})(?:/([0-9]{1,20}-[0-9]{1,20}))?")
 
 
-def _delta_cursor(last_id: str) -> tuple[int, str] | None:
-    """``<n>/<live id>`` (the id of every event of a ``?deltas=1`` stream once a delta was sent:
-    the last entry n and the last delta's live stream id) as (start, live_after); None if malformed."""
-    m = _DELTA_CURSOR.fullmatch(last_id.strip())
+class Resume(msgspec.Struct, frozen=True):
+    """A parsed Last-Event-ID: the life it names (None: a plain ``<n>`` of an older release),
+    the n to start at and the live cursor (``?deltas=1`` streams)."""
+
+    incarnation: str | None
+    start: int
+    live_after: str | None
+
+
+def parse_resume(last_id: str) -> Resume | None:
+    """``<incarnation>:<n>[/<live id>]`` (or a plain ``<n>[/<live id>]``); None if malformed."""
+    m = _RESUME.fullmatch(last_id.strip())
     if m is None:
         return None
-    return int(m.group(1)) + 1, m.group(2)
+    return Resume(m.group(1), int(m.group(2)) + 1, m.group(3))
 
 
-def _delta_event(last_n: int, d: Delta) -> bytes:
+def _delta_event(inc: str, last_n: int, d: Delta) -> bytes:
     body: dict[str, Any] = {"answer": d.answer, "index": d.index, "kind": d.kind, "text": d.text}
     if d.call_id is not None:
         body["callId"] = d.call_id
     if d.name is not None:
         body["name"] = d.name
-    return b"event: delta\nid: %d/%b\ndata: %b\n\n" % (last_n, d.cursor.encode(), _json.encode(body))
+    return b"event: delta\nid: %b\ndata: %b\n\n" % (_event_id(inc, last_n, d.cursor), _json.encode(body))
+
+
+def _gap_event(inc: str, last_n: int, g: DeltaGap, cursor: str | None) -> bytes:
+    body = {"answer": g.answer, "start": g.start, "stop": g.stop}
+    return b"event: gap\nid: %b\ndata: %b\n\n" % (_event_id(inc, last_n, cursor), _json.encode(body))
 
 
 async def _stream_with_deltas(stream: _EventStream, write: Write, on_retry: Any) -> None:
-    """The live part of a ``?deltas=1`` stream: entries and ``event: delta`` as they come
-    (`follow_deltas`), every event id ``<last n>/<last delta's live id>`` so a reconnect with
-    Last-Event-ID resumes both without gap or repeat."""
+    """The live part of a ``?deltas=1`` stream: entries, ``event: delta`` and ``event: gap`` as
+    they come (`follow_deltas`), every event id ``<incarnation>:<last n>/<last live id>`` so a
+    reconnect with Last-Event-ID resumes both without repeat, and says what it missed."""
     nxt = await stream._backlog(write)
     items = follow_deltas(
         stream.store, stream.session_id, nxt, live_after=stream.live_after, on_retry=on_retry,
         incarnation=stream._incarnation,
     )  # fmt: skip
+    inc = stream._incarnation or ""
     async with contextlib.aclosing(items) as live:
         async for item in live:
             stream._active_at = time.monotonic()
             if isinstance(item, Delta):
                 stream.live_after = item.cursor
-                await write(_delta_event(nxt - 1, item))
+                await write(_delta_event(inc, nxt - 1, item))
+            elif isinstance(item, DeltaGap):
+                stream.live_after = item.cursor or stream.live_after
+                await write(_gap_event(inc, nxt - 1, item, stream.live_after))
             else:
                 nxt = item.n + 1
-                await write(_entry_event(item, stream.live_after))
+                await write(_entry_event(item, inc, stream.live_after))
 
 
 class _EventStream(Response):
@@ -169,6 +196,7 @@ class _EventStream(Response):
         drafts: _Drafts,
         deltas: bool = False,
         live_after: str | None = None,
+        incarnation: str | None = None,
     ) -> None:
         # not Response.__init__: it would announce a Content-Length of 0
         self.status_code = 200
@@ -183,7 +211,7 @@ class _EventStream(Response):
         self.drafts = drafts
         self._active_at = time.monotonic()
         self._last_write = time.monotonic()
-        self._incarnation: str | None = None
+        self._incarnation: str | None = incarnation  # the life a resume names (None: the one met first)
         self.deltas = deltas  # `event: delta` too (`_stream_with_deltas`); drafts then only set_draft's
         self.live_after = live_after
 
@@ -243,7 +271,7 @@ class _EventStream(Response):
                 async with contextlib.aclosing(tail) as entries:
                     async for e in entries:
                         self._active_at = time.monotonic()
-                        await write(_entry_event(e))
+                        await write(_entry_event(e, self._incarnation or ""))
         except SessionReplacedError:
             # the id was deleted and created again: this stream's session is gone for good
             await write(b"event: replaced\ndata: %b\n\n" % _json.encode({"session": self.session_id}))
@@ -276,7 +304,8 @@ class _EventStream(Response):
                 )
                 if not page:
                     return nxt
-                await write(b"".join([_entry_event(e, self.live_after) for e in page]))
+                inc = self._incarnation or ""
+                await write(b"".join([_entry_event(e, inc, self.live_after) for e in page]))
                 nxt = page[-1].n + 1
         except RETRYABLE:
             return nxt
@@ -317,13 +346,20 @@ class _EventStream(Response):
 # --------------------------------------------------------------------------- store-wide events
 
 
-def _store_events_route(store: SessionStore, heartbeat: float) -> Callable[[Request], Awaitable[Response]]:
+def _store_events_route(
+    store: SessionStore, heartbeat: float, streams: _Streams | None = None
+) -> Callable[[Request], Awaitable[Response]]:
     """``GET /events``: the store's notifications as SSE (``event: session-branch`` with
-    ``{parent, session, at}``), so a viewer updates its branch tree and session list at once."""
+    ``{parent, session, at}``), so a viewer updates its branch tree and session list at once.
+
+    Its streams are ended with the session streams when the server shuts down (`streams`:
+    default the `_Streams` the gateway made just before this route), so a stop with a viewer open
+    is clean instead of a cancelled task's traceback."""
+    streams = streams if streams is not None else _LAST_STREAMS
 
     async def store_events(request: Request) -> Response:
         who = principal(request.scope)
-        return _StoreEventStream(store, heartbeat, None if who.prefix is None else who.sees)
+        return _StoreEventStream(store, heartbeat, None if who.prefix is None else who.sees, streams)
 
     return store_events
 
@@ -353,18 +389,35 @@ async def _store_notifications(store: SessionStore) -> Any:
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
+@contextlib.contextmanager
+def _registered(scopes: set[anyio.CancelScope]) -> Iterator[list[anyio.CancelScope]]:
+    """Yield a list the caller puts its cancel scope in; it leaves `scopes` on the way out."""
+    mine: list[anyio.CancelScope] = []
+    try:
+        yield mine
+    finally:
+        scopes.difference_update(mine)
+
+
 class _StoreEventStream(Response):
     """One client of ``/events``: store notifications, with heartbeats."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, store: SessionStore, heartbeat: float, sees: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        heartbeat: float,
+        sees: Callable[[str], bool] | None = None,
+        streams: _Streams | None = None,
+    ) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.store = store
         self.heartbeat = heartbeat
         self.sees = sees  # a tenant's token: only notifications about its own sessions
+        self.streams = streams  # ended with the others on shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -375,8 +428,14 @@ class _StoreEventStream(Response):
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        with contextlib.suppress(OSError):
+        if self.streams is not None and self.streams.closing:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        scopes: set[anyio.CancelScope] = self.streams.scopes if self.streams is not None else set()
+        with contextlib.suppress(OSError), _registered(scopes) as mine:
             async with anyio.create_task_group() as tg:
+                mine.append(tg.cancel_scope)
+                scopes.add(tg.cancel_scope)
 
                 async def disconnect() -> None:
                     while (await receive())["type"] != "http.disconnect":

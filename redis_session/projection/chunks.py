@@ -28,6 +28,18 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
+from ..errors import (
+    AnswerAliveError,
+    AnswerBatchMismatchError,
+    AnswerClosedError,
+    AnswerIncompleteError,
+    AnswerNotFoundError,
+    AnswerOrderError,
+    SessionConflictError,
+    SessionError,
+    SessionNotFoundError,
+    SessionReplacedError,
+)
 from ..model import NewEntry
 
 CHUNK = "assistant/chunk"
@@ -69,10 +81,68 @@ class Delta(Struct, frozen=True, kw_only=True):
         return delta_chunk(self.kind, self.text, self.call_id, self.name)
 
 
+class DeltaGap(Struct, frozen=True, kw_only=True):
+    """A reader could not be given deltas [`start`, `stop`) of `answer` (the live stream no
+    longer holds them: trimmed after the grace, capped, or never sent live). The log's chunk rows
+    hold every delta of the answer in order (`replay`): re-read it from there. `stop` is the
+    index of the next delta the reader gets (None: the answer ended without more). An empty
+    `answer`: a resumed reader's cursor is gone from the live stream, so records after it may be
+    gone too, of answers it cannot name (re-read the answers it followed). `cursor` is the live
+    stream id it came with."""
+
+    answer: str
+    start: int
+    stop: int | None
+    cursor: str = ""
+
+
+class AnswerState(Struct, frozen=True, kw_only=True):
+    """The server's state of one streamed answer (``lua/answer.lua``): the life it began in, the
+    log's n at its begin, its next live / logged delta index, the server ms of its writer's last
+    write or heartbeat, and once ended the closing entry's n (-1: none) and the reason."""
+
+    answer: str
+    incarnation: str
+    n: int
+    live: int
+    logged: int
+    beat_ms: int
+    ended: int | None = None
+    reason: str | None = None
+
+
+class AnswerBegun(Struct, frozen=True, kw_only=True):
+    answer: str
+    n: int
+    begin_id: str
+    incarnation: str
+    retry: bool = False
+
+
+class AnswerAck(Struct, frozen=True, kw_only=True):
+    """A delta batch's outcome: the answer's next logged and live index, the row's n (None: no
+    row was written now), `retry` when everything in it had landed already."""
+
+    logged: int
+    live: int
+    row_n: int | None = None
+    retry: bool = False
+
+
+class AnswerEnded(Struct, frozen=True, kw_only=True):
+    """An end's outcome: `n` is the closing entry (None: none), `retry` when it had ended."""
+
+    n: int | None
+    reason: str
+    retry: bool = False
+
+
 class LiveRecord(Struct, frozen=True, kw_only=True):
     """One record of a session's live stream: ``kind`` is ``begin``, ``end`` or a delta kind.
 
     begin: `turn`, `step`, `n` (the log's n when the answer began), `incarnation`.
+    every record: `incarnation`, the life the answer began in (``inc`` on a begin, ``l`` on the
+    others), so a reader never takes a record of another life of the id for its own.
     delta: `index`, `text` (+ `call_id`, `name` for a tool call).
     end:   `n` (the entry that closed the answer: its message or its interrupted mark), `index`
            (how many deltas it had), `reason` (``committed``, ``interrupted``)."""
@@ -109,10 +179,11 @@ class LiveRecord(Struct, frozen=True, kw_only=True):
     def fields(self) -> list[str]:
         """The record as XADD field/value pairs (short names: a delta is ``a i t`` only)."""
         f = ["a", self.answer]
+        life = [] if self.incarnation is None else ["l", self.incarnation]
         if self.kind == TEXT:
-            return [*f, "i", str(self.index), "t", self.text]
+            return [*f, "i", str(self.index), "t", self.text, *life]
         if self.kind in _KIND_CODE:
-            f += ["k", _KIND_CODE[self.kind], "i", str(self.index), "t", self.text]
+            f += ["k", _KIND_CODE[self.kind], "i", str(self.index), "t", self.text, *life]
             if self.call_id is not None:
                 f += ["c", self.call_id]
             if self.name is not None:
@@ -151,9 +222,37 @@ class LiveRecord(Struct, frozen=True, kw_only=True):
             turn=num("turn"),
             step=num("step"),
             n=num("n"),
-            incarnation=f.get("inc"),
+            incarnation=f.get("inc") or f.get("l"),
             reason=f.get("r"),
         )
+
+
+def answer_refusal(
+    code: int, res: Sequence[Any], session_id: str, answer: str, first: int = 0, expected: int = -1
+) -> Exception:
+    """The typed error of a refusal ``lua/answer.lua`` (or the memory store) answered with."""
+    if code == 3:
+        return SessionNotFoundError(session_id)
+    if code == 8:
+        return SessionReplacedError(session_id, f"answer {answer!r} belongs to another life of the id")
+    if code == 9:
+        return AnswerNotFoundError(session_id, answer)
+    if code == 10:
+        closing = int(res[1])
+        return AnswerClosedError(session_id, answer, None if closing < 0 else closing)
+    if code == 11:
+        return AnswerOrderError(session_id, answer, int(res[1]), first)
+    if code == 12:
+        return AnswerIncompleteError(session_id, answer, int(res[1]), int(res[2]))
+    if code == 2:
+        return SessionConflictError(session_id, expected, int(res[1]))
+    if code == 13:
+        return AnswerAliveError(session_id, answer)
+    if code == 14:
+        return AnswerBatchMismatchError(session_id, answer, int(res[1]))
+    if code == 6:
+        return SessionError(f"session {session_id!r}: the stream is ahead of the header; run `redis-session doctor`")
+    return SessionError(f"unexpected reply from answer.lua: {res!r}")
 
 
 def delta_chunk(kind: str, text: str, call_id: str | None = None, name: str | None = None) -> dict[str, Any]:
@@ -371,14 +470,18 @@ def open_answers(records: Sequence[LiveRecord]) -> dict[str, tuple[LiveRecord | 
         elif r.kind == "begin":
             out[r.answer] = (r, out.get(r.answer, (None, []))[1])
         elif r.is_delta:
-            out.setdefault(r.answer, (None, []))[1].append(r.delta())
+            got = out.setdefault(r.answer, (None, []))[1]
+            if r.index is None or not got or (got[-1].index < r.index):  # each index once, in order
+                got.append(r.delta())
     return out
 
 
-def live_draft(records: Sequence[LiveRecord]) -> dict[str, Any] | None:
+def live_draft(records: Sequence[LiveRecord], incarnation: str | None = None) -> dict[str, Any] | None:
     """The draft view of a live backlog: the last open answer so far, as
     ``{"answer", "turn", "step", "content"}`` (content: the text, or blocks when the answer has
     reasoning or tool calls), or None when no answer is open."""
+    if incarnation:  # records of another life of the id are not this session's
+        records = [r for r in records if r.incarnation in (None, incarnation)]
     answers = open_answers(records)
     if not answers:
         return None
@@ -401,9 +504,15 @@ __all__ = [
     "REASONING",
     "TEXT",
     "TOOL_CALL",
+    "AnswerAck",
+    "AnswerBegun",
+    "AnswerEnded",
+    "AnswerState",
     "Delta",
+    "DeltaGap",
     "LiveRecord",
     "PackedChunks",
+    "answer_refusal",
     "answers_to_skip",
     "assemble",
     "assemble_deltas",

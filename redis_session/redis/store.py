@@ -77,7 +77,18 @@ from ..model import (
     new_incarnation,
     now_ms,
 )
-from ..projection.chunks import TEXT, LiveRecord, live_draft
+from ..projection.chunks import (
+    TEXT,
+    AnswerAck,
+    AnswerBegun,
+    AnswerEnded,
+    AnswerState,
+    Delta,
+    LiveRecord,
+    answer_refusal,
+    chunk_row,
+    live_draft,
+)
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, ColdState, StorageCheck
 from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .cluster import ClusterRouter
@@ -129,7 +140,8 @@ class _Script:
 
 
 _SCRIPTS = {
-    name: _Script(name) for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj", "swap", "archive")
+    name: _Script(name)
+    for name in ("append", "delete", "unlink", "link", "draft", "lease", "proj", "swap", "archive", "answer")
 }
 
 
@@ -236,11 +248,14 @@ def _live_records(rows: Any) -> builtins.list[LiveRecord]:
     out: builtins.list[LiveRecord] = []
     append = out.append
     for rid, f in rows or ():
-        if type(f) is builtins.list and len(f) == 6 and f[0] == b"a" and f[2] == b"i" and f[4] == b"t":
-            # the commonest record, a plain text delta ("a i t"): built directly
+        if type(f) is builtins.list and len(f) == 8 and f[0] == b"a" and f[2] == b"i" and f[4] == b"t" and f[6] == b"l":
+            # the commonest record, a plain text delta ("a i t l"): built directly
             i = f[3]
             if i.isdigit():
-                append(LiveRecord(answer=f[1].decode(), kind=TEXT, id=rid.decode(), index=int(i), text=f[5].decode()))
+                append(LiveRecord(
+                    answer=f[1].decode(), kind=TEXT, id=rid.decode(), index=int(i), text=f[5].decode(),
+                    incarnation=f[7].decode(),
+                ))  # fmt: skip
                 continue
         d = f if isinstance(f, dict) else dict(zip(f[::2], f[1::2], strict=False))
         append(LiveRecord.from_fields(_s(rid) or "", {_s(k) or "": _s(v) or "" for k, v in d.items()}))
@@ -1130,15 +1145,15 @@ class RedisSessionStore(StoreRules):
         legacy draft `set_draft` wrote; with ``live=False`` only the latter."""
         validate_session_id(session_id)
         with _io():
-            (n_raw, deleted), raw, *rows = await self._pipeline(
-                ("HMGET", self.keys.hdr(session_id), "n", "deleted"),
+            (n_raw, deleted, inc_raw, born_raw), raw, *rows = await self._pipeline(
+                ("HMGET", self.keys.hdr(session_id), "n", "deleted", "incarnation", "created_at"),
                 ("GET", self.keys.draft(session_id)),
                 *([("XRANGE", self.keys.live(session_id), "-", "+")] if live else []),
             )
         if n_raw is None or deleted is not None:
             raise SessionNotFoundError(session_id)
         if rows:
-            streamed = live_draft(_live_records(rows[0]))
+            streamed = live_draft(_live_records(rows[0]), self._check_incarnation(session_id, None, inc_raw, born_raw))
             if streamed is not None:
                 return streamed
         return None if raw is None else _draft_decoder.decode(raw)
@@ -1180,6 +1195,184 @@ class RedisSessionStore(StoreRules):
         with _io():
             replies = await self._send_write(key, b"".join(parts), len(parts))
         return [_s(r) or "" for r in replies[: len(records)]]
+
+    # ------------------------------------------------------------------ streamed answers (lua/answer.lua)
+
+    def _answer_keys(self, session_id: str, answer: str) -> builtins.list[str]:
+        keys = self.keys.session_keys(session_id)
+        keys.append(f"{self.keys.live(session_id)}:{answer}")
+        if self.feed and not self.cluster:
+            keys.append(self.keys.feed(self.keys.feed_shard(session_id)))
+        return keys
+
+    async def _answer(
+        self, session_id: str, answer: str, args: Sequence[Any], *, durable: bool = False
+    ) -> tuple[builtins.list[Any], Any]:
+        validate_session_id(session_id)
+        keys = self._answer_keys(session_id, answer)
+        body = bulks([len(keys), *keys, *args])
+        with _io():
+            res = await self._eval_packed(_SCRIPTS["answer"], 1 + len(keys) + len(args), body, keys[0], durable)
+            acks = self._last_acks if durable else None
+        if isinstance(res, ResponseError):
+            raise _typed(res)
+        return builtins.list(res), acks
+
+    def _row_data(self, answer: str, first: int, deltas: Sequence[Delta], turn: int | None, step: int | None) -> bytes:
+        if not deltas:
+            return b""
+        row = chunk_row([d.chunk() for d in deltas], turn=turn, step=step, answer=answer, seq=first)
+        return self._put_batch(None, [row], None)[0].data_raw
+
+    async def answer_begin(
+        self,
+        session_id: str,
+        answer: str,
+        *,
+        turn: int | None = None,
+        step: int | None = None,
+        n: int | None = None,
+        incarnation: str | None = None,
+        ttl_ms: int,
+    ) -> AnswerBegun:
+        args = ["begin", answer, incarnation or "", ttl_ms, self.live_maxlen]
+        args += ["" if turn is None else turn, "" if step is None else step, "" if n is None else n]
+        res, _ = await self._answer(session_id, answer, args)
+        code = int(res[0])
+        if code in (0, 1):
+            return AnswerBegun(
+                answer=answer, n=int(res[1]), begin_id=_s(res[2]) or "", incarnation=_s(res[3]) or "", retry=code == 1
+            )
+        raise answer_refusal(code, res, session_id, answer)
+
+    async def answer_deltas(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        live: bool = True,
+        log: bool = True,
+        turn: int | None = None,
+        step: int | None = None,
+        incarnation: str | None = None,
+        ttl_ms: int,
+    ) -> AnswerAck:
+        data = self._row_data(answer, first, deltas, turn, step) if log else b""
+        args: builtins.list[Any] = ["deltas", answer, incarnation or "", ttl_ms, self.live_maxlen]
+        args += [first, len(deltas), data, len(deltas) if live else 0]
+        if live:
+            for i, d in enumerate(deltas):
+                f = LiveRecord(
+                    answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name
+                ).fields()
+                args.append(len(f))
+                args.extend(f)
+        res, acks = await self._answer(session_id, answer, args, durable=bool(data) and bool(self._durable))
+        code = int(res[0])
+        if code in (0, 1):
+            row_n = int(res[3])
+            ack = AnswerAck(logged=int(res[1]), live=int(res[2]), row_n=None if row_n < 0 else row_n, retry=code == 1)
+            if acks is not None:  # DurabilityError.entries: the row that landed unconfirmed
+                row = [] if ack.row_n is None else [Entry(n=ack.row_n, time=0, type="assistant/chunk", data={})]
+                self._check_durable(session_id, row, acks)
+            return ack
+        raise answer_refusal(code, res, session_id, answer, first)
+
+    async def answer_live(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        incarnation: str,
+        expire_ms: int | None = None,
+    ) -> builtins.list[str]:
+        """The hot path of one writer's live deltas: plain pipelined XADDs, each record tagged
+        with the answer's life, no script (a script per delta costs several raw XADDs). Only for
+        a single sender that keeps its order; it is never resent blindly: after a lost reply the
+        sender reads what landed (`read_live` after its last id) and sends the rest. The ids
+        ("" where the stream is gone: NOMKSTREAM, the answer's begin made it)."""
+        validate_session_id(session_id)
+        key = self.keys.live(session_id)
+        head = bulks(("XADD", key, "NOMKSTREAM", "MAXLEN", "~", self.live_maxlen, "*"))
+        parts = []
+        for i, d in enumerate(deltas):
+            f = LiveRecord(
+                answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name,
+                incarnation=incarnation,
+            ).fields()  # fmt: skip
+            parts.append(b"*%d\r\n%b%b" % (7 + len(f), head, bulks(f)))
+        if expire_ms is not None:
+            parts += [pack(("PEXPIRE", key, expire_ms)), pack(("PEXPIRE", f"{key}:{answer}", expire_ms))]
+        with _io():
+            replies = await self._send_write(key, b"".join(parts), len(parts))
+        return [_s(r) or "" for r in replies[: len(deltas)]]
+
+    async def answer_beat(self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int) -> None:
+        res, _ = await self._answer(session_id, answer, ["beat", answer, incarnation or "", ttl_ms, self.live_maxlen])
+        if int(res[0]) != 0:
+            raise answer_refusal(int(res[0]), res, session_id, answer)
+
+    async def answer_end(
+        self,
+        session_id: str,
+        answer: str,
+        *,
+        deltas: int,
+        reason: str,
+        closing: NewEntryLike | None = None,
+        expected: int | str | None = None,
+        rest_first: int = 0,
+        rest: Sequence[Delta] = (),
+        turn: int | None = None,
+        step: int | None = None,
+        incarnation: str | None = None,
+        grace_ms: int,
+        stale_ms: int | None = None,
+    ) -> AnswerEnded:
+        data = self._row_data(answer, rest_first, rest, turn, step)
+        enc = self._put_batch(None, [closing], None)[0] if closing is not None else None
+        args: builtins.list[Any] = ["end", answer, incarnation or "", grace_ms, self.live_maxlen]
+        args += [deltas, reason, "" if expected is None else expected, rest_first, len(rest), data]
+        args += [b"", b"", b""] if enc is None else [enc.type, enc.data_raw, enc.meta_raw or b""]
+        args += ["" if stale_ms is None else stale_ms, self.feed_maxlen, session_id]
+        res, acks = await self._answer(session_id, answer, args, durable=bool(self._durable))
+        code = int(res[0])
+        if code == 0:
+            n = int(res[1])
+            ended = AnswerEnded(n=None if n < 0 else n, reason=reason)
+            if enc is not None and n >= 0 and self.feed and self.cluster:
+                self._feed_cluster(session_id, n + 1)
+            if acks is not None and enc is not None:
+                self._check_durable(session_id, [enc.stored(n, int(res[2]))], acks)
+            return ended
+        if code == 1:
+            n = int(res[1])
+            return AnswerEnded(n=None if n < 0 else n, reason=_s(res[2]) or reason, retry=True)
+        exp = expected if isinstance(expected, int) else -1
+        raise answer_refusal(code, res, session_id, answer, rest_first, exp)
+
+    async def answer_states(self, session_id: str, answers: Sequence[str]) -> dict[str, AnswerState]:
+        """The server's state of each of `answers` still known (see `AnswerState`)."""
+        validate_session_id(session_id)
+        if not answers:
+            return {}
+        live = self.keys.live(session_id)
+        fields = ("inc", "n", "live", "log", "t", "e", "r")
+        with _io():
+            rows = await self._pipeline(*[("HMGET", f"{live}:{a}", *fields) for a in answers])
+        out: dict[str, AnswerState] = {}
+        for a, (inc, n, lv, lg, t, e, r) in zip(answers, rows, strict=True):
+            if inc is None:
+                continue
+            out[a] = AnswerState(
+                answer=a, incarnation=_s(inc) or "", n=int(n), live=int(lv), logged=int(lg), beat_ms=int(t),
+                ended=None if e is None else int(e), reason=_s(r),
+            )  # fmt: skip
+        return out
 
     async def read_live(self, session_id: str, after: str | None = None) -> builtins.list[LiveRecord]:
         """The live stream's records (after stream id `after`, else all), oldest first."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import hashlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -42,7 +43,17 @@ from ..model import (
     new_incarnation,
     now_ms,
 )
-from ..projection.chunks import LiveRecord, live_draft
+from ..projection.chunks import (
+    AnswerAck,
+    AnswerBegun,
+    AnswerEnded,
+    AnswerState,
+    Delta,
+    LiveRecord,
+    answer_refusal,
+    chunk_row,
+    live_draft,
+)
 from .protocol import IDEMPOTENCY_WINDOW, ColdState, StorageCheck
 from .protocol import SessionStore as SessionStore  # re-exported: modules import it from here
 from .rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
@@ -141,6 +152,8 @@ class MemorySessionStore(StoreRules):
         self._lock = anyio.Lock()
         self._subscribers: builtins.list[Any] = []
         self.events: builtins.list[tuple[str, dict[str, Any]]] = []
+        # streamed answers' state, as lua/answer.lua keeps it: (session, answer) -> fields, expiry
+        self._answers: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}
 
     # -- helpers
     def _get(self, session_id: str, *, include_deleted: bool = False) -> _MemSession | None:
@@ -419,7 +432,7 @@ class MemorySessionStore(StoreRules):
         if s is None:
             raise SessionNotFoundError(session_id)
         if live:
-            streamed = live_draft(s.live_records(self.clock()))
+            streamed = live_draft(s.live_records(self.clock()), s.header.incarnation)
             if streamed is not None:
                 return streamed
         return s.draft
@@ -454,6 +467,238 @@ class MemorySessionStore(StoreRules):
             old, s.changed = s.changed, anyio.Event()
             old.set()
         return ids
+
+    # -- streamed answers: the rules of lua/answer.lua (the same replies, the same refusals)
+
+    def _live_xadd(self, s: _MemSession, r: LiveRecord) -> str:
+        live = s.live_records(self.clock())
+        ms = max(self.clock(), s.live_seq >> 20)
+        s.live_seq = max(s.live_seq + 1, ms << 20)
+        rid = f"{s.live_seq >> 20}-{s.live_seq & 0xFFFFF}"
+        live.append(msgspec.structs.replace(r, id=rid))
+        return rid
+
+    def _answer_prelude(
+        self, session_id: str, answer: str, incarnation: str | None, ttl_ms: int
+    ) -> tuple[_MemSession, int, dict[str, Any] | None]:
+        s = self._get(validate_session_id(session_id))
+        if s is None:
+            raise SessionNotFoundError(session_id)
+        cur = s.header.incarnation
+        if incarnation and incarnation != cur:
+            raise SessionReplacedError(session_id, f"answer {answer!r} belongs to another life of the id")
+        ttl = ttl_ms if s.ttl_ms is None else min(ttl_ms, s.ttl_ms)
+        got = self._answers.get((session_id, answer))
+        st = None if got is None or got[1] <= self.clock() else got[0]
+        return s, ttl, st
+
+    def _answer_expire(self, s: _MemSession, key: tuple[str, str], st: dict[str, Any], ttl: int) -> None:
+        self._answers[key] = (st, self.clock() + ttl)
+        s.live_expires_at = self.clock() + ttl
+        old, s.changed = s.changed, anyio.Event()
+        old.set()
+
+    def _answer_state(self, session_id: str, answer: str, s: _MemSession, st: dict[str, Any] | None) -> dict[str, Any]:
+        if st is None:
+            raise answer_refusal(9, [9], session_id, answer)
+        if st["inc"] != s.header.incarnation:
+            raise answer_refusal(8, [8], session_id, answer)
+        return st
+
+    def _row_rule(
+        self, session_id: str, answer: str, st: dict[str, Any], first: int, count: int, row: EncodedEntry | None
+    ) -> bool:
+        """Whether to write the row (False: none, or a retry of the one that landed); raises the
+        refusal otherwise."""
+        if row is None:
+            return False
+        nxt = int(st["log"])
+        if first > nxt or (first < nxt and first + count > nxt):
+            raise answer_refusal(11, [11, nxt], session_id, answer, first)
+        if first < nxt:
+            if st.get(f"d{first}") != hashlib.sha1(row.data_raw).hexdigest():
+                raise answer_refusal(14, [14, first], session_id, answer, first)
+            return False
+        return True
+
+    def _chunk_entry(
+        self, answer: str, first: int, deltas: Sequence[Delta], turn: int | None, step: int | None
+    ) -> EncodedEntry:
+        row = chunk_row([d.chunk() for d in deltas], turn=turn, step=step, answer=answer, seq=first)
+        return self._put_batch(None, [row], None)[0]
+
+    async def answer_begin(
+        self,
+        session_id: str,
+        answer: str,
+        *,
+        turn: int | None = None,
+        step: int | None = None,
+        n: int | None = None,
+        incarnation: str | None = None,
+        ttl_ms: int,
+    ) -> AnswerBegun:
+        s, ttl, st = self._answer_prelude(session_id, answer, incarnation, ttl_ms)
+        cur = s.header.incarnation
+        if st is not None and st["inc"] == cur:
+            return AnswerBegun(answer=answer, n=st["n"], begin_id=st["bid"], incarnation=cur, retry=True)
+        at = s.n if n is None else n
+        bid = self._live_xadd(s, LiveRecord(answer=answer, kind="begin", turn=turn, step=step, n=at, incarnation=cur))
+        st = {"inc": cur, "n": at, "ln": at, "live": 0, "log": 0, "t": self.clock(), "bid": bid, "e": None, "r": None}
+        self._answer_expire(s, (session_id, answer), st, ttl)
+        return AnswerBegun(answer=answer, n=at, begin_id=bid, incarnation=cur)
+
+    async def answer_deltas(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        live: bool = True,
+        log: bool = True,
+        turn: int | None = None,
+        step: int | None = None,
+        incarnation: str | None = None,
+        ttl_ms: int,
+    ) -> AnswerAck:
+        enc = self._chunk_entry(answer, first, deltas, turn, step) if log and deltas else None
+        async with self._lock:
+            s, ttl, st0 = self._answer_prelude(session_id, answer, incarnation, ttl_ms)
+            st = self._answer_state(session_id, answer, s, st0)
+            if st["e"] is not None:
+                raise answer_refusal(10, [10, st["e"]], session_id, answer)
+            write_row = self._row_rule(session_id, answer, st, first, len(deltas), enc)
+            if live and deltas and first > st["live"]:
+                raise answer_refusal(11, [11, st["live"]], session_id, answer, first)
+            row_n = None
+            if write_row:
+                assert enc is not None
+                row_n = s.n
+                if st["ln"] == s.n:
+                    st["ln"] = s.n + 1
+                self._append(s, [enc], None)
+                st["log"] = first + len(deltas)
+            sent = 0
+            if live:
+                for i, d in enumerate(deltas):
+                    if first + i >= st["live"]:
+                        self._live_xadd(s, LiveRecord(
+                            answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name,
+                            incarnation=s.header.incarnation,
+                        ))  # fmt: skip
+                        sent += 1
+                st["live"] = max(st["live"], first + len(deltas))
+            st["t"] = self.clock()
+            if not write_row and not sent:
+                return AnswerAck(logged=st["log"], live=st["live"], row_n=st.get("rn"), retry=True)
+            if write_row:
+                assert enc is not None
+                st["rn"] = row_n
+                st[f"d{first}"] = hashlib.sha1(enc.data_raw).hexdigest()
+            self._answer_expire(s, (session_id, answer), st, ttl)
+            return AnswerAck(logged=st["log"], live=st["live"], row_n=row_n)
+
+    async def answer_live(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        incarnation: str,
+        expire_ms: int | None = None,
+    ) -> builtins.list[str]:
+        s = self._get(validate_session_id(session_id))
+        if s is None or s.header.incarnation != incarnation:
+            return []  # NOMKSTREAM on Redis: a stream of another life gets no straggler either
+        live = s.live_records(self.clock())
+        before = len(live)
+        for i, d in enumerate(deltas):
+            self._live_xadd(s, LiveRecord(
+                answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name,
+                incarnation=incarnation,
+            ))  # fmt: skip
+        if expire_ms is not None:
+            s.live_expires_at = self.clock() + expire_ms
+        old, s.changed = s.changed, anyio.Event()
+        old.set()
+        return [r.id for r in s.live[before:]]
+
+    async def answer_beat(self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int) -> None:
+        s, ttl, st0 = self._answer_prelude(session_id, answer, incarnation, ttl_ms)
+        st = self._answer_state(session_id, answer, s, st0)
+        if st["e"] is not None:
+            raise answer_refusal(10, [10, st["e"]], session_id, answer)
+        st["t"] = self.clock()
+        self._answer_expire(s, (session_id, answer), st, ttl)
+
+    async def answer_end(
+        self,
+        session_id: str,
+        answer: str,
+        *,
+        deltas: int,
+        reason: str,
+        closing: NewEntryLike | None = None,
+        expected: int | str | None = None,
+        rest_first: int = 0,
+        rest: Sequence[Delta] = (),
+        turn: int | None = None,
+        step: int | None = None,
+        incarnation: str | None = None,
+        grace_ms: int,
+        stale_ms: int | None = None,
+    ) -> AnswerEnded:
+        enc = self._chunk_entry(answer, rest_first, rest, turn, step) if rest else None
+        cenc = self._put_batch(None, [closing], None)[0] if closing is not None else None
+        async with self._lock:
+            s, ttl, st0 = self._answer_prelude(session_id, answer, incarnation, grace_ms)
+            st = self._answer_state(session_id, answer, s, st0)
+            if st["e"] is not None:
+                return AnswerEnded(n=None if st["e"] < 0 else st["e"], reason=st["r"] or reason, retry=True)
+            write_row = self._row_rule(session_id, answer, st, rest_first, len(rest), enc)
+            logged = rest_first + len(rest) if write_row else st["log"]
+            if logged != deltas:
+                raise answer_refusal(12, [12, logged, deltas], session_id, answer)
+            now = self.clock()
+            if stale_ms is not None and now - st["t"] < stale_ms:
+                raise answer_refusal(13, [13], session_id, answer)
+            mine = s.n + 1 if write_row and st["ln"] == s.n else st["ln"]
+            if (expected == "answer" and mine != s.n + (1 if write_row else 0)) or (
+                isinstance(expected, int) and expected != s.n
+            ):
+                exp = expected if isinstance(expected, int) else -1
+                raise answer_refusal(2, [2, s.n], session_id, answer, expected=exp)
+            if write_row:
+                assert enc is not None
+                st[f"d{rest_first}"] = hashlib.sha1(enc.data_raw).hexdigest()
+            batch = [e for e in (enc if write_row else None, cenc) if e is not None]
+            stored = self._append(s, batch, None) if batch else []
+            closing_n = stored[-1].n if cenc is not None else -1
+            self._live_xadd(s, LiveRecord(
+                answer=answer, kind="end", index=deltas, n=None if closing_n < 0 else closing_n, reason=reason,
+                incarnation=s.header.incarnation,
+            ))  # fmt: skip
+            st.update(log=logged, e=closing_n, r=reason, t=now)
+            floor = (now - ttl) << 20
+            s.live = [r for r in s.live if _live_seq(r.id) >= floor]
+            self._answer_expire(s, (session_id, answer), st, ttl)
+            return AnswerEnded(n=None if closing_n < 0 else closing_n, reason=reason)
+
+    async def answer_states(self, session_id: str, answers: Sequence[str]) -> dict[str, AnswerState]:
+        validate_session_id(session_id)
+        out: dict[str, AnswerState] = {}
+        for a in answers:
+            got = self._answers.get((session_id, a))
+            if got is None or got[1] <= self.clock():
+                continue
+            st = got[0]
+            out[a] = AnswerState(
+                answer=a, incarnation=st["inc"], n=st["n"], live=st["live"], logged=st["log"], beat_ms=st["t"],
+                ended=st["e"], reason=st["r"],
+            )  # fmt: skip
+        return out
 
     async def read_live(self, session_id: str, after: str | None = None) -> builtins.list[LiveRecord]:
         validate_session_id(session_id)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from ..cold.segments import ColdSegment, ColdTier
 from ..model import Entry, NewEntryLike, Page, SessionHead, SessionHeader, Vocabulary
-from ..projection.chunks import LiveRecord
+from ..projection.chunks import AnswerAck, AnswerBegun, AnswerEnded, AnswerState, Delta, LiveRecord
 from ..projection.invariants import Problem
 
 #: how many idempotency keys a session remembers (the oldest go first)
@@ -102,6 +102,89 @@ class SessionStore(Protocol):
     ) -> builtins.list[str]:
         """Add records to the session's live stream (no log write, no script); drop records
         before stream id `trim_before`; the stream expires `expire_ms` from now. Their ids."""
+        ...
+
+    # A streamed answer's one protocol (``lua/answer.lua``; the memory store keeps the same rules).
+    # Every op after the begin is checked against the life the answer began in; refusals are
+    # typed (`AnswerOrderError`, `AnswerIncompleteError`, `AnswerClosedError`,
+    # `AnswerNotFoundError`, `SessionReplacedError`, `SessionConflictError`) and write nothing.
+
+    async def answer_begin(
+        self,
+        session_id: str,
+        answer: str,
+        *,
+        turn: int | None = None,
+        step: int | None = None,
+        n: int | None = None,
+        incarnation: str | None = None,
+        ttl_ms: int,
+    ) -> AnswerBegun:
+        """Open `answer` (a ``begin`` live record naming the life); a retry gets the same begin."""
+        ...
+
+    async def answer_deltas(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        live: bool = True,
+        log: bool = True,
+        turn: int | None = None,
+        step: int | None = None,
+        incarnation: str | None = None,
+        ttl_ms: int,
+    ) -> AnswerAck:
+        """Deltas `first`.. of `answer`: with `log`, one packed chunk row (it must start at the
+        answer's next logged index); with `live`, the live records not live yet (they must not
+        start past the next live index). A retry of what landed is a no-op."""
+        ...
+
+    async def answer_live(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        incarnation: str,
+        expire_ms: int | None = None,
+    ) -> builtins.list[str]:
+        """One sender's live deltas, the cheap way (no script; each record names the life; no
+        stream is made); their ids. Never resent blindly: after a lost reply the sender reads
+        what landed (`read_live`) and sends the rest."""
+        ...
+
+    async def answer_beat(self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int) -> None:
+        """The writer of `answer` is alive (refreshes its state and the live stream's expiry)."""
+        ...
+
+    async def answer_end(
+        self,
+        session_id: str,
+        answer: str,
+        *,
+        deltas: int,
+        reason: str,
+        closing: NewEntryLike | None = None,
+        expected: int | str | None = None,
+        rest_first: int = 0,
+        rest: Sequence[Delta] = (),
+        turn: int | None = None,
+        step: int | None = None,
+        incarnation: str | None = None,
+        grace_ms: int,
+        stale_ms: int | None = None,
+    ) -> AnswerEnded:
+        """Close `answer` of `deltas` deltas: the last row (`rest` from `rest_first`), the
+        `closing` entry and the live ``end``, atomically; refused while the log lacks any of its
+        deltas. `expected`: an n, or ``"answer"`` (nobody else wrote since the answer's last row)."""
+        ...
+
+    async def answer_states(self, session_id: str, answers: Sequence[str]) -> dict[str, AnswerState]:
+        """The server's state of each of `answers` it still holds."""
         ...
 
     async def read_live(self, session_id: str, after: str | None = None) -> builtins.list[LiveRecord]:

@@ -67,8 +67,14 @@ export interface BranchOptions {
 export interface TailOptions {
   /** first n to deliver (default 0) */
   start?: number
-  /** resume after this n, as a reconnecting EventSource would (takes precedence over `start`) */
-  lastEventId?: number
+  /** resume after this event: the id as the gateway sent it (`<incarnation>:<n>`, or
+   * `<incarnation>:<n>/<live id>` with deltas), or an entry n together with `incarnation`; the
+   * resume is refused with `SessionReplacedError` when the id now names another life (takes
+   * precedence over `start`) */
+  lastEventId?: number | string
+  /** the life of the session to follow (`header.incarnation`): another one throws
+   * `SessionReplacedError` (default: the one the first event names) */
+  incarnation?: string
   signal?: AbortSignal
   /** called with the streaming draft when it changes (null when cleared) */
   onDraft?: (draft: JsonObject | null) => void
@@ -79,6 +85,20 @@ export interface TailOptions {
   /** with `deltas`: resume right after this delta (`Delta.cursor`), with `lastEventId` */
   liveAfter?: string
 }
+
+/** A tail could not be given deltas `start` .. `stop - 1` of `answer` (SSE `event: gap`): the live
+ * stream no longer holds them; the log's `assistant/chunk` rows hold every delta of the answer, in
+ * order. `stop` null: up to the answer's end; `answer` empty: the resume cursor itself was gone,
+ * so deltas of answers it cannot name may be missing. */
+export class DeltaGap {
+  constructor(
+    readonly answer: string,
+    readonly start: number,
+    readonly stop: number | null,
+  ) {}
+}
+
+const EVENT_ID = /^(?:([0-9A-Za-z_.-]{1,64}):)?(-1|[0-9]{1,15})(?:\/([0-9]{1,20}-[0-9]{1,20}))?$/
 
 /** One delta of a streamed answer, as `tail(id, {deltas: true})` yields it between the entries. */
 export class Delta {
@@ -384,20 +404,44 @@ export class SessionClient {
    * is retried with backoff and resumed with `Last-Event-ID`: every entry once, in order. Ends when
    * the session is deleted; throws `SessionReplacedError` when its id was deleted and created again.
    */
-  tail(id: string, options: TailOptions & { deltas: true }): AsyncGenerator<Entry | Delta>
+  tail(id: string, options: TailOptions & { deltas: true }): AsyncGenerator<Entry | Delta | DeltaGap>
   tail(id: string, options?: TailOptions): AsyncGenerator<Entry>
-  async *tail(id: string, options: TailOptions = {}): AsyncGenerator<Entry | Delta> {
-    let last = options.lastEventId ?? (options.start ?? 0) - 1
+  async *tail(id: string, options: TailOptions = {}): AsyncGenerator<Entry | Delta | DeltaGap> {
+    let last = (options.start ?? 0) - 1
     let cursor = options.liveAfter // the last delta's live id (`?deltas=1`)
-    const url = this.path(id, 'events') + (options.deltas ? '?deltas=1' : '')
+    // the life this tail follows: every resume token names it, so a resume into another life of
+    // the id is refused by the gateway (`event: replaced`) instead of continuing on it
+    let inc = options.incarnation
+    let resumed = false
+    if (typeof options.lastEventId === 'string') {
+      const m = EVENT_ID.exec(options.lastEventId)
+      if (m === null) throw new TypeError(`lastEventId ${JSON.stringify(options.lastEventId)} is not an event id`)
+      if (m[1] !== undefined) inc = m[1]
+      last = Number(m[2])
+      if (m[3] !== undefined) cursor = m[3]
+      resumed = true
+    } else if (options.lastEventId !== undefined) {
+      last = options.lastEventId
+      resumed = true
+    }
     let failures = 0
     let connected = false
     for (;;) {
       let response: Response
-      const lastId = cursor !== undefined ? `${last}/${cursor}` : last >= 0 ? String(last) : undefined
+      // before any event names the life, a fresh tail starts with `?start=` (a bare n in
+      // Last-Event-ID names no life: the gateway refuses it)
+      const fresh = inc === undefined && !resumed
+      const base = inc !== undefined ? `${inc}:${last}` : String(last)
+      const lastId = fresh ? undefined : cursor !== undefined ? `${base}/${cursor}` : base
+      const query = [options.deltas ? 'deltas=1' : '', fresh && last >= 0 ? `start=${last + 1}` : ''].filter(Boolean)
+      const url = this.path(id, 'events') + (query.length > 0 ? `?${query.join('&')}` : '')
       try {
         response = await this.request('GET', url, {
-          headers: { accept: 'text/event-stream', 'last-event-id': lastId },
+          headers: {
+            accept: 'text/event-stream',
+            'last-event-id': lastId,
+            'x-session-incarnation': inc,
+          },
           sessionId: id,
           ...(options.signal ? { signal: options.signal } : {}),
         })
@@ -411,11 +455,21 @@ export class SessionClient {
       connected = true
       try {
         for await (const ev of parseSse(response.body as unknown as AsyncIterable<Uint8Array>)) {
-          if (ev.event === 'delta' && ev.id !== undefined) {
+          const m = ev.id !== undefined ? EVENT_ID.exec(ev.id) : null
+          if (m !== null && m[1] !== undefined) {
+            if (inc !== undefined && m[1] !== inc) throw new SessionReplacedError(id)
+            inc = m[1]
+            resumed = true
+          }
+          if (ev.event === 'delta' && m !== null) {
             const d = JSON.parse(ev.data) as { answer: string; index: number; kind: DeltaKind; text: string; callId?: string; name?: string }
-            cursor = ev.id.slice(ev.id.indexOf('/') + 1)
+            cursor = m[3] ?? cursor
             failures = 0
-            yield new Delta(d.answer, d.index, d.kind, d.text, cursor, d.callId, d.name)
+            yield new Delta(d.answer, d.index, d.kind, d.text, cursor ?? '', d.callId, d.name)
+          } else if (ev.event === 'gap') {
+            const g = JSON.parse(ev.data) as { answer: string; start: number; stop: number | null }
+            if (m !== null && m[3] !== undefined) cursor = m[3]
+            yield new DeltaGap(g.answer, g.start, g.stop)
           } else if (ev.event === 'message' && ev.id !== undefined) {
             const entry = JSON.parse(ev.data) as Entry
             if (entry.n <= last) continue

@@ -79,6 +79,34 @@ export class AuthError extends SessionError {}
 /** The gateway or the store is unreachable (503, or no answer): retry later. */
 export class UnavailableError extends SessionError {}
 
+/** A streamed answer's protocol refused a write (nothing was written); `answer` names it. */
+export class AnswerError extends SessionError {
+  get answer(): string {
+    return String(this.body.answer ?? '')
+  }
+}
+
+/** A delta batch did not start at the answer's next index (`expectedIndex`): refused, never reordered. */
+export class AnswerOrderError extends AnswerError {
+  get expectedIndex(): number {
+    return Number(this.body.expected_index)
+  }
+}
+
+/** The end was refused: the log lacks deltas `missing[0]` .. `missing[1] - 1` of the answer. */
+export class AnswerIncompleteError extends AnswerError {
+  get missing(): [number, number] {
+    const m = this.body.missing as number[]
+    return [Number(m[0]), Number(m[1])]
+  }
+}
+
+/** The answer has ended (committed, interrupted, or closed by `repair`). */
+export class AnswerClosedError extends AnswerError {}
+
+/** No such answer (never begun, or ended longer ago than its grace). */
+export class AnswerNotFoundError extends AnswerError {}
+
 /** The error for a gateway answer that is not a success. */
 export function errorFor(status: number, body: Record<string, unknown>, sessionId: string): SessionError {
   const code = typeof body.error === 'string' ? body.error : 'error'
@@ -100,6 +128,16 @@ export function errorFor(status: number, body: Record<string, unknown>, sessionI
       return new IdempotencyKeyReusedError(message, status, code, body)
     case 'lease_held':
       return new LeaseHeldError(message, status, code, body)
+    case 'out_of_order':
+      return new AnswerOrderError(message, status, code, body)
+    case 'incomplete':
+      return new AnswerIncompleteError(message, status, code, body)
+    case 'answer_ended':
+      return new AnswerClosedError(message, status, code, body)
+    case 'answer_not_found':
+      return new AnswerNotFoundError(message, status, code, body)
+    case 'batch_mismatch':
+      return new AnswerError(message, status, code, body)
   }
   if (status === 401 || status === 403) return new AuthError(message, status, code, body)
   if (status === 422 || status === 413) return new InvalidEntryError(message, status, code, body)

@@ -1,6 +1,6 @@
 export * from './types.js'
 export * from './errors.js'
-export { SessionClient, Delta, backoff, sleep } from './client.js'
+export { SessionClient, Delta, DeltaGap, backoff, sleep } from './client.js'
 export { AnswerWriter, type AnswerBegun, type DeltaIn, type DeltaKind, type EndOptions, type StreamOptions } from './stream.js'
 export type { ClientOptions, WriteOptions, CreateOptions, BranchOptions, TailOptions, TransactOptions } from './client.js'
 export { parseSse, type SseEvent } from './sse.js'

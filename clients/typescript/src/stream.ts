@@ -6,8 +6,13 @@
  * as one packed `assistant/chunk` row and puts each delta on the session's live stream, where
  * tailing readers (`tail(id, {deltas: true})`, SSE `?deltas=1`) get it at once. One batch is in
  * flight at a time, so deltas land in order; a batch whose answer was lost is sent again as it was
- * (same `first_index`): the gateway writes it nowhere twice. `end()` sends the rest and commits the
- * `assistant/message`; `abort()` sends the rest and leaves the `assistant/interrupted` mark.
+ * (same `first_index`): the gateway writes it nowhere twice and its deltas reach the live stream
+ * once. The rules are the gateway's (one answer protocol, `lua/answer.lua`, shared with Python's
+ * `Session.stream`): a batch elsewhere than the answer's next index is refused
+ * (`AnswerOrderError`), an end while any delta is missing too (`AnswerIncompleteError`), and every
+ * write is checked against the life the answer began in (`SessionReplacedError`). `end()` sends the
+ * rest and commits the `assistant/message`; `abort()` sends the rest and leaves the
+ * `assistant/interrupted` mark.
  */
 
 import { SessionError, UnavailableError } from './errors.js'
@@ -68,7 +73,8 @@ export class AnswerWriter {
   n: number
   /** the closing entry once `end()` or `abort()` returned */
   closing: Written | undefined
-  private readonly beginId: string | null
+  /** the begin's live stream id */
+  readonly beginId: string | null
   private readonly turn: number | undefined
   private readonly step: number | undefined
   private readonly intervalMs: number
@@ -198,8 +204,9 @@ export class AnswerWriter {
     this.closed = true
     const body: Record<string, Json | undefined> = {
       reason,
-      begun_at: this.begunAt,
-      ...(this.beginId !== null ? { begin_id: this.beginId } : {}),
+      // how many deltas this writer sent: the gateway refuses the end (`AnswerIncompleteError`,
+      // naming the missing range) while the log lacks any of them
+      deltas: this.sent,
       ...(this.turn !== undefined ? { turn: this.turn } : {}),
       ...(this.step !== undefined ? { step: this.step } : {}),
       ...(cause !== undefined ? { cause } : {}),

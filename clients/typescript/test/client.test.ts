@@ -135,7 +135,8 @@ describe('SessionClient', { skip }, () => {
     assert.deepEqual(got, [0, 1, 2, 3])
     const resumed: number[] = []
     await client.append(id, um('4'))
-    for await (const e of client.tail(id, { lastEventId: 2 })) {
+    const inc = (await client.head(id))?.header.incarnation ?? undefined
+    for await (const e of client.tail(id, { lastEventId: 2, incarnation: inc })) {
       resumed.push(e.n)
       if (e.n === 4) break
     }

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 
-import { Delta, SessionClient, SessionConflictError, sleep, type Entry, type JsonObject } from '../src/index.js'
+import { Delta, DeltaGap, SessionClient, SessionConflictError, sleep, type Entry, type JsonObject } from '../src/index.js'
 import { ADMIN, skip, uid, URL } from './env.js'
 
 const client = new SessionClient({ url: URL, token: ADMIN })
@@ -36,6 +36,7 @@ describe('streaming answers', { skip }, () => {
     const got: (Entry | Delta)[] = []
     const reading = (async () => {
       for await (const item of client.tail(id, { start: 3, deltas: true, signal: ac.signal })) {
+        if (item instanceof DeltaGap) assert.fail(`a gap: ${JSON.stringify(item)}`)
         got.push(item)
         if (!(item instanceof Delta) && item.type === 'assistant/message') return
       }
@@ -84,6 +85,7 @@ describe('streaming answers', { skip }, () => {
     const first: Delta[] = []
     const ac = new AbortController()
     for await (const item of client.tail(id, { start: 3, deltas: true, signal: ac.signal })) {
+      if (item instanceof DeltaGap) assert.fail('a gap')
       if (item instanceof Delta) {
         first.push(item)
         cursor = item.cursor
@@ -95,7 +97,8 @@ describe('streaming answers', { skip }, () => {
     await w.flush()
     // a reader coming back mid-answer: after its last delta, not from the answer's start
     const rest: Delta[] = []
-    const options = { lastEventId: last, liveAfter: cursor, deltas: true as const, signal: ac.signal }
+    const inc = w.incarnation ?? undefined // a resume names the life it continues
+    const options = { lastEventId: last, incarnation: inc, liveAfter: cursor, deltas: true as const, signal: ac.signal }
     try {
       for await (const item of client.tail(id, options)) {
         if (item instanceof Delta) rest.push(item)
