@@ -40,7 +40,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import SessionNotFoundError
-from .common import _error
+from .common import PROBE_PATHS, _error
 
 SCOPES = ("read", "write", "admin")
 """Each scope includes the ones before it."""
@@ -209,8 +209,8 @@ class _TokenAuth:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # /healthz answers liveness only (no session data), so orchestrator probes need no token
-        if scope["type"] != "http" or scope["path"] == "/healthz":
+        # the probes carry no session data, so orchestrators need no token
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
             await self.app(scope, receive, send)
             return
         token = self._find(scope)

@@ -53,6 +53,10 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
             "title": {"type": ["string", "null"]},
             "origin": json_any,
             "incarnation": {"type": "string", "description": "unique per creation of the id"},
+            "create_key": {
+                "type": ["string", "null"],
+                "description": "SHA-256 (32 hex) of the Idempotency-Key it was created with",
+            },
         },
     }
     doc: dict[str, Any] = {
@@ -66,7 +70,14 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
         "paths": {
             "/healthz": {
                 "get": {
-                    "summary": "Liveness and store reachability (no token needed)",
+                    "summary": "Liveness: the process answers; never asks the store (no token needed)",
+                    "security": [],
+                    "responses": {"200": ok("The process answers", {"type": "object"})},
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "Readiness: the store answers (no token needed)",
                     "security": [],
                     "responses": {
                         "200": ok("The store answers", {"type": "object"}),

@@ -43,8 +43,14 @@ async def openapi_doc(gw: Gateway, request: Request) -> Response:
     return _JSON(openapi(auth=gw.auth))
 
 
-async def healthz(gw: Gateway, request: Request) -> Response:
-    await gw.store.head("healthz")  # one round trip: proves the store answers
+async def healthz(request: Request) -> Response:
+    """Liveness: this process answers. Never Redis: a Redis failover must not restart every pod."""
+    return Response(b'{"ok":true}', media_type="application/json")
+
+
+async def readyz(gw: Gateway, request: Request) -> Response:
+    """Readiness: the store answers (one round trip); 503 ``unavailable`` while it does not."""
+    await gw.store.head("readyz")
     return _JSON({"ok": True})
 
 
