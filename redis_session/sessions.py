@@ -54,7 +54,6 @@ from .errors import (
 from .keys import MAX_ID_LENGTH, validate_session_id
 from .model import (
     CUT,
-    create_key_digest,
     Entry,
     NewEntry,
     NewEntryLike,
@@ -64,6 +63,7 @@ from .model import (
     Surface,
     Vocabulary,
     as_new_entry,
+    create_key_digest,
     encode_batch,
     kind_of,
     now_ms,
@@ -993,7 +993,7 @@ class Sessions:
             return None
         at = users[k] if k < len(users) else head.n
         try:
-            return await self.branch(session_id, at, branch_id=fork_id, idempotency_key=idempotency_key)
+            return await self.branch(session_id, at, branch_id=fork_id)
         except SessionNotFoundError:
             return None
 

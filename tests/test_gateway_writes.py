@@ -124,7 +124,11 @@ async def test_a_keyed_create_or_branch_is_never_another_clients(
 ) -> None:
     """Issue 21 §5: the key is recorded with the creation; another key (or none) for the same new id
     is a 409 already_exists, whatever the body, and only the creating key replays its 201."""
-    turn = [{"type": "turn/start", "data": {"turn": 1}}, um("x"), {"type": "turn/end", "data": {"turn": 1, "reason": "completed"}}]
+    turn = [
+        {"type": "turn/start", "data": {"turn": 1}},
+        um("x"),
+        {"type": "turn/end", "data": {"turn": 1, "reason": "completed"}},
+    ]
     body = {"id": "race", "title": "t", "entries": turn}
     mine = await client.post("/sessions", json=body, headers={"Idempotency-Key": "client-a"})
     assert mine.status_code == 201

@@ -828,11 +828,10 @@ def gateway_cmd(
 
 def _run_fast(fn: Callable[[], Awaitable[T]]) -> T:
     """`_run` on uvloop when it is installed (the gateway's request loop), else asyncio's."""
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return anyio.run(fn)
-    return anyio.run(fn, backend_options={"use_uvloop": True})
+    import importlib.util
+
+    fast = importlib.util.find_spec("uvloop") is not None
+    return anyio.run(fn, backend_options={"use_uvloop": True} if fast else {})
 
 
 @app.command("up")

@@ -152,6 +152,12 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                             "in": "query",
                             "schema": {"type": "string", "enum": list(FORMATS), "default": "openai"},
                         },
+                        {
+                            "name": "last",
+                            "in": "query",
+                            "description": "Only the newest `last` messages; the answer adds `total`",
+                            "schema": {"type": "integer", "minimum": 1},
+                        },
                     ],
                     "responses": {"200": ok("Messages", ref("Messages")), **session_errors},
                 }
@@ -251,6 +257,7 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                     "properties": {
                         "session": {"type": "string"},
                         "format": {"type": "string", "enum": list(FORMATS)},
+                        "total": {"type": "integer", "description": "with `last`: how many there are"},
                         "messages": {
                             "description": "openai: a list of chat messages; anthropic: "
                             "{system, messages}; neutral: [{role, content: blocks, source: [n]}]"

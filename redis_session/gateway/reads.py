@@ -130,6 +130,7 @@ async def messages(gw: Gateway, request: Request, sid: str) -> Response:
         raise _BadRequest(f"format must be one of {', '.join(FORMATS)}")
     if gw.custom_messages and await gw.store.head(sid) is None:  # Sessions.messages checks itself
         raise SessionNotFoundError(sid)
+    last = _int_arg(request, "last", None, 1)
     msgs = await gw.get_messages(sid)
     body: Any
     if fmt == "openai":
@@ -138,7 +139,14 @@ async def messages(gw: Gateway, request: Request, sid: str) -> Response:
         body = to_anthropic(msgs)
     else:
         body = list(msgs)
-    return _JSON({"session": sid, "format": fmt, "messages": body})
+    if last is None:
+        return _JSON({"session": sid, "format": fmt, "messages": body})
+    # the newest `last` messages (a viewer opening a long session), and how many there are
+    items = body["messages"] if isinstance(body, dict) else body
+    total = len(items)
+    items = items[-last:]
+    body = {**body, "messages": items} if isinstance(body, dict) else items
+    return _JSON({"session": sid, "format": fmt, "messages": body, "total": total})
 
 
 async def events(gw: Gateway, request: Request, sid: str) -> Response:

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import answers, reads, writes
-from .auth import Forbidden, principal
+from .auth import principal
 from .common import PROBE_PATHS, _error, _session_path, route_key
 from .context import Gateway
 
@@ -241,4 +241,3 @@ def _with_cors(send: Send, origin: str) -> Send:
         await send(message)
 
     return sender
-

@@ -164,9 +164,7 @@ async def _own_creation(gw: Gateway, sid: str, key: str | None) -> SessionHead:
     return head
 
 
-async def _replayed_create(
-    gw: Gateway, sid: str, key: str | None, req: CreateIn, batch: list[NewEntry]
-) -> SessionHead:
+async def _replayed_create(gw: Gateway, sid: str, key: str | None, req: CreateIn, batch: list[NewEntry]) -> SessionHead:
     """The answer to a create of a taken id: its own creation replayed, when the same key made
     it with the same fields and first entries; 422 when that key made it with others; else 409."""
     head = await _own_creation(gw, sid, key)
