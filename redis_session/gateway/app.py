@@ -187,11 +187,13 @@ def _token_set(token: str | None, tokens: Sequence[Token]) -> TokenSet | None:
 
 
 class _SecurityHeaders:
-    """Headers every answer carries: no sniffing, and no Referer (the viewer's URL may hold a token)."""
+    """Headers every answer carries: no sniffing, no framing, and no Referer to other origins
+    (``same-origin``, not ``no-referrer``: that would make the browser send ``Origin: null`` on
+    the sign-in form's POST, which the cross-origin write check must refuse)."""
 
     HEADERS = (
         (b"x-content-type-options", b"nosniff"),
-        (b"referrer-policy", b"no-referrer"),
+        (b"referrer-policy", b"same-origin"),
         (b"x-frame-options", b"DENY"),
     )
 

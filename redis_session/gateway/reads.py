@@ -132,6 +132,9 @@ async def messages(gw: Gateway, request: Request, sid: str) -> Response:
         raise SessionNotFoundError(sid)
     last = _int_arg(request, "last", None, 1)
     msgs = await gw.get_messages(sid)
+    total = len(msgs)
+    if last is not None:  # only the newest are converted: a long session's tail costs what a short one does
+        msgs = msgs[-last:]
     body: Any
     if fmt == "openai":
         body = to_openai(msgs)
@@ -141,11 +144,7 @@ async def messages(gw: Gateway, request: Request, sid: str) -> Response:
         body = list(msgs)
     if last is None:
         return _JSON({"session": sid, "format": fmt, "messages": body})
-    # the newest `last` messages (a viewer opening a long session), and how many there are
-    items = body["messages"] if isinstance(body, dict) else body
-    total = len(items)
-    items = items[-last:]
-    body = {**body, "messages": items} if isinstance(body, dict) else items
+    # the newest `last` messages (a viewer opening a long session), and how many there are (neutral)
     return _JSON({"session": sid, "format": fmt, "messages": body, "total": total})
 
 
