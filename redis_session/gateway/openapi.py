@@ -155,7 +155,7 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                         {
                             "name": "last",
                             "in": "query",
-                            "description": "Only the newest `last` (neutral) messages, converted; the answer adds `total`",
+                            "description": "Only the newest `last` (neutral) messages; the answer adds `total`",
                             "schema": {"type": "integer", "minimum": 1},
                         },
                     ],
