@@ -766,6 +766,8 @@ def gateway_cmd(
         bool, typer.Option(help="Serve a non-loopback --host without any token (anyone may read and write).")
     ] = False,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes sharing the port.")] = 1,
+    http: Annotated[str, typer.Option(help="HTTP parser: auto (httptools if installed), httptools, h11.")] = "auto",
+    loop: Annotated[str, typer.Option(help="Event loop: auto (uvloop if installed), uvloop, asyncio.")] = "auto",
 ) -> None:
     """Serve the HTTP/SSE gateway (reads, live tails, writes) and the web viewer."""
     from ..gateway.app import check_exposure, listen, run_workers
@@ -780,6 +782,8 @@ def gateway_cmd(
             raise CliError("REDIS_SESSION_TOKEN is set but empty: set a token, or unset the variable")
     if token is not None and not token.strip():
         raise CliError("--token is empty")
+    if http not in ("auto", "httptools", "h11") or loop not in ("auto", "uvloop", "asyncio"):
+        raise CliError("--http is auto, httptools or h11; --loop is auto, uvloop or asyncio")
     hosts = allowed_host or split_list(os.environ.get("REDIS_SESSION_ALLOWED_HOSTS")) or None
     origins = allowed_origin or split_list(os.environ.get("REDIS_SESSION_ALLOWED_ORIGINS"))
     try:
@@ -803,12 +807,13 @@ def gateway_cmd(
                     allowed_hosts=hosts,
                     allowed_origins=origins,
                     insecure_no_auth=insecure_no_auth,
+                    http=http,
                     sockets=sockets,
                 )
 
             await _supervised(url, prefix, body)
 
-        _run_fast(main)
+        _run_fast(main, loop)
 
     shown = f"[{host}]" if ":" in host else host
     if workers == 1:
@@ -826,11 +831,11 @@ def gateway_cmd(
         raise typer.Exit(code)
 
 
-def _run_fast(fn: Callable[[], Awaitable[T]]) -> T:
-    """`_run` on uvloop when it is installed (the gateway's request loop), else asyncio's."""
+def _run_fast(fn: Callable[[], Awaitable[T]], loop: str = "auto") -> T:
+    """`_run` on uvloop when it is installed (`loop` auto) or asked for, else asyncio's."""
     import importlib.util
 
-    fast = importlib.util.find_spec("uvloop") is not None
+    fast = loop == "uvloop" or (loop == "auto" and importlib.util.find_spec("uvloop") is not None)
     return anyio.run(fn, backend_options={"use_uvloop": True} if fast else {})
 
 

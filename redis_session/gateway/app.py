@@ -228,6 +228,7 @@ async def serve(
     allowed_origins: Sequence[str] = (),
     insecure_no_auth: bool = False,
     log_level: str = "warning",
+    http: str = "auto",
     sockets: Sequence[socket.socket] | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -240,7 +241,9 @@ async def serve(
 
     On a non-loopback `host` without `token`/`tokens` it refuses to start (`check_exposure`)
     unless `insecure_no_auth`. `sockets`: serve on these already-bound sockets (worker processes
-    sharing one listening socket) instead of binding `host`:`port`.
+    sharing one listening socket) instead of binding `host`:`port`. `http` is uvicorn's HTTP
+    parser: ``auto`` (httptools when installed — the ``fast`` extra —, else h11), ``httptools``,
+    ``h11``; the event loop is the caller's (the CLI runs uvloop when installed).
     """
     check_exposure(host, has_token=token is not None or bool(tokens), insecure_no_auth=insecure_no_auth)
     app = create_app(
@@ -262,6 +265,7 @@ async def serve(
         log_level=log_level,
         access_log=False,
         lifespan="off",
+        http=http,
         timeout_graceful_shutdown=3,
     )
     started = anyio.Event()
