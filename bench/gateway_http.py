@@ -24,6 +24,7 @@ server it would measure), on the same event loop as the store side.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -60,8 +61,15 @@ class Gateway:
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "REDIS_SESSION_TOKENS")}
         env.pop("REDIS_SESSION_TOKEN", None)
-        cmd = [sys.executable, "-m", "redis_session.cli", "gateway", "--url", url, "--prefix", prefix]
-        cmd += ["--port", str(self.port), *options]
+        if options and options[0] == "granian":  # granian serving the same app (bench/_granian_app.py)
+            env.update(RS_BENCH_URL=url, RS_BENCH_PREFIX=prefix)
+            here = str(Path(__file__).resolve().parent)
+            env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+            cmd = [sys.executable, "-m", "granian", "--interface", "asgi", "--host", "127.0.0.1"]
+            cmd += ["--port", str(self.port), "--no-ws", *options[1:], "_granian_app:app"]
+        else:
+            cmd = [sys.executable, "-m", "redis_session.cli", "gateway", "--url", url, "--prefix", prefix]
+            cmd += ["--port", str(self.port), *options]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -269,7 +277,7 @@ async def fanout(store: RedisSessionStore, port: int, readers: int, sessions: in
                 sid = sids[i % sessions]
                 tg.start_soon(reader, sid, n[sid], lat, ready)
             with anyio.fail_after(120):
-                while len(ready) < readers:
+                while len(ready) < readers:  # noqa: ASYNC110 (a count reached by many tasks)
                     await anyio.sleep(0.05)
             await anyio.sleep(0.5)
             stop = anyio.Event()
@@ -299,6 +307,8 @@ STACKS: list[tuple[str, list[str]]] = [
     ("uvicorn h11 + asyncio", ["--http", "h11", "--loop", "asyncio"]),
     ("uvicorn httptools + uvloop", ["--http", "httptools", "--loop", "uvloop"]),
 ]
+if importlib.util.find_spec("granian") is not None:
+    STACKS.append(("granian + uvloop", ["granian", "--loop", "uvloop"]))
 
 
 def main() -> None:

@@ -467,7 +467,26 @@ async def test_healthz_needs_no_token_and_reports_the_store(redis_store: RedisSe
     async with running_gateway(redis_store, token="s3cret") as base, httpx.AsyncClient(base_url=base) as client:
         r = await client.get("/healthz")
         assert r.status_code == 200 and r.json() == {"ok": True}
+        r = await client.get("/readyz")
+        assert r.status_code == 200 and r.json() == {"ok": True}
         assert (await client.get("/sessions")).status_code == 401
+
+
+async def test_liveness_never_asks_redis_readiness_does() -> None:
+    """Issue 25 §13: /healthz answered 503 while Redis was down, and the liveness probe used it, so
+    a Redis failover restarted every gateway pod. /healthz is the process; /readyz is Redis."""
+    dead = RedisSessionStore.from_url(
+        f"redis://127.0.0.1:{_free_port()}/0", client_options={"socket_connect_timeout": 1}
+    )
+    try:
+        with anyio.fail_after(30):
+            async with running_gateway(dead) as base, httpx.AsyncClient(base_url=base, timeout=10) as client:
+                assert (await client.get("/healthz")).status_code == 200
+                r = await client.get("/readyz")
+                assert r.status_code == 503 and r.json()["error"] == "unavailable"
+                assert r.headers["retry-after"]
+    finally:
+        await dead.aclose()
 
 
 # --------------------------------------------------------------------------- incarnations
