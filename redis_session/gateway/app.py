@@ -28,10 +28,16 @@ Routes (``/openapi.json`` describes them)::
                                     answer) and ids become ``<n>/<live id>`` (resume both)
     GET  /events                        SSE: store-wide notifications (``event: session-branch``)
 
+    GET  /healthz, /readyz              liveness (the process, never Redis), readiness (Redis answers)
+    POST /signin, /signout              the viewer's sign-in cookie (with tokens)
+
 Ids in paths are percent-encoded (``/`` as ``%2F``); the raw path is decoded here, so ids with
-``/``, ``:`` and any unicode work. With tokens, every route but ``/healthz`` answers 401 unless the
-request carries ``Authorization: Bearer <token>`` or ``?token=<token>`` (EventSource cannot set
-headers); what a token may do is in `auth`. Writes from another origin's web page are refused.
+``/``, ``:`` and any unicode work. With tokens, every route but the probes answers 401 unless the
+request carries ``Authorization: Bearer <token>``, the sign-in cookie, or ``?token=<token>``
+(EventSource cannot set headers); what a token may do is in `auth`. Before any route, the
+``Host`` must be an allowed one (421 otherwise: DNS rebinding), and a page of another origin
+gets CORS answers and may write only when its origin is allowed (`routes.WebPolicy`). Without a
+token, `serve` binds only loopback unless told `insecure_no_auth` (`check_exposure`).
 
 >>> app = create_app(store, token="s3cret")            # any ASGI server
 >>> await serve(store, host="0.0.0.0", port=8765)       # or uvicorn, until cancelled / Ctrl-C
