@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -787,3 +788,30 @@ def test_fuzz_the_body_decoder_raises_only_client_errors(doc: Any, cut: int, jun
         if fn is body_mod.decode_json:  # what passes is I-JSON: it survives an encode and decode unchanged
             again = json.loads(json.dumps(value, allow_nan=False))
             assert again == value
+
+
+def test_workers_share_the_port_and_stop_on_sigterm(redis_url: str) -> None:
+    """`--workers 2`: two processes accept on one socket; SIGTERM stops them all, exit 0."""
+    port = _free_port()
+    cmd = _gateway_cmd("--url", redis_url, "--port", str(port), "--workers", "2", env={})
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the gateway did not start"
+                time.sleep(0.05)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            r = client.post("/sessions", json={"id": "w-1"})
+            assert r.status_code == 201
+            for _ in range(20):  # new connections, whichever worker takes them
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as fresh:
+                    assert fresh.get("/sessions/w-1").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "2 worker processes" in stderr
