@@ -815,3 +815,24 @@ def test_workers_share_the_port_and_stop_on_sigterm(redis_url: str) -> None:
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr
     assert "2 worker processes" in stderr
+
+
+async def test_sign_in_sets_an_httponly_cookie_that_authenticates(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "sc", 1)
+    async with running_gateway(redis_store, token="tok+/=") as base, httpx.AsyncClient(base_url=base) as client:
+        assert (await client.post("/signin", json={"token": "nope"})).status_code == 401
+        evil = await client.post("/signin", json={"token": "tok+/="}, headers={"Origin": "http://evil.example"})
+        assert evil.status_code == 403 and "set-cookie" not in evil.headers
+        r = await client.post("/signin", json={"token": "tok+/="})
+        assert r.status_code == 204
+        cookie = r.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie
+        assert (await client.get("/sessions/sc")).status_code == 200  # the client keeps the cookie
+        form = await client.post(
+            "/signin", data={"token": "tok+/=", "next": "#sc"}, headers={"Origin": base}, follow_redirects=False
+        )
+        assert form.status_code == 303 and form.headers["location"] == "./#sc"
+        out = await client.post("/signout", follow_redirects=False)
+        assert out.status_code == 303 and "Max-Age=0" in out.headers["set-cookie"]
+        client.cookies.clear()
+        assert (await client.get("/sessions/sc")).status_code == 401
