@@ -34,7 +34,10 @@ class SessionHeader(Struct, frozen=True, kw_only=True, omit_defaults=True):
     `incarnation` names this life of the id: the store assigns a fresh random one at every
     create (a value given to `create` is ignored), so a session deleted and created again, or
     replaced by an import, never passes for the one before it. A header stored before
-    incarnations existed reads as `legacy_incarnation(created_at)`."""
+    incarnations existed reads as `legacy_incarnation(created_at)`.
+
+    `create_key` is `create_key_digest` of the idempotency key the session was created with (None
+    without one): a retry of that create finds its own creation; any other request, another."""
 
     id: str
     format_version: int = FORMAT_VERSION
@@ -45,6 +48,13 @@ class SessionHeader(Struct, frozen=True, kw_only=True, omit_defaults=True):
     title: str | None = None
     origin: Any = None
     incarnation: str = ""
+    create_key: str | None = None
+
+
+def create_key_digest(key: str) -> str:
+    """What a header keeps of a create's idempotency key: 32 hex digits of its SHA-256 (the key
+    itself is the client's and stays with it)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def new_incarnation() -> str:

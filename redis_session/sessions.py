@@ -62,6 +62,7 @@ from .model import (
     SessionHeader,
     Surface,
     as_new_entry,
+    create_key_digest,
     encode_batch,
     kind_of,
 )
@@ -104,9 +105,13 @@ def _check_int(value: object, what: str, *, minimum: int = 0) -> int:
     return value
 
 
+MAX_TTL = float(2**53 // 1000)
+"""The longest ttl in seconds (its milliseconds stay an exact integer: ~285 000 years)."""
+
+
 def _ttl_ms(ttl: float) -> int:
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl:
-        raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
+        raise ValueError(f"ttl must be a positive number of seconds up to {MAX_TTL:.0f}, got {ttl!r}")
     return max(1, round(ttl * 1000))
 
 
@@ -845,11 +850,13 @@ class Sessions:
         ttl: float | None = None,
         entries: Sequence[NewEntryLike] = (),
         created_at: int | None = None,
+        idempotency_key: str | None = None,
     ) -> Session:
         """Create a session (id default ``session-<uuid hex>``), optionally with seed `entries`.
         `ttl` (seconds) makes it ephemeral; `created_at` (ms) is kept as given (default: the
         store's clock, as ChatLuna's header takes the caller's). `SessionAlreadyExistsError` if
-        the id is taken."""
+        the id is taken. `idempotency_key` is recorded with the creation (``header.create_key``),
+        so a retry can tell its own creation from another request's."""
         if created_at is not None:
             _check_int(created_at, "created_at")
         header = SessionHeader(
@@ -858,6 +865,7 @@ class Sessions:
             origin=origin,
             delegation_depth=0 if delegation_depth is None else delegation_depth,
             created_at=created_at or 0,
+            create_key=None if idempotency_key is None else create_key_digest(idempotency_key),
         )
         head = await self.store.create(header, entries, ttl_ms=None if ttl is None else _ttl_ms(ttl))
         return Session(self, head)
@@ -871,6 +879,7 @@ class Sessions:
         delegation_depth: int | None = None,
         title: str | None = None,
         origin: Any = None,
+        idempotency_key: str | None = None,
     ) -> Session:
         """A new session holding entries [0, at) of `session_id` (0 ≤ at ≤ its n), then its own.
 
@@ -880,6 +889,7 @@ class Sessions:
         ``create(id, {parent, at})`` rule). Default id ``<parent>:branch:<8 hex>``
         (an `InvalidSessionIdError` asks for an explicit `branch_id` when that would be too long).
         Publishes ``session-branch {parent, session, at}`` (pub/sub and change feed, never a log entry).
+        `idempotency_key` is recorded with the creation, as for `create`.
         """
         validate_session_id(session_id)
         _check_int(at, "at")
@@ -896,7 +906,13 @@ class Sessions:
         for attempt in range(3):
             child_id = _default_branch_id(session_id) if branch_id is None else branch_id
             header = SessionHeader(
-                id=child_id, parent=session_id, at=at, delegation_depth=depth, title=title, origin=origin
+                id=child_id,
+                parent=session_id,
+                at=at,
+                delegation_depth=depth,
+                title=title,
+                origin=origin,
+                create_key=None if idempotency_key is None else create_key_digest(idempotency_key),
             )
             try:
                 head = await self.store.create(header)
@@ -910,7 +926,14 @@ class Sessions:
             log.warning("publishing %s for %r failed: %s", BRANCH_EVENT, head.id, e)
         return Session(self, head)
 
-    async def fork(self, session_id: str, boundary: int | None = None, *, fork_id: str | None = None) -> Session:
+    async def fork(
+        self,
+        session_id: str,
+        boundary: int | None = None,
+        *,
+        fork_id: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Session:
         """dsh fork: a child holding the source's entries [0, boundary] (inclusive), where the
         boundary entry must be a ``turn/end`` (default: the last entry; an empty source gives an
         empty child). A branch at boundary + 1 underneath, as cheap as any branch.
@@ -946,7 +969,7 @@ class Sessions:
             if kind != "turn/end":
                 raise SessionForkError(await self._fork_hint(session_id, check, kind), "OPEN_TURN")
         try:
-            return await self.branch(session_id, at, branch_id=fork_id)
+            return await self.branch(session_id, at, branch_id=fork_id, idempotency_key=idempotency_key)
         except SessionAlreadyExistsError as e:
             raise SessionForkError(str(e), "SESSION_ALREADY_EXISTS") from e
         except SessionNotFoundError as e:  # deleted under us

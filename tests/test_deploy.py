@@ -46,12 +46,20 @@ def test_kustomization_lists_existing_files() -> None:
         assert (base / res).is_file(), res
 
 
+def _secret_keys() -> set[str]:
+    """The keys of the generated secret: the example env file's names (the real file is not in git)."""
+    text = (ROOT / "deploy" / "base" / "redis-session.env.example").read_text()
+    return {line.split("=", 1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def test_k8s_containers_use_our_image_commands_env_and_ports() -> None:
     docs = _k8s_docs()
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "Service", "ConfigMap", "Secret", "PodDisruptionBudget"} <= kinds
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
     configmap = next(d for d in docs if d["kind"] == "ConfigMap")
-    secret = next(d for d in docs if d["kind"] == "Secret")
+    k = yaml.safe_load((ROOT / "deploy" / "base" / "kustomization.yaml").read_text())
+    (generated,) = k["secretGenerator"]
+    secret = {"metadata": {"name": generated["name"]}, "stringData": dict.fromkeys(_secret_keys(), "")}
     deployments = [d for d in docs if d["kind"] == "Deployment"]
     assert {d["metadata"]["name"] for d in deployments} == {"projector", "gateway"}
     for d in deployments:
@@ -94,6 +102,62 @@ def test_compose_services() -> None:
             assert var in PACKAGE_SOURCE, f"{name}: env {var} is not read by the package"
         assert svc["environment"]["REDIS_URL"].startswith("redis://redis:6379")
     assert services["gateway"]["ports"] == ["8765:8765"]
+    assert "ports" not in services["redis"]  # Redis is never published to the host (issue 25 §16)
+
+
+def test_no_deployment_ships_an_empty_or_placeholder_token() -> None:
+    """Issue 21 §5: compose shipped `REDIS_SESSION_TOKEN: ""` next to `--host 0.0.0.0` (an open
+    gateway). Compose now requires the variable (`${VAR:?…}` fails `docker compose up` without it),
+    and kustomize generates the secret from an env file that is not in git."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    token = compose["services"]["gateway"]["environment"]["REDIS_SESSION_TOKEN"]
+    assert token.startswith("${REDIS_SESSION_TOKEN:?") and token.endswith("}")
+    base = ROOT / "deploy" / "base"
+    assert not (base / "secret.yaml").exists() and not (base / "redis-session.env").exists()
+    assert "redis-session.env" in (base / ".gitignore").read_text().split()
+    example = (base / "redis-session.env.example").read_text()
+    assert "REDIS_SESSION_TOKEN=\n" in example  # to fill in; the gateway refuses it empty
+    for d in _k8s_docs():
+        assert d["kind"] != "Secret"
+
+
+def test_one_image_name_and_tag_with_the_build_step_written_down() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    k = yaml.safe_load((ROOT / "deploy" / "base" / "kustomization.yaml").read_text())
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert version is not None
+    (image,) = k["images"]
+    assert (image["name"], image["newName"], image["newTag"]) == ("redis-session", "redis-session", version.group(1))
+    for name in ("projector", "gateway", "demo"):
+        assert compose["services"][name]["image"] == f"redis-session:{version.group(1)}", name
+    build = f"docker build -t redis-session:{version.group(1)} ."
+    assert build in (ROOT / "docker-compose.yml").read_text()
+    assert build in (ROOT / "deploy" / "base" / "kustomization.yaml").read_text()
+
+
+def test_probes_split_liveness_from_readiness() -> None:
+    """Issue 25 §13: the liveness probe used /healthz, which asked Redis, so a Redis failover
+    restarted every gateway pod. Liveness is /healthz (the process), readiness /readyz (Redis)."""
+    gateway = next(d for d in _k8s_docs() if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway")
+    (c,) = gateway["spec"]["template"]["spec"]["containers"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_gateway_and_projector_connect_as_their_own_redis_users() -> None:
+    """Issue 25 §16: one Redis URL (one user) served both, while docs/security.md gives each its own."""
+    urls = {}
+    for d in _k8s_docs():
+        if d["kind"] == "Deployment":
+            (c,) = d["spec"]["template"]["spec"]["containers"]
+            (env,) = [e for e in c["env"] if e["name"] == "REDIS_URL"]
+            urls[d["metadata"]["name"]] = env["valueFrom"]["secretKeyRef"]["key"]
+    assert urls == {"gateway": "GATEWAY_REDIS_URL", "projector": "PROJECTOR_REDIS_URL"}
+    example = (ROOT / "deploy" / "base" / "redis-session.env.example").read_text()
+    doc = (ROOT / "docs" / "security.md").read_text()
+    for key, user in (("GATEWAY_REDIS_URL", "gateway"), ("PROJECTOR_REDIS_URL", "projector")):
+        assert f"{key}=redis://{user}:" in example
+        assert f"ACL SETUSER {user} " in doc
 
 
 def test_dockerfile_installs_the_package() -> None:

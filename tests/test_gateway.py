@@ -4,6 +4,13 @@ clients, auth on every route, and bad input answered as JSON 4xx, never a 500.""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
@@ -11,8 +18,12 @@ from urllib.parse import quote
 import anyio
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from redis_session import MemorySessionStore, RedisSessionStore, SessionHeader
+from redis_session.gateway import body as body_mod
+from redis_session.gateway import common as common_mod
 from redis_session.gateway import create_app, openapi, serve
 from redis_session.projection import project, to_anthropic, to_openai
 
@@ -348,7 +359,7 @@ async def test_token_guards_every_route(redis_store: RedisSessionStore) -> None:
             assert (await client.get("/sessions?token=%C3%BC%00")).status_code == 401  # odd bytes: still a 401
             # a person opening the viewer gets a form asking for the token, still a 401
             r = await client.get("/", headers={"Accept": "text/html"})
-            assert r.status_code == 401 and "name=token" in r.text
+            assert r.status_code == 401 and 'name="token"' in r.text and 'action="signin"' in r.text
             doc = (await client.get("/openapi.json", params={"token": token})).json()
             assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
@@ -469,7 +480,26 @@ async def test_healthz_needs_no_token_and_reports_the_store(redis_store: RedisSe
     async with running_gateway(redis_store, token="s3cret") as base, httpx.AsyncClient(base_url=base) as client:
         r = await client.get("/healthz")
         assert r.status_code == 200 and r.json() == {"ok": True}
+        r = await client.get("/readyz")
+        assert r.status_code == 200 and r.json() == {"ok": True}
         assert (await client.get("/sessions")).status_code == 401
+
+
+async def test_liveness_never_asks_redis_readiness_does() -> None:
+    """Issue 25 §13: /healthz answered 503 while Redis was down, and the liveness probe used it, so
+    a Redis failover restarted every gateway pod. /healthz is the process; /readyz is Redis."""
+    dead = RedisSessionStore.from_url(
+        f"redis://127.0.0.1:{_free_port()}/0", client_options={"socket_connect_timeout": 1}
+    )
+    try:
+        with anyio.fail_after(30):
+            async with running_gateway(dead) as base, httpx.AsyncClient(base_url=base, timeout=10) as client:
+                assert (await client.get("/healthz")).status_code == 200
+                r = await client.get("/readyz")
+                assert r.status_code == 503 and r.json()["error"] == "unavailable"
+                assert r.headers["retry-after"]
+    finally:
+        await dead.aclose()
 
 
 # --------------------------------------------------------------------------- incarnations
@@ -511,3 +541,310 @@ async def _until(events: AsyncIterator[dict[str, Any]], last: Any) -> AsyncItera
         yield ev
         if last(ev):
             return
+
+
+# --------------------------------------------------------------------------- closed by default (issue 21 §5)
+
+
+def _gateway_cmd(*args: str, env: dict[str, str]) -> list[str]:
+    return [sys.executable, "-m", "redis_session.cli", "gateway", *args]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDIS_SESSION_TOKEN")}
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--host", "127.0.0.1"], {"REDIS_SESSION_TOKEN": ""}, "REDIS_SESSION_TOKEN is set but empty"),
+        (["--host", "127.0.0.1"], {"REDIS_SESSION_TOKEN": "  "}, "REDIS_SESSION_TOKEN is set but empty"),
+        (["--host", "127.0.0.1", "--token", ""], {}, "--token is empty"),
+        (["--host", "0.0.0.0"], {}, "refusing to serve on 0.0.0.0 without a token"),
+        (["--host", "0.0.0.0"], {"REDIS_SESSION_TOKEN": ""}, "set but empty"),
+        (["--allowed-origin", "not a url"], {}, "is not scheme://host"),
+    ],
+)
+def test_an_open_gateway_refuses_to_start(redis_url: str, args: list[str], env: dict[str, str], message: str) -> None:
+    """Issue 21 §5: `REDIS_SESSION_TOKEN=""` (as compose shipped it) used to give an open gateway;
+    a non-loopback bind without any token refuses to start unless `--insecure-no-auth`."""
+    cmd = _gateway_cmd("--url", redis_url, "--port", str(_free_port()), *args, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=_env(**env))
+    assert done.returncode == 1, done.stderr
+    assert message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_insecure_no_auth_opens_it_loudly_and_hosts_are_still_checked(redis_url: str) -> None:
+    port = _free_port()
+    cmd = _gateway_cmd("--url", redis_url, "--host", "0.0.0.0", "--port", str(port), "--insecure-no-auth", env={})
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the gateway did not start"
+                time.sleep(0.05)
+        assert r.status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{port}/sessions", timeout=5).status_code == 200  # open, on purpose
+        evil = httpx.get(f"http://127.0.0.1:{port}/sessions", headers={"Host": f"evil.example:{port}"}, timeout=5)
+        assert evil.status_code == 421
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=30)
+    assert "INSECURE" in stderr and "NO TOKEN" in stderr, stderr
+
+
+async def test_serve_refuses_a_public_address_without_a_token(redis_store: RedisSessionStore) -> None:
+    with pytest.raises(ValueError, match="without a token"):
+        await serve(redis_store, "0.0.0.0", 0)
+
+
+async def test_dns_rebinding_reaches_no_route(redis_store: RedisSessionStore) -> None:
+    """Issue 21 §5: `Host: evil.example:PORT` with a matching Origin was served (read 200, write 201,
+    delete 204). Now any Host outside the allowed list answers 421 on every route, SSE and the viewer
+    included, and nothing is written; the probes answer whatever the Host."""
+    await mk(redis_store, "victim", 2)
+    with anyio.fail_after(30):
+        async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=10) as client:
+            port = base.rsplit(":", 1)[1]
+            evil = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+            for method, url in [
+                ("GET", "/"),
+                ("GET", "/openapi.json"),
+                ("GET", "/sessions"),
+                ("GET", "/sessions/victim"),
+                ("GET", "/sessions/victim/entries"),
+                ("GET", "/sessions/victim/events"),
+                ("GET", "/events"),
+                ("POST", "/sessions"),
+                ("POST", "/sessions/victim/entries"),
+                ("DELETE", "/sessions/victim"),
+                ("OPTIONS", "/sessions"),
+            ]:
+                body = {"type": "user/message", "data": {"content": "pwned"}} if method == "POST" else None
+                r = await client.request(method, url, headers=evil, json=body)
+                assert r.status_code == 421, (method, url, r.status_code)
+                assert r.json()["error"] == "misdirected"
+            for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST."):
+                assert (await client.get("/sessions/victim", headers={"Host": host})).status_code == 200, host
+            assert (await client.get("/healthz", headers=evil)).status_code == 200
+            assert (await client.get("/readyz", headers=evil)).status_code == 200
+    head = await redis_store.head("victim")
+    assert head is not None and head.n == 2
+
+
+async def test_allowed_hosts_are_configurable(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "h", 1)
+    async with (
+        running_gateway(redis_store, allowed_hosts=["gw.example.com", ".corp.example"]) as base,
+        httpx.AsyncClient(base_url=base, timeout=10) as client,
+    ):
+        for host, status in [
+            ("gw.example.com", 200),
+            ("gw.example.com:8765", 200),
+            ("corp.example", 200),
+            ("a.b.corp.example", 200),
+            ("evil-corp.example", 421),
+            ("sub.gw.example.com", 421),
+            ("127.0.0.1", 421),  # the list replaces the default
+            ("", 421),
+        ]:
+            assert (await client.get("/sessions/h", headers={"Host": host})).status_code == status, host
+
+
+async def test_cors_only_for_allowed_origins(redis_store: RedisSessionStore) -> None:
+    """Issue 25 §4: no origin by default; an allowed one gets its preflight and CORS headers on every
+    answer (SSE included); any other origin's page can write nothing."""
+    await mk(redis_store, "c", 1)
+    app_origin = "http://app.example:3000"
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, if-match"}
+    with anyio.fail_after(30):
+        async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=10) as client:
+            r = await client.options("/sessions/c/entries", headers={"Origin": app_origin, **pre})
+            assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+            r = await client.post("/sessions/c/entries", headers={"Origin": app_origin}, json=um_entry("x"))
+            assert r.status_code == 403
+            r = await client.get("/sessions/c", headers={"Origin": app_origin})
+            assert "access-control-allow-origin" not in r.headers  # served, but the page cannot read it
+        async with (
+            running_gateway(redis_store, allowed_origins=[app_origin], token="tok") as base,
+            httpx.AsyncClient(base_url=base, timeout=10) as client,
+        ):
+            r = await client.options("/sessions/c/entries", headers={"Origin": app_origin, **pre})
+            assert r.status_code == 204, r.text
+            assert r.headers["access-control-allow-origin"] == app_origin
+            assert "if-match" in r.headers["access-control-allow-headers"]
+            assert "POST" in r.headers["access-control-allow-methods"]
+            auth = {"Origin": app_origin, "Authorization": "Bearer tok"}
+            r = await client.post("/sessions/c/entries", headers=auth, json=um_entry("from the app"))
+            assert r.status_code == 201 and r.headers["access-control-allow-origin"] == app_origin
+            assert "etag" in r.headers["access-control-expose-headers"]
+            async with client.stream("GET", "/sessions/c/events", headers=auth) as s:
+                assert s.status_code == 200 and s.headers["access-control-allow-origin"] == app_origin
+            other = {"Origin": "http://other.example:3000", "Authorization": "Bearer tok"}
+            assert (await client.post("/sessions/c/entries", headers=other, json=um_entry("no"))).status_code == 403
+            # a 401 still carries the CORS header, so the page can tell "sign in" from "blocked"
+            r = await client.get("/sessions/c", headers={"Origin": app_origin})
+            assert r.status_code == 401 and r.headers["access-control-allow-origin"] == app_origin
+    assert (await redis_store.head("c")).n == 2  # type: ignore[union-attr]
+
+
+def um_entry(text: str) -> dict[str, Any]:
+    return {"type": "user/message", "data": {"content": text}}
+
+
+HOSTILE_BODIES: list[tuple[str, str, bytes, int, str | None]] = [
+    # (name, route, body, status, path)
+    ("4 KB of nested arrays", "entries", b"[" * 2048 + b"]" * 2048, 422, "$"),
+    ("nested in data", "entries", b'{"type":"x/y","data":{"a":' + b"[" * 2000 + b"]" * 2000 + b"}}", 422, "$"),
+    ("65 levels", "entries", b'{"type":"x/y","data":{"a":' + b"[" * 64 + b"]" * 64 + b"}}", 422, "$.data.a[0]"),
+    ("ttl 1e308", "create", b'{"id":"t","ttl":1e308}', 422, "$.ttl"),
+    ("ttl -0.0", "create", b'{"id":"t","ttl":-0.0}', 422, "$.ttl"),
+    ("ttl NaN", "create", b'{"id":"t","ttl":NaN}', 400, None),
+    ("NaN in data", "entries", b'{"type":"x/y","data":{"a":NaN}}', 400, None),
+    ("Infinity", "entries", b'{"type":"x/y","data":{"a":1e999}}', 400, None),
+    ("2^53+1 in data", "entries", b'{"type":"x/y","data":{"a":[1,9007199254740993]}}', 422, "$.data.a[1]"),
+    ("-(2^53+1)", "entries", b'{"type":"x/y","data":{"a":-9007199254740993}}', 422, "$.data.a"),
+    ("2^53+1 time", "entries", b'{"type":"x/y","data":{},"time":9007199254740993}', 422, "$.time"),
+    ("2^53+1 depth", "create", b'{"id":"t","delegation_depth":9007199254740993}', 422, "$.delegation_depth"),
+    ("2^53+1 at", "branch", b'{"at":9007199254740993}', 422, "$.at"),
+    ("invalid UTF-8", "entries", b'{"type":"x/y","data":{"a":"\xff\xfe"}}', 400, None),
+    ("lone surrogate", "entries", b'{"type":"x/y","data":{"a":"\\ud800"}}', 400, None),
+    ("lone low surrogate key", "entries", b'{"type":"x/y","data":{"\\udc00":1}}', 400, None),
+    ("duplicate keys", "entries", b'{"type":"x/y","type":"a/b","data":{}}', 422, "$"),
+    ("duplicate in data", "entries", b'{"type":"x/y","data":{"k":1,"k":2}}', 422, "$"),
+    ("duplicate in create", "create", b'{"id":"t","id":"u"}', 422, "$"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "route", "body", "status", "where"), HOSTILE_BODIES, ids=[b[0] for b in HOSTILE_BODIES]
+)
+async def test_hostile_small_bodies_are_4xx_with_the_path_and_write_nothing(
+    redis_store: RedisSessionStore,
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+    route: str,
+    body: bytes,
+    status: int,
+    where: str | None,
+) -> None:
+    """Issue 21 §5: these answered 500 with a traceback (RecursionError, OverflowError) or were
+    stored as something else than was sent (duplicates, integers JavaScript rounds)."""
+    await mk(redis_store, "b", 1)
+    url = {"entries": path("b", "entries"), "create": "/sessions", "branch": path("b", "branch")}[route]
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=10) as client:
+        r = await client.post(url, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    got = r.json()
+    if where is not None:
+        assert got["path"] == where or got["path"].startswith(where + "["), got["path"]
+    assert "Traceback" not in r.text
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert (await redis_store.head("b")).n == 1  # type: ignore[union-attr]
+    assert await redis_store.head("t") is None and await redis_store.head("u") is None
+    assert [h.id for h in (await redis_store.list()).items] == ["b"]
+
+
+_json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True), st.text()
+)
+_json_values = st.recursive(
+    _json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+def _mangle(doc: Any, cut: int, junk: bytes) -> bytes:
+    raw = json.dumps(doc, allow_nan=True).encode()
+    return raw[:cut] + junk + raw[cut:] if junk else raw
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    doc=st.one_of(
+        _json_values,
+        st.fixed_dictionaries({"type": st.text(max_size=12), "data": _json_values}),
+        st.fixed_dictionaries({"entries": st.lists(st.fixed_dictionaries({"type": st.text(), "data": _json_values}))}),
+    ),
+    cut=st.integers(0, 200),
+    junk=st.one_of(
+        st.just(b""), st.binary(max_size=6), st.sampled_from([b"[", b"]", b'"', b"\\ud800", b",", b'"a":1,'])
+    ),
+    depth=st.integers(0, 3000),
+)
+def test_fuzz_the_body_decoder_raises_only_client_errors(doc: Any, cut: int, junk: bytes, depth: int) -> None:
+    """Whatever the bytes, the body decoder and the entry parser answer or raise a 4xx error, never
+    anything else (a RecursionError, an OverflowError, a UnicodeError …)."""
+    raw = _mangle(doc, cut, junk)
+    if depth > 2500:
+        raw = b"[" * depth + raw + b"]" * depth
+    for fn in (body_mod.decode_json, lambda r: body_mod.parse_entries(r, 1000)):
+        try:
+            value = fn(raw)
+        except (common_mod._BadRequest, body_mod.Unprocessable, body_mod.TooLarge):
+            continue
+        if fn is body_mod.decode_json:  # what passes is I-JSON: it survives an encode and decode unchanged
+            again = json.loads(json.dumps(value, allow_nan=False))
+            assert again == value
+
+
+def test_workers_share_the_port_and_stop_on_sigterm(redis_url: str) -> None:
+    """`--workers 2`: two processes accept on one socket; SIGTERM stops them all, exit 0."""
+    port = _free_port()
+    cmd = _gateway_cmd("--url", redis_url, "--port", str(port), "--workers", "2", env={})
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the gateway did not start"
+                time.sleep(0.05)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            r = client.post("/sessions", json={"id": "w-1"})
+            assert r.status_code == 201
+            for _ in range(20):  # new connections, whichever worker takes them
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as fresh:
+                    assert fresh.get("/sessions/w-1").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "2 worker processes" in stderr
+
+
+async def test_sign_in_sets_an_httponly_cookie_that_authenticates(redis_store: RedisSessionStore) -> None:
+    await mk(redis_store, "sc", 1)
+    async with running_gateway(redis_store, token="tok+/=") as base, httpx.AsyncClient(base_url=base) as client:
+        assert (await client.post("/signin", json={"token": "nope"})).status_code == 401
+        evil = await client.post("/signin", json={"token": "tok+/="}, headers={"Origin": "http://evil.example"})
+        assert evil.status_code == 403 and "set-cookie" not in evil.headers
+        r = await client.post("/signin", json={"token": "tok+/="})
+        assert r.status_code == 204
+        cookie = r.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie
+        assert (await client.get("/sessions/sc")).status_code == 200  # the client keeps the cookie
+        form = await client.post(
+            "/signin", data={"token": "tok+/=", "next": "#sc"}, headers={"Origin": base}, follow_redirects=False
+        )
+        assert form.status_code == 303 and form.headers["location"] == "./#sc"
+        out = await client.post("/signout", follow_redirects=False)
+        assert out.status_code == 303 and "Max-Age=0" in out.headers["set-cookie"]
+        client.cookies.clear()
+        assert (await client.get("/sessions/sc")).status_code == 401

@@ -107,7 +107,7 @@ async def test_idempotency_key_retries_return_the_same_answer(
     assert r1.status_code == r2.status_code == 201 and r1.json()["header"] == r2.json()["header"]
     assert (await client.post("/sessions", json=body)).status_code == 409  # no key: it exists
     r = await client.post("/sessions", json=body | {"title": "other"}, headers={"Idempotency-Key": "mk"})
-    assert r.status_code == 409
+    assert r.status_code == 422 and r.json()["error"] == "idempotency_key_reused"  # as an append's key
 
     # branch / fork without an id: the key decides the id, so a retry finds the same child
     b1 = await client.post(path("i", "branch"), json={"at": 1}, headers={"Idempotency-Key": "br"})
@@ -117,6 +117,47 @@ async def test_idempotency_key_retries_return_the_same_answer(
     assert r.status_code == 422 and r.json()["error"] == "idempotency_key_reused"
     kids = (await client.get("/sessions", params={"parent": "i"})).json()["items"]
     assert [k["id"] for k in kids] == [b1.json()["id"]]
+
+
+async def test_a_keyed_create_or_branch_is_never_another_clients(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    """Issue 21 §5: the key is recorded with the creation; another key (or none) for the same new id
+    is a 409 already_exists, whatever the body, and only the creating key replays its 201."""
+    turn = [
+        {"type": "turn/start", "data": {"turn": 1}},
+        um("x"),
+        {"type": "turn/end", "data": {"turn": 1, "reason": "completed"}},
+    ]
+    body = {"id": "race", "title": "t", "entries": turn}
+    mine = await client.post("/sessions", json=body, headers={"Idempotency-Key": "client-a"})
+    assert mine.status_code == 201
+    for headers in ({"Idempotency-Key": "client-b"}, {}):
+        r = await client.post("/sessions", json=body, headers=headers)
+        assert (r.status_code, r.json()["error"]) == (409, "already_exists"), headers
+    again = await client.post("/sessions", json=body, headers={"Idempotency-Key": "client-a"})
+    assert again.status_code == 201 and again.json()["header"] == mine.json()["header"]
+    assert mine.json()["header"]["create_key"] not in (None, "client-a")  # a digest, not the key
+    # a session created without a key is nobody's retry
+    await redis_store.create(SessionHeader(id="plain"))
+    r = await client.post("/sessions", json={"id": "plain"}, headers={"Idempotency-Key": "client-a"})
+    assert r.status_code == 409
+
+    # a branch (and a fork) to an explicit id: the same
+    b = await client.post(path("race", "branch"), json={"at": 1, "id": "race-b"}, headers={"Idempotency-Key": "ka"})
+    assert b.status_code == 201
+    for headers in ({"Idempotency-Key": "kb"}, {}):
+        r = await client.post(path("race", "branch"), json={"at": 1, "id": "race-b"}, headers=headers)
+        assert (r.status_code, r.json()["error"]) == (409, "already_exists"), headers
+    r = await client.post(path("race", "branch"), json={"at": 1, "id": "race-b"}, headers={"Idempotency-Key": "ka"})
+    assert r.status_code == 201 and r.json()["header"] == b.json()["header"]
+    f = await client.post(path("race", "fork"), json={"id": "race-f"}, headers={"Idempotency-Key": "fa"})
+    assert f.status_code == 201, f.text
+    r = await client.post(path("race", "fork"), json={"id": "race-f"}, headers={"Idempotency-Key": "fb"})
+    assert r.status_code == 409, r.text
+    r = await client.post(path("race", "fork"), json={"id": "race-f"}, headers={"Idempotency-Key": "fa"})
+    assert r.status_code == 201 and r.json()["header"] == f.json()["header"]
+    assert (await redis_store.head("race")).n == 3  # type: ignore[union-attr]
 
 
 async def test_incarnation_pin_refuses_a_replaced_session(

@@ -28,10 +28,16 @@ Routes (``/openapi.json`` describes them)::
                                     answer) and ids become ``<n>/<live id>`` (resume both)
     GET  /events                        SSE: store-wide notifications (``event: session-branch``)
 
+    GET  /healthz, /readyz              liveness (the process, never Redis), readiness (Redis answers)
+    POST /signin, /signout              the viewer's sign-in cookie (with tokens)
+
 Ids in paths are percent-encoded (``/`` as ``%2F``); the raw path is decoded here, so ids with
-``/``, ``:`` and any unicode work. With tokens, every route but ``/healthz`` answers 401 unless the
-request carries ``Authorization: Bearer <token>`` or ``?token=<token>`` (EventSource cannot set
-headers); what a token may do is in `auth`. Writes from another origin's web page are refused.
+``/``, ``:`` and any unicode work. With tokens, every route but the probes answers 401 unless the
+request carries ``Authorization: Bearer <token>``, the sign-in cookie, or ``?token=<token>``
+(EventSource cannot set headers); what a token may do is in `auth`. Before any route, the
+``Host`` must be an allowed one (421 otherwise: DNS rebinding), and a page of another origin
+gets CORS answers and may write only when its origin is allowed (`routes.WebPolicy`). Without a
+token, `serve` binds only loopback unless told `insecure_no_auth` (`check_exposure`).
 
 >>> app = create_app(store, token="s3cret")            # any ASGI server
 >>> await serve(store, host="0.0.0.0", port=8765)       # or uvicorn, until cancelled / Ctrl-C
@@ -40,6 +46,7 @@ headers); what a token may do is in `auth`. Writes from another origin's web pag
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import signal
 import socket
 from collections.abc import Callable, Iterator, Sequence
@@ -63,13 +70,43 @@ from . import reads
 from . import routes as routes_
 from .auth import SCOPES, Token, TokenSet, _TokenAuth
 from .body import DEFAULT_MAX_BODY
-from .common import MessagesFn, _SessionRoute
+from .common import MessagesFn, _SessionRoute, log
 from .context import Gateway
 from .errors import guarded, http_error, server_error
 from .openapi import openapi
+from .routes import WebPolicy, _WebGuard
 from .sse import _default_stream_limit, _Drafts, _store_events_route, _Streams
 
-__all__ = ["MessagesFn", "create_app", "openapi", "serve"]
+__all__ = ["MessagesFn", "WebPolicy", "check_exposure", "create_app", "listen", "openapi", "run_workers", "serve"]
+
+
+def _is_loopback(host: str) -> bool:
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, *, has_token: bool, insecure_no_auth: bool = False) -> None:
+    """A gateway reachable from other machines has a token, or is opened on purpose: bound to a
+    non-loopback `host` without one, this raises ValueError unless `insecure_no_auth`, and then
+    logs loudly that anyone who can reach it may read, write and delete every session."""
+    if has_token or _is_loopback(host):
+        return
+    if not insecure_no_auth:
+        raise ValueError(
+            f"refusing to serve on {host} without a token: anyone who can reach it could read, write "
+            "and delete every session. Set REDIS_SESSION_TOKEN (or --tokens), bind 127.0.0.1, or pass "
+            "--insecure-no-auth to open it on purpose"
+        )
+    log.warning(
+        "INSECURE: the gateway on %s has NO TOKEN (--insecure-no-auth): anyone who can reach it may "
+        "read, write and delete every session",
+        host,
+    )
 
 
 def create_app(
@@ -82,6 +119,9 @@ def create_app(
     draft_interval: float = 0.25,
     max_streams: int | None = None,
     max_body: int = DEFAULT_MAX_BODY,
+    allowed_hosts: Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
+    host: str | None = None,
 ) -> Starlette:
     """The gateway as an ASGI app: reads, live tails and writes over `store`.
 
@@ -93,6 +133,11 @@ def create_app(
     session is active (it backs off to 2 s when idle). `max_streams` caps concurrent SSE clients
     (default: what the store's connection pool can hold); past it `/events` answers 503.
     `max_body` caps a request body (413 before it is parsed).
+
+    `allowed_hosts` are the ``Host`` names answered (default: `host` — the address served on —
+    ``localhost``, ``127.0.0.1``, ``::1``); any other answers 421 on every route (DNS rebinding).
+    `allowed_origins` are the other origins whose pages may call it (CORS; none by default).
+    See `routes.WebPolicy`.
     """
     if heartbeat <= 0 or draft_interval <= 0:
         raise ValueError("heartbeat and draft_interval must be > 0")
@@ -102,6 +147,9 @@ def create_app(
     # viewers reload the messages of the same sessions often: keep their decoded snapshots
     sessions = Sessions(store, snapshot_cache=SnapshotCache(64 << 20))
     known = _token_set(token, tokens)
+    policy = WebPolicy.make(allowed_hosts, allowed_origins, bound=host)
+    if "*" in policy.origins and known is None:
+        log.warning("gateway: every origin's pages may call it (allowed origins: *) and it has no token")
     gw = Gateway(
         store=store,
         get_messages=messages if messages is not None else sessions.messages,
@@ -116,14 +164,15 @@ def create_app(
         max_batch=getattr(store, "max_batch", DEFAULT_MAX_BATCH),
     )
     routes = [
-        Route("/healthz", guarded(partial(reads.healthz, gw)), methods=["GET"]),
+        Route("/healthz", reads.healthz, methods=["GET"]),
+        Route("/readyz", guarded(partial(reads.readyz, gw)), methods=["GET"]),
         Route("/", guarded(partial(reads.viewer, gw)), methods=["GET"]),
         Route("/openapi.json", guarded(partial(reads.openapi_doc, gw)), methods=["GET"]),
         Route("/sessions", guarded(partial(routes_.sessions, gw)), methods=["GET", "POST"]),
         _SessionRoute("/sessions/{rest:path}", guarded(partial(routes_.session, gw)), methods=routes_.METHODS),
         Route("/events", guarded(_store_events_route(store, heartbeat)), methods=["GET"]),
     ]
-    middleware = [Middleware(_SecurityHeaders)]
+    middleware = [Middleware(_SecurityHeaders), Middleware(_WebGuard, policy=policy)]
     if known is not None:
         middleware.append(Middleware(_TokenAuth, tokens=known))
     app = Starlette(
@@ -144,11 +193,13 @@ def _token_set(token: str | None, tokens: Sequence[Token]) -> TokenSet | None:
 
 
 class _SecurityHeaders:
-    """Headers every answer carries: no sniffing, and no Referer (the viewer's URL may hold a token)."""
+    """Headers every answer carries: no sniffing, no framing, and no Referer to other origins
+    (``same-origin``, not ``no-referrer``: that would make the browser send ``Origin: null`` on
+    the sign-in form's POST, which the cross-origin write check must refuse)."""
 
     HEADERS = (
         (b"x-content-type-options", b"nosniff"),
-        (b"referrer-policy", b"no-referrer"),
+        (b"referrer-policy", b"same-origin"),
         (b"x-frame-options", b"DENY"),
     )
 
@@ -179,7 +230,12 @@ async def serve(
     messages: MessagesFn | None = None,
     max_streams: int | None = None,
     max_body: int = DEFAULT_MAX_BODY,
+    allowed_hosts: Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
+    insecure_no_auth: bool = False,
     log_level: str = "warning",
+    http: str = "auto",
+    sockets: Sequence[socket.socket] | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the gateway with uvicorn until cancelled, or until SIGTERM (in the main thread).
@@ -188,7 +244,14 @@ async def serve(
     out, open SSE streams are ended at once rather than waited for. Ctrl-C is left to the event
     loop (``anyio.run`` cancels the main task, then raises KeyboardInterrupt), so it stops the
     whole program, not just the gateway.
+
+    On a non-loopback `host` without `token`/`tokens` it refuses to start (`check_exposure`)
+    unless `insecure_no_auth`. `sockets`: serve on these already-bound sockets (worker processes
+    sharing one listening socket) instead of binding `host`:`port`. `http` is uvicorn's HTTP
+    parser: ``auto`` (httptools when installed — the ``fast`` extra —, else h11), ``httptools``,
+    ``h11``; the event loop is the caller's (the CLI runs uvloop when installed).
     """
+    check_exposure(host, has_token=token is not None or bool(tokens), insecure_no_auth=insecure_no_auth)
     app = create_app(
         store,
         token=token,
@@ -197,6 +260,9 @@ async def serve(
         messages=messages,
         max_streams=max_streams,
         max_body=max_body,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=allowed_origins,
+        host=host,
     )
     config = uvicorn.Config(
         app,
@@ -205,6 +271,7 @@ async def serve(
         log_level=log_level,
         access_log=False,
         lifespan="off",
+        http=http,
         timeout_graceful_shutdown=3,
     )
     started = anyio.Event()
@@ -217,7 +284,7 @@ async def serve(
             # so it runs shielded and is asked to exit instead
             with anyio.CancelScope(shield=True):
                 try:
-                    await server.serve()
+                    await server.serve(list(sockets) if sockets else None)
                 except SystemExit:  # uvicorn's answer to a port it cannot bind (it logged why)
                     failed.append(OSError(f"the gateway could not listen on {host}:{port}"))
             tg.cancel_scope.cancel()
@@ -271,3 +338,66 @@ class _Server(uvicorn.Server):
             for sock in s.sockets:
                 return int(sock.getsockname()[1])
         return int(self.config.port)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host`:`port`, to share among worker processes (`run_workers`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"the gateway could not listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_workers(count: int, work: Callable[[], None]) -> int:
+    """Run `work` in `count` forked processes (each its own event loop, store connections and
+    streams, all accepting on the socket `work` serves), until they end; SIGTERM and SIGINT are
+    passed on to them. Returns the first non-zero exit status, else 0. Call before any event
+    loop or connection exists in this process (it forks)."""
+    import os
+
+    pids: list[int] = []
+    for _ in range(count):
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 0
+            try:
+                work()
+            except KeyboardInterrupt:
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                log.exception("gateway worker failed")
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+
+    def forward(signum: int, _frame: Any) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    status = 0
+    try:
+        for pid in pids:
+            while True:
+                try:
+                    _, raw = os.waitpid(pid, 0)
+                    break
+                except InterruptedError:
+                    continue
+            code = os.waitstatus_to_exitcode(raw)
+            if code and not status:
+                status = code if code > 0 else 128 - code
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return status

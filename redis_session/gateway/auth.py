@@ -34,13 +34,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, quote, unquote_to_bytes
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import SessionNotFoundError
-from .common import _error
+from .common import PROBE_PATHS, _error
 
 SCOPES = ("read", "write", "admin")
 """Each scope includes the ones before it."""
@@ -189,9 +189,17 @@ def load_tokens(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
     return out
 
 
+COOKIE = "rs_token"
+"""The viewer's sign-in cookie (HttpOnly, SameSite=Strict): set by ``POST /signin``, so the token
+never sits in a URL (history, logs, Referer)."""
+SIGNIN_LIMIT = 8192
+
+
 class _TokenAuth:
-    """401 for every HTTP request without a known token (header, or ``?token=`` for EventSource);
-    the token found travels to the handlers in the ASGI scope (`principal`)."""
+    """401 for every HTTP request without a known token (``Authorization: Bearer``, the sign-in
+    cookie, or ``?token=`` for EventSource clients that can set neither); the token found travels
+    to the handlers in the ASGI scope (`principal`). ``POST /signin`` (a form or JSON ``{token}``)
+    checks a token and sets the cookie; ``POST /signout`` clears it."""
 
     def __init__(self, app: ASGIApp, tokens: TokenSet) -> None:
         self.app = app
@@ -203,15 +211,23 @@ class _TokenAuth:
                 scheme, _, given = value.partition(b" ")
                 if scheme.lower() == b"bearer" and (token := self.tokens.authenticate(given.strip())):
                     return token
+            elif name == b"cookie":
+                for part in value.split(b";"):
+                    k, _, v = part.strip().partition(b"=")
+                    if k == COOKIE.encode() and v and (token := self.tokens.authenticate(unquote_to_bytes(v))):
+                        return token
         for key, given_s in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
             if key == "token" and (token := self.tokens.authenticate(given_s.encode())):
                 return token
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # /healthz answers liveness only (no session data), so orchestrator probes need no token
-        if scope["type"] != "http" or scope["path"] == "/healthz":
+        # the probes carry no session data, so orchestrators need no token
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
             await self.app(scope, receive, send)
+            return
+        if scope["method"] == "POST" and scope["path"] in ("/signin", "/signout"):
+            await (await self._sign(scope, receive))(scope, receive, send)
             return
         token = self._find(scope)
         if token is not None:
@@ -220,20 +236,113 @@ class _TokenAuth:
         headers = {"WWW-Authenticate": "Bearer"}
         response: Response
         if scope["path"] in ("/", scope.get("root_path", "") + "/") and _accepts_html(scope):
-            # a person at the viewer's address: ask for the token (the page needs it in its URL)
-            headers["Content-Security-Policy"] = "default-src 'none'; form-action 'self'"
-            response = Response(_LOGIN, 401, headers, media_type="text/html; charset=utf-8")
+            response = _login_page(401)  # a person at the viewer's address: the sign-in form
         else:
             response = _error(401, "unauthorized", "a bearer token is required", headers)
         await response(scope, receive, send)
+
+    async def _sign(self, scope: Scope, receive: Receive) -> Response:
+        form = any(k == b"content-type" and b"form" in v for k, v in scope.get("headers", ()))
+        secure = "; Secure" if scope.get("scheme") == "https" else ""
+        attrs = f"; Path={scope.get('root_path', '') or '/'}; HttpOnly; SameSite=Strict{secure}"
+        if scope["path"] == "/signout":
+            return Response(status_code=303, headers={"Location": "./", "Set-Cookie": f"{COOKIE}={attrs}; Max-Age=0"})
+        body = await _read_small(receive, SIGNIN_LIMIT)
+        given: str | None = None
+        next_hash = ""
+        if form:
+            fields = dict(parse_qsl((body or b"").decode("utf-8", "replace")))
+            given = fields.get("token")
+            raw_next = fields.get("next", "")
+            next_hash = raw_next if raw_next.startswith("#") and "\n" not in raw_next else ""
+        elif body:
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                doc = None
+            given = doc.get("token") if isinstance(doc, dict) and isinstance(doc.get("token"), str) else None
+        token = self.tokens.authenticate(given.encode()) if given else None
+        if token is None:
+            if form:
+                return _login_page(401, "That token is not one this gateway knows.")
+            return _error(401, "unauthorized", "unknown token", {"WWW-Authenticate": "Bearer"})
+        cookie = f"{COOKIE}={quote(given or '', safe='')}{attrs}"
+        if form:
+            return Response(
+                status_code=303, headers={"Location": "./" + quote(next_hash, safe="#/%:"), "Set-Cookie": cookie}
+            )
+        return Response(status_code=204, headers={"Set-Cookie": cookie})
+
+
+async def _read_small(receive: Receive, limit: int) -> bytes | None:
+    """A request body of at most `limit` bytes (None when it is larger)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _accepts_html(scope: Scope) -> bool:
     return any(k == b"accept" and b"text/html" in v for k, v in scope.get("headers", ()))
 
 
-_LOGIN = (
-    b"<!doctype html><html lang=en><meta charset=utf-8><title>redis-session viewer</title>"
-    b"<form method=get action=''><p>This gateway needs a token.</p>"
-    b"<input type=password name=token autofocus required> <button>open</button></form></html>"
-)
+_LOGIN_STYLE = """
+  :root { --bg: #0f1115; --panel: #161a21; --line: #262c36; --text: #d7dce4; --dim: #7d8696;
+    --accent: #79c0ff; --bad: #ff7b72; font: 14px/1.5 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
+  * { box-sizing: border-box; }
+  body { margin: 0; min-height: 100vh; display: grid; place-items: center; background: var(--bg); color: var(--text); }
+  form { width: min(26em, 92vw); padding: 1.6em; background: var(--panel); border: 1px solid var(--line);
+    border-radius: 8px; }
+  h1 { font-size: 16px; margin: 0 0 .3em; }
+  p { color: var(--dim); margin: 0 0 1em; }
+  label { display: block; margin-bottom: .3em; }
+  input[type=password] { width: 100%; font: inherit; padding: .5em .6em; background: var(--bg); color: var(--text);
+    border: 1px solid var(--line); border-radius: 4px; }
+  input[type=password]:focus { outline: none; border-color: var(--accent); }
+  button { margin-top: 1em; width: 100%; font: inherit; padding: .5em; border: 0; border-radius: 4px;
+    background: var(--accent); color: #0b1a2b; cursor: pointer; font-weight: bold; }
+  .error { color: var(--bad); margin: .6em 0 0; }
+"""
+_LOGIN_SCRIPT = "document.getElementById('next').value = location.hash;"
+
+
+def _login_page(status: int, error: str = "") -> Response:
+    """The styled "this gateway needs a token" page: a form that POSTs to /signin (the token is sent
+    in the body and kept in an HttpOnly cookie, never in the URL)."""
+    import html as html_
+
+    err = f'<p class="error" role="alert">{html_.escape(error)}</p>' if error else ""
+    page = (
+        "<!doctype html><html lang=en><head><meta charset=utf-8>"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        "<title>redis-session viewer: sign in</title><link rel=icon href='data:,'>"
+        f"<style>{_LOGIN_STYLE}</style></head><body>"
+        '<form method="post" action="signin">'
+        "<h1>redis-session</h1><p>This gateway needs a token.</p>"
+        '<label for="token">Token</label>'
+        '<input id="token" type="password" name="token" autocomplete="current-password" autofocus required>'
+        '<input id="next" type="hidden" name="next" value="">'
+        f"<button>Sign in</button>{err}</form>"
+        f"<script>{_LOGIN_SCRIPT}</script></body></html>"
+    )
+    csp = (
+        f"default-src 'none'; style-src {_sha(_LOGIN_STYLE)}; script-src {_sha(_LOGIN_SCRIPT)}; "
+        "img-src data:; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+    )
+    headers = {"WWW-Authenticate": "Bearer", "Content-Security-Policy": csp, "Cache-Control": "no-store"}
+    return Response(page.encode(), status, headers, media_type="text/html; charset=utf-8")
+
+
+def _sha(text: str) -> str:
+    import base64
+
+    return f"'sha256-{base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()}'"

@@ -3,6 +3,7 @@ preconditions (``If-Match``, ``X-Session-Incarnation``, ``Idempotency-Key``)."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
@@ -13,6 +14,7 @@ from starlette.requests import Request
 
 from ..errors import InvalidEntryError
 from ..model import NewEntry
+from ..sessions import MAX_TTL
 from .common import _BadRequest
 
 DEFAULT_MAX_BODY = 16 << 20
@@ -64,7 +66,7 @@ class CreateIn(Struct, forbid_unknown_fields=True, kw_only=True):
     title: str | None = None
     origin: Any = None
     delegation_depth: NonNeg | None = None
-    ttl: Annotated[float, Meta(gt=0)] | None = None
+    ttl: Annotated[float, Meta(gt=0, le=MAX_TTL)] | None = None
     entries: list[EntryIn] = []
     created_at: Annotated[int, Meta(ge=1, le=9_999_999_999_999)] | None = None
 
@@ -98,14 +100,68 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+MAX_DEPTH = 64
+"""Arrays and objects nest at most this deep in a request body."""
+MAX_SAFE_INT = 2**53 - 1
+"""Integers beyond ±this lose precision in JavaScript (and every IEEE-double JSON reader)."""
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _Duplicate(k)
+            seen.add(k)
+    return d
+
+
 def decode_json(raw: bytes) -> Any:
-    """The body as JSON (an empty body is ``{}``); 400 when it is not JSON at all."""
+    """The body as JSON (an empty body is ``{}``): I-JSON (RFC 7493), so every client reads it back
+    as it was sent. 400 for what is not JSON (NaN and Infinity included), not UTF-8, or holds a lone
+    surrogate; 422 naming the field for a duplicate member name, nesting deeper than `MAX_DEPTH`,
+    or an integer beyond ±(2^53 - 1). Never a RecursionError, whatever the nesting."""
     if not raw.strip():
         return {}
     try:
-        return msgspec.json.decode(raw)
+        value = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise _BadRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise Unprocessable(f"the request body nests deeper than {MAX_DEPTH} levels", "$") from None
+    if isinstance(value, (dict, list)):
+        _audit(value)
+        if raw.count(b":") > 1:  # duplicate names need two members somewhere
+            try:
+                json.loads(raw, object_pairs_hook=_unique)
+            except _Duplicate as e:
+                raise Unprocessable(f"the member name {e.args[0]!r} appears twice in one object", "$") from None
+    return value
+
+
+def _audit(value: dict[str, Any] | list[Any]) -> None:
+    """Depth and integer range of a decoded body, without recursion; a 422 names the path."""
+    stack: list[tuple[Any, str, int]] = [(value, "$", 1)]
+    while stack:
+        v, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise Unprocessable(f"the request body nests deeper than {MAX_DEPTH} levels", path)
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, x in items:
+            if isinstance(x, (dict, list)):
+                stack.append((x, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]", depth + 1))
+            elif type(x) is int and not -MAX_SAFE_INT <= x <= MAX_SAFE_INT:
+                where = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
+                raise Unprocessable(
+                    "integers are within ±(2^53 - 1), so every JSON client reads them exactly; "
+                    "send a larger one as a string",
+                    where,
+                )
 
 
 def convert(value: Any, type: type[T], where: str = "$") -> T:

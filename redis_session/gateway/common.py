@@ -25,6 +25,9 @@ MessagesFn = Callable[[str], Awaitable[Sequence[Message]]]
 """Where `/messages` gets a session's projection: ``async (session_id) -> [Message]``."""
 
 FORMATS = ("openai", "anthropic", "neutral")
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+"""Liveness and readiness: answered without a token and whatever the Host (an orchestrator's probe
+names the pod's IP); they carry no session data."""
 DEFAULT_ENTRY_LIMIT = 1000
 MAX_ENTRY_LIMIT = 10_000
 _INT = re.compile(r"[0-9]{1,15}")

@@ -53,6 +53,10 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
             "title": {"type": ["string", "null"]},
             "origin": json_any,
             "incarnation": {"type": "string", "description": "unique per creation of the id"},
+            "create_key": {
+                "type": ["string", "null"],
+                "description": "SHA-256 (32 hex) of the Idempotency-Key it was created with",
+            },
         },
     }
     doc: dict[str, Any] = {
@@ -66,7 +70,14 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
         "paths": {
             "/healthz": {
                 "get": {
-                    "summary": "Liveness and store reachability (no token needed)",
+                    "summary": "Liveness: the process answers; never asks the store (no token needed)",
+                    "security": [],
+                    "responses": {"200": ok("The process answers", {"type": "object"})},
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "Readiness: the store answers (no token needed)",
                     "security": [],
                     "responses": {
                         "200": ok("The store answers", {"type": "object"}),
@@ -140,6 +151,12 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                             "name": "format",
                             "in": "query",
                             "schema": {"type": "string", "enum": list(FORMATS), "default": "openai"},
+                        },
+                        {
+                            "name": "last",
+                            "in": "query",
+                            "description": "Only the newest `last` (neutral) messages; the answer adds `total`",
+                            "schema": {"type": "integer", "minimum": 1},
                         },
                     ],
                     "responses": {"200": ok("Messages", ref("Messages")), **session_errors},
@@ -240,6 +257,7 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                     "properties": {
                         "session": {"type": "string"},
                         "format": {"type": "string", "enum": list(FORMATS)},
+                        "total": {"type": "integer", "description": "with `last`: how many there are"},
                         "messages": {
                             "description": "openai: a list of chat messages; anthropic: "
                             "{system, messages}; neutral: [{role, content: blocks, source: [n]}]"

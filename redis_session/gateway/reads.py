@@ -42,8 +42,14 @@ async def openapi_doc(gw: Gateway, request: Request) -> Response:
     return _JSON(openapi(auth=gw.auth))
 
 
-async def healthz(gw: Gateway, request: Request) -> Response:
-    await gw.store.head("healthz")  # one round trip: proves the store answers
+async def healthz(request: Request) -> Response:
+    """Liveness: this process answers. Never Redis: a Redis failover must not restart every pod."""
+    return Response(b'{"ok":true}', media_type="application/json")
+
+
+async def readyz(gw: Gateway, request: Request) -> Response:
+    """Readiness: the store answers (one round trip); 503 ``unavailable`` while it does not."""
+    await gw.store.head("readyz")
     return _JSON({"ok": True})
 
 
@@ -123,7 +129,11 @@ async def messages(gw: Gateway, request: Request, sid: str) -> Response:
         raise _BadRequest(f"format must be one of {', '.join(FORMATS)}")
     if gw.custom_messages and await gw.store.head(sid) is None:  # Sessions.messages checks itself
         raise SessionNotFoundError(sid)
+    last = _int_arg(request, "last", None, 1)
     msgs = await gw.get_messages(sid)
+    total = len(msgs)
+    if last is not None:  # only the newest are converted: a long session's tail costs what a short one does
+        msgs = msgs[-last:]
     body: Any
     if fmt == "openai":
         body = to_openai(msgs)
@@ -131,7 +141,10 @@ async def messages(gw: Gateway, request: Request, sid: str) -> Response:
         body = to_anthropic(msgs)
     else:
         body = list(msgs)
-    return _JSON({"session": sid, "format": fmt, "messages": body})
+    if last is None:
+        return _JSON({"session": sid, "format": fmt, "messages": body})
+    # the newest `last` messages (a viewer opening a long session), and how many there are (neutral)
+    return _JSON({"session": sid, "format": fmt, "messages": body, "total": total})
 
 
 async def events(gw: Gateway, request: Request, sid: str) -> Response:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from starlette.requests import Request
@@ -30,7 +30,7 @@ from ..errors import (
     SessionReplacedError,
 )
 from ..keys import validate_session_id
-from ..model import Entry, NewEntry, SessionHead, Surface
+from ..model import Entry, NewEntry, SessionHead, Surface, create_key_digest
 from ..sessions import Session
 from .auth import principal
 from .body import (
@@ -132,16 +132,12 @@ async def create(gw: Gateway, request: Request) -> Response:
             ttl=req.ttl,
             entries=batch,
             created_at=req.created_at,
+            idempotency_key=cond.idempotency_key,
         )
     except InvalidEntryError as e:
         raise entry_error(e, "$.entries") from None
     except SessionAlreadyExistsError:
-        if cond.idempotency_key is None:
-            raise
-        head = await _replayed_create(gw, sid, req, batch)
-        if head is None:
-            raise
-        return _created(head)
+        return _created(await _replayed_create(gw, sid, cond.idempotency_key, req, batch))
     return _created(_head_of(s))
 
 
@@ -159,12 +155,20 @@ def _same_entries(stored: Sequence[Entry], batch: Sequence[NewEntry]) -> bool:
     )
 
 
-async def _replayed_create(gw: Gateway, sid: str, req: CreateIn, batch: list[NewEntry]) -> SessionHead | None:
-    """The session a keyed create finds already there, when it is what this create makes (a
-    retry whose first attempt landed): same header fields, same first entries. Else None."""
-    head = await gw.store.head(sid)
-    if head is None:
-        return None
+async def _own_creation(gw: Gateway, sid: str, key: str | None) -> SessionHead:
+    """The session at the taken id `sid`, when this request's `key` created it (a retry whose
+    first attempt landed); else the `SessionAlreadyExistsError` a create of a taken id is: another
+    request made it, keyed or not, whatever it holds."""
+    head = await gw.store.head(sid) if key is not None else None
+    if head is None or head.header.create_key != create_key_digest(cast(str, key)):
+        raise SessionAlreadyExistsError(sid)
+    return head
+
+
+async def _replayed_create(gw: Gateway, sid: str, key: str | None, req: CreateIn, batch: list[NewEntry]) -> SessionHead:
+    """The answer to a create of a taken id: its own creation replayed, when the same key made
+    it with the same fields and first entries; 422 when that key made it with others; else 409."""
+    head = await _own_creation(gw, sid, key)
     h = head.header
     same_header = (h.parent, h.title, h.origin, h.delegation_depth) == (
         None,
@@ -172,10 +176,12 @@ async def _replayed_create(gw: Gateway, sid: str, req: CreateIn, batch: list[New
         req.origin,
         req.delegation_depth or 0,
     )
-    if not same_header or head.n < len(batch):
-        return None
-    stored = await gw.store.read(sid, 0, len(batch), incarnation=h.incarnation) if batch else []
-    return head if _same_entries(stored, batch) else None
+    same = same_header and head.n >= len(batch)
+    if same and batch:
+        same = _same_entries(await gw.store.read(sid, 0, len(batch), incarnation=h.incarnation), batch)
+    if not same:
+        raise IdempotencyKeyReusedError(sid, cast(str, key))
+    return head
 
 
 async def branch(gw: Gateway, request: Request, sid: str) -> Response:
@@ -187,30 +193,26 @@ async def branch(gw: Gateway, request: Request, sid: str) -> Response:
         who.check_new_id(validate_session_id(child))
     try:
         s = await gw.sessions.branch(
-            sid, req.at, branch_id=child, delegation_depth=req.delegation_depth, title=req.title, origin=req.origin
+            sid,
+            req.at,
+            branch_id=child,
+            delegation_depth=req.delegation_depth,
+            title=req.title,
+            origin=req.origin,
+            idempotency_key=cond.idempotency_key,
         )
     except SessionAlreadyExistsError:
-        head = await _replayed_branch(gw, cond, child, sid, req.at)
-        if head is None:
-            raise
-        return _created(head)
+        assert child is not None
+        return _created(await _replayed_branch(gw, cond, child, sid, req.at))
     return _created(_head_of(s))
 
 
-async def _replayed_branch(
-    gw: Gateway, cond: Preconditions, child: str | None, parent: str, at: int | None
-) -> SessionHead | None:
-    """The child a keyed branch or fork finds already there, when it is this request's (same
-    parent, same branch point): a retry whose first attempt landed. Else None."""
-    if cond.idempotency_key is None or child is None:
-        return None
-    head = await gw.store.head(child)
-    if head is None or head.header.parent != parent:
-        return None
-    if at is not None and head.header.at != at:
-        if child == _keyed_id(parent, cond.idempotency_key):
-            raise IdempotencyKeyReusedError(parent, cond.idempotency_key)
-        return None
+async def _replayed_branch(gw: Gateway, cond: Preconditions, child: str, parent: str, at: int | None) -> SessionHead:
+    """The answer to a branch or fork onto a taken id: the child replayed, when this request's key
+    made it from the same parent at the same point; 422 when that key made another; else 409."""
+    head = await _own_creation(gw, child, cond.idempotency_key)
+    if head.header.parent != parent or (at is not None and head.header.at != at):
+        raise IdempotencyKeyReusedError(parent, cast(str, cond.idempotency_key))
     return head
 
 
@@ -222,13 +224,15 @@ async def fork(gw: Gateway, request: Request, sid: str) -> Response:
     if child is not None:
         who.check_new_id(validate_session_id(child))
     try:
-        s = await gw.sessions.fork(sid, req.boundary, fork_id=child)
+        s = await gw.sessions.fork(sid, req.boundary, fork_id=child, idempotency_key=cond.idempotency_key)
     except SessionForkError as e:
-        at = None if req.boundary is None else req.boundary + 1
-        head = await _replayed_branch(gw, cond, child, sid, at) if e.code == "SESSION_ALREADY_EXISTS" else None
-        if head is None:
+        if e.code != "SESSION_ALREADY_EXISTS" or child is None:
             raise
-        return _created(head)
+        at = None if req.boundary is None else req.boundary + 1
+        try:
+            return _created(await _replayed_branch(gw, cond, child, sid, at))
+        except SessionAlreadyExistsError:
+            raise e from None
     return _created(_head_of(s))
 
 

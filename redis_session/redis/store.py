@@ -290,6 +290,7 @@ def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
         title=_s(g(b"title")),
         origin=None if origin_raw is None else _decode_any.decode(origin_raw),
         incarnation=_s(g(b"incarnation")) or legacy_incarnation(created_at),
+        create_key=_s(g(b"create_key")),
     )
     return _Hdr(
         header=header,
@@ -317,6 +318,8 @@ def _header_fields(header: SessionHeader, segments: Sequence[Segment]) -> builti
         f += ["title", header.title]
     if header.origin is not None:
         f += ["origin", _json.encode(header.origin)]
+    if header.create_key is not None:
+        f += ["create_key", header.create_key]
     if segments:
         f += ["segments", _json.encode([list(s) for s in segments])]
     return f
