@@ -170,7 +170,7 @@ def create_app(
         Route("/openapi.json", guarded(partial(reads.openapi_doc, gw)), methods=["GET"]),
         Route("/sessions", guarded(partial(routes_.sessions, gw)), methods=["GET", "POST"]),
         _SessionRoute("/sessions/{rest:path}", guarded(partial(routes_.session, gw)), methods=routes_.METHODS),
-        Route("/events", guarded(_store_events_route(store, heartbeat)), methods=["GET"]),
+        Route("/events", guarded(_store_events_route(store, heartbeat, gw.streams)), methods=["GET"]),
     ]
     middleware = [Middleware(_SecurityHeaders), Middleware(_WebGuard, policy=policy)]
     if known is not None:

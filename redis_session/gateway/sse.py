@@ -23,9 +23,6 @@ from ..store import SessionStore
 from .auth import principal
 from .common import _error, _json, log
 
-_LAST_STREAMS: _Streams | None = None
-
-
 class _Streams:
     """The open SSE streams, so a shutting-down server can end them at once instead of waiting
     for clients that never hang up."""
@@ -34,8 +31,6 @@ class _Streams:
         self.limit = limit
         self.scopes: set[anyio.CancelScope] = set()
         self.closing = False
-        global _LAST_STREAMS
-        _LAST_STREAMS = self
 
     def full(self) -> bool:
         return self.closing or (self.limit is not None and len(self.scopes) >= self.limit)
@@ -347,15 +342,13 @@ class _EventStream(Response):
 
 
 def _store_events_route(
-    store: SessionStore, heartbeat: float, streams: _Streams | None = None
+    store: SessionStore, heartbeat: float, streams: _Streams
 ) -> Callable[[Request], Awaitable[Response]]:
     """``GET /events``: the store's notifications as SSE (``event: session-branch`` with
     ``{parent, session, at}``), so a viewer updates its branch tree and session list at once.
 
-    Its streams are ended with the session streams when the server shuts down (`streams`:
-    default the `_Streams` the gateway made just before this route), so a stop with a viewer open
-    is clean instead of a cancelled task's traceback."""
-    streams = streams if streams is not None else _LAST_STREAMS
+    Its streams are ended with the session streams when the server shuts down (`streams`: the
+    gateway's), so a stop with a viewer open is clean instead of a cancelled task's traceback."""
 
     async def store_events(request: Request) -> Response:
         who = principal(request.scope)
