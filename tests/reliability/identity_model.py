@@ -271,7 +271,10 @@ class Run:
         leave_after = self.rng.randrange(1, 4) if resume else None
         for attempt in (0, 1):
             headers = {} if last_id is None else {"Last-Event-ID": last_id}
-            params = {"start": start} if last_id is None else {}
+            # the first request names the life the reader began on, as a client that read the
+            # head first does (the task may connect after the id moved on); a resume's id names it
+            inc = self.incarnations[r.life]
+            params = {"start": start, "incarnation": inc} if last_id is None else {}
             async with self.http.stream("GET", url, params=params, headers=headers) as resp:
                 if resp.status_code in (404, 410):
                     return  # the life it resumes is gone: told so
