@@ -580,3 +580,40 @@ async def test_a_tenant_pages_through_its_sessions_and_never_sees_another_tenant
     finally:
         reads.TENANT_SCAN_PAGES = saved
     assert sorted(seen) == sorted(own) and len(seen) == len(set(seen))
+
+
+async def test_a_client_that_hangs_up_mid_body_writes_nothing_and_is_no_server_error(
+    redis_store: RedisSessionStore,
+) -> None:
+    """A write whose client goes away before its body is read (a cancelled request, a killed
+    process) writes nothing and is no server error (no 'Exception in ASGI application'): driven
+    through the app's ASGI interface, which delivers half a body and then the disconnect."""
+    from redis_session.gateway import create_app
+
+    app = create_app(redis_store)
+    await redis_store.create(SessionHeader(id="hang"))
+    body = json.dumps({"type": "user/message", "data": {"content": "x" * 500}}).encode()
+    events = [
+        {"type": "http.request", "body": body[:100], "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return events.pop(0) if events else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path("hang", "entries"), "raw_path": path("hang", "entries").encode(),
+        "query_string": b"", "root_path": "", "server": ("127.0.0.1", 8765), "client": ("127.0.0.1", 5000),
+        "headers": [(b"host", b"127.0.0.1:8765"), (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())],
+    }  # fmt: skip
+    await app(scope, receive, send)  # raises (a 500 and a traceback) when the hang-up is not expected
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 400, sent
+    head = await redis_store.head("hang")
+    assert head is not None and head.n == 0

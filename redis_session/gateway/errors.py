@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..errors import (
@@ -105,6 +105,8 @@ _HANDLERS: list[tuple[type[Exception] | tuple[type[Exception], ...], Callable[[E
     (SessionForkError, _fork),
     (LeaseHeldError, _simple(409, "lease_held")),
     (Forbidden, _simple(403, "forbidden")),
+    # the client hung up before its body was read: nothing was written and no one reads the answer
+    (ClientDisconnect, _simple(400, "client_disconnected")),
     (TooLarge, lambda e: _error(413, getattr(e, "code", "too_large"), str(e))),
     ((_BadRequest, InvalidSessionIdError), _simple(400, "bad_request")),
     ((Unprocessable, InvalidEntryError), _unprocessable),
