@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis_session import MemorySessionStore, RedisSessionStore
 from redis_session.redis.embedded import start_server, stop_server
 
-from support import SkewClock
+from support import SkewClock, cleanup_cluster_prefix, cleanup_prefix
 
 # Never the user's embedded server: every test (and every subprocess a test starts) gets a
 # private data dir, and a server started there takes a free port instead of the default 6390.
@@ -115,16 +115,6 @@ def prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
 
-async def _cleanup(url: str, prefix: str) -> None:
-    r = aioredis.Redis.from_url(url)
-    try:
-        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
-        for i in range(0, len(keys), 500):
-            await r.delete(*keys[i : i + 500])
-    finally:
-        await r.aclose()
-
-
 @pytest.fixture
 async def redis_store(redis_url: str, prefix: str) -> AsyncIterator[RedisSessionStore]:
     store = RedisSessionStore.from_url(redis_url, prefix=prefix)
@@ -132,7 +122,7 @@ async def redis_store(redis_url: str, prefix: str) -> AsyncIterator[RedisSession
         yield store
     finally:
         await store.aclose()
-        await _cleanup(redis_url, prefix)
+        await cleanup_prefix(redis_url, prefix)
 
 
 @pytest.fixture(params=["memory", "redis", "cluster"])
@@ -148,28 +138,14 @@ async def store(request: pytest.FixtureRequest, redis_url: str, prefix: str) -> 
             yield cs
         finally:
             await cs.aclose()
-            await _cleanup_cluster(url, prefix)
+            await cleanup_cluster_prefix(url, prefix)
         return
     s = RedisSessionStore.from_url(redis_url, prefix=prefix)
     try:
         yield s
     finally:
         await s.aclose()
-        await _cleanup(redis_url, prefix)
-
-
-async def _cleanup_cluster(url: str, prefix: str) -> None:
-    from redis.asyncio.cluster import RedisCluster
-
-    rc = RedisCluster.from_url(url)
-    try:
-        for node in rc.get_primaries():
-            r = rc.get_redis_connection(node)
-            keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
-            for k in keys:
-                await rc.delete(k)
-    finally:
-        await rc.aclose()
+        await cleanup_prefix(redis_url, prefix)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any
 
 import anyio
+import redis.asyncio as aioredis
 
 from redis_session import NewEntry
 from redis_session.model import now_ms
@@ -87,3 +88,28 @@ async def wait_for(
         if time.monotonic() >= deadline:
             raise AssertionError(f"condition not met within {within} s")
         await anyio.sleep(interval)
+
+
+async def cleanup_prefix(url: str, prefix: str) -> None:
+    """Delete every key under `prefix` (never a FLUSHDB: the server may be shared)."""
+    r = aioredis.Redis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+        for i in range(0, len(keys), 500):
+            await r.delete(*keys[i : i + 500])
+    finally:
+        await r.aclose()
+
+
+async def cleanup_cluster_prefix(url: str, prefix: str) -> None:
+    from redis.asyncio.cluster import RedisCluster
+
+    rc = RedisCluster.from_url(url)
+    try:
+        for node in rc.get_primaries():
+            r = rc.get_redis_connection(node)
+            keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=1000)]
+            for k in keys:
+                await rc.delete(k)
+    finally:
+        await rc.aclose()

@@ -13,7 +13,6 @@ import anyio
 import anyio.lowlevel
 import msgspec
 import pytest
-from conftest import _cleanup
 
 from redis_session import MemorySessionStore, NewEntry, RedisSessionStore, SessionHeader, Sessions
 from redis_session.archiver import Archiver, Policy
@@ -21,6 +20,8 @@ from redis_session.cold import ColdTier
 from redis_session.errors import SegmentCorruptError, SegmentMissingError, SessionReplacedError
 from redis_session.importers import export_session
 from redis_session.sessions import doctor
+
+from support import cleanup_prefix
 
 pytestmark = pytest.mark.anyio
 
@@ -44,7 +45,7 @@ async def astore(request: pytest.FixtureRequest, redis_url: str, prefix: str, tm
         yield s
     finally:
         await s.aclose()
-        await _cleanup(redis_url, prefix)
+        await cleanup_prefix(redis_url, prefix)
 
 
 async def seeded(store: Any, sid: str = "s1", k: int = 40) -> list[Any]:
@@ -281,7 +282,7 @@ async def test_a_store_without_a_tier_says_so(redis_url: str, prefix: str, tmp_p
     finally:
         await s.aclose()
         await bare.aclose()
-        await _cleanup(redis_url, prefix)
+        await cleanup_prefix(redis_url, prefix)
 
 
 async def test_archive_refuses_a_replaced_session_in_the_script(redis_store: RedisSessionStore, tmp_path: Path) -> None:

@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _cleanup, _cleanup_cluster
 
 from redis_session import MemorySessionStore, RedisSessionStore
 from redis_session.cold import ColdTier
 from redis_session.testing.contract import ArchivedPrefixStore, SessionStoreContract
 
-from support import SkewClock
+from support import SkewClock, cleanup_cluster_prefix, cleanup_prefix
 
 
 @pytest.fixture(params=["memory", "redis", "cluster"])
@@ -30,7 +29,7 @@ async def store(request: pytest.FixtureRequest, redis_url: str, prefix: str, tmp
         yield ArchivedPrefixStore(s)
     finally:
         await s.aclose()
-        await (_cleanup(url, prefix) if request.param == "redis" else _cleanup_cluster(url, prefix))
+        await (cleanup_prefix(url, prefix) if request.param == "redis" else cleanup_cluster_prefix(url, prefix))
 
 
 class TestArchivedPrefixContract(SessionStoreContract):

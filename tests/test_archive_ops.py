@@ -285,7 +285,7 @@ async def test_worker_survives_a_failing_object_store_and_retries(
 
 
 async def test_archive_restore_and_branch_on_the_cluster(cluster_url: str, prefix: str, tmp_path: Path) -> None:
-    from conftest import _cleanup_cluster
+    from support import cleanup_cluster_prefix
 
     store = RedisSessionStore.from_url(cluster_url, prefix=prefix, cluster=True)
     try:
@@ -302,4 +302,4 @@ async def test_archive_restore_and_branch_on_the_cluster(cluster_url: str, prefi
         assert st is not None and st.cold == []
     finally:
         await store.aclose()
-        await _cleanup_cluster(cluster_url, prefix)
+        await cleanup_cluster_prefix(cluster_url, prefix)
