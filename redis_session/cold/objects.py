@@ -2,7 +2,7 @@
 
 ``file:///var/lib/rs-cold`` (or a plain path) is a local folder, the embedded default: no service
 to run. ``s3://bucket/prefix``, ``gs://…`` and ``az://…`` (``azure://``, ``abfs://``) go through
-obstore (the ``cold`` extra: ``pip install 'redis-session[cold]'``), which reads each cloud's usual
+obstore (the ``cold`` extra: ``pip install 'redis-agent-session[cold]'``), which reads each cloud's usual
 environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``…).
 
 Objects are immutable: written once under a name that says what they hold, read, listed by prefix
@@ -124,7 +124,7 @@ class CloudObjects:
             import obstore
             from obstore.store import from_url
         except ImportError as e:  # pragma: no cover - depends on the extra
-            raise ImportError(f"{url}: object storage needs obstore: pip install 'redis-session[cold]'") from e
+            raise ImportError(f"{url}: object storage needs obstore: pip install 'redis-agent-session[cold]'") from e
         self._ob = obstore
         self.url = url
         self._store = from_url(url, **options)

@@ -442,9 +442,9 @@ async def test_small_limits_are_configurable(redis_url: str, prefix: str) -> Non
         expect(await attempt(lambda: red.set_draft("s", {"c": "x" * 1000})), InvalidEntryError, "draft")
     finally:
         await red.aclose()
-        from tests.conftest import _cleanup
+        from support import cleanup_prefix
 
-        await _cleanup(redis_url, prefix)
+        await cleanup_prefix(redis_url, prefix)
 
 
 # --------------------------------------------------------------------------- cluster slots
