@@ -67,6 +67,18 @@ def validate_session_id(session_id: object) -> str:
     return session_id
 
 
+# A replacing import builds its session under a staging id (`importers.common.staging_id`):
+# "<target id[:160]>.import-<16 hex>.<hex>". Such a session is never listed and expires by itself
+# (a crashed import leaks nothing); the swap makes it the target's, listed and lasting.
+STAGING_TTL_MS = 15 * 60 * 1000
+_STAGING = re.compile(r"\.import-[0-9a-f]{16}\.[0-9a-f]+\Z")
+
+
+def is_staging_id(session_id: str) -> bool:
+    """Whether `session_id` names a replacing import's staging copy (not listed, expiring)."""
+    return _STAGING.search(session_id) is not None
+
+
 def validate_prefix(prefix: str) -> str:
     if not prefix or _BAD_ID.search(prefix) or len(prefix) > 64:
         raise ValueError(f"invalid key prefix {prefix!r}")

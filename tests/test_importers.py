@@ -966,10 +966,7 @@ async def test_lone_high_surrogate_imports_as_fffd_and_exports_as_written(
 ) -> None:
     """A lone HIGH surrogate escape (msgspec calls it "Input data was truncated") imports like a
     low one: U+FFFD in the store, the line kept for a byte-identical tutorial export."""
-    text = (
-        '{"type":"session/meta","id":"lone"}\n'
-        f'{{"type":"user/message","seq":0,"ts":1.5,"content":"{content}"}}\n'
-    )
+    text = f'{{"type":"session/meta","id":"lone"}}\n{{"type":"user/message","seq":0,"ts":1.5,"content":"{content}"}}\n'
     path = tmp_path / "lone.jsonl"
     path.write_text(text)
     [res] = await import_path(store, path, format="tutorial")
@@ -1037,4 +1034,3 @@ async def test_nanobot_out_of_range_last_consolidated_loads_as_nanobot_and_expor
     out = io.StringIO()
     await export_session(store, "nb-lc", out, format="nanobot")
     assert out.getvalue() == text
-

@@ -17,7 +17,7 @@ from urllib.parse import unquote
 import msgspec
 
 from ..errors import ImportFormatError, InvalidSessionIdError, SessionError
-from ..keys import validate_session_id
+from ..keys import is_staging_id, validate_session_id
 from ..model import NewEntry, SessionHeader
 
 Format = Literal["auto", "redis-session", "nanobot", "dsh", "tutorial"]
@@ -424,4 +424,6 @@ def staging_id(session_id: str, token: str) -> str:
     k = 0
     while _slot(f"{base}{k:x}") != slot:
         k += 1
-    return f"{base}{k:x}"
+    staged = f"{base}{k:x}"
+    assert is_staging_id(staged)  # the store keeps such an id unlisted and expiring
+    return staged
