@@ -46,7 +46,8 @@ def validate_session_id(session_id: object) -> str:
     """Return the id if it is safe, else raise `InvalidSessionIdError`.
 
     Ids are 1-256 characters, with no braces (they would move the hash tag, so the session's keys
-    could land in another slot), no whitespace and no control characters.
+    could land in another slot), no whitespace and no control characters; ``"."`` and ``".."``
+    are refused (URL parsers drop such a path segment, so HTTP could never reach the session).
     """
     if not isinstance(session_id, str):
         raise InvalidSessionIdError(f"session id must be a str, got {type(session_id).__name__}")
@@ -58,6 +59,12 @@ def validate_session_id(session_id: object) -> str:
         session_id.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidSessionIdError("session id is not valid unicode (a lone surrogate)") from None
+    if session_id in (".", ".."):
+        # a URL path segment "." or ".." is removed by every URL parser (fetch, browsers, proxies):
+        # /sessions/./entries reaches /sessions/entries, so such a session could never be used
+        raise InvalidSessionIdError(
+            f"session id {session_id!r} is not allowed: a URL path segment of only dots is removed by URL parsers"
+        )
     bad = _BAD_ID.search(session_id)
     if bad:
         raise InvalidSessionIdError(

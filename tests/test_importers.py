@@ -1034,3 +1034,27 @@ async def test_nanobot_out_of_range_last_consolidated_loads_as_nanobot_and_expor
     out = io.StringIO()
     await export_session(store, "nb-lc", out, format="nanobot")
     assert out.getvalue() == text
+
+
+@pytest.mark.parametrize("sid", [".", ".."])
+async def test_dot_ids_are_refused_everywhere(sid: str, tmp_path: Path) -> None:
+    """URL parsers drop a "." or ".." path segment (/sessions/./entries reaches /sessions/entries),
+    so such a session could be created over HTTP but never used: the id rule refuses them."""
+    import httpx
+
+    from redis_session import InvalidSessionIdError
+    from support import running_gateway
+
+    store = MemorySessionStore()
+    with pytest.raises(InvalidSessionIdError, match="dots"):
+        await store.create(SessionHeader(id=sid))
+    path = tmp_path / "dots.jsonl"
+    path.write_text(json.dumps({"type": "session/meta", "id": sid}) + "\n")
+    with pytest.raises(ImportFormatError, match="not allowed"):
+        await import_path(store, path)
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base) as client:
+        r = await client.post("/sessions", json={"id": sid})
+        assert r.status_code == 400 and "dots" in r.text
+    assert (await store.list()).items == []
+    for ok in ("a.", ".a", "...", "a/../b"):
+        await store.create(SessionHeader(id=ok))
