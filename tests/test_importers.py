@@ -1043,6 +1043,7 @@ async def test_dot_ids_are_refused_everywhere(sid: str, tmp_path: Path) -> None:
     import httpx
 
     from redis_session import InvalidSessionIdError
+
     from support import running_gateway
 
     store = MemorySessionStore()
