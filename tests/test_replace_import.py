@@ -200,3 +200,23 @@ async def test_replace_of_a_branch_keeps_sibling_links(store: Any, tmp_path: Pat
     assert (live, stale) == ([c2.id], [])
     assert [e.data["content"] for e in await store.read(c2.id)][:3] == ["OLD0", "OLD1", "OLD2"]
     assert (await doctor(store, c2.id)).ok
+
+
+async def test_create_of_a_deleted_parent_id_names_the_branches_that_hold_it(store: Any) -> None:
+    """A deleted session with live branches keeps its id (they read its entries): a create or an
+    open of the id says so, naming them, instead of a bare "already exists" for an id whose head
+    is None. The last branch gone frees the id."""
+    from redis_session import SessionAlreadyExistsError
+
+    sessions = Sessions(store)
+    await make_old(sessions, "hid", 3)
+    b = await sessions.branch("hid", at=1)
+    await store.delete("hid")
+    assert await store.head("hid") is None
+    for attempt in (lambda: sessions.open("hid"), lambda: store.create(SessionHeader(id="hid"))):
+        with pytest.raises(SessionAlreadyExistsError, match="was deleted, but its branches") as info:
+            await attempt()
+        assert repr(b.id) in str(info.value)
+    assert [e.data["content"] for e in await store.read(b.id)] == ["OLD0"]
+    await store.delete(b.id)
+    assert (await sessions.open("hid")).n == 0

@@ -812,6 +812,7 @@ class RedisSessionStore(StoreRules):
         sid = header.id
         # The id first, as the memory store and dsh do: a taken id wins over a bad parent.
         if await self._raw("EXISTS", self.keys.hdr(sid)):
+            await self._raise_taken(sid)
             raise SessionAlreadyExistsError(sid)
         p = header.parent
         try:
@@ -872,8 +873,17 @@ class RedisSessionStore(StoreRules):
         if code != 0:
             if settle:
                 await self._settle_branch(header.parent or "", header, member, created=None, shielded=True)
+            if code == 5:
+                await self._raise_taken(sid)
             self._raise(code, res, sid, None, batch)
         return res, acks
+
+    async def _raise_taken(self, sid: str) -> None:
+        """A create found the id taken: by a deleted session its live branches still read, say so."""
+        if await self._raw("HGET", self.keys.hdr(sid), "deleted"):
+            live, _stale = await self._link_members(sid)
+            if live:
+                raise SessionAlreadyExistsError.held_by_branches(sid, [id_from_index_member(m) for m in live])
 
     async def _create_index(self, header: SessionHeader, member: str, ephemeral_parent: bool) -> None:
         """The created session gets its index entry; a branch also keeps (or gets back) its link."""

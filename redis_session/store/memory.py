@@ -293,8 +293,9 @@ class MemorySessionStore(StoreRules):
         async with self._lock:
             existing = self._get(header.id, include_deleted=True)
             if existing is not None:
-                detail = "a deleted session with live branches holds this id" if existing.deleted else ""
-                raise SessionAlreadyExistsError(header.id, detail)
+                if existing.deleted:
+                    raise SessionAlreadyExistsError.held_by_branches(header.id, sorted(existing.kids))
+                raise SessionAlreadyExistsError(header.id)
             segments: builtins.list[Segment] = []
             parent: _MemSession | None = None
             if header.parent is not None:
