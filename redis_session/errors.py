@@ -37,7 +37,8 @@ class SessionAlreadyExistsError(SessionError):
     def held_by_branches(cls, session_id: str, branches: Sequence[str]) -> SessionAlreadyExistsError:
         """The id of a deleted session that live branches still read (it is hidden: `head` is
         None, but the id stays taken until the last of them is deleted)."""
-        shown = ", ".join(repr(b) for b in branches[:5]) + (f" and {len(branches) - 5} more" if len(branches) > 5 else "")
+        more = f" and {len(branches) - 5} more" if len(branches) > 5 else ""
+        shown = ", ".join(repr(b) for b in branches[:5]) + more
         return cls(
             session_id,
             f"it was deleted, but its branches ({shown}) still read its entries, so the id stays taken "

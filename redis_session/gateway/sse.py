@@ -23,6 +23,7 @@ from ..store import SessionStore
 from .auth import principal
 from .common import _error, _json, log
 
+
 class _Streams:
     """The open SSE streams, so a shutting-down server can end them at once instead of waiting
     for clients that never hang up."""
