@@ -9,7 +9,13 @@
 -- ARGV[3]     the staged session's incarnation ("" = not known): a retry whose swap already
 --             landed (a lost reply) finds the target holding it and answers 11
 --
--- Returns {0, old created_at, staged created_at, staged n}   swapped: the old session is gone
+-- The staged session was created expiring (a crashed import leaks nothing): the swap makes the
+-- keys that move lasting and drops its ttl_ms. The caller unlinks the old session from its
+-- parent (another slot) when it was a branch: unlink.lua, which purges a hidden parent whose
+-- last branch this was.
+--
+-- Returns {0, old created_at, staged created_at, staged n, old parent or ""}
+--                                                             swapped: the old session is gone
 --         {3}                                                 the target is absent (or deleted)
 --         {8}                                                 the target has another incarnation
 --         {9}                                                 the target has live branches
@@ -17,7 +23,7 @@
 --         {11, created_at, n}                                 already swapped (the target holds the
 --                                                             staged incarnation, the staged id is gone)
 local call = redis.call
-local t = call('HMGET', KEYS[1], 'n', 'deleted', 'incarnation', 'created_at')
+local t = call('HMGET', KEYS[1], 'n', 'deleted', 'incarnation', 'created_at', 'parent')
 if not t[1] or t[2] then return {3} end
 local inc = t[3] or ('legacy-' .. (t[4] or '0'))
 if ARGV[3] ~= '' and inc == ARGV[3] and call('EXISTS', KEYS[9]) == 0 then return {11, t[4] or '0', t[1]} end
@@ -31,4 +37,8 @@ if call('EXISTS', KEYS[11]) == 1 then call('RENAME', KEYS[11], KEYS[3]) end
 call('DEL', KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16])
 call('RENAME', KEYS[9], KEYS[1])
 call('HSET', KEYS[1], 'id', ARGV[2])
-return {0, t[4] or '0', s[2] or '0', s[1]}
+call('HDEL', KEYS[1], 'ttl_ms')
+call('PERSIST', KEYS[1])
+call('PERSIST', KEYS[2])
+call('PERSIST', KEYS[3])
+return {0, t[4] or '0', s[2] or '0', s[1], t[5] or ''}

@@ -13,7 +13,7 @@ import msgspec
 from msgspec import Struct
 
 from .errors import InvalidEntryError, SessionError, SessionNotFoundError
-from .keys import validate_session_id
+from .keys import is_staging_id, validate_session_id
 from .model import CUT, Entry, SessionHead, Vocabulary
 from .projection.invariants import Problem, check_invariants
 from .snapshots import read_range
@@ -41,7 +41,9 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     or ≠ `at` for an empty branch), ``decode`` (an entry does not decode), ``schema`` (an entry's
     data fails its type's schema), ``last-cut`` (the header's last_cut is not the last cut entry),
     ``stale-link`` (a child link whose branch does not exist: it keeps the session's keys, and an
-    ephemeral one's TTL, for nothing; `Sessions.repair` / ``doctor --repair`` removes it).
+    ephemeral one's TTL, for nothing; `Sessions.repair` / ``doctor --repair`` removes it),
+    ``staging-copy`` (the id is a replacing import's staging copy, `keys.is_staging_id`: one an
+    import died building, or still builds; ``doctor --repair`` deletes it).
     A store that can look below `read` (`InspectableStore.storage_problems`: the Redis store walks
     the stream itself) reports the storage codes; on other stores the same is checked through
     `read`. Raises `SessionNotFoundError` for a missing session.
@@ -79,6 +81,14 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     problems.extend(_last_cut_problems(head, own, entries if complete else None))
     if complete and len(entries) == n and all(e.n == i for i, e in enumerate(entries)):
         problems.extend(check_invariants(entries))
+    if is_staging_id(session_id):
+        add(
+            None,
+            "staging-copy",
+            "a replacing import's staging copy: an import is building it, or one died part-way (this "
+            "release's copies expire by themselves; a listed one was left by an older release): "
+            "`redis-session doctor --repair` or `redis-session delete` removes it",
+        )
     for child in (await store.links(session_id))[1]:
         add(None, "stale-link", f"branch {child!r} is linked but does not exist: `redis-session doctor --repair`")
     problems.sort(key=lambda p: -1 if p.n is None else p.n)

@@ -33,6 +33,18 @@ class SessionAlreadyExistsError(SessionError):
         super().__init__(f"{msg}: {detail}" if detail else msg)
         self.session_id = session_id
 
+    @classmethod
+    def held_by_branches(cls, session_id: str, branches: Sequence[str]) -> SessionAlreadyExistsError:
+        """The id of a deleted session that live branches still read (it is hidden: `head` is
+        None, but the id stays taken until the last of them is deleted)."""
+        more = f" and {len(branches) - 5} more" if len(branches) > 5 else ""
+        shown = ", ".join(repr(b) for b in branches[:5]) + more
+        return cls(
+            session_id,
+            f"it was deleted, but its branches ({shown}) still read its entries, so the id stays taken "
+            "until they are deleted; use another id",
+        )
+
 
 class SessionConflictError(SessionError):
     """A writer's `expected_n` was stale: another writer appended first. Nothing was written.

@@ -46,7 +46,8 @@ def validate_session_id(session_id: object) -> str:
     """Return the id if it is safe, else raise `InvalidSessionIdError`.
 
     Ids are 1-256 characters, with no braces (they would move the hash tag, so the session's keys
-    could land in another slot), no whitespace and no control characters.
+    could land in another slot), no whitespace and no control characters; ``"."`` and ``".."``
+    are refused (URL parsers drop such a path segment, so HTTP could never reach the session).
     """
     if not isinstance(session_id, str):
         raise InvalidSessionIdError(f"session id must be a str, got {type(session_id).__name__}")
@@ -58,6 +59,12 @@ def validate_session_id(session_id: object) -> str:
         session_id.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidSessionIdError("session id is not valid unicode (a lone surrogate)") from None
+    if session_id in (".", ".."):
+        # a URL path segment "." or ".." is removed by every URL parser (fetch, browsers, proxies):
+        # /sessions/./entries reaches /sessions/entries, so such a session could never be used
+        raise InvalidSessionIdError(
+            f"session id {session_id!r} is not allowed: a URL path segment of only dots is removed by URL parsers"
+        )
     bad = _BAD_ID.search(session_id)
     if bad:
         raise InvalidSessionIdError(
@@ -65,6 +72,18 @@ def validate_session_id(session_id: object) -> str:
             "braces, whitespace and control characters are not allowed"
         )
     return session_id
+
+
+# A replacing import builds its session under a staging id (`importers.common.staging_id`):
+# "<target id[:160]>.import-<16 hex>.<hex>". Such a session is never listed and expires by itself
+# (a crashed import leaks nothing); the swap makes it the target's, listed and lasting.
+STAGING_TTL_MS = 15 * 60 * 1000
+_STAGING = re.compile(r"\.import-[0-9a-f]{16}\.[0-9a-f]+\Z")
+
+
+def is_staging_id(session_id: str) -> bool:
+    """Whether `session_id` names a replacing import's staging copy (not listed, expiring)."""
+    return _STAGING.search(session_id) is not None
 
 
 def validate_prefix(prefix: str) -> str:

@@ -955,3 +955,107 @@ async def test_replace_while_the_id_gets_another_life_leaves_that_life_alone(
     assert await store.head("long") == state["head"]
     assert [e.data["content"] for e in await store.read("long")] == ["second"]
     assert [h.id for h in (await store.list()).items] == ["long"]
+
+
+# --------------------------------------------------------------------------- seeds (outside review)
+
+
+@pytest.mark.parametrize("content", ["\\ud800", "a\\ud800b", "\\udbff", "\\udc00", "x\\ud800\\u0041"])
+async def test_lone_high_surrogate_imports_as_fffd_and_exports_as_written(
+    content: str, store: Any, tmp_path: Path
+) -> None:
+    """A lone HIGH surrogate escape (msgspec calls it "Input data was truncated") imports like a
+    low one: U+FFFD in the store, the line kept for a byte-identical tutorial export."""
+    text = f'{{"type":"session/meta","id":"lone"}}\n{{"type":"user/message","seq":0,"ts":1.5,"content":"{content}"}}\n'
+    path = tmp_path / "lone.jsonl"
+    path.write_text(text)
+    [res] = await import_path(store, path, format="tutorial")
+    assert res.status == "imported"
+    [entry] = await store.read("lone")
+    want = json.loads(f'"{content}"').encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    assert entry.data["content"] == want.replace("\ud800", "\ufffd")
+    out = io.StringIO()
+    await export_session(store, "lone", out, format="tutorial")
+    assert out.getvalue() == text
+    nb = tmp_path / "nb.jsonl"
+    write_jsonl(nb, nanobot_rows("nb-lone")[:1])
+    nb.write_text(nb.read_text() + f'{{"role": "user", "content": "{content}"}}\n')
+    [res] = await import_path(store, nb)
+    assert res.status == "imported"
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('{"type":"session/meta","id":"a\\ud800"}', "id"),
+        ('{"type":"session/meta","id":"\\udc00"}', "id"),
+        ('{"_type":"metadata","key":"k\\ud800","metadata":{},"last_consolidated":0}', "key"),
+    ],
+)
+async def test_lone_surrogate_session_id_is_refused_naming_the_field(
+    line: str, field: str, store: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "s.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ImportFormatError) as info:
+        await import_path(store, path)
+    msg = str(info.value)
+    assert f"{field}: " in msg and "lone surrogate" in msg and "truncated" not in msg
+    assert ":1:" in msg
+    assert await nothing_written(store)
+
+
+async def test_truncated_line_is_still_reported_as_invalid_json(store: Any, tmp_path: Path) -> None:
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"type":"session/meta","id":"cut"}\n{"type":"user/message","seq":0,"content":"ab\n')
+    with pytest.raises(ImportFormatError, match="invalid JSON: Input data was truncated"):
+        await import_path(store, path)
+    assert await nothing_written(store)
+
+
+@pytest.mark.parametrize("lc", ["50", '"3"', "true", "-5", "0.5", "null"])
+async def test_nanobot_out_of_range_last_consolidated_loads_as_nanobot_and_exports_as_written(
+    lc: str, store: Any, tmp_path: Path
+) -> None:
+    """nanobot 0.3.5 loads a last_consolidated that is not an int in [0, len(messages)] as 0
+    (Session.__post_init__); the import does the same and the export writes the value back as
+    the file held it, while it still loads as that watermark."""
+    text = (
+        '{"_type": "metadata", "key": "nb-lc", "created_at": "2026-01-01T00:00:00", '
+        f'"updated_at": "2026-01-01T00:00:00", "metadata": {{}}, "last_consolidated": {lc}}}\n'
+        '{"role": "user", "content": "a", "timestamp": "2026-01-01T00:00:00"}\n'
+        '{"role": "assistant", "content": "b", "timestamp": "2026-01-01T00:00:01"}\n'
+        '{"role": "user", "content": "c", "timestamp": "2026-01-01T00:00:02"}\n'
+    )
+    path = tmp_path / "nb-lc.jsonl"
+    path.write_text(text)
+    await import_path(store, path)
+    assert all(e.type != "cut" for e in await store.read("nb-lc"))  # nothing consolidated, as nanobot
+    out = io.StringIO()
+    await export_session(store, "nb-lc", out, format="nanobot")
+    assert out.getvalue() == text
+
+
+@pytest.mark.parametrize("sid", [".", ".."])
+async def test_dot_ids_are_refused_everywhere(sid: str, tmp_path: Path) -> None:
+    """URL parsers drop a "." or ".." path segment (/sessions/./entries reaches /sessions/entries),
+    so such a session could be created over HTTP but never used: the id rule refuses them."""
+    import httpx
+
+    from redis_session import InvalidSessionIdError
+
+    from support import running_gateway
+
+    store = MemorySessionStore()
+    with pytest.raises(InvalidSessionIdError, match="dots"):
+        await store.create(SessionHeader(id=sid))
+    path = tmp_path / "dots.jsonl"
+    path.write_text(json.dumps({"type": "session/meta", "id": sid}) + "\n")
+    with pytest.raises(ImportFormatError, match="not allowed"):
+        await import_path(store, path)
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base) as client:
+        r = await client.post("/sessions", json={"id": sid})
+        assert r.status_code == 400 and "dots" in r.text
+    assert (await store.list()).items == []
+    for ok in ("a.", ".a", "...", "a/../b"):
+        await store.create(SessionHeader(id=ok))

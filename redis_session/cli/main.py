@@ -398,7 +398,12 @@ def doctor_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     repair: Annotated[
-        bool, typer.Option("--repair", help="First remove stale branch links (a branch cut short by a crash).")
+        bool,
+        typer.Option(
+            "--repair",
+            help="First remove stale branch links (a branch cut short by a crash) and a replacing "
+            "import's leftover staging copy.",
+        ),
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -410,12 +415,17 @@ def doctor_cmd(
     async def main() -> tuple[int, int]:
         from ..doctor import doctor
         from ..errors import SessionNotFoundError
+        from ..keys import is_staging_id
 
         bad = checked = 0
         async with _opened(url, prefix) as store:
             ids = await _all_ids(store) if all_ else [session]
             for sid in ids:
                 assert sid is not None
+                if repair and is_staging_id(sid):  # a replacing import's leftover: never a session
+                    await store.delete(sid)
+                    (err if as_json else out).print(f"removed the staging copy {sid!r}", highlight=False)
+                    continue
                 if repair:
                     for child in await store.repair_links(sid):
                         (err if as_json else out).print(

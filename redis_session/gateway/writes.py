@@ -136,8 +136,8 @@ async def create(gw: Gateway, request: Request) -> Response:
         )
     except InvalidEntryError as e:
         raise entry_error(e, "$.entries") from None
-    except SessionAlreadyExistsError:
-        return _created(await _replayed_create(gw, sid, cond.idempotency_key, req, batch))
+    except SessionAlreadyExistsError as taken:
+        return _created(await _replayed_create(gw, sid, cond.idempotency_key, req, batch, taken))
     return _created(_head_of(s))
 
 
@@ -155,20 +155,29 @@ def _same_entries(stored: Sequence[Entry], batch: Sequence[NewEntry]) -> bool:
     )
 
 
-async def _own_creation(gw: Gateway, sid: str, key: str | None) -> SessionHead:
+async def _own_creation(
+    gw: Gateway, sid: str, key: str | None, taken: SessionAlreadyExistsError | None = None
+) -> SessionHead:
     """The session at the taken id `sid`, when this request's `key` created it (a retry whose
     first attempt landed); else the `SessionAlreadyExistsError` a create of a taken id is: another
     request made it, keyed or not, whatever it holds."""
     head = await gw.store.head(sid) if key is not None else None
     if head is None or head.header.create_key != create_key_digest(cast(str, key)):
-        raise SessionAlreadyExistsError(sid)
+        raise taken or SessionAlreadyExistsError(sid)  # the store's own words (a hidden id names its branches)
     return head
 
 
-async def _replayed_create(gw: Gateway, sid: str, key: str | None, req: CreateIn, batch: list[NewEntry]) -> SessionHead:
+async def _replayed_create(
+    gw: Gateway,
+    sid: str,
+    key: str | None,
+    req: CreateIn,
+    batch: list[NewEntry],
+    taken: SessionAlreadyExistsError | None = None,
+) -> SessionHead:
     """The answer to a create of a taken id: its own creation replayed, when the same key made
     it with the same fields and first entries; 422 when that key made it with others; else 409."""
-    head = await _own_creation(gw, sid, key)
+    head = await _own_creation(gw, sid, key, taken)
     h = head.header
     same_header = (h.parent, h.title, h.origin, h.delegation_depth) == (
         None,

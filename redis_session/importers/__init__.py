@@ -42,6 +42,7 @@ from ..errors import (
     SessionNotFoundError,
     StoreUnavailableError,
 )
+from ..keys import STAGING_TTL_MS
 from ..model import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_ENTRY_BYTES,
@@ -293,6 +294,7 @@ async def write_session(
                 incarnation=old.header.incarnation,
                 staged_incarnation=staged_incarnation,
                 replaced_created_at=old.header.created_at,
+                replaced_parent=old.header.parent,
             )
             return _result(parsed, "replaced")
         except StoreUnavailableError as e:
@@ -371,8 +373,11 @@ async def _write_all(
     header = msgspec.structs.replace(parsed.header, id=sid)
     # create gives the new log a new incarnation (a replaced session never keeps the old
     # identity); the later batches go to exactly that one
+    # a staging copy expires by itself (every batch restarts its clock) until the swap makes it
+    # lasting: an import killed part-way leaks nothing
+    ttl = STAGING_TTL_MS if staged else None
     try:
-        incarnation = (await store.create(header, entries[lo:hi])).header.incarnation
+        incarnation = (await store.create(header, entries[lo:hi], ttl_ms=ttl)).header.incarnation
     except BaseException:
         if staged:  # a staging id is this import's alone: a create whose reply was lost is ours
             await _drop(store, sid)

@@ -17,7 +17,7 @@ from urllib.parse import unquote
 import msgspec
 
 from ..errors import ImportFormatError, InvalidSessionIdError, SessionError
-from ..keys import validate_session_id
+from ..keys import is_staging_id, validate_session_id
 from ..model import NewEntry, SessionHeader
 
 Format = Literal["auto", "redis-session", "nanobot", "dsh", "tutorial"]
@@ -191,7 +191,10 @@ def json_object(line: Line) -> dict[str, Any]:
     try:
         obj = _decode_json.decode(line.raw)
     except (msgspec.DecodeError, RecursionError) as e:
-        if "surrogate" not in str(e):
+        # msgspec refuses a lone surrogate escape: a low one as "invalid utf-16 surrogate pair", a
+        # high one not followed by another \u escape as "Input data was truncated" (so the message
+        # alone cannot tell it from a cut line: the escape in the raw bytes does).
+        if "surrogate" not in str(e) and _SURROGATE_ESCAPE.search(line.raw) is None:
             raise Bad(f"invalid JSON: {e or 'nested too deeply'}") from None
         obj = _with_lone_surrogates(line, e)
     if not isinstance(obj, dict):
@@ -206,8 +209,26 @@ def _with_lone_surrogates(line: Line, err: Exception) -> Any:
     try:
         obj = json.loads(line.raw, object_pairs_hook=dict)
     except (ValueError, RecursionError):
-        raise Bad(f"invalid JSON: {err}") from None
+        raise Bad(f"invalid JSON: {err or 'nested too deeply'}") from None
+    if isinstance(obj, dict) and _is_header(obj):
+        for field in _ID_FIELDS:
+            value = obj.get(field)
+            if isinstance(value, str) and _LONE.search(value):
+                raise Bad(
+                    f"{field}: the session id holds a lone surrogate escape (half of a UTF-16 pair); "
+                    "a session id must be valid unicode"
+                )
     return _replace_surrogates(obj)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# the fields a header line names its session by, in the four formats (tutorial ``id``/``sessionId``,
+# nanobot ``key``, dsh and redis-session ``id``): a lone surrogate there is refused, not replaced
+_ID_FIELDS = ("id", "sessionId", "key")
+
+
+def _is_header(obj: dict[str, Any]) -> bool:
+    return obj.get("type") in ("session/meta", "session") or obj.get("_type") in ("metadata", "redis-session")
 
 
 def _replace_surrogates(value: Any) -> Any:
@@ -403,4 +424,6 @@ def staging_id(session_id: str, token: str) -> str:
     k = 0
     while _slot(f"{base}{k:x}") != slot:
         k += 1
-    return f"{base}{k:x}"
+    staged = f"{base}{k:x}"
+    assert is_staging_id(staged)  # the store keeps such an id unlisted and expiring
+    return staged

@@ -215,9 +215,15 @@ def export_lines(head: SessionHead, entries: Sequence[Entry]) -> Iterator[str]:
         "updated_at": state.updated_at or ms_iso(head.updated_at),
         "metadata": state.metadata,
     }
+    # the watermark values line 1 held, as written (nanobot reads an out-of-range or non-integer
+    # one as 0 and so does the import): kept while they still load as the watermark this log
+    # holds, so an untouched file exports byte-identical; once they would load otherwise (50
+    # after the 50th message), the value nanobot would save
+    raw = {k: origin[k] for k in ("last_archived", "last_consolidated") if k in origin}
+    kept = origin.get("format") == FORMAT and _lc(nanobot_log.archive_offset(raw), len(messages)) == la
     if not legacy:
-        first["last_archived"] = la
-    first["last_consolidated"] = la
+        first["last_archived"] = raw["last_archived"] if kept and "last_archived" in raw else la
+    first["last_consolidated"] = raw["last_consolidated"] if kept and "last_consolidated" in raw else la
     yield json.dumps(first, ensure_ascii=False) + "\n"
     if state.provider_state is not None:
         yield json.dumps({"_type": "provider_state", "state": state.provider_state}, ensure_ascii=False) + "\n"

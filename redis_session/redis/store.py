@@ -60,7 +60,7 @@ from ..errors import (
     SessionReplacedError,
     StoreUnavailableError,
 )
-from ..keys import Keys, id_from_index_member, index_member, validate_session_id
+from ..keys import Keys, id_from_index_member, index_member, is_staging_id, validate_session_id
 from ..model import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_ENTRY_BYTES,
@@ -812,6 +812,7 @@ class RedisSessionStore(StoreRules):
         sid = header.id
         # The id first, as the memory store and dsh do: a taken id wins over a bad parent.
         if await self._raw("EXISTS", self.keys.hdr(sid)):
+            await self._raise_taken(sid)
             raise SessionAlreadyExistsError(sid)
         p = header.parent
         try:
@@ -872,13 +873,23 @@ class RedisSessionStore(StoreRules):
         if code != 0:
             if settle:
                 await self._settle_branch(header.parent or "", header, member, created=None, shielded=True)
+            if code == 5:
+                await self._raise_taken(sid)
             self._raise(code, res, sid, None, batch)
         return res, acks
+
+    async def _raise_taken(self, sid: str) -> None:
+        """A create found the id taken: by a deleted session its live branches still read, say so."""
+        if await self._raw("HGET", self.keys.hdr(sid), "deleted"):
+            live, _stale = await self._link_members(sid)
+            if live:
+                raise SessionAlreadyExistsError.held_by_branches(sid, [id_from_index_member(m) for m in live])
 
     async def _create_index(self, header: SessionHeader, member: str, ephemeral_parent: bool) -> None:
         """The created session gets its index entry; a branch also keeps (or gets back) its link."""
         if header.parent is None:
-            await self._raw("ZADD", self.keys.sessions(header.id), "0", member)
+            if not is_staging_id(header.id):  # a replacing import's staging copy is never listed
+                await self._raw("ZADD", self.keys.sessions(header.id), "0", member)
         else:
             with anyio.CancelScope(shield=True):  # the child landed: it gets listed and linked
                 await self._settle_branch(header.parent, header, member, created=True)
@@ -1047,6 +1058,7 @@ class RedisSessionStore(StoreRules):
         incarnation: str,
         staged_incarnation: str | None = None,
         replaced_created_at: int | None = None,
+        replaced_parent: str | None = None,
     ) -> SessionHead:
         """Make the complete session `staged_id` the session `session_id`, in one atomic step:
         the life `incarnation` of `session_id` is removed (its log, draft, projection, lease and
@@ -1058,7 +1070,12 @@ class RedisSessionStore(StoreRules):
 
         Safe to retry after a lost reply: given `staged_incarnation` (and the replaced session's
         `replaced_created_at`, for its list entry), a retry that finds the swap landed finishes
-        it (the list index) and answers the head."""
+        it (the list index) and answers the head.
+
+        The staged session (created with a TTL, unlisted: `keys.is_staging_id`) becomes lasting
+        and listed. A replaced branch is unlinked from its parent as its delete would (a hidden
+        parent whose last branch it was is purged); a retry after a lost reply unlinks from
+        `replaced_parent`."""
         validate_session_id(session_id)
         validate_session_id(staged_id)
         with _io():
@@ -1077,9 +1094,13 @@ class RedisSessionStore(StoreRules):
                 raise SessionNotFoundError(staged_id)
             if code == 11:  # landed before: a retry after a lost reply
                 new_created, n = int(res[1]), int(res[2])
-                old_created = replaced_created_at
+                old_created, old_parent = replaced_created_at, replaced_parent
             else:
                 old_created, new_created, n = int(res[1]), int(res[2]), int(res[3])
+                old_parent = _s(res[4]) if len(res) > 4 else None
+            if old_parent and old_created is not None:
+                with anyio.CancelScope(shield=True):  # the old branch is gone: its link goes too
+                    await self._unlink(old_parent, index_member(old_created, session_id))
             if old_created is not None and old_created != new_created:
                 await self._raw("ZREM", self.keys.sessions(session_id), index_member(old_created, session_id))
             await self._raw("ZREM", self.keys.sessions(staged_id), index_member(new_created, staged_id))

@@ -26,7 +26,7 @@ from ..errors import (
     SessionNotFoundError,
     SessionReplacedError,
 )
-from ..keys import index_member, validate_session_id
+from ..keys import index_member, is_staging_id, validate_session_id
 from ..model import (
     CUT,
     DEFAULT_MAX_BATCH,
@@ -293,8 +293,9 @@ class MemorySessionStore(StoreRules):
         async with self._lock:
             existing = self._get(header.id, include_deleted=True)
             if existing is not None:
-                detail = "a deleted session with live branches holds this id" if existing.deleted else ""
-                raise SessionAlreadyExistsError(header.id, detail)
+                if existing.deleted:
+                    raise SessionAlreadyExistsError.held_by_branches(header.id, sorted(existing.kids))
+                raise SessionAlreadyExistsError(header.id)
             segments: builtins.list[Segment] = []
             parent: _MemSession | None = None
             if header.parent is not None:
@@ -324,7 +325,7 @@ class MemorySessionStore(StoreRules):
         members = []
         for sid in builtins.list(self._sessions):
             s = self._get(sid)
-            if s is None or (parent is not None and s.header.parent != parent):
+            if s is None or (parent is not None and s.header.parent != parent) or is_staging_id(sid):
                 continue
             members.append((index_member(s.header.created_at, sid), s.header))
         members.sort(key=lambda m: m[0])
@@ -363,6 +364,7 @@ class MemorySessionStore(StoreRules):
         incarnation: str,
         staged_incarnation: str | None = None,
         replaced_created_at: int | None = None,
+        replaced_parent: str | None = None,
     ) -> SessionHead:
         """As `RedisSessionStore.swap_session`: the complete session `staged_id` becomes the
         session `session_id` (life `incarnation`) in one step; `staged_id` is gone after (a retry
@@ -385,6 +387,7 @@ class MemorySessionStore(StoreRules):
             self._purge(session_id)
             self._sessions.pop(staged_id)
             new.header = msgspec.structs.replace(new.header, id=session_id)
+            new.ttl_ms = new.expires_at = None  # the staging copy's expiry ends: it is the session now
             self._sessions[session_id] = new
             new.changed.set()
             new.changed = anyio.Event()

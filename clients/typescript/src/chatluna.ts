@@ -231,6 +231,7 @@ export class ChatLunaSessionStore {
     if (batch.length === 0) return []
     const written = await this.client.appendMany(id, batch, {
       expectedN,
+      idempotencyKey: writeKey(id, incarnation, expectedN, batch),
       ...(incarnation !== undefined ? { incarnation } : {}),
     })
     return written.entries.map(toChatLunaEntry)
@@ -757,6 +758,17 @@ export class ChatLunaSession {
   reconstructRequest(atN: number): ReconstructedRequest {
     return reconstructRequest(this.list, atN)
   }
+}
+
+/**
+ * The idempotency key of a write: the same for the same batch at the same n of the same life, so
+ * a retry after a lost reply (the caller writes the same entries again, or the handle's queue
+ * re-runs it) gets the entries that landed instead of a `SessionConflictError` from its own first
+ * attempt; another batch at that n gets another key, and so the conflict.
+ */
+function writeKey(id: string, incarnation: string | undefined, expectedN: number, batch: readonly unknown[]): string {
+  const digest = createHash('sha256').update(JSON.stringify([id, incarnation ?? '', expectedN, batch])).digest('hex')
+  return `chatluna:${expectedN}:${digest.slice(0, 40)}`
 }
 
 // --------------------------------------------------------------------------- conversations

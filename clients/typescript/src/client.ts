@@ -159,6 +159,11 @@ export class SessionClient {
   // ------------------------------------------------------------------ plumbing
 
   private path(id: string, sub = ''): string {
+    // fetch drops a "." or ".." path segment (/sessions/./entries is /sessions/entries): the
+    // gateway refuses such ids, and no request for one may reach another route
+    if (id === '.' || id === '..') {
+      throw new SessionError(`session id ${JSON.stringify(id)} is not allowed: a URL path segment of only dots is removed by URL parsers`, 400, 'bad_request')
+    }
     return `/sessions/${encodeURIComponent(id)}${sub ? `/${sub}` : ''}`
   }
 

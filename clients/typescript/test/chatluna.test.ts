@@ -13,7 +13,9 @@ import {
   promptDigest,
   SESSION_BRANCH_EVENT,
   SessionClient,
+  SessionAlreadyExistsError,
   SessionConflictError,
+  SessionError,
   type ChatLunaEntry,
 } from '../src/index.js'
 import { ADMIN, uid, URL } from './env.js'
@@ -285,5 +287,71 @@ describe('ChatLuna ctx.sessions service (seed 000)', () => {
     // the old handle never writes into the new life
     await assert.rejects(s.write([{ kind: 'message', message: { role: 'user', content: 'stale' } }]))
     assert.equal((await sessions.head(id))?.n, 0)
+  })
+
+  it('a retry after a lost reply gets the entries that landed, not a conflict (seed: idempotency key per write)', async () => {
+    let drop = 0
+    const lossy: typeof fetch = async (url, init) => {
+      const r = await fetch(url, init)
+      if (drop > 0 && init?.method === 'POST' && String(url).includes('/entries')) {
+        drop--
+        await r.text()
+        throw new TypeError('fetch failed') // the write landed; its reply is lost
+      }
+      return r
+    }
+    const S = new ChatLunaSessions(new SessionClient({ url: URL, token: ADMIN, fetch: lossy }))
+    const id = uid('cl/lost')
+    const s = await S.open(id)
+    await s.write([{ kind: 'message', message: { role: 'user', content: 'Weather in Paris?' } }])
+    drop = 1
+    await assert.rejects(s.commit({ role: 'assistant', content: 'Sunny.' }))
+    assert.equal(s.n, 1) // the handle does not know yet
+    const e = await s.commit({ role: 'assistant', content: 'Sunny.' }) // the caller retries
+    assert.equal(e.n, 1)
+    assert.equal(s.n, 2)
+    assert.deepEqual(s.messages().map((m) => m.content), ['Weather in Paris?', 'Sunny.'])
+    assert.deepEqual((await client.read(id)).map((x) => (x.data as { content: string }).content), ['Weather in Paris?', 'Sunny.'])
+    // a lost write() is the same; another batch at a taken n is still a conflict
+    drop = 1
+    await assert.rejects(s.write([{ kind: 'message', message: { role: 'user', content: 'And Rome?' } }]))
+    await s.write([{ kind: 'message', message: { role: 'user', content: 'And Rome?' } }])
+    assert.equal(s.n, 3)
+    const other = await S.open(id)
+    await other.write([{ kind: 'message', message: { role: 'user', content: 'from another pod' } }])
+    await assert.rejects(s.write([{ kind: 'message', message: { role: 'user', content: 'late' } }]), SessionConflictError)
+    assert.equal((await client.read(id)).length, 4)
+  })
+
+  it('open(id) of a deleted parent with a live branch says why the id is taken (seed)', async () => {
+    const id = uid('cl/hidden')
+    const p = await sessions.open(id)
+    await p.write([{ kind: 'message', message: { role: 'user', content: 'q' } }])
+    const b = await sessions.branch(id, 1)
+    await sessions.delete(id)
+    assert.equal(await sessions.head(id), undefined)
+    await assert.rejects(sessions.open(id), (e: Error) => {
+      assert.ok(e instanceof SessionAlreadyExistsError, String(e))
+      assert.match(e.message, /was deleted, but its branches/)
+      assert.ok(e.message.includes(b.id), e.message)
+      return true
+    })
+    // the branch still reads the parent's entries; once it is gone the id is free
+    assert.deepEqual((await sessions.open(b.id)).messages().map((m) => m.content), ['q'])
+    await sessions.delete(b.id)
+    assert.equal((await sessions.open(id)).n, 0)
+  })
+
+  it("ids '.' and '..' are refused when created (URL parsers drop such path segments) (seed)", async () => {
+    for (const id of ['.', '..']) {
+      await assert.rejects(client.create({ id }), (e: Error) => {
+        assert.ok(e instanceof SessionError && e.status === 400, String(e))
+        assert.match(e.message, /dots/)
+        return true
+      })
+      for (const call of [() => sessions.open(id), () => client.head(id), () => client.read(id), () => client.delete(id)]) {
+        await assert.rejects(call(), (e: Error) => e instanceof SessionError && e.status === 400 && /dots/.test(e.message))
+      }
+    }
   })
 })
