@@ -614,7 +614,6 @@ MALFORMED: dict[str, tuple[str, Any, int | None, str]] = {
     "nanobot-bad-role": ("nanobot", lambda r: _patch(r, 2, role="robot"), 2, "role"),
     "nanobot-bad-timestamp": ("nanobot", lambda r: _patch(r, 5, timestamp=1234), 5, "timestamp"),
     "nanobot-bad-header": ("nanobot", lambda r: _patch(r, 1, key=12345), 1, "bad header line"),
-    "nanobot-hostile-id": ("nanobot", lambda r: _patch(r, 1, key="x" * 300), 1, "session id"),
     "nanobot-oversize": ("nanobot", lambda r: _patch(r, 7, content=BIG), 7, "limit"),
     "dsh-bad-json": ("dsh", lambda r: _set(r, 5, "{"), 5, "invalid JSON"),
     "dsh-wrong-types": ("dsh", lambda r: _patch(r, 3, time="now"), 3, "time must be an integer"),

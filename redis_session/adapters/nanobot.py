@@ -79,7 +79,7 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
+from ..errors import InvalidEntryError, SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
 from ..keys import Keys, validate_session_id
 from ..model import CUT, Entry, NewEntry, SessionHead, SessionHeader
 from ..projection import nanobot as nanobot_log
@@ -280,7 +280,10 @@ def _now() -> datetime:
 
 
 def _encode(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+    try:
+        return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+    except (TypeError, ValueError, RecursionError) as e:  # nested too deep, mixed key types
+        raise InvalidEntryError(f"a nanobot message or metadata value is not JSON-serializable: {e}") from None
 
 
 # --------------------------------------------------------------------------- Session

@@ -25,8 +25,9 @@ the cut's summary, so ``Session.messages()`` shows what nanobot's prompt shows) 
 ``nanobot/state`` mark wherever the log ends (it commutes with every other write).
 
 **Two pods.** A `Session` object belongs to the life of the id it was loaded from (or created):
-a save into another life (deleted and created again) raises `SessionReplacedError`, nothing
-written (the object then holds the new life, or nothing when the id is just deleted); a save after
+a save after that life is gone raises `SessionReplacedError`, nothing written: the object then
+holds the new life (deleted and created again), or nothing (just deleted: `NanobotSessionDeleted`,
+a `SessionReplacedError`; its next save creates the key anew); a save after
 another pod saved the same session raises `NanobotSessionConflict` (a `SessionConflictError`),
 nothing written, and the object then holds the stored session (so nanobot's cached session is
 never stuck behind the log): reapply, save. Only metadata merges from ``update_metadata`` in
@@ -48,7 +49,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import uuid
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -63,8 +64,10 @@ from nanobot.session.summary import is_summary_checkpoint
 from ..errors import (
     SessionAlreadyExistsError,
     SessionConflictError,
+    SessionError,
     SessionNotFoundError,
     SessionReplacedError,
+    StoreUnavailableError,
 )
 from ..keys import Keys
 from ..model import CUT, ChatMessageData, Entry, NewEntry, SessionHead, SessionHeader
@@ -75,8 +78,9 @@ from ._log import resolve_store
 from ._loops import LoopStores, run_sync
 
 T = TypeVar("T")
+_logger = logging.getLogger(__name__)
 
-__all__ = ["NanobotSessionConflict", "RedisNanobotStore"]
+__all__ = ["NanobotSessionConflict", "NanobotSessionDeleted", "RedisNanobotStore"]
 
 #: nanobot's own limits for a listing's preview scan
 _PIN = "_redis_session_pin"
@@ -96,6 +100,21 @@ class NanobotSessionConflict(SessionConflictError):
             f"nanobot session {key!r} was saved by another writer since it was loaded "
             f"(expected n={expected_n}, the log is at n={actual_n}); nothing was written, and the "
             "session object now holds the stored session: reapply the change and save again",
+        )
+
+
+class NanobotSessionDeleted(SessionReplacedError):
+    """The nanobot session this `Session` object was loaded from (or created as) was deleted
+    since: nothing of this save was written, and the object is now empty (as a new session of
+    its key); saving it again creates the key anew. A `SessionReplacedError` (the life it
+    belonged to is gone), so one ``except`` covers deleted and deleted-and-created-again."""
+
+    def __init__(self, session_id: str, key: str) -> None:
+        super().__init__(session_id)
+        self.key = key
+        self.args = (
+            f"nanobot session {key!r} was deleted since this session object was loaded; nothing "
+            "was written, and the object is now empty: save it again to create the session anew",
         )
 
 
@@ -227,10 +246,10 @@ def _cut(session: _nb.Session, ns: list[int], la: int, floor: int, cut_n: int, r
 def _plan(pin: _Pin, session: _nb.Session) -> tuple[list[NewEntry], _Pin]:
     """The entries that bring the log from `pin` to `session`, and the pin after them (pure)."""
     messages = session.messages
-    encoded = [log.encode(m) for m in messages]
+    encoded = [log.encode(m, f"message {i}") for i, m in enumerate(messages)]
     entries, ns, rewrite = _message_changes(pin, messages, encoded)
-    metadata = {k: log.encode(v) for k, v in session.metadata.items()}
-    provider = log.encode(_provider_record(session))
+    metadata = {k: log.encode(v, f"metadata[{k!r}]") for k, v in session.metadata.items()}
+    provider = log.encode(_provider_record(session), "provider_state")
     state = _state_changes(pin, session, metadata, provider)
     if state:
         entries.append(NewEntry(log.STATE, state))
@@ -262,6 +281,10 @@ def _write_key(sid: str, incarnation: str, n: int, entries: Sequence[NewEntry]) 
     digest = hashlib.sha256(f"{sid}\0{incarnation}\0{n}\0".encode())
     digest.update(msgspec.json.encode(list(entries)))
     return "nanobot:" + digest.hexdigest()[:32]
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def _empty_pin(session_id: str, incarnation: str = "") -> _Pin:
@@ -341,7 +364,11 @@ class RedisNanobotStore:
         self._stores = None if self._owned else LoopStores(self.store)
         self._key_to_id = key_to_id or log.key_to_id
         self._folds: OrderedDict[str, log.NanobotState] = OrderedDict()
-        self._listing: dict[str, tuple[str, int, dict[str, Any]]] = {}  # id -> (life, n, info)
+        # id -> (life, n, info; None: no key reaches the session)
+        self._listing: dict[str, tuple[str, int, dict[str, Any] | None]] = {}
+        # (id, digest of the updates) -> (life, n) an `update_metadata` whose outcome is unknown
+        # was based on: its retry sends the same write
+        self._merges: OrderedDict[tuple[str, str], tuple[str, int]] = OrderedDict()
         vocabulary = self.store.vocabulary
         for t in log.MARK_TYPES:
             if t not in vocabulary:
@@ -466,6 +493,14 @@ class RedisNanobotStore:
     async def _save(self, session: _nb.Session, sid: str, pin: _Pin | None) -> _Pin:
         if pin is None:
             return await self._create(session, sid)
+        try:
+            return await self._update(session, sid, pin)
+        except SessionReplacedError:
+            raise
+        except SessionNotFoundError:  # the life this object belongs to is gone (just deleted)
+            raise NanobotSessionDeleted(sid, session.key) from None
+
+    async def _update(self, session: _nb.Session, sid: str, pin: _Pin) -> _Pin:
         for _ in range(_REBASES):
             entries, after = _plan(pin, session)
             if not entries:
@@ -572,7 +607,7 @@ class RedisNanobotStore:
             return None
         _migrate_exec(state.messages, state.metadata)
         return {
-            "key": state.key or key,
+            "key": key if self.session_id(state.key) != state.session_id else state.key,
             "created_at": state.created_at,
             "updated_at": state.updated_at,
             "metadata": state.metadata,
@@ -589,25 +624,48 @@ class RedisNanobotStore:
 
     def update_metadata(self, key: str, updates: dict[str, Any], *, fsync: bool = False) -> bool:
         """Merge `updates` into the stored metadata (one mark at the log's end; no history is
-        rewritten and no concurrent save is lost). False when there is no such session."""
+        rewritten and no concurrent save is lost). False when there is no such session.
+
+        A call retried after an error (the same key and updates, its reply lost) lands once: the
+        write's idempotency key is derived from the life and n it was based on and its content,
+        and the adapter keeps that base until the write is known to have landed or not, so the
+        retry sends the very same write (it never puts an older value back over one another
+        writer set in between)."""
         del fsync
         sid = self.session_id(key)
-        data = {"metadata_set": copy.deepcopy(updates)}
+        encoded = log.encode(updates, "updates")
+        data = {"metadata_set": msgspec.json.decode(encoded)}  # a copy the caller cannot change
+        digest = _digest(encoded)
 
         async def merge() -> bool:
             head = await self._store.head(sid)
             if head is None:
+                self._merges.pop((sid, digest), None)
                 return False
+            inc = head.header.incarnation
+            base = self._merges.get((sid, digest))
+            if base is None or base[0] != inc:
+                base = (inc, head.n)  # a new write, based on this life at this n
+                self._merges[(sid, digest)] = base
+                while len(self._merges) > _CACHE_SIZE:
+                    self._merges.popitem(last=False)
+            write = f"{sid}\0{inc}\0{base[1]}\0{digest}".encode()
+            idempotency_key = "nanobot:meta:" + _digest(write)
             try:
                 await self._store.put(
-                    sid,
-                    None,
-                    [NewEntry(log.STATE, data)],
-                    idempotency_key=uuid.uuid4().hex,
-                    incarnation=head.header.incarnation,
+                    sid, None, [NewEntry(log.STATE, data)], idempotency_key=idempotency_key, incarnation=inc
                 )
-            except SessionNotFoundError:
+            except SessionNotFoundError:  # deleted (or another life) since the head: not written
+                self._merges.pop((sid, digest), None)
                 return False
+            except StoreUnavailableError:
+                # a lost reply, a timeout: the outcome is unknown, so the base is kept and a retry
+                # of this call sends the same write (the store finds it, if it landed)
+                raise
+            except SessionError:  # refused (bad updates): nothing written, nothing to retry
+                self._merges.pop((sid, digest), None)
+                raise
+            self._merges.pop((sid, digest), None)
             return True
 
         return self._run(merge)
@@ -629,7 +687,13 @@ class RedisNanobotStore:
                     if origin.get("format") != log.FORMAT:
                         continue
                     seen.add(header.id)
-                    info = await self._info(header.id)
+                    try:
+                        info = await self._info(header.id)
+                    except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
+                        # one session whose log cannot be read as nanobot's never hides the others:
+                        # it is listed from its header (a load of it raises the error itself)
+                        _logger.warning("nanobot session %r cannot be folded for the listing: %r", header.id, e)
+                        info = self._header_info(header)
                     if info is not None:
                         out.append(dict(info))
                 cursor = page.cursor
@@ -639,6 +703,37 @@ class RedisNanobotStore:
                     return out
 
         return sorted(self._run(collect), key=lambda item: item["updated_at"], reverse=True)
+
+    def _listed_key(self, sid: str, stored: str) -> str | None:
+        """The key nanobot finds session `sid` under: the stored key when it maps to `sid` (under
+        this store's mapping), else the key `id_to_key` gives for `sid` when that maps back (a
+        session imported with ``--id``, or written with another mapping), else None (no key
+        reaches it: not listed, as nanobot could not load it)."""
+        if self.session_id(stored) == sid:
+            return stored
+        try:
+            key = log.id_to_key(sid)
+        except UnicodeDecodeError:
+            return None
+        return key if key is not None and self.session_id(key) == sid else None
+
+    def _header_info(self, header: SessionHeader) -> dict[str, Any] | None:
+        origin = header.origin if isinstance(header.origin, dict) else {}
+        stored = origin.get("key")
+        key = self._listed_key(header.id, stored if isinstance(stored, str) else header.id)
+        if key is None:
+            return None
+        created = origin.get("created_at")
+        updated = origin.get("updated_at")
+        now = datetime.now().isoformat()
+        return {
+            "key": key,
+            "created_at": created if isinstance(created, str) else now,
+            "updated_at": updated if isinstance(updated, str) else now,
+            "title": "",
+            "preview": "",
+            "path": Keys(self.prefix).log(header.id),
+        }
 
     async def _info(self, sid: str) -> dict[str, Any] | None:
         for _ in range(3):
@@ -656,9 +751,13 @@ class RedisNanobotStore:
                 continue
             if state is None:
                 return None
+            key = self._listed_key(sid, state.key)
+            if key is None:
+                self._listing[sid] = (inc, head.n, None)
+                return None
             now = datetime.now().isoformat()
             info = {
-                "key": state.key,
+                "key": key,
                 "created_at": state.created_at or now,
                 "updated_at": state.updated_at or now,
                 "title": _nb._metadata_title(state.metadata),

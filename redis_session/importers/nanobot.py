@@ -17,23 +17,34 @@ Line 1 is ``{"_type":"metadata","key","created_at","updated_at","metadata":{…}
   prompt], reason: "nanobot:last_consolidated", meta: {nanobot: {floor: 0, last_consolidated: k}}}``
   — the cut `redis_session.adapters.nanobot` writes for the same session, so the adapter's
   ``get_history`` and the generic projection both show what nanobot shows;
-- a key that is not a valid session id (whitespace, braces) is imported under
-  `key_to_session_id(key)`; ``origin.key`` keeps the original.
+- the session id is the nanobot store's own mapping of the key
+  (`redis_session.projection.nanobot.key_to_id`: a key that is not a valid session id has its
+  whitespace, braces and ``%`` percent-encoded, and one too long once encoded lives under
+  ``nanobot~<sha256>``), so the store finds an imported session by its key; ``origin.key`` keeps
+  the key;
+- ``--id ID`` (a single file) imports the session as nanobot's session ``id_to_key(ID)`` (for an
+  id without ``%``, the id itself): that is the key nanobot lists, loads and saves it under, and
+  the key line 1 of its export names. An id no key maps to (``nanobot~…``, a ``%`` that is no
+  escape the mapping makes) is refused, nothing imported;
+- a message without ``timestamp`` stays without one (the export is byte-identical; nanobot
+  writes such a message as it is).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from msgspec import Struct, field
 
-from ..errors import ImportFormatError
+from ..errors import ImportFormatError, InvalidSessionIdError
+from ..keys import validate_session_id
 from ..model import CUT, Entry, NewEntry, OpenAIToolCall, SessionHead, SessionHeader
 from ..projection import nanobot as nanobot_log
 from ..projection.fold import openai_messages, project
-from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, mapped_id, ms_iso, session_id_to_key
+from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, ms_iso, session_id_to_key
 
 FORMAT = "nanobot"
 MESSAGE = "message"
@@ -137,17 +148,43 @@ class _Reader:
             self.entries.append(NewEntry(CUT, data, None, None, self.last_time))
             self.lines.append(0)
         path = self.source.path
+        # the store's own mapping (`projection.nanobot.key_to_id`: a key too long once escaped
+        # lives under nanobot~<sha256>), so imported files and the store share sessions
+        mapped = nanobot_log.key_to_id(self.key)
         original: str | None = None
-        if self.session_id is not None:
-            sid = self.session_id
-        else:
-            # the mapping the nanobot store uses too (`projection.nanobot.key_to_id`), so imported
-            # files and the store share sessions; a key too long even for nanobot's own file
-            # names is refused here (the store hashes it)
-            sid = mapped_id(path, 1, self.key)
+        if self.session_id is None or self.session_id == mapped:
+            sid = mapped
             original = self.key if sid != self.key else None
+        else:
+            # `--id`: nanobot finds a session by its key, so the session's key becomes the one
+            # that maps to this id (what list_sessions shows, load finds and the export writes)
+            sid = self.session_id
+            self.key = _key_of(path, sid)
+            self.origin["key"] = self.key
         header = SessionHeader(id=sid, created_at=self.created_at, title=self.title, origin=self.origin)
         return ParsedSession(str(path), FORMAT, header, self.entries, self.lines, original_id=original)
+
+
+def _key_of(path: Path, session_id: str) -> str:
+    """The nanobot key whose session id is `session_id`, or `ImportFormatError` (an id that is
+    no valid session id at all is left to the importer's own check, which names it)."""
+    try:
+        validate_session_id(session_id)
+    except InvalidSessionIdError:
+        return session_id
+    try:
+        key = nanobot_log.id_to_key(session_id)
+    except UnicodeDecodeError:
+        key = None
+    if key is None or nanobot_log.key_to_id(key) != session_id:
+        raise ImportFormatError(
+            path,
+            1,
+            f"--id {session_id[:80]!r}: no nanobot key maps to this id (nanobot finds a session by its "
+            "key: use an id that is a key itself, or leave --id out to import under the file's key); "
+            "nothing of this session was imported",
+        )
+    return key
 
 
 def parse(source: Source, session_id: str | None) -> ParsedSession:
@@ -175,10 +212,21 @@ def fold(head: SessionHead, entries: Sequence[Entry]) -> tuple[list[dict[str, An
     or generic session) gives its projection as OpenAI messages, each with the time of its entry
     as ``timestamp``."""
     state = nanobot_log.fold(head, entries)
-    return _messages(state, entries), state.metadata, state.archived
+    return _messages(state, entries, _native(head)), state.metadata, state.archived
 
 
-def _messages(state: nanobot_log.NanobotState, entries: Sequence[Entry]) -> list[dict[str, Any]]:
+def _native(head: SessionHead) -> bool:
+    origin = head.header.origin
+    return isinstance(origin, dict) and origin.get("format") == FORMAT
+
+
+def _messages(state: nanobot_log.NanobotState, entries: Sequence[Entry], native: bool = False) -> list[dict[str, Any]]:
+    """The messages of the file: a nanobot session's (`native`: its header says so) exactly as
+    nanobot holds them (a message nanobot wrote without ``timestamp`` stays without one: the file
+    is byte-identical and imports back the same); another tool's messages get their entry's time
+    as ``timestamp``, as nanobot's ``add_message`` would have set it."""
+    if native:
+        return state.messages
     times = {e.n: e.time for e in entries}
     if state.messages or state.nanobot_entries or not entries:
         out = []
@@ -199,7 +247,7 @@ def export_lines(head: SessionHead, entries: Sequence[Entry]) -> Iterator[str]:
     it), then ``provider_state`` when there is one, then one message a line."""
     origin = head.header.origin if isinstance(head.header.origin, dict) else {}
     state = nanobot_log.fold(head, entries)
-    messages = _messages(state, entries)
+    messages = _messages(state, entries, _native(head))
     la = state.archived
     # a file of an older nanobot (no last_archived on line 1) keeps its layout until 0.3 saves it
     legacy = (

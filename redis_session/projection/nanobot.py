@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from ..errors import InvalidSessionIdError
+from ..errors import InvalidEntryError, InvalidSessionIdError
 from ..keys import validate_session_id
 from ..model import CUT, Entry, SessionHead
 
@@ -52,15 +52,24 @@ _FORBIDDEN = re.compile(r"[{}%\s\x00-\x1f\x7f]")
 _HASHED = "nanobot~"
 
 
-def encode(value: Any) -> bytes:
+def encode(value: Any, what: str = "value") -> bytes:
     """The JSON of a value, key order kept: what tells two versions of a message (or a metadata
-    value) apart."""
-    return msgspec.json.encode(value)
+    value) apart. A value JSON cannot hold (nested past msgspec's depth limit, a lone surrogate,
+    an arbitrary object) raises `InvalidEntryError` naming `what`: nothing is written."""
+    try:
+        return msgspec.json.encode(value)
+    except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as e:
+        raise InvalidEntryError(f"{what} is not JSON-serializable: {e}") from None
 
 
 def clone(value: Any) -> Any:
-    """A deep copy of JSON data (a msgpack round trip: many times faster than `copy.deepcopy`)."""
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(value))
+    """A deep copy of JSON data: a msgpack round trip (many times faster than `copy.deepcopy`),
+    or a JSON one when an integer is past msgpack's 64 bits (JSON, nanobot's files and the log
+    hold any integer: ``2**64`` is a channel id like any other)."""
+    try:
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(value))
+    except OverflowError:
+        return msgspec.json.decode(msgspec.json.encode(value))
 
 
 def key_to_id(key: str) -> str:
