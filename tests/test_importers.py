@@ -417,6 +417,69 @@ async def test_nanobot_session_file(store: Any, tmp_path: Path) -> None:
     assert await openai_of(store, "telegram:12345") == nanobot_openai(rows)
 
 
+def nanobot_035_rows(key: str) -> list[Any]:
+    """A file as nanobot 0.3.5 writes it: an integer past 64 bits, a message without timestamp."""
+    return [
+        {
+            "_type": "metadata",
+            "key": key,
+            "created_at": "2026-12-01T04:00:00.123456",
+            "updated_at": "2026-12-01T04:00:01.654321",
+            "metadata": {"chat": 2**64 + 1},
+            "last_archived": 0,
+            "last_consolidated": 0,
+        },
+        {"role": "user", "content": "hi", "timestamp": "2026-12-01T04:00:00.500000", "ref": 2**64},
+        {"role": "assistant", "content": "hi, no timestamp", "ids": [-(2**70)]},
+    ]
+
+
+@pytest.mark.parametrize(
+    "key", ["telegram:big", "cli:" + " ".join(["x"] * 64)], ids=["plain-key", "key-too-long-once-escaped"]
+)
+async def test_nanobot_file_with_big_ints_and_no_timestamp_exports_byte_identical(
+    store: Any, tmp_path: Path, key: str
+) -> None:
+    """Import, export byte-identical (no OverflowError, no invented timestamp), import the export:
+    the same entries. A key too long once escaped is imported under the store's own mapping."""
+    from redis_session.projection.nanobot import key_to_id
+
+    path = write_jsonl(tmp_path / "s.jsonl", nanobot_035_rows(key))
+    [res] = await import_path(store, path)
+    assert res.session_id == key_to_id(key)
+    assert key in (res.session_id, res.original_id)
+    out = tmp_path / "out.jsonl"
+    await export_session(store, res.session_id, out, format="nanobot")
+    assert out.read_bytes() == path.read_bytes()
+    before = await store.read(res.session_id)
+    [again] = await import_path(store, out, on_exists="replace")
+    assert again.session_id == res.session_id
+    assert [(e.type, e.data, e.time) for e in await store.read(res.session_id)] == [
+        (e.type, e.data, e.time) for e in before
+    ]
+
+
+async def test_nanobot_import_with_id_names_the_key_of_that_id(store: Any, tmp_path: Path) -> None:
+    """``--id``: nanobot finds a session by its key, so the session becomes nanobot's session of
+    the key that maps to the id; an id no key maps to is refused, nothing written."""
+    path = write_jsonl(tmp_path / "s.jsonl", nanobot_rows())
+    for bad in ("nanobot~abc", "x%zz"):
+        with pytest.raises(ImportFormatError, match="no nanobot key maps to this id"):
+            await import_path(store, path, session_id=bad)
+    assert await nothing_written(store)
+    [res] = await import_path(store, path, session_id="my-id")
+    assert res.session_id == "my-id"
+    head = await store.head("my-id")
+    assert head is not None and head.header.origin["key"] == "my-id"
+    out = tmp_path / "out.jsonl"
+    await export_session(store, "my-id", out, format="nanobot")
+    assert json.loads(out.read_text(encoding="utf-8").splitlines()[0])["key"] == "my-id"
+    [same] = await import_path(store, path, session_id="telegram:12345")  # the key's own id: as without --id
+    assert same.session_id == "telegram:12345"
+    head = await store.head("telegram:12345")
+    assert head is not None and head.header.origin["key"] == "telegram:12345"
+
+
 async def test_nanobot_last_consolidated_becomes_a_cut(store: Any, tmp_path: Path) -> None:
     rows = nanobot_rows(lc=3)
     path = write_jsonl(tmp_path / "s.jsonl", rows)

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import threading
 import uuid
@@ -87,6 +88,7 @@ from ..store import SessionStore
 from ._log import resolve_store
 
 T = TypeVar("T")
+_logger = logging.getLogger(__name__)
 
 FILE_MAX_MESSAGES = 2000
 MESSAGE = "message"
@@ -918,7 +920,12 @@ class SessionManager:
             origin = head.header.origin if isinstance(head.header.origin, dict) else {}
             stored_key = origin.get("key")
             key = stored_key if isinstance(stored_key, str) else sid
-            s = fold(key, head, entries)
+            try:
+                s = fold(key, head, entries)
+            except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
+                # one session that cannot be read never hides the others: listed from its header
+                _logger.warning("nanobot session %r cannot be folded for the listing: %r", sid, e)
+                s = Session(key=key, created_at=_from_ms(head.header.created_at), updated_at=_from_ms(head.updated_at))
             out.append(
                 {
                     "key": key,
