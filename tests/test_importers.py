@@ -459,25 +459,19 @@ async def test_nanobot_file_with_big_ints_and_no_timestamp_exports_byte_identica
     ]
 
 
-async def test_nanobot_import_with_id_names_the_key_of_that_id(store: Any, tmp_path: Path) -> None:
-    """``--id``: nanobot finds a session by its key, so the session becomes nanobot's session of
-    the key that maps to the id; an id no key maps to is refused, nothing written."""
+async def test_nanobot_import_with_id_keeps_the_file(store: Any, tmp_path: Path) -> None:
+    """``--id``: the file as it is under that id (its key kept in ``origin``, no "key mapped"
+    note); its export is the file's own export, byte for byte."""
     path = write_jsonl(tmp_path / "s.jsonl", nanobot_rows())
-    for bad in ("nanobot~abc", "x%zz"):
-        with pytest.raises(ImportFormatError, match="no nanobot key maps to this id"):
-            await import_path(store, path, session_id=bad)
-    assert await nothing_written(store)
     [res] = await import_path(store, path, session_id="my-id")
-    assert res.session_id == "my-id"
+    assert (res.session_id, res.original_id) == ("my-id", None)
     head = await store.head("my-id")
-    assert head is not None and head.header.origin["key"] == "my-id"
-    out = tmp_path / "out.jsonl"
-    await export_session(store, "my-id", out, format="nanobot")
-    assert json.loads(out.read_text(encoding="utf-8").splitlines()[0])["key"] == "my-id"
-    [same] = await import_path(store, path, session_id="telegram:12345")  # the key's own id: as without --id
-    assert same.session_id == "telegram:12345"
-    head = await store.head("telegram:12345")
     assert head is not None and head.header.origin["key"] == "telegram:12345"
+    await import_path(store, path)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    await export_session(store, "my-id", a, format="nanobot")
+    await export_session(store, "telegram:12345", b, format="nanobot")
+    assert a.read_bytes() == b.read_bytes()
 
 
 async def test_nanobot_last_consolidated_becomes_a_cut(store: Any, tmp_path: Path) -> None:

@@ -594,3 +594,12 @@ def test_one_session_that_cannot_be_folded_never_hides_the_others_from_the_listi
     monkeypatch.setattr(nanobot_log, "clone", lambda v: msgspec.msgpack.decode(msgspec.msgpack.encode(v)))
     listed = {x["key"]: x["preview"] for x in manager.list_sessions()}
     assert listed == {"cli:fine": "cli:fine", "cli:poisoned": ""}
+
+
+def test_an_import_with_an_id_is_listed_under_the_key_that_loads_it(backend: Backend, manager: SessionManager) -> None:
+    """A file imported with ``--id copy-1`` is listed under ``copy-1`` (the key that reaches it),
+    never under the file's key (which loads another session)."""
+    backend.run(lambda store: import_path(store, FIXTURES / "cli_tools.jsonl", session_id="copy-1"))
+    listed = [x["key"] for x in manager.list_sessions()]
+    assert listed == ["copy-1"]
+    assert manager.get_or_create("copy-1").messages

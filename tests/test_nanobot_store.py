@@ -947,12 +947,11 @@ def test_a_key_too_long_once_escaped_imports_under_the_stores_own_id(rig: Rig) -
     assert [x["key"] for x in rig.pod().list_sessions()] == [key]
 
 
-def test_an_import_with_an_id_is_the_nanobot_session_of_the_key_that_id_names(rig: Rig) -> None:
-    """``import f.jsonl --id my-id``: the session is nanobot's session ``my-id`` (listed, loaded,
-    saved and exported under that key: one session, listed once); an id no key maps to is
-    refused, nothing written."""
-    from redis_session import ImportFormatError
-
+def test_an_import_with_an_id_is_listed_and_loaded_under_the_key_of_that_id(rig: Rig) -> None:
+    """``import f.jsonl --id my-id`` (a file whose key is K): the store lists it under the key that
+    maps to its id (``my-id``), once, and that key loads it and saves into it; K (whose own
+    session that is not) lists and loads nothing; the export is still the file byte for byte.
+    An id no key maps to is not listed (nanobot could not load it)."""
     jsonl = JsonlSessionStore(rig.workspace, sessions_root=rig.tmp / "files")
     s = Session(key="telegram:42")
     s.add_message("user", "Weather in Paris?")
@@ -963,35 +962,27 @@ def test_an_import_with_an_id_is_the_nanobot_session_of_the_key_that_id_names(ri
     async def imp(session_id: str) -> str:
         store = RedisSessionStore.from_url(rig.url, prefix=rig.prefix)
         try:
-            (result,) = await import_path(store, path, session_id=session_id)
-            return result.session_id
+            await import_path(store, path, session_id=session_id)
+            head = await store.head(session_id)
+            assert head is not None
+            return "".join(export_lines(head, await store.read(session_id, 0, head.n)))
         finally:
             await store.aclose()
 
-    assert run(imp("my-id")) == "my-id"
+    assert run(imp("my-id")) == path.read_text(encoding="utf-8")  # the file, byte for byte
     pod = SessionManager(rig.workspace, store=rig.pod(), sessions_root=rig.tmp / "pod")
     assert [(x["key"], x["preview"]) for x in pod.list_sessions()] == [("my-id", "Weather in Paris?")]
     loaded = pod.get_or_create("my-id")
     assert [m["content"] for m in loaded.messages] == ["Weather in Paris?", "Sunny."]
     assert pod.read_session_file("my-id")["key"] == "my-id"  # type: ignore[index]
+    assert pod.read_session_file("telegram:42") is None
     loaded.add_message("user", "And Tokyo?")
     pod.save(loaded)
-    assert [x["key"] for x in pod.list_sessions()] == ["my-id"]
-    assert pod.read_session_file("telegram:42") is None
-
-    async def first_line() -> dict[str, Any]:
-        store = RedisSessionStore.from_url(rig.url, prefix=rig.prefix)
-        try:
-            head = await store.head("my-id")
-            assert head is not None
-            return dict(json.loads(next(export_lines(head, await store.read("my-id", 0, head.n)))))
-        finally:
-            await store.aclose()
-
-    assert run(first_line())["key"] == "my-id"
-    for bad in ("nanobot~abc", "a%zz", "a%FF"):
-        with pytest.raises(ImportFormatError, match="no nanobot key maps to this id"):
-            run(imp(bad))
+    pod.invalidate("my-id")
+    assert len(pod.get_or_create("my-id").messages) == 3
+    assert [x["key"] for x in pod.list_sessions()] == ["my-id"]  # one session, listed once
+    for unreachable in ("nanobot~abc", "a%FF"):
+        run(imp(unreachable))
     assert [x["key"] for x in pod.list_sessions()] == ["my-id"]
 
 

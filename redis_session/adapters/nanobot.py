@@ -919,7 +919,9 @@ class SessionManager:
             head, entries = found
             origin = head.header.origin if isinstance(head.header.origin, dict) else {}
             stored_key = origin.get("key")
-            key = stored_key if isinstance(stored_key, str) else sid
+            key = nanobot_log.listed_key(sid, stored_key if isinstance(stored_key, str) else sid, self.session_id)
+            if key is None:
+                continue  # no key reaches it (see `listed_key`)
             try:
                 s = fold(key, head, entries)
             except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:

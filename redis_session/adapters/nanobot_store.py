@@ -705,17 +705,7 @@ class RedisNanobotStore:
         return sorted(self._run(collect), key=lambda item: item["updated_at"], reverse=True)
 
     def _listed_key(self, sid: str, stored: str) -> str | None:
-        """The key nanobot finds session `sid` under: the stored key when it maps to `sid` (under
-        this store's mapping), else the key `id_to_key` gives for `sid` when that maps back (a
-        session imported with ``--id``, or written with another mapping), else None (no key
-        reaches it: not listed, as nanobot could not load it)."""
-        if self.session_id(stored) == sid:
-            return stored
-        try:
-            key = log.id_to_key(sid)
-        except UnicodeDecodeError:
-            return None
-        return key if key is not None and self.session_id(key) == sid else None
+        return log.listed_key(sid, stored, self.session_id)
 
     def _header_info(self, header: SessionHeader) -> dict[str, Any] | None:
         origin = header.origin if isinstance(header.origin, dict) else {}

@@ -159,7 +159,7 @@ def _parse(p: Path, format: str, session_id: str | None, store: SessionStore | N
         header, entries, lines = native.parse(source)
         parsed = ParsedSession(str(p), fmt, header, entries, lines)
     elif fmt == "nanobot":
-        parsed = nanobot.parse(source, session_id)  # --id names the nanobot key too
+        parsed = nanobot.parse(source, None)
     elif fmt == "dsh":
         parsed = dsh.parse(source, None)
     else:

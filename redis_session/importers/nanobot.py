@@ -22,10 +22,11 @@ Line 1 is ``{"_type":"metadata","key","created_at","updated_at","metadata":{…}
   whitespace, braces and ``%`` percent-encoded, and one too long once encoded lives under
   ``nanobot~<sha256>``), so the store finds an imported session by its key; ``origin.key`` keeps
   the key;
-- ``--id ID`` (a single file) imports the session as nanobot's session ``id_to_key(ID)`` (for an
-  id without ``%``, the id itself): that is the key nanobot lists, loads and saves it under, and
-  the key line 1 of its export names. An id no key maps to (``nanobot~…``, a ``%`` that is no
-  escape the mapping makes) is refused, nothing imported;
+- ``--id ID`` (a single file) imports the file as it is under that id (its export is still
+  the file, byte for byte); nanobot's store lists, loads and saves it under the key that maps to
+  ``ID`` (``id_to_key``: for an id without ``%`` the id itself), as a copy of the file's session,
+  never under the file's key (whose own session that is). An id no key maps to (``nanobot~…``,
+  a ``%`` the mapping never writes) is a session nanobot's store does not list;
 - a message without ``timestamp`` stays without one (the export is byte-identical; nanobot
   writes such a message as it is).
 """
@@ -34,13 +35,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 from msgspec import Struct, field
 
-from ..errors import ImportFormatError, InvalidSessionIdError
-from ..keys import validate_session_id
+from ..errors import ImportFormatError
 from ..model import CUT, Entry, NewEntry, OpenAIToolCall, SessionHead, SessionHeader
 from ..projection import nanobot as nanobot_log
 from ..projection.fold import openai_messages, project
@@ -150,41 +149,13 @@ class _Reader:
         path = self.source.path
         # the store's own mapping (`projection.nanobot.key_to_id`: a key too long once escaped
         # lives under nanobot~<sha256>), so imported files and the store share sessions
-        mapped = nanobot_log.key_to_id(self.key)
-        original: str | None = None
-        if self.session_id is None or self.session_id == mapped:
-            sid = mapped
+        if self.session_id is None:
+            sid = nanobot_log.key_to_id(self.key)
             original = self.key if sid != self.key else None
-        else:
-            # `--id`: nanobot finds a session by its key, so the session's key becomes the one
-            # that maps to this id (what list_sessions shows, load finds and the export writes)
-            sid = self.session_id
-            self.key = _key_of(path, sid)
-            self.origin["key"] = self.key
+        else:  # --id (see the module doc)
+            sid, original = self.session_id, None
         header = SessionHeader(id=sid, created_at=self.created_at, title=self.title, origin=self.origin)
         return ParsedSession(str(path), FORMAT, header, self.entries, self.lines, original_id=original)
-
-
-def _key_of(path: Path, session_id: str) -> str:
-    """The nanobot key whose session id is `session_id`, or `ImportFormatError` (an id that is
-    no valid session id at all is left to the importer's own check, which names it)."""
-    try:
-        validate_session_id(session_id)
-    except InvalidSessionIdError:
-        return session_id
-    try:
-        key = nanobot_log.id_to_key(session_id)
-    except UnicodeDecodeError:
-        key = None
-    if key is None or nanobot_log.key_to_id(key) != session_id:
-        raise ImportFormatError(
-            path,
-            1,
-            f"--id {session_id[:80]!r}: no nanobot key maps to this id (nanobot finds a session by its "
-            "key: use an id that is a key itself, or leave --id out to import under the file's key); "
-            "nothing of this session was imported",
-        )
-    return key
 
 
 def parse(source: Source, session_id: str | None) -> ParsedSession:

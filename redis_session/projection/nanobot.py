@@ -26,7 +26,7 @@ Memory watermark; ``last_consolidated`` in older nanobot), ``metadata``, ``provi
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,21 @@ def id_to_key(session_id: str) -> str | None:
     if session_id.startswith(_HASHED):
         return None
     return unquote(session_id, errors="strict") if "%" in session_id else session_id
+
+
+def listed_key(session_id: str, stored: str, mapping: Callable[[str], str] = key_to_id) -> str | None:
+    """The key nanobot finds session `session_id` under (with `mapping`, a store's key mapping):
+    the key stored in its header when it maps to the id, else the key `id_to_key` gives for the
+    id when that maps back (a file imported with ``--id``: a copy, never listed under the file's
+    key, whose own session that is), else None (no key reaches it: a listing leaves it out, as
+    nanobot could not load it)."""
+    if mapping(stored) == session_id:
+        return stored
+    try:
+        key = id_to_key(session_id)
+    except UnicodeDecodeError:  # a "%" escape of no UTF-8 text: no key maps to it
+        return None
+    return key if key is not None and mapping(key) == session_id else None
 
 
 def summary_text(metadata: dict[str, Any]) -> str | None:
@@ -312,6 +327,7 @@ __all__ = [
     "fold",
     "id_to_key",
     "key_to_id",
+    "listed_key",
     "summary_messages",
     "summary_text",
 ]
