@@ -1067,3 +1067,34 @@ def test_a_value_json_cannot_hold_is_a_typed_error_naming_it_and_nothing_is_writ
         rig.ours.save(s)
     stored = rig.pod().load(key)
     assert stored is not None and [m["content"] for m in stored.messages] == ["fine"] and stored.metadata == {}
+
+
+def test_metadata_nested_deeper_than_pythons_stack_saves_and_loads_as_nanobot_keeps_it(rig: Rig) -> None:
+    """600 levels: more than a `copy.deepcopy` survives (it raised a raw RecursionError), well
+    within JSON's and nanobot's own file's reach: saved, merged and loaded back."""
+    deep: Any = "leaf"
+    for _ in range(600):
+        deep = [deep]
+    key = "cli:deep-metadata"
+    s = Session(key=key)
+    s.add_message("user", "hi")
+    s.metadata["deep"] = deep
+    rig.ours.save(s)
+    assert rig.ours.update_metadata(key, {"deeper": [deep]})
+    loaded = rig.pod().load(key)
+    assert loaded is not None and loaded.metadata == {"deep": deep, "deeper": [deep]}
+
+
+@pytest.mark.parametrize("value", [float("nan"), (1, 2), b"x"], ids=["nan", "tuple", "bytes"])
+def test_an_update_metadata_value_that_is_no_json_is_refused_and_nothing_written(rig: Rig, value: Any) -> None:
+    from redis_session import InvalidEntryError
+
+    key = "cli:meta-no-json"
+    s = Session(key=key)
+    s.add_message("user", "hi")
+    rig.ours.save(s)
+    with pytest.raises(InvalidEntryError):
+        rig.ours.update_metadata(key, {"v": value})
+    assert rig.pod().load(key).metadata == {}  # type: ignore[union-attr]
+    assert rig.ours.update_metadata(key, {"v": 1})  # and the next update is not mistaken for a retry
+    assert rig.pod().load(key).metadata == {"v": 1}  # type: ignore[union-attr]

@@ -22,7 +22,8 @@ a message inserted before others (nanobot's hidden summary checkpoint) with its 
 and a ``cut`` when ``last_archived`` moves (consolidation, idle compaction: the summary becomes
 the cut's summary, so ``Session.messages()`` shows what nanobot's prompt shows) or messages go
 (``/new``: a cut that hides them; nothing is deleted). ``update_metadata`` appends one
-``nanobot/state`` mark wherever the log ends (it commutes with every other write).
+``nanobot/state`` mark wherever the log ends (it commutes with every other write; retried after
+a lost reply, it lands once).
 
 **Two pods.** A `Session` object belongs to the life of the id it was loaded from (or created):
 a save after that life is gone raises `SessionReplacedError`, nothing written: the object then
@@ -37,7 +38,10 @@ between are folded in and retried by themselves. A save retried after a lost rep
 **Keys.** Any key nanobot takes works: `redis_session.projection.nanobot.key_to_id` maps it to a
 session id reversibly (``discord:guild 42`` → ``discord:guild%2042``), the same mapping the
 importer uses, so ``redis-session import`` of nanobot's files and this store share sessions.
-`list_sessions` lists the sessions whose header says ``origin.format == "nanobot"``.
+`list_sessions` lists the sessions whose header says ``origin.format == "nanobot"``, each under
+the key that loads it (`redis_session.projection.nanobot.listed_key`: a file imported with
+``--id`` under the key of that id, never under the file's key; one no key reaches is left out);
+a session whose log cannot be folded is listed from its header, so it never hides the others.
 
 Calls are synchronous as nanobot's are; they run on a private event-loop thread, so they work
 from nanobot's coroutines too. ``fsync=True`` means nothing more than a normal write (a write is
@@ -46,7 +50,6 @@ as durable as the server's persistence).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -206,10 +209,13 @@ def _state_changes(pin: _Pin, session: _nb.Session, metadata: dict[str, bytes], 
     gone = [k for k in pin.metadata if k not in metadata]
     expected_order = [k for k in pin.metadata if k not in gone] + [k for k in metadata if k not in pin.metadata]
     if list(metadata) != expected_order:  # a key moved: nanobot's file keeps the order, so do we
-        state["metadata"] = copy.deepcopy(session.metadata)
+        # the values themselves, as messages are: the store takes its own snapshot when it checks
+        # them (a deep copy here would refuse metadata nested deeper than Python's stack allows,
+        # which nanobot's own files keep)
+        state["metadata"] = dict(session.metadata)
     else:
         if changed:
-            state["metadata_set"] = copy.deepcopy(changed)
+            state["metadata_set"] = changed
         if gone:
             state["metadata_unset"] = gone
     if provider != pin.provider_state:
@@ -538,7 +544,7 @@ class RedisNanobotStore:
                 theirs = log.encode(v)
                 mine = log.encode(session.metadata[k]) if k in session.metadata else None
                 if mine in (metadata.get(k), theirs):
-                    session.metadata[k] = copy.deepcopy(v)  # not changed by this object: take theirs
+                    session.metadata[k] = log.clone(v)  # not changed by this object: take theirs
                 metadata[k] = theirs  # otherwise ours is written over it
             for k in data.get("metadata_unset") or []:
                 mine = log.encode(session.metadata[k]) if k in session.metadata else None
@@ -633,9 +639,9 @@ class RedisNanobotStore:
         writer set in between)."""
         del fsync
         sid = self.session_id(key)
-        encoded = log.encode(updates, "updates")
-        data = {"metadata_set": msgspec.json.decode(encoded)}  # a copy the caller cannot change
-        digest = _digest(encoded)
+        digest = _digest(log.encode(updates, "updates"))
+        # the values themselves: the store checks them (lossless JSON) and snapshots them
+        data = {"metadata_set": dict(updates)}
 
         async def merge() -> bool:
             head = await self._store.head(sid)
