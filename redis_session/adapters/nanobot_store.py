@@ -613,7 +613,7 @@ class RedisNanobotStore:
             return None
         _migrate_exec(state.messages, state.metadata)
         return {
-            "key": key if self.session_id(state.key) != state.session_id else state.key,
+            "key": state.key if self._listed_key(state.session_id, state.key) == state.key else key,
             "created_at": state.created_at,
             "updated_at": state.updated_at,
             "metadata": state.metadata,

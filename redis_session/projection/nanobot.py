@@ -106,13 +106,20 @@ def listed_key(session_id: str, stored: str, mapping: Callable[[str], str] = key
     id when that maps back (a file imported with ``--id``: a copy, never listed under the file's
     key, whose own session that is), else None (no key reaches it: a listing leaves it out, as
     nanobot could not load it)."""
-    if mapping(stored) == session_id:
+
+    def maps(key: str) -> bool:
+        try:
+            return mapping(key) == session_id
+        except ValueError:  # a mapping that refuses the key (an invalid id)
+            return False
+
+    if maps(stored):
         return stored
     try:
         key = id_to_key(session_id)
     except UnicodeDecodeError:  # a "%" escape of no UTF-8 text: no key maps to it
         return None
-    return key if key is not None and mapping(key) == session_id else None
+    return key if key is not None and maps(key) else None
 
 
 def summary_text(metadata: dict[str, Any]) -> str | None:
