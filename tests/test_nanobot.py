@@ -538,3 +538,68 @@ def test_a_session_of_one_life_never_writes_another(backend: Backend, manager: S
         assert [m["content"] for m in other.get_or_create(key).messages] == ["new life"]
     finally:
         other.close()
+
+
+def test_an_integer_past_64_bits_loads_back_and_lists(backend: Backend, manager: SessionManager) -> None:
+    """A message field and metadata past 64 bits (a 20-digit channel id): saved, then a fresh
+    manager loads them exactly and lists the session (every load used to raise OverflowError)."""
+    big = 2**64
+    s = manager.get_or_create("telegram:big")
+    s.add_message("user", "hi", ref=big)
+    s.metadata["chat"] = -(2**70)
+    manager.save(s)
+    other = backend.manager()
+    try:
+        loaded = other.get_or_create("telegram:big")
+        assert loaded.messages[0]["ref"] == big and loaded.metadata["chat"] == -(2**70)
+        assert [x["key"] for x in other.list_sessions()] == ["telegram:big"]
+    finally:
+        other.close()
+
+
+def test_a_value_nested_too_deep_is_a_typed_error_and_nothing_is_written(
+    backend: Backend, manager: SessionManager
+) -> None:
+    from redis_session import InvalidEntryError
+
+    deep: Any = "leaf"
+    for _ in range(5000):
+        deep = [deep]
+    s = manager.get_or_create("cli:deep")
+    s.add_message("user", "fine")
+    manager.save(s)
+    s.add_message("assistant", "bad", extra=deep)
+    with pytest.raises(InvalidEntryError):
+        manager.save(s)
+    other = backend.manager()
+    try:
+        assert [m["content"] for m in other.get_or_create("cli:deep").messages] == ["fine"]
+    finally:
+        other.close()
+
+
+def test_one_session_that_cannot_be_folded_never_hides_the_others_from_the_listing(
+    backend: Backend, manager: SessionManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The review's failure (a fold raising OverflowError for one session broke the listing for
+    all), put back with the old msgpack-only copy: every session is still listed."""
+    import msgspec
+
+    from redis_session.projection import nanobot as nanobot_log
+
+    for key, extra in (("cli:fine", {}), ("cli:poisoned", {"ref": 2**64})):
+        s = manager.get_or_create(key)
+        s.add_message("user", key, **extra)
+        manager.save(s)
+    monkeypatch.setattr(nanobot_log, "clone", lambda v: msgspec.msgpack.decode(msgspec.msgpack.encode(v)))
+    listed = {x["key"]: x["preview"] for x in manager.list_sessions()}
+    assert listed == {"cli:fine": "cli:fine", "cli:poisoned": ""}
+
+
+def test_an_import_with_an_id_is_listed_under_the_key_that_loads_it(backend: Backend, manager: SessionManager) -> None:
+    """A file imported with ``--id copy-1`` is listed under ``copy-1`` (the key that reaches it),
+    never under the file's key (which loads another session)."""
+    backend.run(lambda store: import_path(store, FIXTURES / "cli_tools.jsonl", session_id="copy-1"))
+    listed = [x["key"] for x in manager.list_sessions()]
+    assert listed == ["copy-1"]
+    assert manager.get_or_create("copy-1").messages

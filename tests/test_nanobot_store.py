@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 import redis
 
-from redis_session import RedisSessionStore, SessionConflictError, SessionNotFoundError, SessionReplacedError
+from redis_session import (
+    RedisSessionStore,
+    SessionConflictError,
+    SessionNotFoundError,
+    SessionReplacedError,
+    StoreUnavailableError,
+)
+from redis_session.model import NewEntry, SessionHeader
 
 from support import require_extra
 
@@ -38,7 +45,11 @@ from nanobot.providers.base import (  # noqa: E402
 )
 from nanobot.session.manager import JsonlSessionStore, Session, SessionManager  # noqa: E402
 
-from redis_session.adapters.nanobot_store import NanobotSessionConflict, RedisNanobotStore  # noqa: E402
+from redis_session.adapters.nanobot_store import (  # noqa: E402
+    NanobotSessionConflict,
+    NanobotSessionDeleted,
+    RedisNanobotStore,
+)
 from redis_session.importers import import_path  # noqa: E402
 from redis_session.importers.nanobot import export_lines  # noqa: E402
 from redis_session.projection import project, to_openai  # noqa: E402
@@ -196,6 +207,10 @@ class Rig:
 
     def manager(self) -> SessionManager:
         return SessionManager(self.workspace, store=self.tee, sessions_root=self.tmp / "sessions")
+
+    def pod(self, store: Any = None) -> RedisNanobotStore:
+        """Another pod: a `RedisNanobotStore` of its own on the same server and prefix."""
+        return RedisNanobotStore(store or RedisSessionStore.from_url(self.url, prefix=self.prefix))
 
     def loop(self, *, window: int = 128_000, manager: SessionManager | None = None) -> AgentLoop:
         loop = AgentLoop(
@@ -399,10 +414,34 @@ def test_another_life_of_the_id_is_refused(rig: Rig) -> None:
     # deleted (not created again): the save is refused, nothing comes back, the object is empty
     assert other.delete(key)
     loaded.add_message("user", "after the delete")
-    with pytest.raises(SessionNotFoundError):
+    with pytest.raises(SessionReplacedError):
         rig.ours.save(loaded)
     assert other.load(key) is None
     assert loaded.messages == []
+
+
+def test_a_save_after_a_plain_delete_raises_session_replaced_and_the_next_save_creates(rig: Rig) -> None:
+    """The module doc's promise: a save into a life that is gone raises `SessionReplacedError`
+    (deleted and created again, or just deleted: `NanobotSessionDeleted`), nothing written; the
+    object is then empty and its next save creates the key anew. Two pods, nanobot's managers."""
+    a = SessionManager(rig.workspace, store=rig.ours, sessions_root=rig.tmp / "a")
+    b = SessionManager(rig.workspace, store=rig.pod(), sessions_root=rig.tmp / "b")
+    key = "cli:deleted"
+    s = a.get_or_create(key)
+    s.add_message("user", "u0")
+    a.save(s)
+    assert b.delete_session(key)
+    s.add_message("assistant", "a1")
+    with pytest.raises(SessionReplacedError) as info:
+        a.save(s)
+    assert isinstance(info.value, NanobotSessionDeleted) and isinstance(info.value, SessionNotFoundError)
+    assert info.value.key == key and "deleted" in str(info.value)
+    assert b.read_session_file(key) is None  # nothing written
+    assert s.messages == []
+    s.add_message("user", "anew")
+    a.save(s)
+    stored = b.read_session_file(key)
+    assert stored is not None and [m["content"] for m in stored["messages"]] == ["anew"]
 
 
 @pytest.mark.parametrize(
@@ -432,9 +471,10 @@ class LosesReplies:
     """A store whose next write runs on the real server and then loses its reply (as a cut
     connection does): the write landed, the caller sees an error."""
 
-    def __init__(self, store: RedisSessionStore) -> None:
+    def __init__(self, store: RedisSessionStore, error: type[Exception] = redis.exceptions.ConnectionError) -> None:
         self._store = store
         self.lose = 0
+        self.error = error
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -442,7 +482,7 @@ class LosesReplies:
     async def _lost(self, result: Any) -> Any:
         if self.lose:
             self.lose -= 1
-            raise redis.exceptions.ConnectionError("reply lost")
+            raise self.error("reply lost")
         return result
 
     async def put(self, *args: Any, **kwargs: Any) -> Any:
@@ -818,3 +858,243 @@ def test_the_importer_and_the_store_map_keys_alike(key: str) -> None:
     from redis_session.importers.common import key_to_session_id
 
     assert key_to_session_id(key) == key_to_id(key)
+
+
+# --------------------------------------------------------------------------- the outside review
+
+
+BIG = 2**64  # a 20-digit id of some channel API: JSON and nanobot's own files hold it
+
+
+def test_an_integer_past_64_bits_saves_loads_lists_and_exports_as_nanobot_keeps_it(rig: Rig) -> None:
+    """A message field and an `update_session_metadata` value past 64 bits: a fresh pod loads
+    them back exactly (they used to poison the session: every load raised OverflowError), the
+    listing works, and the export is nanobot's file byte for byte (importing that file and
+    exporting it again too: `check`)."""
+    manager = rig.manager()
+    key = "telegram:big"
+    s = manager.get_or_create(key)
+    s.add_message("user", "hi", ref=BIG, nested={"ids": [-(2**70), BIG * BIG]})
+    manager.save(s)
+    assert manager.update_session_metadata(key, {"chat": BIG + 1})
+    manager.invalidate(key)
+    loaded = manager.get_or_create(key)  # the tee: both stores load the same
+    assert loaded.messages[0]["ref"] == BIG and loaded.messages[0]["nested"]["ids"][1] == BIG * BIG
+    assert loaded.metadata["chat"] == BIG + 1
+    fresh = rig.pod().load(key)
+    assert fresh is not None and fresh.messages[0]["ref"] == BIG and fresh.metadata["chat"] == BIG + 1
+    assert [x["key"] for x in manager.list_sessions()] == [key]
+    rig.check(key)
+
+
+def test_one_session_that_cannot_be_folded_never_hides_the_others_from_the_listing(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failure the review found (a fold that raised OverflowError for one session broke
+    `list_sessions` for all): the fold is put back to its old msgpack-only copy; the listing
+    still shows every session, the unreadable one from its header."""
+    import msgspec
+
+    from redis_session.projection import nanobot as nanobot_log
+
+    for key, extra in (("cli:fine", {}), ("cli:poisoned", {"ref": BIG}), ("cli:also-fine", {})):
+        s = Session(key=key)
+        s.add_message("user", key, **extra)
+        rig.ours.save(s)
+    monkeypatch.setattr(nanobot_log, "clone", lambda v: msgspec.msgpack.decode(msgspec.msgpack.encode(v)))
+    listed = {x["key"]: x for x in rig.pod().list_sessions()}
+    assert sorted(listed) == ["cli:also-fine", "cli:fine", "cli:poisoned"]
+    assert listed["cli:fine"]["preview"] == "cli:fine" and listed["cli:poisoned"]["preview"] == ""
+
+
+def test_a_message_without_timestamp_is_exported_without_one(rig: Rig) -> None:
+    """nanobot keeps (and writes) a message appended without ``timestamp`` as it is: the export
+    invents none (byte-identical), and the file imported again gives the same session."""
+    manager = rig.manager()
+    key = "cli:no-timestamp"
+    s = manager.get_or_create(key)
+    s.add_message("user", "hello")
+    s.messages.append({"role": "assistant", "content": "hi, no timestamp"})
+    manager.save(s)
+    manager.invalidate(key)
+    loaded = manager.get_or_create(key)
+    assert "timestamp" not in loaded.messages[1]
+    rig.check(key)  # export == nanobot's file; its import exported again == nanobot's file
+
+
+def test_a_key_too_long_once_escaped_imports_under_the_stores_own_id(rig: Rig) -> None:
+    """136 characters, 64 spaces: escaped it is 264 characters, so the store keeps it under
+    ``nanobot~<sha256>``; the importer maps it the same way (it used to refuse the file)."""
+    key = "cli:" + " ".join(["x"] * 63) + " 123456"
+    assert len(key) == 136 and key_to_id(key).startswith("nanobot~")
+    jsonl = JsonlSessionStore(rig.workspace, sessions_root=rig.tmp / "files")
+    s = Session(key=key)
+    s.add_message("user", "hello")
+    s.add_message("assistant", "hi")
+    jsonl.save(s)
+
+    async def go() -> str:
+        store = RedisSessionStore.from_url(rig.url, prefix=rig.prefix)
+        try:
+            (result,) = await import_path(store, jsonl.get_session_path(key))
+            return result.session_id
+        finally:
+            await store.aclose()
+
+    assert run(go()) == key_to_id(key)
+    loaded = rig.pod().load(key)
+    assert loaded is not None and [m["content"] for m in loaded.messages] == ["hello", "hi"]
+    assert [x["key"] for x in rig.pod().list_sessions()] == [key]
+
+
+def test_an_import_with_an_id_is_listed_and_loaded_under_the_key_of_that_id(rig: Rig) -> None:
+    """``import f.jsonl --id my-id`` (a file whose key is K): the store lists it under the key that
+    maps to its id (``my-id``), once, and that key loads it and saves into it; K (whose own
+    session that is not) lists and loads nothing; the export is still the file byte for byte.
+    An id no key maps to is not listed (nanobot could not load it)."""
+    jsonl = JsonlSessionStore(rig.workspace, sessions_root=rig.tmp / "files")
+    s = Session(key="telegram:42")
+    s.add_message("user", "Weather in Paris?")
+    s.add_message("assistant", "Sunny.")
+    jsonl.save(s)
+    path = jsonl.get_session_path("telegram:42")
+
+    async def imp(session_id: str) -> str:
+        store = RedisSessionStore.from_url(rig.url, prefix=rig.prefix)
+        try:
+            await import_path(store, path, session_id=session_id)
+            head = await store.head(session_id)
+            assert head is not None
+            return "".join(export_lines(head, await store.read(session_id, 0, head.n)))
+        finally:
+            await store.aclose()
+
+    assert run(imp("my-id")) == path.read_text(encoding="utf-8")  # the file, byte for byte
+    pod = SessionManager(rig.workspace, store=rig.pod(), sessions_root=rig.tmp / "pod")
+    assert [(x["key"], x["preview"]) for x in pod.list_sessions()] == [("my-id", "Weather in Paris?")]
+    loaded = pod.get_or_create("my-id")
+    assert [m["content"] for m in loaded.messages] == ["Weather in Paris?", "Sunny."]
+    assert pod.read_session_file("my-id")["key"] == "my-id"  # type: ignore[index]
+    assert pod.read_session_file("telegram:42") is None
+    loaded.add_message("user", "And Tokyo?")
+    pod.save(loaded)
+    pod.invalidate("my-id")
+    assert len(pod.get_or_create("my-id").messages) == 3
+    assert [x["key"] for x in pod.list_sessions()] == ["my-id"]  # one session, listed once
+    for unreachable in ("nanobot~abc", "a%FF"):
+        run(imp(unreachable))
+    assert [x["key"] for x in pod.list_sessions()] == ["my-id"]
+
+
+def test_a_session_whose_stored_key_leads_elsewhere_is_listed_under_the_key_that_loads_it(rig: Rig) -> None:
+    """A nanobot session written by another tool under an id its stored key does not map to:
+    listed under the key that reaches it (never under one whose load finds nothing)."""
+
+    async def go() -> None:
+        store = RedisSessionStore.from_url(rig.url, prefix=rig.prefix)
+        try:
+            origin = {"format": "nanobot", "key": "telegram:7"}
+            hi = NewEntry("message", {"role": "user", "content": "hi"})
+            await store.create(SessionHeader(id="copy-7", origin=origin), [hi])
+            await store.create(SessionHeader(id="nanobot~0", origin=origin))  # no key reaches it
+        finally:
+            await store.aclose()
+
+    run(go())
+    pod = rig.pod()
+    assert [x["key"] for x in pod.list_sessions()] == ["copy-7"]
+    loaded = pod.load("copy-7")
+    assert loaded is not None and [m["content"] for m in loaded.messages] == ["hi"]
+    assert pod.read("copy-7")["key"] == "copy-7"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("error", [redis.exceptions.ConnectionError, StoreUnavailableError])
+def test_a_retried_update_metadata_lands_once_and_never_puts_an_older_value_back(rig: Rig, error: type) -> None:
+    """An update whose reply is lost, retried as a caller does: it lands once, and with another
+    pod's update in between, the retry does not put the older value back over the newer one.
+    A later call with the same updates is a new write (it lands)."""
+    flaky = LosesReplies(RedisSessionStore.from_url(rig.url, prefix=rig.prefix), error)
+    a, b = rig.pod(flaky), rig.pod()
+    key = "cli:meta"
+    s = Session(key=key)
+    s.add_message("user", "hi")
+    a.save(s)
+
+    flaky.lose = 1
+    with pytest.raises(error):
+        a.update_metadata(key, {"u": 1})  # landed, its reply did not
+    assert a.update_metadata(key, {"u": 1})  # the retry
+
+    flaky.lose = 1
+    with pytest.raises(error):
+        a.update_metadata(key, {"title": "A"})
+    assert b.update_metadata(key, {"title": "B"})  # another pod, in between
+    assert a.update_metadata(key, {"title": "A"})  # the retry: already landed, B's value stays
+    assert b.load(key).metadata == {"u": 1, "title": "B"}  # type: ignore[union-attr]
+
+    async def marks() -> list[dict[str, Any]]:
+        store = RedisSessionStore.from_url(rig.url, prefix=rig.prefix)
+        try:
+            entries = await store.read(key_to_id(key))
+            return [e.data["metadata_set"] for e in entries if e.type == "nanobot/state" and "metadata_set" in e.data]
+        finally:
+            await store.aclose()
+
+    assert run(marks()) == [{"u": 1}, {"title": "A"}, {"title": "B"}]
+    assert a.update_metadata(key, {"title": "A"})  # a new call (the last one succeeded): it lands
+    assert b.load(key).metadata == {"u": 1, "title": "A"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("value", [pytest.param("deep", id="nested-5000"), pytest.param("\ud800", id="lone-surrogate")])
+def test_a_value_json_cannot_hold_is_a_typed_error_naming_it_and_nothing_is_written(rig: Rig, value: Any) -> None:
+    from redis_session import InvalidEntryError
+
+    if value == "deep":
+        for _ in range(5000):
+            value = [value]
+    key = "cli:hostile"
+    s = Session(key=key)
+    s.add_message("user", "fine")
+    rig.ours.save(s)
+    s.add_message("assistant", "bad", extra=value)
+    with pytest.raises(InvalidEntryError, match="message 1"):
+        rig.ours.save(s)
+    with pytest.raises(InvalidEntryError):
+        rig.ours.update_metadata(key, {"extra": value})
+    s.messages.pop()
+    s.metadata["extra"] = value
+    with pytest.raises(InvalidEntryError, match="metadata\\['extra'\\]"):
+        rig.ours.save(s)
+    stored = rig.pod().load(key)
+    assert stored is not None and [m["content"] for m in stored.messages] == ["fine"] and stored.metadata == {}
+
+
+def test_metadata_nested_deeper_than_pythons_stack_saves_and_loads_as_nanobot_keeps_it(rig: Rig) -> None:
+    """600 levels: more than a `copy.deepcopy` survives (it raised a raw RecursionError), well
+    within JSON's and nanobot's own file's reach: saved, merged and loaded back."""
+    deep: Any = "leaf"
+    for _ in range(600):
+        deep = [deep]
+    key = "cli:deep-metadata"
+    s = Session(key=key)
+    s.add_message("user", "hi")
+    s.metadata["deep"] = deep
+    rig.ours.save(s)
+    assert rig.ours.update_metadata(key, {"deeper": [deep]})
+    loaded = rig.pod().load(key)
+    assert loaded is not None and loaded.metadata == {"deep": deep, "deeper": [deep]}
+
+
+@pytest.mark.parametrize("value", [float("nan"), (1, 2), b"x"], ids=["nan", "tuple", "bytes"])
+def test_an_update_metadata_value_that_is_no_json_is_refused_and_nothing_written(rig: Rig, value: Any) -> None:
+    from redis_session import InvalidEntryError
+
+    key = "cli:meta-no-json"
+    s = Session(key=key)
+    s.add_message("user", "hi")
+    rig.ours.save(s)
+    with pytest.raises(InvalidEntryError):
+        rig.ours.update_metadata(key, {"v": value})
+    assert rig.pod().load(key).metadata == {}  # type: ignore[union-attr]
+    assert rig.ours.update_metadata(key, {"v": 1})  # and the next update is not mistaken for a retry
+    assert rig.pod().load(key).metadata == {"v": 1}  # type: ignore[union-attr]

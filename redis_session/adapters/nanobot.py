@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import threading
 import uuid
@@ -79,7 +80,7 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ..errors import SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
+from ..errors import InvalidEntryError, SessionAlreadyExistsError, SessionConflictError, SessionNotFoundError
 from ..keys import Keys, validate_session_id
 from ..model import CUT, Entry, NewEntry, SessionHead, SessionHeader
 from ..projection import nanobot as nanobot_log
@@ -87,6 +88,7 @@ from ..store import SessionStore
 from ._log import resolve_store
 
 T = TypeVar("T")
+_logger = logging.getLogger(__name__)
 
 FILE_MAX_MESSAGES = 2000
 MESSAGE = "message"
@@ -280,7 +282,10 @@ def _now() -> datetime:
 
 
 def _encode(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+    try:
+        return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+    except (TypeError, ValueError, RecursionError) as e:  # nested too deep, mixed key types
+        raise InvalidEntryError(f"a nanobot message or metadata value is not JSON-serializable: {e}") from None
 
 
 # --------------------------------------------------------------------------- Session
@@ -914,8 +919,15 @@ class SessionManager:
             head, entries = found
             origin = head.header.origin if isinstance(head.header.origin, dict) else {}
             stored_key = origin.get("key")
-            key = stored_key if isinstance(stored_key, str) else sid
-            s = fold(key, head, entries)
+            key = nanobot_log.listed_key(sid, stored_key if isinstance(stored_key, str) else sid, self.session_id)
+            if key is None:
+                continue  # no key reaches it (see `listed_key`)
+            try:
+                s = fold(key, head, entries)
+            except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
+                # one session that cannot be read never hides the others: listed from its header
+                _logger.warning("nanobot session %r cannot be folded for the listing: %r", sid, e)
+                s = Session(key=key, created_at=_from_ms(head.header.created_at), updated_at=_from_ms(head.updated_at))
             out.append(
                 {
                     "key": key,

@@ -22,11 +22,13 @@ a message inserted before others (nanobot's hidden summary checkpoint) with its 
 and a ``cut`` when ``last_archived`` moves (consolidation, idle compaction: the summary becomes
 the cut's summary, so ``Session.messages()`` shows what nanobot's prompt shows) or messages go
 (``/new``: a cut that hides them; nothing is deleted). ``update_metadata`` appends one
-``nanobot/state`` mark wherever the log ends (it commutes with every other write).
+``nanobot/state`` mark wherever the log ends (it commutes with every other write; retried after
+a lost reply, it lands once).
 
 **Two pods.** A `Session` object belongs to the life of the id it was loaded from (or created):
-a save into another life (deleted and created again) raises `SessionReplacedError`, nothing
-written (the object then holds the new life, or nothing when the id is just deleted); a save after
+a save after that life is gone raises `SessionReplacedError`, nothing written: the object then
+holds the new life (deleted and created again), or nothing (just deleted: `NanobotSessionDeleted`,
+a `SessionReplacedError`; its next save creates the key anew); a save after
 another pod saved the same session raises `NanobotSessionConflict` (a `SessionConflictError`),
 nothing written, and the object then holds the stored session (so nanobot's cached session is
 never stuck behind the log): reapply, save. Only metadata merges from ``update_metadata`` in
@@ -36,7 +38,10 @@ between are folded in and retried by themselves. A save retried after a lost rep
 **Keys.** Any key nanobot takes works: `redis_session.projection.nanobot.key_to_id` maps it to a
 session id reversibly (``discord:guild 42`` → ``discord:guild%2042``), the same mapping the
 importer uses, so ``redis-session import`` of nanobot's files and this store share sessions.
-`list_sessions` lists the sessions whose header says ``origin.format == "nanobot"``.
+`list_sessions` lists the sessions whose header says ``origin.format == "nanobot"``, each under
+the key that loads it (`redis_session.projection.nanobot.listed_key`: a file imported with
+``--id`` under the key of that id, never under the file's key; one no key reaches is left out);
+a session whose log cannot be folded is listed from its header, so it never hides the others.
 
 Calls are synchronous as nanobot's are; they run on a private event-loop thread, so they work
 from nanobot's coroutines too. ``fsync=True`` means nothing more than a normal write (a write is
@@ -45,10 +50,9 @@ as durable as the server's persistence).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
-import uuid
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -63,8 +67,10 @@ from nanobot.session.summary import is_summary_checkpoint
 from ..errors import (
     SessionAlreadyExistsError,
     SessionConflictError,
+    SessionError,
     SessionNotFoundError,
     SessionReplacedError,
+    StoreUnavailableError,
 )
 from ..keys import Keys
 from ..model import CUT, ChatMessageData, Entry, NewEntry, SessionHead, SessionHeader
@@ -75,8 +81,9 @@ from ._log import resolve_store
 from ._loops import LoopStores, run_sync
 
 T = TypeVar("T")
+_logger = logging.getLogger(__name__)
 
-__all__ = ["NanobotSessionConflict", "RedisNanobotStore"]
+__all__ = ["NanobotSessionConflict", "NanobotSessionDeleted", "RedisNanobotStore"]
 
 #: nanobot's own limits for a listing's preview scan
 _PIN = "_redis_session_pin"
@@ -96,6 +103,21 @@ class NanobotSessionConflict(SessionConflictError):
             f"nanobot session {key!r} was saved by another writer since it was loaded "
             f"(expected n={expected_n}, the log is at n={actual_n}); nothing was written, and the "
             "session object now holds the stored session: reapply the change and save again",
+        )
+
+
+class NanobotSessionDeleted(SessionReplacedError):
+    """The nanobot session this `Session` object was loaded from (or created as) was deleted
+    since: nothing of this save was written, and the object is now empty (as a new session of
+    its key); saving it again creates the key anew. A `SessionReplacedError` (the life it
+    belonged to is gone), so one ``except`` covers deleted and deleted-and-created-again."""
+
+    def __init__(self, session_id: str, key: str) -> None:
+        super().__init__(session_id)
+        self.key = key
+        self.args = (
+            f"nanobot session {key!r} was deleted since this session object was loaded; nothing "
+            "was written, and the object is now empty: save it again to create the session anew",
         )
 
 
@@ -187,10 +209,13 @@ def _state_changes(pin: _Pin, session: _nb.Session, metadata: dict[str, bytes], 
     gone = [k for k in pin.metadata if k not in metadata]
     expected_order = [k for k in pin.metadata if k not in gone] + [k for k in metadata if k not in pin.metadata]
     if list(metadata) != expected_order:  # a key moved: nanobot's file keeps the order, so do we
-        state["metadata"] = copy.deepcopy(session.metadata)
+        # the values themselves, as messages are: the store takes its own snapshot when it checks
+        # them (a deep copy here would refuse metadata nested deeper than Python's stack allows,
+        # which nanobot's own files keep)
+        state["metadata"] = dict(session.metadata)
     else:
         if changed:
-            state["metadata_set"] = copy.deepcopy(changed)
+            state["metadata_set"] = changed
         if gone:
             state["metadata_unset"] = gone
     if provider != pin.provider_state:
@@ -227,10 +252,10 @@ def _cut(session: _nb.Session, ns: list[int], la: int, floor: int, cut_n: int, r
 def _plan(pin: _Pin, session: _nb.Session) -> tuple[list[NewEntry], _Pin]:
     """The entries that bring the log from `pin` to `session`, and the pin after them (pure)."""
     messages = session.messages
-    encoded = [log.encode(m) for m in messages]
+    encoded = [log.encode(m, f"message {i}") for i, m in enumerate(messages)]
     entries, ns, rewrite = _message_changes(pin, messages, encoded)
-    metadata = {k: log.encode(v) for k, v in session.metadata.items()}
-    provider = log.encode(_provider_record(session))
+    metadata = {k: log.encode(v, f"metadata[{k!r}]") for k, v in session.metadata.items()}
+    provider = log.encode(_provider_record(session), "provider_state")
     state = _state_changes(pin, session, metadata, provider)
     if state:
         entries.append(NewEntry(log.STATE, state))
@@ -262,6 +287,10 @@ def _write_key(sid: str, incarnation: str, n: int, entries: Sequence[NewEntry]) 
     digest = hashlib.sha256(f"{sid}\0{incarnation}\0{n}\0".encode())
     digest.update(msgspec.json.encode(list(entries)))
     return "nanobot:" + digest.hexdigest()[:32]
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def _empty_pin(session_id: str, incarnation: str = "") -> _Pin:
@@ -341,7 +370,11 @@ class RedisNanobotStore:
         self._stores = None if self._owned else LoopStores(self.store)
         self._key_to_id = key_to_id or log.key_to_id
         self._folds: OrderedDict[str, log.NanobotState] = OrderedDict()
-        self._listing: dict[str, tuple[str, int, dict[str, Any]]] = {}  # id -> (life, n, info)
+        # id -> (life, n, info; None: no key reaches the session)
+        self._listing: dict[str, tuple[str, int, dict[str, Any] | None]] = {}
+        # (id, digest of the updates) -> (life, n) an `update_metadata` whose outcome is unknown
+        # was based on: its retry sends the same write
+        self._merges: OrderedDict[tuple[str, str], tuple[str, int]] = OrderedDict()
         vocabulary = self.store.vocabulary
         for t in log.MARK_TYPES:
             if t not in vocabulary:
@@ -466,6 +499,14 @@ class RedisNanobotStore:
     async def _save(self, session: _nb.Session, sid: str, pin: _Pin | None) -> _Pin:
         if pin is None:
             return await self._create(session, sid)
+        try:
+            return await self._update(session, sid, pin)
+        except SessionReplacedError:
+            raise
+        except SessionNotFoundError:  # the life this object belongs to is gone (just deleted)
+            raise NanobotSessionDeleted(sid, session.key) from None
+
+    async def _update(self, session: _nb.Session, sid: str, pin: _Pin) -> _Pin:
         for _ in range(_REBASES):
             entries, after = _plan(pin, session)
             if not entries:
@@ -503,7 +544,7 @@ class RedisNanobotStore:
                 theirs = log.encode(v)
                 mine = log.encode(session.metadata[k]) if k in session.metadata else None
                 if mine in (metadata.get(k), theirs):
-                    session.metadata[k] = copy.deepcopy(v)  # not changed by this object: take theirs
+                    session.metadata[k] = log.clone(v)  # not changed by this object: take theirs
                 metadata[k] = theirs  # otherwise ours is written over it
             for k in data.get("metadata_unset") or []:
                 mine = log.encode(session.metadata[k]) if k in session.metadata else None
@@ -572,7 +613,7 @@ class RedisNanobotStore:
             return None
         _migrate_exec(state.messages, state.metadata)
         return {
-            "key": state.key or key,
+            "key": state.key if self._listed_key(state.session_id, state.key) == state.key else key,
             "created_at": state.created_at,
             "updated_at": state.updated_at,
             "metadata": state.metadata,
@@ -589,25 +630,48 @@ class RedisNanobotStore:
 
     def update_metadata(self, key: str, updates: dict[str, Any], *, fsync: bool = False) -> bool:
         """Merge `updates` into the stored metadata (one mark at the log's end; no history is
-        rewritten and no concurrent save is lost). False when there is no such session."""
+        rewritten and no concurrent save is lost). False when there is no such session.
+
+        A call retried after an error (the same key and updates, its reply lost) lands once: the
+        write's idempotency key is derived from the life and n it was based on and its content,
+        and the adapter keeps that base until the write is known to have landed or not, so the
+        retry sends the very same write (it never puts an older value back over one another
+        writer set in between)."""
         del fsync
         sid = self.session_id(key)
-        data = {"metadata_set": copy.deepcopy(updates)}
+        digest = _digest(log.encode(updates, "updates"))
+        # the values themselves: the store checks them (lossless JSON) and snapshots them
+        data = {"metadata_set": dict(updates)}
 
         async def merge() -> bool:
             head = await self._store.head(sid)
             if head is None:
+                self._merges.pop((sid, digest), None)
                 return False
+            inc = head.header.incarnation
+            base = self._merges.get((sid, digest))
+            if base is None or base[0] != inc:
+                base = (inc, head.n)  # a new write, based on this life at this n
+                self._merges[(sid, digest)] = base
+                while len(self._merges) > _CACHE_SIZE:
+                    self._merges.popitem(last=False)
+            write = f"{sid}\0{inc}\0{base[1]}\0{digest}".encode()
+            idempotency_key = "nanobot:meta:" + _digest(write)
             try:
                 await self._store.put(
-                    sid,
-                    None,
-                    [NewEntry(log.STATE, data)],
-                    idempotency_key=uuid.uuid4().hex,
-                    incarnation=head.header.incarnation,
+                    sid, None, [NewEntry(log.STATE, data)], idempotency_key=idempotency_key, incarnation=inc
                 )
-            except SessionNotFoundError:
+            except SessionNotFoundError:  # deleted (or another life) since the head: not written
+                self._merges.pop((sid, digest), None)
                 return False
+            except StoreUnavailableError:
+                # a lost reply, a timeout: the outcome is unknown, so the base is kept and a retry
+                # of this call sends the same write (the store finds it, if it landed)
+                raise
+            except SessionError:  # refused (bad updates): nothing written, nothing to retry
+                self._merges.pop((sid, digest), None)
+                raise
+            self._merges.pop((sid, digest), None)
             return True
 
         return self._run(merge)
@@ -629,7 +693,13 @@ class RedisNanobotStore:
                     if origin.get("format") != log.FORMAT:
                         continue
                     seen.add(header.id)
-                    info = await self._info(header.id)
+                    try:
+                        info = await self._info(header.id)
+                    except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
+                        # one session whose log cannot be read as nanobot's never hides the others:
+                        # it is listed from its header (a load of it raises the error itself)
+                        _logger.warning("nanobot session %r cannot be folded for the listing: %r", header.id, e)
+                        info = self._header_info(header)
                     if info is not None:
                         out.append(dict(info))
                 cursor = page.cursor
@@ -639,6 +709,27 @@ class RedisNanobotStore:
                     return out
 
         return sorted(self._run(collect), key=lambda item: item["updated_at"], reverse=True)
+
+    def _listed_key(self, sid: str, stored: str) -> str | None:
+        return log.listed_key(sid, stored, self.session_id)
+
+    def _header_info(self, header: SessionHeader) -> dict[str, Any] | None:
+        origin = header.origin if isinstance(header.origin, dict) else {}
+        stored = origin.get("key")
+        key = self._listed_key(header.id, stored if isinstance(stored, str) else header.id)
+        if key is None:
+            return None
+        created = origin.get("created_at")
+        updated = origin.get("updated_at")
+        now = datetime.now().isoformat()
+        return {
+            "key": key,
+            "created_at": created if isinstance(created, str) else now,
+            "updated_at": updated if isinstance(updated, str) else now,
+            "title": "",
+            "preview": "",
+            "path": Keys(self.prefix).log(header.id),
+        }
 
     async def _info(self, sid: str) -> dict[str, Any] | None:
         for _ in range(3):
@@ -656,9 +747,13 @@ class RedisNanobotStore:
                 continue
             if state is None:
                 return None
+            key = self._listed_key(sid, state.key)
+            if key is None:
+                self._listing[sid] = (inc, head.n, None)
+                return None
             now = datetime.now().isoformat()
             info = {
-                "key": state.key,
+                "key": key,
                 "created_at": state.created_at or now,
                 "updated_at": state.updated_at or now,
                 "title": _nb._metadata_title(state.metadata),

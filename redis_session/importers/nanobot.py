@@ -17,8 +17,18 @@ Line 1 is ``{"_type":"metadata","key","created_at","updated_at","metadata":{…}
   prompt], reason: "nanobot:last_consolidated", meta: {nanobot: {floor: 0, last_consolidated: k}}}``
   — the cut `redis_session.adapters.nanobot` writes for the same session, so the adapter's
   ``get_history`` and the generic projection both show what nanobot shows;
-- a key that is not a valid session id (whitespace, braces) is imported under
-  `key_to_session_id(key)`; ``origin.key`` keeps the original.
+- the session id is the nanobot store's own mapping of the key
+  (`redis_session.projection.nanobot.key_to_id`: a key that is not a valid session id has its
+  whitespace, braces and ``%`` percent-encoded, and one too long once encoded lives under
+  ``nanobot~<sha256>``), so the store finds an imported session by its key; ``origin.key`` keeps
+  the key;
+- ``--id ID`` (a single file) imports the file as it is under that id (its export is still
+  the file, byte for byte); nanobot's store lists, loads and saves it under the key that maps to
+  ``ID`` (``id_to_key``: for an id without ``%`` the id itself), as a copy of the file's session,
+  never under the file's key (whose own session that is). An id no key maps to (``nanobot~…``,
+  a ``%`` the mapping never writes) is a session nanobot's store does not list;
+- a message without ``timestamp`` stays without one (the export is byte-identical; nanobot
+  writes such a message as it is).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from ..errors import ImportFormatError
 from ..model import CUT, Entry, NewEntry, OpenAIToolCall, SessionHead, SessionHeader
 from ..projection import nanobot as nanobot_log
 from ..projection.fold import openai_messages, project
-from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, mapped_id, ms_iso, session_id_to_key
+from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, ms_iso, session_id_to_key
 
 FORMAT = "nanobot"
 MESSAGE = "message"
@@ -137,15 +147,13 @@ class _Reader:
             self.entries.append(NewEntry(CUT, data, None, None, self.last_time))
             self.lines.append(0)
         path = self.source.path
-        original: str | None = None
-        if self.session_id is not None:
-            sid = self.session_id
-        else:
-            # the mapping the nanobot store uses too (`projection.nanobot.key_to_id`), so imported
-            # files and the store share sessions; a key too long even for nanobot's own file
-            # names is refused here (the store hashes it)
-            sid = mapped_id(path, 1, self.key)
+        # the store's own mapping (`projection.nanobot.key_to_id`: a key too long once escaped
+        # lives under nanobot~<sha256>), so imported files and the store share sessions
+        if self.session_id is None:
+            sid = nanobot_log.key_to_id(self.key)
             original = self.key if sid != self.key else None
+        else:  # --id (see the module doc)
+            sid, original = self.session_id, None
         header = SessionHeader(id=sid, created_at=self.created_at, title=self.title, origin=self.origin)
         return ParsedSession(str(path), FORMAT, header, self.entries, self.lines, original_id=original)
 
@@ -175,10 +183,21 @@ def fold(head: SessionHead, entries: Sequence[Entry]) -> tuple[list[dict[str, An
     or generic session) gives its projection as OpenAI messages, each with the time of its entry
     as ``timestamp``."""
     state = nanobot_log.fold(head, entries)
-    return _messages(state, entries), state.metadata, state.archived
+    return _messages(state, entries, _native(head)), state.metadata, state.archived
 
 
-def _messages(state: nanobot_log.NanobotState, entries: Sequence[Entry]) -> list[dict[str, Any]]:
+def _native(head: SessionHead) -> bool:
+    origin = head.header.origin
+    return isinstance(origin, dict) and origin.get("format") == FORMAT
+
+
+def _messages(state: nanobot_log.NanobotState, entries: Sequence[Entry], native: bool = False) -> list[dict[str, Any]]:
+    """The messages of the file: a nanobot session's (`native`: its header says so) exactly as
+    nanobot holds them (a message nanobot wrote without ``timestamp`` stays without one: the file
+    is byte-identical and imports back the same); another tool's messages get their entry's time
+    as ``timestamp``, as nanobot's ``add_message`` would have set it."""
+    if native:
+        return state.messages
     times = {e.n: e.time for e in entries}
     if state.messages or state.nanobot_entries or not entries:
         out = []
@@ -199,7 +218,7 @@ def export_lines(head: SessionHead, entries: Sequence[Entry]) -> Iterator[str]:
     it), then ``provider_state`` when there is one, then one message a line."""
     origin = head.header.origin if isinstance(head.header.origin, dict) else {}
     state = nanobot_log.fold(head, entries)
-    messages = _messages(state, entries)
+    messages = _messages(state, entries, _native(head))
     la = state.archived
     # a file of an older nanobot (no last_archived on line 1) keeps its layout until 0.3 saves it
     legacy = (

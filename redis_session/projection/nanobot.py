@@ -26,13 +26,13 @@ Memory watermark; ``last_consolidated`` in older nanobot), ``metadata``, ``provi
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from ..errors import InvalidSessionIdError
+from ..errors import InvalidEntryError, InvalidSessionIdError
 from ..keys import validate_session_id
 from ..model import CUT, Entry, SessionHead
 
@@ -52,15 +52,24 @@ _FORBIDDEN = re.compile(r"[{}%\s\x00-\x1f\x7f]")
 _HASHED = "nanobot~"
 
 
-def encode(value: Any) -> bytes:
+def encode(value: Any, what: str = "value") -> bytes:
     """The JSON of a value, key order kept: what tells two versions of a message (or a metadata
-    value) apart."""
-    return msgspec.json.encode(value)
+    value) apart. A value JSON cannot hold (nested past msgspec's depth limit, a lone surrogate,
+    an arbitrary object) raises `InvalidEntryError` naming `what`: nothing is written."""
+    try:
+        return msgspec.json.encode(value)
+    except (TypeError, ValueError, RecursionError, msgspec.EncodeError) as e:
+        raise InvalidEntryError(f"{what} is not JSON-serializable: {e}") from None
 
 
 def clone(value: Any) -> Any:
-    """A deep copy of JSON data (a msgpack round trip: many times faster than `copy.deepcopy`)."""
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(value))
+    """A deep copy of JSON data: a msgpack round trip (many times faster than `copy.deepcopy`),
+    or a JSON one when an integer is past msgpack's 64 bits (JSON, nanobot's files and the log
+    hold any integer: ``2**64`` is a channel id like any other)."""
+    try:
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(value))
+    except OverflowError:
+        return msgspec.json.decode(msgspec.json.encode(value))
 
 
 def key_to_id(key: str) -> str:
@@ -89,6 +98,28 @@ def id_to_key(session_id: str) -> str | None:
     if session_id.startswith(_HASHED):
         return None
     return unquote(session_id, errors="strict") if "%" in session_id else session_id
+
+
+def listed_key(session_id: str, stored: str, mapping: Callable[[str], str] = key_to_id) -> str | None:
+    """The key nanobot finds session `session_id` under (with `mapping`, a store's key mapping):
+    the key stored in its header when it maps to the id, else the key `id_to_key` gives for the
+    id when that maps back (a file imported with ``--id``: a copy, never listed under the file's
+    key, whose own session that is), else None (no key reaches it: a listing leaves it out, as
+    nanobot could not load it)."""
+
+    def maps(key: str) -> bool:
+        try:
+            return mapping(key) == session_id
+        except ValueError:  # a mapping that refuses the key (an invalid id)
+            return False
+
+    if maps(stored):
+        return stored
+    try:
+        key = id_to_key(session_id)
+    except UnicodeDecodeError:  # a "%" escape of no UTF-8 text: no key maps to it
+        return None
+    return key if key is not None and maps(key) else None
 
 
 def summary_text(metadata: dict[str, Any]) -> str | None:
@@ -303,6 +334,7 @@ __all__ = [
     "fold",
     "id_to_key",
     "key_to_id",
+    "listed_key",
     "summary_messages",
     "summary_text",
 ]
