@@ -365,15 +365,9 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
             heads: list[SessionHead | None] = [None] * len(ids)
             hidden = [False] * len(ids)
 
-            async def probe(i: int, sid: str) -> None:
-                heads[i] = h = head if sid == base else await store.head(sid)
-                if h is None:
-                    live, stale = await store.links(sid)
-                    hidden[i] = bool(live or stale)
-
             async with anyio.create_task_group() as tg:
                 for i, sid in enumerate(ids):
-                    tg.start_soon(probe, i, sid)
+                    tg.start_soon(self._probe, store, sid, head if sid == base else _MISSING, heads, hidden, i)
             for i in reversed(range(len(ids))):
                 h = heads[i]
                 if h is not None and (ids[i] == base or _origin_thread(h.header) == thread_id):
@@ -383,6 +377,17 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
                 return ids[last + 1], None
             first += len(ids)
         raise SessionError(f"thread {thread_id!r}: too many lives")
+
+    @staticmethod
+    async def _probe(
+        store: SessionStore, sid: str, known: Any, heads: list[SessionHead | None], hidden: list[bool], i: int
+    ) -> None:
+        """One id of `_resolve`'s window: its head, and when it has none whether it is hidden (a
+        deleted session kept for its branches: it still has links)."""
+        heads[i] = h = await store.head(sid) if known is _MISSING else known
+        if h is None:
+            live, stale = await store.links(sid)
+            hidden[i] = bool(live or stale)
 
     def _ctx(self) -> _Ctx:
         if self._closed:
