@@ -21,7 +21,19 @@ is one batch, so readers never see half of one:
   appends all of a call's writes as one batch). As in LangGraph's savers, a regular write (idx >= 0)
   already stored for ``(task, idx)`` is kept, a special one (error, interrupt…) is replaced.
 - A payload larger than the store's entry limit continues in ``langgraph/part`` entries that
-  follow it in the batch (``"parts": k``).
+  follow it in the batch (``"parts": k``); a checkpoint entry too large (big metadata) is
+  ``{ns, id, packed: 1, b}``: its JSON, base64, continued the same way.
+
+Every `put`/`put_writes` batch carries an idempotency key derived from the batch itself, so a
+retry of a write whose reply was lost lands once (the first write of a thread creates its
+session empty, then appends with the key).
+
+Lives: `delete_thread` of a thread that has a live branch only hides its session (the branch reads
+its entries; the id stays taken until the branches are gone). The thread's next write starts it
+again, as InMemorySaver does, in a new session: ``<prefix>~<sha256 of the thread id>~<k>`` for
+its k-th life (its header's origin names the thread). `_resolve` finds the current life: the
+visible one, else the one after the last hidden one (it looks two ids at a time, so a thread whose
+two consecutive earlier lives were both purged while a later one lives is not followed there).
 
 Checkpoints do not depend on what came before them in the log (their parent is explicit), so
 puts append with ``expected_n=None``: concurrent runs on one thread never conflict or retry.
@@ -91,7 +103,7 @@ THREAD_PREFIX = "langgraph:"
 #: Threads whose fold a saver keeps per event loop (least recently used ones are dropped).
 CACHE_THREADS = 1024
 #: How many later lives of a thread `RedisEventSaver._resolve` looks at in one round trip.
-_LIFE_WINDOW = 4
+_LIFE_WINDOW = 1
 
 __all__ = ["BLOB", "CHECKPOINT", "DROP", "PART", "THREAD_PREFIX", "WRITE", "RedisEventSaver"]
 
