@@ -176,7 +176,13 @@ end
 
 -- An ephemeral session's keys expire together; every write restarts the clock. The lease keeps
 -- its own (shorter) expiry, and a session with live branches is kept for them (see link.lua).
-if ttl ~= '' and call('ZCARD', KEYS[6]) == 0 then
+-- Kept for branches, it reports how many (the client checks whether they still live: a branch
+-- that expired never unlinks itself).
+local kept = 0
+if ttl ~= '' then
+  kept = call('ZCARD', KEYS[6])
+end
+if ttl ~= '' and kept == 0 then
   for k = 1, 6 do call('PEXPIRE', KEYS[k], ttl) end
   -- the live stream keeps its own short expiry; it never outlives the session
   local live_ttl = call('PTTL', KEYS[8])
@@ -191,4 +197,4 @@ if KEYS[9] and hint then
   end
 end
 
-return {0, n, now}
+return {0, n, now, kept}

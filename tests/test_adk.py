@@ -21,7 +21,7 @@ import pytest
 import redis.asyncio
 
 from redis_session import MemorySessionStore, RedisSessionStore, SessionConflictError
-from redis_session.errors import SessionReplacedError
+from redis_session.errors import InvalidEntryError, InvalidSessionIdError, SessionReplacedError
 
 if os.environ.get("CI"):
     import google.adk  # noqa: F401  (CI installs the adk extra: a missing one fails, never skips)
@@ -962,3 +962,144 @@ def test_service_uri_options_are_checked_before_connecting() -> None:
         RedisAdkSessionService(MemorySessionStore(), uri="redis-session://127.0.0.1:1/0")
     svc = RedisAdkSessionService(uri="redis-session://127.0.0.1:1/0?shared_events=8&namespace=n1&ttl_seconds=5")
     assert (svc.shared_events, svc.namespace, svc.ttl_seconds) == (8, "n1", 5.0)
+
+
+# =========================================================================== hostile input, big events
+
+
+async def _no_trace(svc: RedisAdkSessionService, store: Any, session_id: str) -> None:
+    """Nothing of a refused create is left: no session, no app/user state, not listed."""
+    assert await svc.get_session(app_name=APP, user_id="alice", session_id=session_id) is None
+    assert await store.head(svc.session_store_id(APP, "alice", session_id)) is None
+    assert await store.head(svc.app_state_store_id(APP)) is None
+    assert await store.head(svc.user_state_store_id(APP, "alice")) is None
+    assert (await svc.list_sessions(app_name=APP)).sessions == []
+
+
+@pytest.mark.parametrize(
+    "state",
+    [{"app:v": "\ud800"}, {"user:v": "\udfff"}, {"k": "x\ud800"}, {"app:v": "x" * 1_200_000}, {"\ud800": 1}],
+    ids=["app-surrogate", "user-surrogate", "session-surrogate", "app-2MB", "surrogate-key"],
+)
+async def test_a_refused_create_writes_nothing_and_a_corrected_one_works(store: Any, state: dict[str, Any]) -> None:
+    svc = RedisAdkSessionService(store)
+    with pytest.raises(InvalidEntryError, match="state"):
+        await svc.create_session(app_name=APP, user_id="alice", session_id="s1", state={"ok": 1, **state})
+    await _no_trace(svc, store, "s1")
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="s1", state={"app:v": 1, "ok": 1})
+    assert s.state == {"app:v": 1, "ok": 1}
+
+
+async def test_create_state_is_coerced_as_adk_dumps_events(store: Any) -> None:
+    """NaN, bytes and objects in a create's state are stored as ADK's ``Event`` dumps them (null,
+    URL-safe base64, str), the same as the same values in an event's delta."""
+    svc = RedisAdkSessionService(store)
+    state = {"app:n": float("nan"), "user:b": b"\x00\xff\xfe", "b": b"\x00\xff\xfe"}
+    await svc.create_session(app_name=APP, user_id="alice", session_id="s1", state=state)
+    got = await svc.get_session(app_name=APP, user_id="alice", session_id="s1")
+    assert got is not None and got.state == {"app:n": None, "user:b": "AP_-", "b": "AP_-"}
+    s2 = await svc.create_session(app_name=APP, user_id="alice", session_id="s2")
+    await svc.append_event(s2, _event(**{"c": b"\x00\xff\xfe", "user:c": b"\x00\xff\xfe"}))
+    got2 = await svc.get_session(app_name=APP, user_id="alice", session_id="s2")
+    assert got2 is not None and got2.state["c"] == got2.state["user:c"] == "AP_-"
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [
+        {"other": 1, "app:v": "\ud800"},
+        {"other": 1, "user:v": "x" * 1_200_000},
+        {"other": 1, "app:v": "x" * 1_200_000},
+        {"other": 1, "\udfff": 1},
+    ],
+    ids=["app-surrogate", "user-2MB", "app-2MB", "surrogate-key"],
+)
+async def test_a_refused_append_writes_nothing(store: Any, delta: dict[str, Any]) -> None:
+    svc = RedisAdkSessionService(store)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="s1")
+    for _ in range(2):  # the retry is refused the same way
+        with pytest.raises(InvalidEntryError, match="state"):
+            await svc.append_event(s, _event(**delta))
+    got = await svc.get_session(app_name=APP, user_id="alice", session_id="s1")
+    assert got is not None and got.events == [] and got.state == {}
+    assert await store.head(svc.app_state_store_id(APP)) is None
+    assert await store.head(svc.user_state_store_id(APP, "alice")) is None
+    assert s.events == []
+    await svc.append_event(s, _event(other=1))  # the session object is still good
+    assert len(s.events) == 1
+
+
+async def test_bytes_and_nan_deltas_land_once_as_adk_stores_them(store: Any) -> None:
+    """What ``InMemorySessionService`` accepts in a delta (bytes, NaN) lands, with the app/user
+    parts; the values read back as ADK's own JSON dump of the event has them."""
+    svc = RedisAdkSessionService(store)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="s1")
+    ev = _event(**{"other": 1, "v": b"\x00\xff", "app:n": float("nan"), "user:b": b"\xff"})
+    await svc.append_event(s, ev)
+    await svc.append_event(s, ev)  # a retry: a no-op
+    got = await svc.get_session(app_name=APP, user_id="alice", session_id="s1")
+    assert got is not None and len(got.events) == 1
+    assert got.state == {"other": 1, "v": "AP8=", "app:n": None, "user:b": "_w=="}
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        {"session_id": "\ud800"},
+        {"user_id": "u\udfff"},
+        {"app_name": "a\ud800"},
+    ],
+    ids=["session_id", "user_id", "app_name"],
+)
+async def test_ids_with_lone_surrogates_are_typed_errors_naming_the_field(store: Any, names: dict[str, str]) -> None:
+    svc = RedisAdkSessionService(store)
+    kw = {"app_name": APP, "user_id": "alice", "session_id": "s1", **names}
+    field = next(iter(names))
+    with pytest.raises(InvalidSessionIdError, match=field):
+        await svc.create_session(**kw)
+    for call in (svc.get_session, svc.delete_session):
+        with pytest.raises(InvalidSessionIdError, match=field):
+            await call(**kw)
+    if field == "session_id":
+        assert (await svc.list_sessions(app_name=APP)).sessions == []
+
+
+async def test_an_event_over_the_entry_limit_is_stored_and_read_back_equal(store: Any) -> None:
+    """A 1.5 MB inline image (ADK's InMemory and Redis services store it) goes in one batch of
+    parts; reads give it back field for field, and a retry lands once."""
+    svc = RedisAdkSessionService(store)
+    s = await svc.create_session(app_name=APP, user_id="alice", session_id="s1")
+    image = b"\x89PNG" + bytes(range(256)) * 6000
+    big = Event(
+        invocation_id="inv-1",
+        author="user",
+        content=types.Content(
+            role="user",
+            parts=[
+                types.Part(text="what is in this picture? ü ✓"),
+                types.Part.from_bytes(data=image, mime_type="image/png"),
+            ],
+        ),
+        actions=EventActions(state_delta={"k": "v", "user:seen": 1}),
+    )
+    await svc.append_event(s, big)
+    await svc.append_event(s, big)  # an equal event again: a no-op
+    after = _event(text="after")
+    await svc.append_event(s, after)
+    ids = [big.id, after.id]
+    for shared in (0, 4):
+        reader = RedisAdkSessionService(store, shared_events=shared)
+        got = await reader.get_session(app_name=APP, user_id="alice", session_id="s1")
+        assert got is not None and [e.id for e in got.events] == ids
+        assert got.events[0].model_dump(mode="json") == big.model_dump(mode="json")
+        assert got.events[0].content.parts[1].inline_data.data == image  # type: ignore[union-attr,index]
+        assert got.state == {"k": "v", "user:seen": 1}
+        nxt = await reader.append_event(got, _event(text=f"next {shared}"))
+        ids.append(nxt.id)
+    log = await store.read(svc.session_store_id(APP, "alice", "s1"))
+    assert [e.type for e in log].count("adk/part") >= 1
+    # A session object this service never marked is checked against the log's last event (a part).
+    unmarked = Session(id="s1", app_name=APP, user_id="alice", events=list(got.events))
+    await svc.append_event(unmarked, _event(text="last"))
+    listed = await svc.list_sessions(app_name=APP)
+    assert [x.id for x in listed.sessions] == ["s1"]

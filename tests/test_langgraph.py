@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypedDict
 
 import anyio
+import msgspec
 import pytest
 
 from redis_session import MemorySessionStore, RedisSessionStore
+from redis_session.errors import SessionAlreadyExistsError, SessionError
 
 from support import require_extra
 
@@ -30,7 +32,7 @@ from langgraph.types import Command, interrupt  # noqa: E402
 
 from redis_session.adapters.langgraph import CHECKPOINT, DROP, PART, WRITE, RedisEventSaver  # noqa: E402
 
-from support import SkewClock, let_pass  # noqa: E402
+from support import SkewClock, let_pass, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -398,3 +400,205 @@ async def test_prune_computed_on_one_life_never_lands_in_another(lg_store: Any) 
     await pod_a.aprune(["p"], strategy="keep_latest")
     got = [t.config["configurable"]["checkpoint_id"] async for t in pod_b.alist(generate_config("p"))]
     assert got == [new_ids[-1]]
+
+
+# =========================================================================== attacks (findings 5-9)
+
+
+def _cp(tag: str, step: int = 0) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    from langgraph.checkpoint.base import create_checkpoint, empty_checkpoint
+
+    cp = create_checkpoint(empty_checkpoint(), None, step)
+    cp["channel_values"] = {"x": tag}
+    cp["channel_versions"] = {"x": step + 1}
+    return cp, {"tag": tag, "step": step}, {"x": step + 1}
+
+
+def _at(thread_id: str) -> Any:
+    return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
+
+
+async def test_metadata_over_the_entry_limit_is_split_into_parts(lg_store: Any) -> None:
+    """Metadata (and a checkpoint body) larger than one entry may be goes in parts like channel
+    values: a graph invoked with a big configurable value works, as on InMemorySaver."""
+    small = MemorySessionStore(max_entry_bytes=8192) if isinstance(lg_store, MemorySessionStore) else lg_store
+    saver = RedisEventSaver(small)
+    saver._max_bytes = 8192  # the Redis store's limit is 1 MiB: split as if it were 8 KiB
+    cp, md, versions = _cp("v")
+    note = "m" * 30_000 + " ü ✓"
+    stored = await saver.aput(_at("big-md"), cp, {**md, "note": note}, versions)
+    log = await small.read(saver.session_id("big-md"))
+    assert PART in {e.type for e in log} and all(len(msgspec.json.encode(e.data)) < 8192 for e in log)
+    for reader in (saver, RedisEventSaver(small)):
+        tup = await reader.aget_tuple(stored)
+        assert tup is not None and tup.metadata["note"] == note and tup.checkpoint["channel_values"] == {"x": "v"}
+        assert [t.metadata["note"] async for t in reader.alist(_at("big-md"), filter={"tag": "v"})] == [note]
+    # a real graph, with the real limit: LangGraph copies configurable str values into metadata
+    graph = StateGraph(State)
+    graph.add_node("n", lambda state: {"messages": [AIMessage(content="done")]})
+    graph.add_edge(START, "n")
+    app = graph.compile(checkpointer=RedisEventSaver(lg_store))
+    big = "x" * 1_200_000
+    config: Any = {"configurable": {"thread_id": "g", "user_context": big}}
+    out = await app.ainvoke({"messages": [HumanMessage(content="hi")]}, config)
+    assert out["messages"][-1].content == "done"
+    tup = await RedisEventSaver(lg_store).aget_tuple({"configurable": {"thread_id": "g"}})
+    assert tup is not None and tup.metadata["user_context"] == big
+
+
+@pytest.mark.parametrize("how", ["copy_thread", "fork"])
+async def test_a_thread_deleted_while_branched_starts_again_under_its_id(lg_store: Any, how: str) -> None:
+    """After copy_thread/fork then delete_thread(src), the next put on src starts a new thread
+    (InMemorySaver's behaviour) and the branch keeps its copy; every reader sees the new life."""
+    saver = RedisEventSaver(lg_store)
+    first = await saver.aput(_at("src"), *_cp("old1"))
+    await saver.aput(first, *_cp("old2", 1))
+    if how == "copy_thread":
+        await saver.acopy_thread("src", "dst")
+    else:
+        await saver.afork(first, "dst")
+    await saver.adelete_thread("src")
+    assert await saver.aget_tuple(_at("src")) is None
+    for life in ("new", "newer"):
+        await saver.aput(_at("src"), *_cp(life))
+        for reader in (saver, RedisEventSaver(lg_store)):
+            tup = await reader.aget_tuple(_at("src"))
+            assert tup is not None and tup.metadata["tag"] == life
+            assert [t.metadata["tag"] async for t in reader.alist(_at("src"))] == [life]
+        dst = [t.metadata["tag"] async for t in saver.alist(_at("dst"))]
+        assert dst == (["old2", "old1"] if how == "copy_thread" else ["old1"])
+        # the new life is branched and deleted again: the next one follows
+        await saver.acopy_thread("src", f"keep-{life}")
+        await saver.adelete_thread("src")
+        assert await RedisEventSaver(lg_store).aget_tuple(_at("src")) is None
+    listed = {t.config["configurable"]["thread_id"] async for t in saver.alist(None)}
+    assert listed == {"dst", "keep-new", "keep-newer"}
+    # once every branch is gone, the thread's next life is found the same way
+    for t in ("dst", "keep-new", "keep-newer"):
+        await saver.adelete_thread(t)
+    await saver.aput(_at("src"), *_cp("last"))
+    tup = await RedisEventSaver(lg_store).aget_tuple(_at("src"))
+    assert tup is not None and tup.metadata["tag"] == "last"
+    assert {t.config["configurable"]["thread_id"] async for t in saver.alist(None)} == {"src"}
+    await saver.aput(_at("other"), *_cp("o"))
+    with pytest.raises(SessionAlreadyExistsError):
+        await saver.acopy_thread("src", "other")  # a target that exists
+
+
+async def test_branched_ephemeral_threads_expire_once_their_branches_have(lg_store: Any) -> None:
+    """`ttl_ms`: a thread kept while a copy of it lives (the copy reads its entries) expires
+    again once the copy has expired: on its next write its clock restarts."""
+    saver = RedisEventSaver(lg_store, ttl_ms=600)
+    reader = RedisEventSaver(lg_store)
+    await saver.aput(_at("src"), *_cp("a"))
+    await saver.acopy_thread("src", "cp")
+    await let_pass(lg_store, 0.9)  # the copy expires; the source, kept for it, does not
+    assert await reader.aget_tuple(_at("cp")) is None
+    assert await reader.aget_tuple(_at("src")) is not None
+    await saver.aput(_at("src"), *_cp("b", 1))
+    assert (await reader.aget_tuple(_at("src"))) is not None
+    await let_pass(lg_store, 1.2)
+    assert await reader.aget_tuple(_at("src")) is None
+    assert [t async for t in reader.alist(None)] == []
+    assert await lg_store.head(saver.session_id("src")) is None
+
+
+def test_sync_from_conn_string_closes_its_connections(redis_url: str, prefix: str) -> None:
+    import time
+
+    import redis as sync_redis
+
+    r = sync_redis.Redis.from_url(redis_url)
+    try:
+        name = f"lg-{prefix}"
+
+        def ours() -> int:
+            return sum(1 for c in r.client_list() if c.get("name") == name)
+
+        url = redis_url + ("&" if "?" in redis_url else "?") + f"client_name={name}"
+        for _ in range(5):
+            with RedisEventSaver.from_conn_string(url, prefix=prefix) as saver:
+                saver.put(_at("t"), *_cp("v"))
+                assert saver.get_tuple(_at("t")) is not None
+                assert ours() > 0
+        deadline = time.monotonic() + 5
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ours() == 0
+        with pytest.raises(SessionError, match="closed"):
+            saver.get_tuple(_at("t"))
+        with pytest.raises(SessionError, match="closed"):
+            saver.put(_at("t"), *_cp("w"))
+    finally:
+        r.close()
+        asyncio.run(_cleanup(redis_url, prefix))
+
+
+async def test_async_from_conn_string_closes_its_connections(redis_url: str, prefix: str) -> None:
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    name = f"lga-{prefix}"
+
+    async def ours() -> int:
+        return sum(1 for c in await r.client_list() if c.get("name") == name)
+
+    url = redis_url + ("&" if "?" in redis_url else "?") + f"client_name={name}"
+    try:
+        for _ in range(3):
+            async with RedisEventSaver.from_conn_string(url, prefix=prefix) as saver:
+                await saver.aput(_at("t"), *_cp("v"))
+                await anyio.to_thread.run_sync(lambda: saver.get_tuple(_at("t")))  # the sync loop too
+
+        async def closed() -> bool:
+            return await ours() == 0
+
+        await wait_for(closed, within=5)
+        with pytest.raises(SessionError, match="closed"):
+            await saver.aget_tuple(_at("t"))
+    finally:
+        await r.aclose()
+        await _cleanup(redis_url, prefix)
+
+
+async def test_a_put_or_put_writes_whose_reply_was_lost_lands_once_on_retry(redis_url: str, prefix: str) -> None:
+    """The script ran but its reply never came back (a proxy cuts every reply); the caller's
+    retry of the same put / put_writes lands nothing twice (an idempotency key from the write)."""
+    import urllib.parse
+
+    from reliability._proxy import FaultProxy
+
+    from redis_session.errors import StoreUnavailableError
+
+    parts = urllib.parse.urlsplit(redis_url)
+    with FaultProxy(parts.port or 6379) as proxy:
+        url = proxy.url.rsplit("/", 1)[0] + (parts.path or "/0")
+        store = RedisSessionStore.from_url(url, prefix=prefix, client_options={"socket_timeout": 0.5})
+        try:
+            saver = RedisEventSaver(store)
+            for thread in ("t", "fresh"):  # an existing thread, and a thread's very first write
+                if thread == "t":
+                    c1 = await saver.aput(_at(thread), *_cp("a"))
+                    await saver.aput_writes(c1, [("a", 1)], "task")
+                else:
+                    c1 = {"configurable": {**_at(thread)["configurable"], "checkpoint_id": "x"}}
+                calls = [
+                    lambda c1=c1: saver.aput(c1, *_cp("b", 1)),
+                    lambda c1=c1: saver.aput_writes(c1, [("b", 2), ("c", 3)], "task2"),
+                ]
+                for call in calls:
+                    proxy.cut_up, proxy.cut_rate = False, 1.0  # commands reach the server, replies do not
+                    with pytest.raises(StoreUnavailableError):
+                        await call()
+                    proxy.cut_rate = 0.0
+                    await call()  # the retry
+                kinds = [e.type for e in await store.read(saver.session_id(thread))]
+                assert kinds.count(CHECKPOINT) == (2 if thread == "t" else 1), (thread, kinds)
+                assert kinds.count(WRITE) == (3 if thread == "t" else 2), (thread, kinds)
+            # the same write again later (not a retry) is still one write: readers see it once
+            await saver.aput_writes(c1, [("b", 2), ("c", 3)], "task2")
+            tup = await RedisEventSaver(store).aget_tuple(_at("t"))
+            assert tup is not None
+        finally:
+            await store.aclose()
+            await _cleanup(redis_url, prefix)

@@ -8,14 +8,22 @@ Layout (``ns`` is the namespace, ``"adk"`` by default; every part is escaped, se
     {ns}:s:<app>:<user>:<session>   one ADK session: entry 0 is ``adk/session`` (who it belongs to
                                     and its initial session-scoped state), then one ``adk/event``
                                     per appended event ({"event": the event as ADK's database
-                                    service stores it: ``model_dump(mode="json", exclude_none=True)``})
+                                    service stores it: ``model_dump(mode="json", exclude_none=True)``};
+                                    an event larger than one entry is its JSON text in pieces,
+                                    ``adk/event {"id", "json", "parts": k}`` then k ``adk/part``
+                                    ``{"id", "json"}``, in the same batch, joined on read)
     {ns}:u:<app>:<user>             user state: ``adk/state`` entries {"delta": {...}} folded in order
     {ns}:a:<app>                    app state: the same
     {ns}:i:<app>                    the app's session index: ``adk/created`` / ``adk/deleted``
 
 State scopes are ADK's: in a state delta, ``app:k`` goes to the app's state log (as ``k``),
 ``user:k`` to the user's, ``temp:k`` is applied to the in-memory session only and never stored,
-and every other key is session state, folded from the session's own events on read. A session
+and every other key is session state, folded from the session's own events on read. Stored state
+is what the stored event says (its JSON dump: bytes are URL-safe base64 text, NaN/Infinity null,
+as ADK's ``Event`` serialises them; a create's state is coerced the same way). Everything a call
+would write is checked first: a key or value that cannot be stored (a lone surrogate, an app/user
+delta or initial state over the entry limit) is an `InvalidEntryError` naming it, and nothing is
+written; an id that cannot be is an `InvalidSessionIdError` naming the field. A session
 read back carries its session state plus the app and user state under their prefixes.
 
 Concurrency: a session returned by this service remembers the life of the store session it was
@@ -62,7 +70,7 @@ import urllib.parse
 import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import msgspec
@@ -76,15 +84,17 @@ from google.adk.sessions import BaseSessionService, Session, _session_util
 from google.adk.sessions.base_session_service import GetSessionConfig, ListSessionsResponse
 from google.adk.sessions.state import State
 from pydantic import TypeAdapter
+from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from ..errors import (
+    InvalidEntryError,
     InvalidSessionIdError,
     SessionAlreadyExistsError,
     SessionConflictError,
     SessionNotFoundError,
     SessionReplacedError,
 )
-from ..model import Entry, NewEntry, SessionHead, SessionHeader
+from ..model import Entry, NewEntry, SessionHead, SessionHeader, encode_batch, lossless_json
 from ..store import SessionStore
 from ._log import resolve_store
 from ._loops import LoopStores, run_sync
@@ -103,7 +113,11 @@ __all__ = [
 T = TypeVar("T")
 
 SESSION, EVENT, STATE, CREATED, DELETED = "adk/session", "adk/event", "adk/state", "adk/created", "adk/deleted"
-MARK_TYPES = (SESSION, EVENT, STATE, CREATED, DELETED)
+#: The rest of an event too big for one entry (see `_event_entries`).
+PART = "adk/part"
+MARK_TYPES = (SESSION, EVENT, STATE, CREATED, DELETED, PART)
+#: Room an entry's envelope (type, meta, the part's fields) takes beside its payload.
+_ENVELOPE = 1024
 
 #: ADK's message for a stale session (``DatabaseSessionService``'s, word for word).
 STALE_MESSAGE = (
@@ -126,6 +140,13 @@ SCHEMES = ("redis-session", "redis-session+tls")
 _PLAIN_SCHEMES = ("redis", "rediss")
 #: Query parameters of a service URI that are ours (the rest go to redis-py).
 _URI_OPTIONS = ("prefix", "namespace", "ttl_seconds", "shared_events", "cluster")
+#: The ADK names each kind of store id is made of (for errors naming the field).
+_ID_FIELDS = {
+    "s": ("app_name", "user_id", "session_id"),
+    "u": ("app_name", "user_id"),
+    "a": ("app_name",),
+    "i": ("app_name",),
+}
 #: Attempts of a read that finds the id re-created between its head and its log read.
 _READ_ATTEMPTS = 5
 
@@ -178,10 +199,48 @@ def _digest(*parts: str) -> str:
     return h.hexdigest()
 
 
+def _json_state(state: dict[str, Any] | None) -> dict[str, Any]:
+    """A state dict as JSON, coerced the way ADK's ``Event`` dumps its ``state_delta`` (so a value
+    reads back the same whether it came from a create or an event): bytes as URL-safe base64
+    text, NaN/Infinity as null, other objects pydantic cannot serialise by their ``str``."""
+    if not isinstance(state, dict | None):
+        raise InvalidEntryError(f"state must be a dict, got {type(state).__name__}")
+    _check_state({k: None for k in state or {}})  # the keys first: an error naming the key
+    try:
+        out = to_jsonable_python(state or {}, bytes_mode="base64", inf_nan_mode="null", serialize_unknown=True)
+    except (PydanticSerializationError, ValueError, TypeError, RecursionError) as e:
+        raise InvalidEntryError(f"state is not serializable: {e}") from None
+    return cast(dict[str, Any], out)
+
+
 def _scoped(delta: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """ADK's split of a state delta into ``app``/``user``/``session`` (``temp:`` dropped), coerced
-    into JSON the way its database service stores state."""
-    return _session_util.extract_json_safe_state_delta(delta or {})  # type: ignore[no-any-return,unused-ignore]
+    """ADK's split of a JSON state delta into ``app``/``user``/``session`` (``temp:`` dropped)."""
+    return _session_util.extract_state_delta(delta or {})  # type: ignore[no-any-return,unused-ignore]
+
+
+def _check_state(state: dict[str, Any]) -> None:
+    """Every key and value of a (JSON) state must be storable: `InvalidEntryError` naming the key."""
+    for k, v in state.items():
+        if not isinstance(k, str):
+            raise InvalidEntryError(f"state key {k!r} is not a str")
+        try:
+            k.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidEntryError(f"state key {k!r} is not valid Unicode (a lone surrogate)") from None
+        lossless_json(v, f"state[{k!r}]")
+
+
+def _utf8_cuts(raw: bytes, size: int) -> list[bytes]:
+    """`raw` (UTF-8) in pieces of at most `size` bytes, each cut at a character boundary."""
+    out: list[bytes] = []
+    i = 0
+    while i < len(raw):
+        j = min(i + size, len(raw))
+        while j < len(raw) and (raw[j] & 0xC0) == 0x80:
+            j -= 1
+        out.append(raw[i:j])
+        i = j
+    return out
 
 
 async def _read_life(store: SessionStore, store_id: str) -> tuple[str, list[Entry]] | None:
@@ -260,6 +319,15 @@ def _events_adapter() -> TypeAdapter[list[Event]]:
     return TypeAdapter(list[Event])
 
 
+def _event_id(e: Entry) -> str | None:
+    """The id of the event an ``adk/event`` (or a big event's ``adk/part``) entry belongs to."""
+    if e.type == EVENT and isinstance(e.data.get("event"), dict):
+        return cast(str | None, e.data["event"].get("id"))
+    if e.type in (EVENT, PART):
+        return cast(str | None, e.data.get("id"))
+    return None
+
+
 def _event_order(ev: dict[str, Any]) -> tuple[float, str]:
     ts = ev.get("timestamp")
     return (float(ts) if isinstance(ts, int | float) else 0.0, str(ev.get("id") or ""))
@@ -296,10 +364,24 @@ class _Fold:
         self.extend(entries[1:])
 
     def extend(self, entries: Sequence[Entry]) -> None:
+        pending: tuple[int, list[str]] | None = None  # a big event's text: parts still to come
         for e in entries:
-            if e.type != EVENT:
+            if e.type == PART and pending is not None:
+                pending[1].append(str(e.data.get("json", "")))
+                if len(pending[1]) <= pending[0]:
+                    continue
+                ev = json.loads("".join(pending[1]))
+                pending = None
+            elif e.type != EVENT:
                 continue
-            ev = e.data["event"]
+            elif "event" not in e.data:  # the head of a big event (`_event_entries`)
+                pending = (int(e.data.get("parts", 0)), [str(e.data.get("json", ""))])
+                if pending[0] > 0:
+                    continue
+                ev = json.loads(pending[1][0])
+                pending = None
+            else:
+                ev = e.data["event"]
             self.events.append(ev)
             delta = (ev.get("actions") or {}).get("state_delta")
             if delta:
@@ -432,9 +514,13 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
     # ------------------------------------------------------------------ ids
 
     def _id(self, scope: str, *parts: str) -> str:
-        for p in parts:
+        for field, p in zip(_ID_FIELDS[scope], parts, strict=True):
             if not isinstance(p, str):
-                raise TypeError(f"ADK names must be str, got {type(p).__name__}")
+                raise TypeError(f"ADK names must be str, got {type(p).__name__} for {field}")
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidSessionIdError(f"{field} {p!r} is not valid Unicode (a lone surrogate)") from None
         sid = ":".join([self.namespace, scope, *(escape(p) for p in parts)])
         if len(sid) > MAX_ID_LENGTH:
             raise InvalidSessionIdError(
@@ -509,27 +595,64 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
                     pass
         await store.put(store_id, None, entries, idempotency_key=key)
 
-    async def _write_scoped(
+    def _scoped_writes(
         self, app_name: str, user_id: str, scoped: dict[str, dict[str, Any]], key: str | None
-    ) -> None:
-        """Append the app and user parts of a delta to their logs. `key` (the event's idempotency
-        key) makes a retried write land once."""
+    ) -> list[tuple[str, list[NewEntry], str | None, str]]:
+        """The app and user parts of a delta as (store id, entries, idempotency key, role) writes,
+        each checked by `_validated`. `key` (the event's idempotency key) makes a retried write
+        land once."""
+        writes: list[tuple[str, list[NewEntry], str | None, str]] = []
         if scoped["app"]:
-            await self._append_at_end(
+            writes.append((
                 self.app_state_store_id(app_name),
                 [NewEntry(STATE, {"delta": scoped["app"]})],
                 None if key is None else _digest(key, "app"),
                 "app-state",
-                ttl=True,
-            )
+            ))  # fmt: skip
         if scoped["user"]:
-            await self._append_at_end(
+            writes.append((
                 self.user_state_store_id(app_name, user_id),
                 [NewEntry(STATE, {"delta": scoped["user"]})],
                 None if key is None else _digest(key, "user"),
                 "user-state",
-                ttl=True,
-            )
+            ))  # fmt: skip
+        for _, entries, _, role in writes:
+            keys = sorted(entries[0].data["delta"])
+            self._validated(entries, f"the {role.split('-')[0]} state delta (keys {keys[:5]})")
+        return writes
+
+    async def _write_scoped(self, writes: Sequence[tuple[str, list[NewEntry], str | None, str]]) -> None:
+        for store_id, entries, key, role in writes:
+            await self._append_at_end(store_id, entries, key, role, ttl=True)
+
+    def _validated(self, entries: Sequence[NewEntry], what: str = "") -> list[NewEntry]:
+        """`entries` as the store will check them (`InvalidEntryError`, naming `what`), before
+        anything is written: a call that is refused writes nothing."""
+        store = self._store
+        try:
+            encode_batch(entries, store.vocabulary, max_entry_bytes=store.max_entry_bytes)
+        except InvalidEntryError as e:
+            if not what:
+                raise
+            raise InvalidEntryError(f"{what}: {e}") from None
+        return list(entries)
+
+    def _event_entries(self, data: dict[str, Any]) -> list[NewEntry]:
+        """An event as log entries: ``adk/event {"event": ...}``, or, when it is larger than one
+        entry may be, its JSON text in pieces: ``adk/event {"id", "json", "parts": k}`` then k
+        ``adk/part {"id", "json"}``, appended as one batch (so atomically) and joined on read."""
+        raw = lossless_json(data, "event")
+        limit = self._store.max_entry_bytes
+        if len(raw) + _ENVELOPE <= limit:
+            return self._validated([NewEntry(EVENT, {"event": data})])
+        # a piece's characters take at most 2 bytes each in its entry (JSON text escapes none
+        # but '"' and '\\' when it is a string value again)
+        cuts = [c.decode("utf-8") for c in _utf8_cuts(raw, max(1024, (limit - _ENVELOPE) // 2))]
+        eid = str(data.get("id", ""))
+        return self._validated([
+            NewEntry(EVENT, {"id": eid, "json": cuts[0], "parts": len(cuts) - 1}),
+            *(NewEntry(PART, {"id": eid, "json": c}) for c in cuts[1:]),
+        ])  # fmt: skip
 
     # ------------------------------------------------------------------ building sessions
 
@@ -574,16 +697,11 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         session_id = session_id.strip() if session_id else None
         session_id = session_id or platform_uuid.new_uuid()
         store_id = self.session_store_id(app_name, user_id, session_id)
-        scoped = _scoped(state)
-        # The index entry goes first: a session is listed only when its log exists, so a create
-        # that fails after it leaves nothing visible, and no created session is ever unlisted.
-        await self._append_at_end(
-            self.index_store_id(app_name),
-            [NewEntry(CREATED, {"user_id": user_id, "session_id": session_id})],
-            None,
-            "index",
-            ttl=False,
-        )
+        index_id = self.index_store_id(app_name)
+        # Everything is checked before anything is written: a refused create leaves no session.
+        initial = _json_state(state)
+        _check_state(initial)
+        scoped = _scoped(initial)
         now: float = platform_time.get_time()
         head: dict[str, Any] = {
             "app_name": app_name,
@@ -592,6 +710,12 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
             "state": scoped["session"],
             "time": now,
         }
+        first = self._validated([NewEntry(SESSION, head)], f"the session state (keys {sorted(head['state'])[:5]})")
+        index_entries = self._validated([NewEntry(CREATED, {"user_id": user_id, "session_id": session_id})])
+        scoped_writes = self._scoped_writes(app_name, user_id, scoped, None)
+        # The index entry goes first: a session is listed only when its log exists, so a create
+        # that fails after it leaves nothing visible, and no created session is ever unlisted.
+        await self._append_at_end(index_id, index_entries, None, "index", ttl=False)
         try:
             created: SessionHead = await self._store.create(
                 SessionHeader(
@@ -599,12 +723,12 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
                     title=session_id,
                     origin={"adk": {"app_name": app_name, "user_id": user_id, "session_id": session_id}},
                 ),
-                [NewEntry(SESSION, head)],
+                first,
                 ttl_ms=self._ttl_ms,
             )
         except SessionAlreadyExistsError:
             raise AlreadyExistsError(f"Session with id {session_id} already exists.") from None
-        await self._write_scoped(app_name, user_id, scoped, None)
+        await self._write_scoped(scoped_writes)
         app_state, user_state = await self._app_and_user_state(app_name, user_id)
         session = Session(
             id=session_id,
@@ -773,7 +897,7 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         except SessionNotFoundError:
             raise AdkSessionNotFoundError(f"Session {session.id} not found.") from None
         if session.events:
-            fresh = last is not None and last.type == EVENT and last.data["event"].get("id") == session.events[-1].id
+            fresh = last is not None and _event_id(last) == session.events[-1].id
         else:
             fresh = last is not None and last.type == SESSION
         if not fresh:
@@ -787,26 +911,32 @@ class RedisAdkSessionService(BaseSessionService):  # type: ignore[misc,unused-ig
         self._apply_temp_state(session, event)
         event = self._trim_temp_delta_state(event)
         store_id = self.session_store_id(session.app_name, session.user_id, session.id)
-        incarnation, expected = await self._position(session, store_id)
-        data = event.model_dump(exclude_none=True, mode="json")
-        key = _digest("adk-event", json.dumps(data, sort_keys=True, separators=(",", ":")))
+        # The whole event and its state deltas are checked before anything is written (a refused
+        # append writes nothing). State is what the stored event says: its JSON dump, where bytes
+        # are base64 text and NaN is null, as in ADK's own stored events.
+        _check_state({k: None for k in event.actions.state_delta or {}})  # the JSON dump mangles bad keys
         try:
-            stored = await self._store.put(
-                store_id, expected, [NewEntry(EVENT, {"event": data})], idempotency_key=key, incarnation=incarnation
-            )
+            data = event.model_dump(exclude_none=True, mode="json")
+        except (PydanticSerializationError, ValueError, TypeError, RecursionError) as e:
+            raise InvalidEntryError(f"event is not serializable (its state_delta?): {e}") from None
+        delta = (data.get("actions") or {}).get("state_delta") or {}
+        _check_state(delta)
+        entries = self._event_entries(data)
+        key = _digest("adk-event", json.dumps(data, sort_keys=True, separators=(",", ":")))
+        scoped_writes = self._scoped_writes(session.app_name, session.user_id, _scoped(delta), f"{store_id}#{key}")
+        incarnation, expected = await self._position(session, store_id)
+        try:
+            stored = await self._store.put(store_id, expected, entries, idempotency_key=key, incarnation=incarnation)
         except SessionConflictError as e:
             raise StaleAdkSessionError(store_id, e.expected_n, e.actual_n) from None
         except SessionReplacedError:
             raise ReplacedAdkSessionError(store_id) from None
         except SessionNotFoundError:
             raise AdkSessionNotFoundError(f"Session {session.id} not found.") from None
-        at = stored[0].n
-        await self._write_scoped(
-            session.app_name, session.user_id, _scoped(event.actions.state_delta), f"{store_id}#{key}"
-        )
-        if at < expected:
+        await self._write_scoped(scoped_writes)
+        if stored[0].n < expected:
             return event  # an equal event that already landed: nothing applied twice
-        self._mark(session, incarnation, at + 1)
+        self._mark(session, incarnation, stored[-1].n + 1)
         session.last_update_time = event.timestamp
         return self._commit_event_to_session(session, event)  # type: ignore[no-any-return,unused-ignore]
 

@@ -21,7 +21,19 @@ is one batch, so readers never see half of one:
   appends all of a call's writes as one batch). As in LangGraph's savers, a regular write (idx >= 0)
   already stored for ``(task, idx)`` is kept, a special one (error, interrupt…) is replaced.
 - A payload larger than the store's entry limit continues in ``langgraph/part`` entries that
-  follow it in the batch (``"parts": k``).
+  follow it in the batch (``"parts": k``); a checkpoint entry too large (big metadata) is
+  ``{ns, id, packed: 1, b}``: its JSON, base64, continued the same way.
+
+Every `put`/`put_writes` batch carries an idempotency key derived from the batch itself, so a
+retry of a write whose reply was lost lands once (the first write of a thread creates its
+session empty, then appends with the key).
+
+Lives: `delete_thread` of a thread that has a live branch only hides its session (the branch reads
+its entries; the id stays taken until the branches are gone). The thread's next write starts it
+again, as InMemorySaver does, in a new session: ``<prefix>~<sha256 of the thread id>~<k>`` for
+its k-th life (its header's origin names the thread). `_resolve` finds the current life: the
+visible one, else the one after the last hidden one (it looks two ids at a time, so a thread whose
+two consecutive earlier lives were both purged while a later one lives is not followed there).
 
 Checkpoints do not depend on what came before them in the log (their parent is explicit), so
 puts append with ``expected_n=None``: concurrent runs on one thread never conflict or retry.
@@ -66,9 +78,15 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from ..errors import InvalidSessionIdError, SessionAlreadyExistsError, SessionNotFoundError, SessionReplacedError
+from ..errors import (
+    InvalidSessionIdError,
+    SessionAlreadyExistsError,
+    SessionError,
+    SessionNotFoundError,
+    SessionReplacedError,
+)
 from ..keys import validate_session_id
-from ..model import Entry, NewEntry, SessionHeader
+from ..model import Entry, NewEntry, SessionHead, SessionHeader
 from ..store import SessionStore
 from ._log import resolve_store
 from ._loops import LoopStores, run_sync
@@ -84,6 +102,8 @@ DROP = "langgraph/drop"
 THREAD_PREFIX = "langgraph:"
 #: Threads whose fold a saver keeps per event loop (least recently used ones are dropped).
 CACHE_THREADS = 1024
+#: How many later lives of a thread `RedisEventSaver._resolve` looks at in one round trip.
+_LIFE_WINDOW = 1
 
 __all__ = ["BLOB", "CHECKPOINT", "DROP", "PART", "THREAD_PREFIX", "WRITE", "RedisEventSaver"]
 
@@ -111,14 +131,15 @@ def _b64(raw: bytes) -> str:
 class _Thread:
     """One thread's log, folded: checkpoints per namespace (ids sorted), blobs, pending writes."""
 
-    __slots__ = ("blobs", "cps", "ids", "incarnation", "lock", "n", "partial", "pos", "writes")
+    __slots__ = ("blobs", "cps", "ids", "incarnation", "lock", "n", "partial", "pos", "sid", "writes")
 
     def __init__(self) -> None:
         self.lock = anyio.Lock()
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, sid: str | None = None) -> None:
         self.n = 0
+        self.sid = sid  # the session id of the thread's current life (`RedisEventSaver._resolve`)
         self.incarnation: str | None = None  # the life of the thread's session this fold is of
         self.cps: dict[str, dict[str, dict[str, Any]]] = {}
         self.ids: dict[str, list[str]] = {}
@@ -141,7 +162,7 @@ class _Thread:
                     continue
                 self.partial = None  # torn (cannot happen within a batch): drop it
             parts = e.data.get("parts")
-            if e.type in (BLOB, WRITE) and isinstance(parts, int) and parts > 0:
+            if e.type in (BLOB, WRITE, CHECKPOINT) and isinstance(parts, int) and parts > 0:
                 self.partial = (e.type, e.data, parts, [str(e.data.get("b", ""))])
                 continue
             self._apply(e.type, e.data, e.n)
@@ -150,6 +171,8 @@ class _Thread:
 
     def _apply(self, kind: str, d: dict[str, Any], n: int) -> None:
         if kind == CHECKPOINT:
+            if "packed" in d:  # a checkpoint too big for one entry: its JSON, base64, in parts
+                d = msgspec.json.decode(base64.b64decode(d["b"]))
             ns, cid = d["ns"], d["id"]
             cps = self.cps.setdefault(ns, {})
             if cid not in cps:
@@ -209,6 +232,12 @@ class _SaverContext:
         await self.saver.aclose()
 
 
+def _origin_thread(header: SessionHeader) -> str | None:
+    origin = header.origin if isinstance(header.origin, dict) else {}
+    thread = origin.get("thread_id")
+    return thread if isinstance(thread, str) else None
+
+
 def _run_id(d: dict[str, Any]) -> Any:
     """The run id in a stored checkpoint's metadata (None when it has none, or the metadata is
     not JSON: LangGraph's own metadata always is)."""
@@ -252,6 +281,7 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
     ) -> None:
         super().__init__(serde=serde)
         self._owns_store = False
+        self._closed = False
         self._stores = LoopStores(resolve_store(store))
         self.thread_prefix = thread_prefix
         validate_session_id(thread_prefix + "x")
@@ -290,16 +320,21 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
         return _SaverContext(saver)
 
     async def aclose(self) -> None:
-        """Close the connections this saver's store holds on the running event loop (when the
-        saver opened the store: `from_conn_string`; a store given to the constructor is the
-        caller's)."""
+        """Close the store when this saver opened it (`from_conn_string`; a store given to the
+        constructor is the caller's): the connections it holds on the running event loop and on
+        the sync methods' private loop. The saver is closed then: a later call raises
+        `SessionError`."""
         if self._owns_store:
-            await self._stores.get().aclose()
+            self._closed = True
+            await self._stores.aclose()
+            if self._stores.loops():
+                await anyio.to_thread.run_sync(lambda: run_sync(self._stores.aclose))
 
     def close(self) -> None:
-        """`aclose` for the sync methods' private loop."""
+        """`aclose`, blocking (what leaving a sync ``with`` block calls)."""
         if self._owns_store:
-            run_sync(lambda: self._stores.get().aclose())
+            self._closed = True
+            run_sync(self._stores.aclose)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -312,7 +347,63 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
             digest = hashlib.sha256(str(thread_id).encode("utf-8", "surrogatepass")).hexdigest()
             return f"{self.thread_prefix}~{digest}"
 
+    def _life_id(self, thread_id: str, life: int) -> str:
+        """The session id of a thread's `life` (0: `session_id`; a later life, after a delete that
+        only hid the thread's session because branches still read it: a hash of the thread id
+        and the life's number)."""
+        if life == 0:
+            return self.session_id(thread_id)
+        digest = hashlib.sha256(str(thread_id).encode("utf-8", "surrogatepass")).hexdigest()
+        return f"{self.thread_prefix}~{digest}~{life}"
+
+    def _header(self, sid: str, thread_id: str, **fields: Any) -> SessionHeader:
+        return SessionHeader(id=sid, origin={"adapter": "langgraph", "thread_id": thread_id}, **fields)
+
+    async def _resolve(self, store: SessionStore, thread_id: str) -> tuple[str, SessionHead | None]:
+        """The session id of the thread's current life, and its head (None: the thread does not
+        exist now, and its next write creates that id).
+
+        `delete_thread` of a thread that has branches (`copy_thread`, `fork`) only hides its
+        session: the branches read its entries, and the id stays taken until they are gone. The
+        thread then goes on in a new session (`_life_id` 1, 2…), as InMemorySaver starts a new
+        thread: the current life is the visible one, else the one after the last hidden one."""
+        base = self.session_id(thread_id)
+        head = await store.head(base)
+        if head is not None:
+            return base, head
+        first = 0
+        while first < 10_000:
+            ids = [self._life_id(thread_id, k) for k in range(first, first + _LIFE_WINDOW + 1)]
+            heads: list[SessionHead | None] = [None] * len(ids)
+            hidden = [False] * len(ids)
+
+            async with anyio.create_task_group() as tg:
+                for i, sid in enumerate(ids):
+                    tg.start_soon(self._probe, store, sid, head if sid == base else _MISSING, heads, hidden, i)
+            for i in reversed(range(len(ids))):
+                h = heads[i]
+                if h is not None and (ids[i] == base or _origin_thread(h.header) == thread_id):
+                    return ids[i], h  # a visible life is the latest (a hidden one never comes back)
+            last = max((i for i in range(len(ids)) if hidden[i]), default=-1)
+            if last < len(ids) - 1:
+                return ids[last + 1], None
+            first += len(ids)
+        raise SessionError(f"thread {thread_id!r}: too many lives")
+
+    @staticmethod
+    async def _probe(
+        store: SessionStore, sid: str, known: Any, heads: list[SessionHead | None], hidden: list[bool], i: int
+    ) -> None:
+        """One id of `_resolve`'s window: its head, and when it has none whether it is hidden (a
+        deleted session kept for its branches: it still has links)."""
+        heads[i] = h = await store.head(sid) if known is _MISSING else known
+        if h is None:
+            live, stale = await store.links(sid)
+            hidden[i] = bool(live or stale)
+
     def _ctx(self) -> _Ctx:
+        if self._closed:
+            raise SessionError("this RedisEventSaver is closed (its from_conn_string block has ended)")
         loop = asyncio.get_running_loop()
         ctx = self._ctxs.get(loop)
         if ctx is None:
@@ -321,61 +412,84 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
 
     async def _caught_up(self, thread_id: str) -> tuple[_Thread, str, _Ctx]:
         ctx = self._ctx()
-        sid = self.session_id(str(thread_id))
-        th = ctx.thread(sid)
+        th = ctx.thread(self.session_id(str(thread_id)))
         async with th.lock:
             # The fold is of one life of the thread's session: read against its incarnation, and a
             # thread deleted and written again (whatever its length now) is folded afresh.
             for _ in range(5):
                 if th.incarnation is None:
-                    head = await ctx.store.head(sid)
+                    sid, head = await self._resolve(ctx.store, str(thread_id))
                     if head is None:
-                        th.reset()
+                        th.reset(sid)
                         return th, sid, ctx
+                    th.reset(sid)
                     th.incarnation = head.header.incarnation
+                assert th.sid is not None
                 try:
-                    entries = await ctx.store.read(sid, th.n, incarnation=th.incarnation)
-                except SessionReplacedError:
+                    entries = await ctx.store.read(th.sid, th.n, incarnation=th.incarnation)
+                except SessionNotFoundError:  # also SessionReplacedError: that life is over
                     th.reset()
                     continue
-                except SessionNotFoundError:
-                    th.reset()
-                    return th, sid, ctx
                 th.fold(entries)
-                return th, sid, ctx
-            raise SessionReplacedError(sid, "re-created during each of 5 reads")
+                return th, th.sid, ctx
+            raise SessionReplacedError(self.session_id(str(thread_id)), "re-created during each of 5 reads")
 
-    async def _append(self, thread_id: str, entries: list[NewEntry], *, pinned: bool = False) -> None:
+    async def _append(
+        self, thread_id: str, entries: list[NewEntry], *, pinned: bool = False, key: str | None = None
+    ) -> None:
         """Append at the end of the thread's log (creating it on its first write). The batch goes
         to the life our fold is of when there is one (then it is folded without a read); a
         thread deleted and written again since takes it in its new life, unfolded — unless
         `pinned` (a drop computed from our fold): then `SessionReplacedError`, nothing written,
-        and a missing thread takes nothing."""
+        and a missing thread takes nothing. `key` is the batch's idempotency key: a retry of a
+        write whose reply was lost lands once."""
         ctx = self._ctx()
-        sid = self.session_id(str(thread_id))
-        th = ctx.threads.get(sid)
+        th = ctx.threads.get(self.session_id(str(thread_id)))
+        sid = th.sid if th is not None else None
         inc = th.incarnation if th is not None else None
-        try:
+        for _ in range(5):
+            if sid is None:
+                sid, _ = await self._resolve(ctx.store, str(thread_id))
+                th, inc = None, None
             try:
-                stored = await ctx.store.put(sid, None, entries, incarnation=inc)
+                try:
+                    stored = await ctx.store.put(sid, None, entries, idempotency_key=key, incarnation=inc)
+                except SessionReplacedError:
+                    if pinned:
+                        raise
+                    th = None
+                    stored = await ctx.store.put(sid, None, entries, idempotency_key=key)
             except SessionReplacedError:
+                raise
+            except SessionNotFoundError:
                 if pinned:
-                    raise
-                th = None
-                stored = await ctx.store.put(sid, None, entries)
-        except SessionReplacedError:
-            raise
-        except SessionNotFoundError:
-            if pinned:
+                    return
+                # The thread's first write: an empty session, then the batch with its key (a
+                # create takes no idempotency key, a put does).
+                try:
+                    await ctx.store.create(self._header(sid, str(thread_id)), ttl_ms=self.ttl_ms)
+                except SessionAlreadyExistsError:
+                    pass
+                try:
+                    await ctx.store.put(sid, None, entries, idempotency_key=key)
+                except SessionNotFoundError:  # that id is hidden (deleted with branches): next life
+                    sid = None
+                    continue
                 return
-            header = SessionHeader(id=sid, origin={"adapter": "langgraph", "thread_id": str(thread_id)})
-            try:
-                await ctx.store.create(header, entries, ttl_ms=self.ttl_ms)
-            except SessionAlreadyExistsError:
-                await ctx.store.put(sid, None, entries)
+            if th is not None and th.incarnation == inc and stored and stored[0].n == th.n and not th.lock.locked():
+                th.fold(stored)  # our own batch, next in line in the life we folded: no read needed
             return
-        if th is not None and th.incarnation == inc and stored and stored[0].n == th.n and not th.lock.locked():
-            th.fold(stored)  # our own batch, next in line in the life we folded: no read needed
+        raise SessionReplacedError(self.session_id(str(thread_id)), "deleted during each of 5 writes")
+
+    @staticmethod
+    def _key(kind: str, thread_id: str, entries: Sequence[NewEntry]) -> str:
+        """An idempotency key derived from the write itself (a retry of it is the same write)."""
+        h = hashlib.sha256(kind.encode())
+        h.update(str(thread_id).encode("utf-8", "surrogatepass"))
+        for e in entries:
+            h.update(b"\x00" + e.type.encode() + b"\x00")
+            h.update(msgspec.json.encode(e.data))
+        return f"lg:{h.hexdigest()}"
 
     def _payload(self, kind: str, head: dict[str, Any], b: str) -> list[NewEntry]:
         """`head` plus base64 data `b`, split into ``langgraph/part`` entries when too large."""
@@ -529,7 +643,13 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
             **self._encode("metadata", get_checkpoint_metadata(config, metadata)),
             "blobs": inline,
         }
-        await self._append(thread_id, [*extra, NewEntry(CHECKPOINT, data)])
+        if len(msgspec.json.encode(data)) > self._max_bytes - 4096:  # big metadata (or checkpoint)
+            packed = {"ns": ns, "id": checkpoint["id"], "packed": 1}
+            extra.extend(self._payload(CHECKPOINT, packed, _b64(msgspec.json.encode(data))))
+            batch = extra
+        else:
+            batch = [*extra, NewEntry(CHECKPOINT, data)]
+        await self._append(thread_id, batch, key=self._key("put", thread_id, batch))
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
 
     async def aput_writes(
@@ -549,15 +669,18 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
                 self._payload(WRITE, {**head, "idx": WRITES_IDX_MAP.get(ch, idx), "ch": ch, "t": t}, _b64(raw))
             )
         if entries:
-            await self._append(thread_id, entries)
+            await self._append(thread_id, entries, key=self._key("writes", thread_id, entries))
 
     async def adelete_thread(self, thread_id: str) -> None:
         """Delete the thread's session (the store's delete: hidden at once; a copy or fork made
         from it keeps what it shares)."""
-        sid = self.session_id(str(thread_id))
-        await self._ctx().store.delete(sid)
-        for ctx in list(self._ctxs.values()):
-            ctx.threads.pop(sid, None)
+        ctx = self._ctx()
+        sid, head = await self._resolve(ctx.store, str(thread_id))
+        if head is not None:
+            await ctx.store.delete(sid)
+        base = self.session_id(str(thread_id))
+        for c in list(self._ctxs.values()):
+            c.threads.pop(base, None)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """LangGraph's prune. ``"keep_latest"`` appends one ``langgraph/drop`` entry per thread
@@ -604,20 +727,19 @@ class RedisEventSaver(BaseCheckpointSaver[str]):
         source's length (the branch shares the source's entries). Nothing happens for a source
         that does not exist; a target that exists already raises `SessionAlreadyExistsError`."""
         store = self._ctx().store
-        src = self.session_id(str(source_thread_id))
-        head = await store.head(src)
+        src, head = await self._resolve(store, str(source_thread_id))
         if head is None:
             return
         await self._branch(store, src, head.n, str(target_thread_id))
 
     async def _branch(self, store: SessionStore, src: str, at: int, target_thread_id: str) -> None:
-        header = SessionHeader(
-            id=self.session_id(target_thread_id),
-            parent=src,
-            at=at,
-            origin={"adapter": "langgraph", "thread_id": target_thread_id},
-        )
-        await store.create(header, ttl_ms=self.ttl_ms)
+        target, head = await self._resolve(store, target_thread_id)
+        if head is not None:
+            raise SessionAlreadyExistsError(target)
+        await store.create(self._header(target, target_thread_id, parent=src, at=at), ttl_ms=self.ttl_ms)
+        base = self.session_id(target_thread_id)
+        for c in list(self._ctxs.values()):
+            c.threads.pop(base, None)
 
     async def afork(self, config: RunnableConfig, target_thread_id: str) -> RunnableConfig:
         """A new thread whose history ends at the checkpoint `config` names (its latest when no

@@ -699,6 +699,12 @@ class RedisSessionStore(StoreRules):
                 first, now = int(res[1]), int(res[2])
                 if self.feed and self.cluster and any(enc.type != "assistant/chunk" for enc in batch):
                     self._feed_cluster(session_id, first + len(batch))  # chunk rows change no projection
+                if len(res) > 3 and 0 < int(res[3]) <= _REPAIR_ON_UNLINK:
+                    # an ephemeral session kept for its branches: those that expired never unlinked
+                    # themselves; dropping their links lets it expire again (the write stands
+                    # whatever becomes of this clean-up: the next write or a repair redoes it)
+                    with contextlib.suppress(SessionError, *_IO_ERRORS):
+                        await self.repair_links(session_id)
                 return self._check_durable(
                     session_id, [enc.stored(first + i, now) for i, enc in enumerate(batch)], acks
                 )

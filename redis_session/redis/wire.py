@@ -137,10 +137,10 @@ def clone_client(client: aioredis.Redis | RedisCluster) -> aioredis.Redis | Redi
         return cluster
     pool = client.connection_pool
     kwargs = dict(pool.connection_kwargs)
-    clone = aioredis.Redis(
-        connection_pool=ConnectionPool(
-            connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
-        )
+    # from_pool: the clone owns its pool, so closing the clone disconnects it (a client given a
+    # pool with connection_pool= leaves it open)
+    clone = aioredis.Redis.from_pool(
+        ConnectionPool(connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs)
     )
     settle_client(clone)
     return clone
