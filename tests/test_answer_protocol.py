@@ -1,6 +1,6 @@
-"""The one answer protocol (``lua/answer.lua``), attacked from Python, HTTP and readers: each
-reproduction of issue 22 (and the streaming parts of issue 21) as a regression test, on a real
-server.
+"""The one answer protocol (``lua/answer.lua``), attacked from Python, HTTP and readers where a
+reply is lost, a request retried, a reader resumed or a replica gone (docs/design.md, streaming), on
+a real server.
 
 1 a DurabilityError (WAIT for a replica that is not there) never kills the answer;
 2 lost replies (tests/reliability/_proxy.py) never duplicate or lose a row;
@@ -10,7 +10,7 @@ server.
 5 two concurrent copies of a batch go live once;
 6 a resumed reader gets the rest of an answer, or an explicit gap;
 7 a live but quiet writer (heartbeat) is never repaired; a dead one is, once.
-21§2/§3: an answer, a tail and an SSE resume never cross into another life of the id.
+8 an answer, a tail and an SSE resume never cross into another life of the id.
 """
 
 from __future__ import annotations

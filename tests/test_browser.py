@@ -225,7 +225,7 @@ async def test_viewer_shows_entries_as_they_are_appended(redis_store: RedisSessi
 
 
 async def test_viewer_stays_live_header_cut_branches_and_list(redis_store: RedisSessionStore) -> None:
-    """Issue 18: n, the last cut, the branch tree, the session list and the newest entry all follow
+    """N, the last cut, the branch tree, the session list and the newest entry all follow
     a session a writer appends to, compacts and branches, each within a second."""
     from redis_session import Sessions
 
@@ -338,7 +338,7 @@ async def _write_big_session(store: RedisSessionStore, sid: str, n: int) -> None
 
 
 async def test_viewer_opens_a_100k_entry_session_at_once(redis_store: RedisSessionStore) -> None:
-    """Issue 25 §2: the viewer froze for minutes on a long session (121-183 s for 1 273 entries).
+    """The viewer froze for minutes on a long session (121-183 s for 1 273 entries).
     It renders a window from the end (both panes start at the newest), pages back on scroll, and
     keeps a bounded number of rows, whatever the length. The time to interactive is printed; the
     bound asserted here is loose (a loaded CI machine), the structure is what is checked."""
@@ -399,7 +399,7 @@ async def test_viewer_opens_a_100k_entry_session_at_once(redis_store: RedisSessi
 
 
 async def test_sign_in_keeps_the_token_out_of_the_url(redis_store: RedisSessionStore) -> None:
-    """Issue 25 §14: a styled sign-in page; the token goes in a POST body and an HttpOnly cookie,
+    """A styled sign-in page; the token goes in a POST body and an HttpOnly cookie,
     never in the address (history, logs); EventSource streams with the cookie."""
     await redis_store.create(SessionHeader(id="signed"), [("user/message", {"content": "behind a token"})])
     token = "s3cret+token/x"
@@ -505,7 +505,7 @@ def _page_server(page: dict[str, str]) -> Iterator[str]:
 async def test_a_page_of_an_allowed_origin_calls_and_streams_a_closed_one_cannot(
     redis_store: RedisSessionStore,
 ) -> None:
-    """Issue 25 §4: no CORS, so a page on another origin got "Failed to fetch". With the page's
+    """No CORS, so a page on another origin got "Failed to fetch". With the page's
     origin allowed it creates, appends (reading the ETag) and streams over fetch; without, the
     browser blocks it and nothing is written."""
     token = "cors-token"

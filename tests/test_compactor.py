@@ -576,7 +576,7 @@ def test_load_summarizer_names_a_callable() -> None:
             load_summarizer(bad)
 
 
-# --------------------------------------------------------------------------- first start (issue 25 item 9)
+# --------------------------------------------------------------------------- first start
 
 
 async def test_a_first_start_leaves_sessions_written_before_it_alone_and_says_so(

@@ -102,11 +102,11 @@ def test_compose_services() -> None:
             assert var in PACKAGE_SOURCE, f"{name}: env {var} is not read by the package"
         assert svc["environment"]["REDIS_URL"].startswith("redis://redis:6379")
     assert services["gateway"]["ports"] == ["8765:8765"]
-    assert "ports" not in services["redis"]  # Redis is never published to the host (issue 25 §16)
+    assert "ports" not in services["redis"]  # Redis is never published to the host
 
 
 def test_no_deployment_ships_an_empty_or_placeholder_token() -> None:
-    """Issue 21 §5: compose shipped `REDIS_SESSION_TOKEN: ""` next to `--host 0.0.0.0` (an open
+    """Compose shipped `REDIS_SESSION_TOKEN: ""` next to `--host 0.0.0.0` (an open
     gateway). Compose now requires the variable (`${VAR:?…}` fails `docker compose up` without it),
     and kustomize generates the secret from an env file that is not in git."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -137,7 +137,7 @@ def test_one_image_name_and_tag_with_the_build_step_written_down() -> None:
 
 
 def test_probes_split_liveness_from_readiness() -> None:
-    """Issue 25 §13: the liveness probe used /healthz, which asked Redis, so a Redis failover
+    """The liveness probe used /healthz, which asked Redis, so a Redis failover
     restarted every gateway pod. Liveness is /healthz (the process), readiness /readyz (Redis)."""
     gateway = next(d for d in _k8s_docs() if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway")
     (c,) = gateway["spec"]["template"]["spec"]["containers"]
@@ -146,7 +146,7 @@ def test_probes_split_liveness_from_readiness() -> None:
 
 
 def test_gateway_and_projector_connect_as_their_own_redis_users() -> None:
-    """Issue 25 §16: one Redis URL (one user) served both, while docs/security.md gives each its own."""
+    """One Redis URL (one user) served both, while docs/security.md gives each its own."""
     urls = {}
     for d in _k8s_docs():
         if d["kind"] == "Deployment":

@@ -180,7 +180,7 @@ def _time_wait_sockets(port: int) -> int:
 
 
 def test_a_port_held_only_by_time_wait_is_free() -> None:
-    """Issue 25 item 8: after `server stop` with clients connected, ~130 TIME-WAIT sockets made the
+    """After `server stop` with clients connected, ~130 TIME-WAIT sockets made the
     port look taken with nothing listening."""
     from redis_session.redis.embedded import port_free
 

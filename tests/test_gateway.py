@@ -543,7 +543,7 @@ async def _until(events: AsyncIterator[dict[str, Any]], last: Any) -> AsyncItera
             return
 
 
-# --------------------------------------------------------------------------- closed by default (issue 21 §5)
+# --------------------------------------------------------------------------- closed by default
 
 
 def _gateway_cmd(*args: str, env: dict[str, str]) -> list[str]:
@@ -665,7 +665,7 @@ async def test_allowed_hosts_are_configurable(redis_store: RedisSessionStore) ->
 
 
 async def test_cors_only_for_allowed_origins(redis_store: RedisSessionStore) -> None:
-    """Issue 25 §4: no origin by default; an allowed one gets its preflight and CORS headers on every
+    """No origin by default; an allowed one gets its preflight and CORS headers on every
     answer (SSE included); any other origin's page can write nothing."""
     await mk(redis_store, "c", 1)
     app_origin = "http://app.example:3000"
@@ -741,7 +741,7 @@ async def test_hostile_small_bodies_are_4xx_with_the_path_and_write_nothing(
     status: int,
     where: str | None,
 ) -> None:
-    """Issue 21 §5: these answered 500 with a traceback (RecursionError, OverflowError) or were
+    """These answered 500 with a traceback (RecursionError, OverflowError) or were
     stored as something else than was sent (duplicates, integers JavaScript rounds)."""
     await mk(redis_store, "b", 1)
     url = {"entries": path("b", "entries"), "create": "/sessions", "branch": path("b", "branch")}[route]

@@ -122,7 +122,7 @@ async def test_idempotency_key_retries_return_the_same_answer(
 async def test_a_keyed_create_or_branch_is_never_another_clients(
     client: httpx.AsyncClient, redis_store: RedisSessionStore
 ) -> None:
-    """Issue 21 §5: the key is recorded with the creation; another key (or none) for the same new id
+    """The key is recorded with the creation; another key (or none) for the same new id
     is a 409 already_exists, whatever the body, and only the creating key replays its 201."""
     turn = [
         {"type": "turn/start", "data": {"turn": 1}},

@@ -870,7 +870,7 @@ async def test_failed_replace_leaves_the_old_session_exactly_as_it_was(small_bat
 
 
 async def test_replace_with_a_lost_reply_loses_nothing(tmp_path: Path) -> None:
-    """Issue 21 §4: a multi-batch replace whose put reply is lost (the proxy cuts the connection
+    """A multi-batch replace whose put reply is lost (the proxy cuts the connection
     after the server ran the command) fails, and the old session is exactly as it was."""
     from reliability._proxy import FaultProxy
 

@@ -683,7 +683,7 @@ def _dsh_clean_prefixes(raw: bytes) -> Iterator[bytes]:
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (SEED / "dsh").glob("*.jsonl")))
 async def test_dsh_export_is_byte_identical_to_the_file_dsh_wrote(name: str, tmp_path: Path) -> None:
-    """Issue 23 §3: an imported dsh log exports as the bytes dsh wrote (each event's keys in dsh's
+    """An imported dsh log exports as the bytes dsh wrote (each event's keys in dsh's
     order: sourceEventSeqs before surfaceOp): every closed-turn prefix of each fixture exactly, and
     the crashed file as its complete lines followed by the events the repair added."""
     raw = (SEED / "dsh" / name).read_bytes()
@@ -781,7 +781,7 @@ HARNESS_EDGES: list[Any] = [
 async def test_tutorial_harness_edge_cases_import_as_derive_messages_and_export_byte_identical(
     tmp_path: Path,
 ) -> None:
-    """Issue 23 §2 with the harness's own code writing and reading: null and missing user content
+    """Tested with the harness's own code writing and reading: null and missing user content
     stay so, non-string tool results and a missing tool_call_id stay as written, tool_calls [] is
     kept, a lone surrogate escape imports, and the export is the very bytes save() wrote."""
     path = _harness_write(tmp_path, "edges-1", HARNESS_EDGES)

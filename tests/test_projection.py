@@ -96,7 +96,7 @@ _CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
 
 
 def test_openai_tool_calls_on_an_assistant_message_project_as_tool_calls() -> None:
-    """Issue 25 item 3: the OpenAI shape on an assistant/message used to vanish with its result."""
+    """The OpenAI shape on an assistant/message used to vanish with its result."""
     log = [
         um(0, "Weather in Paris?"),
         E(1, "assistant/message", {"content": None, "tool_calls": [_CALL]}),
