@@ -486,7 +486,7 @@ async def test_healthz_needs_no_token_and_reports_the_store(redis_store: RedisSe
 
 
 async def test_liveness_never_asks_redis_readiness_does() -> None:
-    """Issue 25 §13: /healthz answered 503 while Redis was down, and the liveness probe used it, so
+    """/healthz answered 503 while Redis was down, and the liveness probe used it, so
     a Redis failover restarted every gateway pod. /healthz is the process; /readyz is Redis."""
     dead = RedisSessionStore.from_url(
         f"redis://127.0.0.1:{_free_port()}/0", client_options={"socket_connect_timeout": 1}
@@ -574,7 +574,7 @@ def _free_port() -> int:
     ],
 )
 def test_an_open_gateway_refuses_to_start(redis_url: str, args: list[str], env: dict[str, str], message: str) -> None:
-    """Issue 21 §5: `REDIS_SESSION_TOKEN=""` (as compose shipped it) used to give an open gateway;
+    """`REDIS_SESSION_TOKEN=""` (as compose shipped it) used to give an open gateway;
     a non-loopback bind without any token refuses to start unless `--insecure-no-auth`."""
     cmd = _gateway_cmd("--url", redis_url, "--port", str(_free_port()), *args, env=env)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=_env(**env))
@@ -612,7 +612,7 @@ async def test_serve_refuses_a_public_address_without_a_token(redis_store: Redis
 
 
 async def test_dns_rebinding_reaches_no_route(redis_store: RedisSessionStore) -> None:
-    """Issue 21 §5: `Host: evil.example:PORT` with a matching Origin was served (read 200, write 201,
+    """`Host: evil.example:PORT` with a matching Origin was served (read 200, write 201,
     delete 204). Now any Host outside the allowed list answers 421 on every route, SSE and the viewer
     included, and nothing is written; the probes answer whatever the Host."""
     await mk(redis_store, "victim", 2)

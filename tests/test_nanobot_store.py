@@ -795,7 +795,7 @@ def test_listing_an_unchanged_session_reads_no_log(rig: Rig) -> None:
 
 
 def test_the_example_runs_as_a_user_runs_it_on_the_default_server(tmp_path: Path) -> None:
-    """Issue 25 #15: ``python examples/nanobot_store.py`` with no URL (the embedded server, the
+    """``python examples/nanobot_store.py`` with no URL (the embedded server, the
     default of every example; here the test run's private one), no hard-coded address."""
     import subprocess
     import sys
