@@ -27,7 +27,7 @@ from redis_session.gateway import common as common_mod
 from redis_session.gateway import create_app, openapi, serve
 from redis_session.projection import project, to_anthropic, to_openai
 
-from support import running_gateway
+from support import cleanup_prefix, running_gateway
 
 pytestmark = pytest.mark.anyio
 
@@ -802,10 +802,11 @@ def test_fuzz_the_body_decoder_raises_only_client_errors(doc: Any, cut: int, jun
             assert again == value
 
 
-def test_workers_share_the_port_and_stop_on_sigterm(redis_url: str) -> None:
+def test_workers_share_the_port_and_stop_on_sigterm(redis_url: str, prefix: str) -> None:
     """`--workers 2`: two processes accept on one socket; SIGTERM stops them all, exit 0."""
     port = _free_port()
-    cmd = _gateway_cmd("--url", redis_url, "--port", str(port), "--workers", "2", env={})
+    # a prefix of its own: a shared server (CI's Redis keeps db 15 between runs) holds other runs' keys
+    cmd = _gateway_cmd("--url", redis_url, "--prefix", prefix, "--port", str(port), "--workers", "2", env={})
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env())
     try:
         deadline = time.monotonic() + 30
@@ -825,6 +826,7 @@ def test_workers_share_the_port_and_stop_on_sigterm(redis_url: str) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=30)
+        anyio.run(cleanup_prefix, redis_url, prefix)
     assert proc.returncode == 0, stderr
     assert "2 worker processes" in stderr
 
