@@ -237,3 +237,25 @@ async def test_one_pass_archives_count_in_status(
     assert (await Archiver(r).archive("t")).status == "archived"  # `archive ID` through the API
     got = (await status(r))["counters"]
     assert (got["sessions"], got["entries"]) == (3, 15)
+
+
+# ---------------------------------------------------------------- doctor: one problem per missing segment
+
+
+async def test_doctor_reports_a_missing_segment_and_no_false_last_cut(
+    redis_store: RedisSessionStore, tmp_path: Path
+) -> None:
+    from redis_session.sessions import doctor
+
+    r = redis_store
+    cut = NewEntry("cut", {"before": 8, "summary": [{"role": "user", "content": "sum"}], "reason": "manual"})
+    await r.create(SessionHeader(id="d"), [um(i) for i in range(10)])
+    await r.put("d", 10, [cut, *[um(i) for i in range(11, 20)]])
+    tier = ColdTier(str(tmp_path / "cold"))
+    assert (await Archiver(r, tier).archive("d", upto=15)).status == "archived"  # the cut is archived
+    assert {p.code for p in (await doctor(r, "d")).problems} == set()
+    for key in await objects(tier):
+        await tier.objects.delete(key)
+    tier.clear_cache()
+    problems = (await doctor(r, "d")).problems
+    assert [p.code for p in problems] == ["segment-missing"], problems
