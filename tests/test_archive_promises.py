@@ -259,3 +259,49 @@ async def test_doctor_reports_a_missing_segment_and_no_false_last_cut(
     tier.clear_cache()
     problems = (await doctor(r, "d")).problems
     assert [p.code for p in problems] == ["segment-missing"], problems
+
+
+class _MergeBeforeFirstGet:
+    """A real local folder whose first `get` lets another archiver merge (and delete) the object
+    being fetched first: a reader that read the header just before a merge."""
+
+    def __init__(self, root: Path, merge: Any) -> None:
+        from redis_session.cold import LocalFolder
+
+        self.inner = LocalFolder(root)
+        self.url = self.inner.url
+        self.merge = merge
+        self.list = self.inner.list
+        self.put = self.inner.put
+        self.delete = self.inner.delete
+
+    async def get(self, key: str) -> bytes:
+        merge, self.merge = self.merge, None
+        if merge is not None:
+            await merge()
+        return await self.inner.get(key)
+
+
+@pytest.mark.parametrize("reader", ["parent", "branch"])
+async def test_a_read_racing_a_merge_reads_the_merged_segment(
+    redis_store: RedisSessionStore, redis_url: str, tmp_path: Path, reader: str
+) -> None:
+    r = redis_store
+    folder = tmp_path / "cold"
+    r.cold = ColdTier(str(folder)).bind(r.prefix)
+    await r.create(SessionHeader(id="p"), [um(i) for i in range(30)])
+    await r.create(SessionHeader(id="b", parent="p", at=25), [um(i, "b") for i in range(3)])
+    assert (await Archiver(r).archive("p", upto=10)).status == "archived"
+    want = enc(await r.read("p" if reader == "parent" else "b"))
+
+    async def merge() -> None:
+        res = await Archiver(r).archive("p", upto=20)
+        assert (res.status, res.lo, res.hi) == ("archived", 10, 20)
+
+    other = RedisSessionStore.from_url(redis_url, prefix=r.prefix, cold=ColdTier(_MergeBeforeFirstGet(folder, merge)))
+    try:
+        assert enc(await other.read("p" if reader == "parent" else "b")) == want
+        state = await r.cold_state("p")
+        assert state is not None and [(c.lo, c.hi) for c in state.cold] == [(0, 20)]
+    finally:
+        await other.aclose()

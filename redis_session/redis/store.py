@@ -1559,7 +1559,7 @@ class RedisSessionStore(StoreRules):
             return [e for e in fresh if e.n < hi] + own
         return cold + own
 
-    async def _own_range(self, session_id: str, lo: int, hi: int) -> builtins.list[Entry]:
+    async def _own_range(self, session_id: str, lo: int, hi: int, _depth: int = 0) -> builtins.list[Entry]:
         """Entries [lo, hi) of one session's own log (an ancestor a branch reads): its hot
         stream, and its archived segments where the range starts below them."""
         if hi <= lo:
@@ -1584,7 +1584,16 @@ class RedisSessionStore(StoreRules):
         if top <= lo:
             return own
         tier = await self._tier_for(session_id, segments)
-        return await tier.read(session_id, inc, segments, lo, top) + own
+        try:
+            return await tier.read(session_id, inc, segments, lo, top) + own
+        except SegmentMissingError:
+            # a merge or a restore deletes the objects it replaced after its script: if the
+            # header moved on, so does this read
+            with _io():
+                now = await self._raw("HGET", hdr_key, "cold")
+            if now == cold_raw or _depth > 3:
+                raise
+            return await self._own_range(session_id, lo, hi, _depth + 1)
 
     async def _cold_gap(self, session_id: str, nxt: int, batch: builtins.list[Entry], inc: str) -> builtins.list[Entry]:
         """A tail's `batch` read from the hot stream, with the entries [nxt, first) before it
