@@ -5,13 +5,16 @@
 -- KEYS[2] log      STREAM  {prefix}:{id}:log
 -- KEYS[3] restore  STREAM  {prefix}:{id}:restore:<token>  restore only: this restore's staged
 --                          archived entries (PEXPIRE'd by the caller: a dead restorer's vanish)
+-- KEYS[4] pending  ZSET    {prefix}:{id}:coldpending  archive only: the uploads not yet committed
 --
 -- ARGV[1] mode         "archive" | "restore"
 -- ARGV[2] incarnation  the life the archiver read: another one is refused
 -- ARGV[3] cold         the header's `cold` field as the archiver read it ("" = none); it must be
 --                      unchanged (compare-and-set: two archivers never both commit one range)
 -- archive: ARGV[4] the new `cold` field (ARGV[3]'s list plus the segment [lo, hi) just written,
---          read back and verified), ARGV[5] lo, ARGV[6] hi; entries [lo, hi) leave the stream
+--          read back and verified), ARGV[5] lo, ARGV[6] hi; entries [lo, hi) leave the stream;
+--          ARGV[7] the object's name in KEYS[4]: it must still be pending (a sweep that released
+--          it may delete the object), and is pending no more
 -- restore: ARGV[4] hot start (the end of the archived range), ARGV[5] own start (the branch
 --          point): KEYS[3] must hold exactly the entries [own start, hot start)
 --
@@ -22,6 +25,7 @@
 --         {2, n}                 hi is beyond the header's n
 --         {10, id or ""}         the hot stream does not hold [lo, hi) (archive) or the staged
 --                                stream does not end at hot start (restore): nothing changed
+--         {11}                   the upload is pending no more (a sweep released it): nothing changed
 local call = redis.call
 local h = call('HMGET', KEYS[1], 'n', 'deleted', 'incarnation', 'created_at', 'cold')
 if not h[1] or h[2] then return {3} end
@@ -35,6 +39,7 @@ if ARGV[1] == 'archive' then
   if not first or first[1] ~= string.format('%d-1', lo) then return {10, first and first[1] or ''} end
   local last_id = string.format('%d-1', hi - 1)
   if not call('XRANGE', KEYS[2], last_id, last_id)[1] then return {10, ''} end
+  if call('ZREM', KEYS[4], ARGV[7]) == 0 then return {11} end
   -- the header names the segment before the entries leave: never neither
   call('HSET', KEYS[1], 'cold', ARGV[4])
   local removed = call('XTRIM', KEYS[2], 'MINID', string.format('%d-1', hi))

@@ -6,16 +6,18 @@
 --
 -- Returns {0, kids left, 1|0}                        parent kept (1: it is hidden or ephemeral, so a
 --                                                    stale link among those left would keep it for nothing)
---         {1, grandparent or "", created_at or "0"}  parent purged: its own parent must be unlinked in
+--         {1, grandparent or "", created_at or "0", incarnation or "", cold or ""}
+--                                                    parent purged: its own parent must be unlinked in
 --                                                    turn; created_at names the parent's member in the
---                                                    grandparent's kids
+--                                                    grandparent's kids; the caller deletes the archived
+--                                                    segments `cold` names (as delete.lua's caller does)
 redis.call('ZREM', KEYS[6], ARGV[1])
-local h = redis.call('HMGET', KEYS[1], 'deleted', 'parent', 'created_at', 'ttl_ms')
+local h = redis.call('HMGET', KEYS[1], 'deleted', 'parent', 'created_at', 'ttl_ms', 'incarnation', 'cold')
 local left = redis.call('ZCARD', KEYS[6])
 if left == 0 then
   if h[1] then
     redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
-    return {1, h[2] or '', h[3] or '0'}
+    return {1, h[2] or '', h[3] or '0', h[5] or '', h[6] or ''}
   end
   if h[4] then  -- an ephemeral parent kept for its branches expires again
     for k = 1, 5 do redis.call('PEXPIRE', KEYS[k], h[4]) end

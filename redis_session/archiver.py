@@ -9,6 +9,13 @@ One archive of a session, step by step (each step can be killed; a re-run finish
 3. one script (``lua/archive.lua``), guarded by the incarnation and the cold list read in step 1
    (compare-and-set), names the segment in the header and drops [hot start, k) from the stream.
 
+Before its upload, the archiver records the object as pending in Redis (`begin_upload`); the
+sweep never deletes a pending object, and the script of step 3 takes the pending record (it
+refuses when a sweep released a stale one first), so whatever the grace values, either the
+header names a verified object or the hot copy stays. A range that follows a small archived
+segment is merged with it (one new object for both; the old one goes after the script), so
+archiving a few entries at a time (``keep`` on each hint) leaves few large segments.
+
 A crash before 3 leaves the hot copy (and maybe an orphan object, which `sweep` deletes once it
 is older than its grace); after 3 the cold copy, named by the header. A concurrent append is
 untouched (only entries below n move); a delete + re-create refuses the script (another
@@ -34,7 +41,7 @@ import anyio
 import zstandard
 
 from .cold.objects import ObjectStore, open_objects
-from .cold.segments import ColdTier
+from .cold.segments import ColdSegment, ColdTier, segment_name
 from .errors import SessionError, SessionNotFoundError, SessionReplacedError
 from .feed import FeedWorker, default_consumer, feed_client_of, validate_group
 from .keys import validate_session_id
@@ -109,9 +116,13 @@ async def _no_hook(step: str) -> None:
 class Archiver:
     """Archive, restore and sweep on one store (a `RedisSessionStore` or any `ArchivableStore`).
 
-    `tier` defaults to the store's; `hook` is awaited at each step ("before_upload",
-    "after_upload", "after_script"): tests kill the archiver there. A range longer than
-    `segment_entries` becomes several segments (a reader of a few entries fetches one of them)."""
+    `tier` defaults to the store's (a tier given is attached to the store's prefix, and recorded
+    as the prefix's cold URL at the first archive); `hook` is awaited at each step
+    ("before_upload", "after_upload", "after_script"): tests kill the archiver there. A range
+    longer than `segment_entries` becomes several segments (a reader of a few entries fetches
+    one of them); one that follows a segment of fewer than `merge_below` entries is merged with
+    it (within `segment_entries`). Each archived range adds to the counters of `group`
+    (``archive --status``)."""
 
     def __init__(
         self,
@@ -121,10 +132,17 @@ class Archiver:
         grace_ms: int = DEFAULT_GRACE_MS,
         hook: Hook | None = None,
         segment_entries: int = 10_000,
+        merge_below: int = 1_000,
+        group: str = DEFAULT_GROUP,
     ) -> None:
         self.store = store
         self.tier = tier if tier is not None else store.cold
+        if self.tier is not None and isinstance(store, RedisSessionStore):
+            self.tier.bind(store.prefix)  # one tier, one prefix: a sweep never sees another's objects
         self.grace_ms = grace_ms
+        self.merge_below = merge_below
+        self.group = validate_group(group)
+        self._recorded = False
         self.hook = hook or _no_hook
         if not 1 <= segment_entries <= MAX_READ_RANGE:
             raise ValueError(f"segment_entries must be in [1, {MAX_READ_RANGE}] (one read covers a segment)")
@@ -135,6 +153,9 @@ class Archiver:
             self.tier = await self.store.cold_tier()
         if self.tier is None:
             raise ValueError("no cold tier: pass one, or run `redis-session archive --to URL` once")
+        if isinstance(self.store, RedisSessionStore) and not self._recorded:
+            await self.store.record_cold_url(self.tier)  # every process of the prefix finds it
+            self._recorded = True
         if self.store.cold is None:
             self.store.cold = self.tier
         return self.tier
@@ -167,15 +188,19 @@ class Archiver:
         lo = state.hot_start
         if k <= lo:
             return ArchiveResult(session_id, "nothing", lo, lo)
-        total, first = 0, lo
+        total, first, moved = 0, lo, 0
         while True:  # one segment of at most `segment_entries` per step, each step committed alone
             hi = min(k, lo + self.segment_entries)
             res = await self._archive_range(tier, session_id, state, lo, hi)
             total += res.bytes
+            if res.status == "archived":
+                moved = hi - first
             if res.status != "archived" or hi >= k:
+                await self._count(moved, total)
                 return res._replace(lo=first if res.status == "archived" else res.lo, bytes=total)
             nxt = await self.store.cold_state(session_id)
             if nxt is None or nxt.deleted or nxt.incarnation != state.incarnation or nxt.hot_start != hi:
+                await self._count(moved, total)
                 return ArchiveResult(session_id, "moved", lo, hi, total)
             state, lo = nxt._replace(own_start=state.own_start), hi
 
@@ -190,11 +215,20 @@ class Archiver:
             return ArchiveResult(session_id, "absent")
         if len(entries) != k - lo or entries[0].n != lo:
             raise SessionError(f"session {session_id!r}: read [{lo}, {k}) returned {len(entries)} entries")
+        merged: builtins.list[ColdSegment] = []
+        last = state.cold[-1] if state.cold else None
+        if last is not None and last.hi - last.lo < self.merge_below and k - last.lo <= self.segment_entries:
+            # a small segment before the range: one object for both (few segments, a compact header)
+            entries = await tier.segment(session_id, state.incarnation, last) + entries
+            merged = [last]
+        seg, data = tier.encode(session_id, state.incarnation, entries)
         await self.hook("before_upload")
-        seg = await tier.write(session_id, state.incarnation, entries)
+        await self.store.begin_upload(session_id, seg)  # before the object exists: never swept
+        await tier.upload(session_id, state.incarnation, seg, data, entries)
         await self.hook("after_upload")
-        if 0 < self.grace_ms < (time.monotonic() - t0) * 2000:
-            return ArchiveResult(session_id, "slow", lo, k)  # the sweep may take the object now
+        name = segment_name(seg)
+        if 0 < self.grace_ms < (time.monotonic() - t0) * 2000 and await self.store.release_upload(session_id, name):
+            return ArchiveResult(session_id, "slow", lo, k)  # given up: the sweep takes the object
         try:
             status = await self.store.commit_archive(session_id, state, seg)
         except SessionReplacedError:
@@ -202,9 +236,24 @@ class Archiver:
         except SessionNotFoundError:
             return ArchiveResult(session_id, "absent", lo, k)
         await self.hook("after_script")
+        if status == "expired":
+            return ArchiveResult(session_id, "slow", lo, k)  # a sweep released it: the hot copy stays
         if status != "done":
+            await self.store.release_upload(session_id, name)
             return ArchiveResult(session_id, "moved", lo, k)
-        return ArchiveResult(session_id, "archived", lo, k, seg.size)
+        if merged:
+            await tier.drop(session_id, state.incarnation, merged)  # named by no header now
+        return ArchiveResult(session_id, "archived", lo, k, seg.size - sum(m.size for m in merged))
+
+    async def _count(self, entries: int, cold_bytes: int) -> None:
+        """The group's counters (``archive --status``), for every archive: one-pass or worker."""
+        if entries > 0 and isinstance(self.store, RedisSessionStore):
+            key = self.store.keys.archiver_stats(self.group)
+            await self.store._pipeline(
+                ("HINCRBY", key, "sessions", 1),
+                ("HINCRBY", key, "entries", entries),
+                ("HINCRBY", key, "cold_bytes", cold_bytes),
+            )
 
     async def restore(self, session_id: str) -> ArchiveResult:
         """Bring every archived entry of a session back into its hot stream; the objects go after."""
@@ -265,9 +314,26 @@ class Archiver:
                 if state is not None and state.incarnation == inc:
                     used = {tier.key(sid, inc, s) for s in state.cold}
                 named[(parts[1], parts[2])] = used
-            if info.key not in used:
-                await tier.objects.delete(info.key)
-                removed.append(info.key)
+            if info.key in used:
+                continue
+            # pending first, then a fresh header: an upload committed in between is named there
+            valid = _valid(sid)
+            began = await self.store.pending_upload(sid, parts[3]) if valid else None
+            if began is not None and (
+                now - began < self.grace_ms or not await self.store.release_upload(sid, parts[3])
+            ):
+                continue  # an archiver is between its upload and its script (or just committed)
+            if began is None and valid:
+                state = await self.store.cold_state(sid)
+                if (
+                    state is not None
+                    and state.incarnation == inc
+                    and info.key in {tier.key(sid, inc, s) for s in state.cold}
+                ):
+                    named[(parts[1], parts[2])].add(info.key)
+                    continue
+            await tier.objects.delete(info.key)
+            removed.append(info.key)
         return removed
 
     @staticmethod
@@ -300,18 +366,10 @@ async def set_cold_url(store: RedisSessionStore, url: str, *, replace: bool = Fa
 
     Another URL already recorded is refused (`ValueError`) unless `replace`: the segments
     already archived stay where they are, and readers would look for them in the new place."""
-    objects = open_objects(url)  # a bad URL fails here, before anything is recorded
-    old = await store._raw("GET", store.keys.cold_url)
-    if old is not None and not replace:
-        old_url = old.decode() if isinstance(old, bytes) else str(old)
-        if old_url not in (url, objects.url):
-            raise ValueError(
-                f"this prefix's cold segments live in {old_url}; archiving to {url} would leave readers "
-                "looking for them there (copy the objects over, then set it with replace=True)"
-            )
-    await store._raw("SET", store.keys.cold_url, objects.url)
-    store.cold = ColdTier(objects, prefix=store.prefix)
-    return store.cold
+    tier = ColdTier(open_objects(url), prefix=store.prefix)  # a bad URL fails here, before anything is recorded
+    await store.record_cold_url(tier, replace=replace)
+    store.cold = tier
+    return tier
 
 
 async def status(store: RedisSessionStore, *, group: str = DEFAULT_GROUP) -> dict[str, Any]:
@@ -387,8 +445,8 @@ class ArchiveWorker(FeedWorker):
     ) -> None:
         self.store = store
         self.policy = policy
-        self.archiver = Archiver(store, tier, grace_ms=grace_ms)
         self.group = validate_group(group)
+        self.archiver = Archiver(store, tier, grace_ms=grace_ms, group=self.group)
         self.consumer = validate_group(consumer or default_consumer())
         self.batch = batch
         self.claim_idle_ms = claim_idle_ms
@@ -504,10 +562,7 @@ class ArchiveWorker(FeedWorker):
             self.metrics.outcomes.labels("error").inc()
             return None
         self.metrics.outcomes.labels(res.status).inc()
-        if res.status == "archived":
+        if res.status == "archived":  # the group's counters: Archiver.archive adds to them
             self.metrics.entries.inc(res.hi - res.lo)
             self.metrics.cold_bytes.inc(res.bytes)
-            await self.store._raw("HINCRBY", self._stats_key, "sessions", 1)
-            await self.store._raw("HINCRBY", self._stats_key, "entries", res.hi - res.lo)
-            await self.store._raw("HINCRBY", self._stats_key, "cold_bytes", res.bytes)
         return res

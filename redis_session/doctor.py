@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import msgspec
 from msgspec import Struct
 
-from .errors import InvalidEntryError, SessionError, SessionNotFoundError
+from .errors import ColdSegmentError, InvalidEntryError, SessionError, SessionNotFoundError
 from .keys import is_staging_id, validate_session_id
 from .model import CUT, Entry, SessionHead, Vocabulary
 from .projection.invariants import Problem, check_invariants
@@ -69,7 +69,8 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     try:
         entries = await read_range(store, session_id, 0, n)
     except SessionError as e:
-        add(None, "decode", f"the log cannot be read: {e}")
+        if not (isinstance(e, ColdSegmentError) and check is not None and _segment_reported(check.problems)):
+            add(None, "decode", f"the log cannot be read: {e}")
         entries = []
         complete = False
     else:
@@ -95,6 +96,11 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     return DoctorReport(session_id, n, problems)
 
 
+def _segment_reported(problems: Sequence[Problem]) -> bool:
+    """A missing or corrupt segment is reported already (by the storage check)."""
+    return any(p.code in ("segment-missing", "segment-corrupt") for p in problems)
+
+
 def _schema_problems(vocabulary: Vocabulary, own: Sequence[Entry]) -> builtins.list[Problem]:
     """A ``schema`` problem for each of the session's own entries whose data fails its schema."""
     out: builtins.list[Problem] = []
@@ -113,6 +119,9 @@ def _last_cut_problems(
     log, or None when it could not be read)."""
     last_cut, at = head.last_cut, head.header.at or 0
     own_cuts = [e.n for e in own if e.type == CUT]
+    if last_cut is not None and at <= last_cut < head.n and (not own_cuts or last_cut > own_cuts[-1]):
+        if all(e.n != last_cut for e in own):
+            return []  # its entry could not be read (a missing segment, a bad row): reported as that
     if own_cuts:
         if last_cut != own_cuts[-1]:
             message = f"header last_cut={last_cut}, the last cut entry is n={own_cuts[-1]}"

@@ -16,6 +16,8 @@ All keys of one session share the hash tag ``{<id>}`` so each script touches one
                                     XADD, MAXLEN-capped, PEXPIRE: a dead writer's records vanish)
     {prefix}:{<id>}:restore:<token>  STREAM  one restore's staged archived entries (renamed
                                     onto log; PEXPIRE 1 h: a dead restorer's vanish)
+    {prefix}:{<id>}:coldpending  ZSET  segment objects being uploaded (object name -> ms): the
+                                    sweep never deletes one; archive.lua names it and drops it
 
 Cross-session keys (never needed for an append's correctness)::
 
@@ -148,6 +150,10 @@ class Keys:
         """The prefix of a restore's staging streams (``…:restore:<token>``: same slot; renamed
         onto the log by archive.lua)."""
         return self._k(session_id, "restore")
+
+    def cold_pending(self, session_id: str) -> str:
+        """ZSET: this session's segment uploads not yet committed (object name -> upload time)."""
+        return self._k(session_id, "coldpending")
 
     @property
     def cold_url(self) -> str:

@@ -100,7 +100,7 @@ async def test_archived_prefix_reads_back_byte_for_byte(astore: Any) -> None:
 
 async def test_append_after_archive_and_archive_again(astore: Any) -> None:
     before = await seeded(astore)
-    a = Archiver(astore)
+    a = Archiver(astore, merge_below=0)  # no merge: two segments (test_archive_promises merges)
     await a.archive("s1", upto=20)
     more = await astore.put("s1", 40, [um(i) for i in range(40, 50)])
     res = await a.archive("s1", policy=Policy(keep=5))
@@ -272,13 +272,15 @@ async def test_a_store_without_a_tier_says_so(redis_url: str, prefix: str, tmp_p
     try:
         before = await seeded(s)
         await Archiver(s).archive("s1")
-        with pytest.raises(SegmentMissingError, match="no cold tier"):
-            await bare.read("s1")
-        # the URL recorded under {prefix}:cold:url is found by every store of the prefix
-        from redis_session.archiver import set_cold_url
-
-        await set_cold_url(s, str(tmp_path / "c"))
+        # the archive recorded the URL under {prefix}:cold:url: every store of the prefix finds it
         assert enc(await bare.read("s1")) == enc(before)
+        await s._raw("DEL", s.keys.cold_url)  # a URL never recorded: the read says what is missing
+        bare2 = RedisSessionStore.from_url(redis_url, prefix=prefix)
+        try:
+            with pytest.raises(SegmentMissingError, match="no cold tier"):
+                await bare2.read("s1")
+        finally:
+            await bare2.aclose()
     finally:
         await s.aclose()
         await bare.aclose()

@@ -841,7 +841,9 @@ def archive_cmd(
     status: Annotated[
         bool, typer.Option("--status", help="Print the tier and the archiver counters, then exit.")
     ] = False,
-    group: Annotated[str, typer.Option(help="Consumer group (--worker).")] = "archiver",
+    group: Annotated[
+        str, typer.Option(help="Consumer group (--worker) and the counters every run adds to (--status).")
+    ] = "archiver",
     consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port (--worker).")] = None,
     as_json: JsonOpt = False,
@@ -887,7 +889,7 @@ def archive_cmd(
 
                 _emit_json(await archive_status(store, group=group))
                 return
-            archiver = Archiver(store, tier, grace_ms=grace_ms)
+            archiver = Archiver(store, tier, grace_ms=grace_ms, group=group)  # one-pass runs count there too
             if sweep:
                 removed = await archiver.sweep()
                 _emit_json({"swept": len(removed), "keys": removed}) if as_json else out.print(

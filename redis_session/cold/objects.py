@@ -104,7 +104,10 @@ class LocalFolder:
 
     def _walk(self, prefix: str) -> builtins.list[ObjectInfo]:
         out = []
-        for dirpath, _dirs, files in os.walk(self.root):
+        # only the folder the prefix names (a session's, a life's): never the whole store
+        head = prefix.rpartition("/")[0]
+        top = self.root / _check_key(head) if head else self.root
+        for dirpath, _dirs, files in os.walk(top):
             for name in files:
                 if name.startswith("."):
                     continue  # a temporary file of a write in flight

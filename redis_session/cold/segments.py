@@ -111,10 +111,17 @@ def session_dir(session_id: str) -> str:
     return "s-" + q
 
 
+def _quote_inc(incarnation: str) -> str:
+    return quote(incarnation, safe="-_~").replace(".", "%2E")
+
+
+def segment_name(seg: ColdSegment) -> str:
+    """The last part of a segment's object key (what a pending upload is recorded as)."""
+    return f"{seg.lo:012d}-{seg.hi:012d}-{seg.checksum}-{seg.nonce}.jsonl.zst"
+
+
 def segment_key(prefix: str, session_id: str, incarnation: str, seg: ColdSegment) -> str:
-    inc = quote(incarnation, safe="-_~").replace(".", "%2E")
-    name = f"{seg.lo:012d}-{seg.hi:012d}-{seg.checksum}-{seg.nonce}.jsonl.zst"
-    return f"{prefix}/{session_dir(session_id)}/{inc}/{name}"
+    return f"{prefix}/{session_dir(session_id)}/{_quote_inc(incarnation)}/{segment_name(seg)}"
 
 
 def encode_segment(session_id: str, incarnation: str, entries: Sequence[Entry]) -> bytes:
@@ -178,18 +185,22 @@ class ColdStats:
 class ColdTier:
     """Reads (and writes) a store prefix's cold segments: an object store and an LRU of decoded
     segments keyed by object key (objects are immutable), holding at most `cache_segments`
-    segments and `cache_entries` entries."""
+    segments and `cache_entries` entries.
+
+    Its objects live under the store's key prefix (``<prefix>/s-<id>/…``): a tier built without
+    `prefix` takes it from the store it is attached to (`bind`), and one tier is never shared by
+    two prefixes (a sweep of one would take the other's segments)."""
 
     def __init__(
         self,
         objects: ObjectStore | str,
         *,
-        prefix: str = "rs",
+        prefix: str | None = None,
         cache_segments: int = 64,
         cache_entries: int = 100_000,
     ) -> None:
         self.objects = open_objects(objects) if isinstance(objects, str) else objects
-        self.prefix = prefix
+        self._prefix = prefix
         self.cache_segments = cache_segments
         self.cache_entries = cache_entries
         self._cache: OrderedDict[str, builtins.list[Entry]] = OrderedDict()
@@ -199,6 +210,29 @@ class ColdTier:
     @property
     def url(self) -> str:
         return self.objects.url
+
+    @property
+    def prefix(self) -> str:
+        """The store key prefix its objects are named under (`ValueError` before `bind`)."""
+        if self._prefix is None:
+            raise ValueError("this cold tier is attached to no store yet (ColdTier(url, prefix=…) or a store's cold=)")
+        return self._prefix
+
+    def bind(self, prefix: str) -> ColdTier:
+        """Attach the tier to the store prefix `prefix`: a tier built without one takes it; one
+        of another prefix is refused (`ValueError`: its sweep would see the other's objects)."""
+        if self._prefix is None:
+            self._prefix = prefix
+        elif self._prefix != prefix:
+            raise ValueError(
+                f"this cold tier names its objects under the prefix {self._prefix!r}, not the store's {prefix!r}: "
+                "give each store prefix its own ColdTier"
+            )
+        return self
+
+    def life_dir(self, session_id: str, incarnation: str) -> str:
+        """The folder of one life's segment objects (``<prefix>/s-<id>/<incarnation>/``)."""
+        return f"{self.prefix}/{session_dir(session_id)}/{_quote_inc(incarnation)}/"
 
     def key(self, session_id: str, incarnation: str, seg: ColdSegment) -> str:
         return segment_key(self.prefix, session_id, incarnation, seg)
@@ -230,11 +264,7 @@ class ColdTier:
         st.read_latencies.append(dt)
         if len(st.read_latencies) > 1000:
             del st.read_latencies[:500]
-        if len(entries) <= self.cache_entries:
-            self._cache[key] = entries
-            self._cached += len(entries)
-            while len(self._cache) > self.cache_segments or self._cached > self.cache_entries:
-                self._cached -= len(self._cache.popitem(last=False)[1])
+        self._remember(key, entries)
         return entries
 
     async def read(
@@ -251,8 +281,20 @@ class ColdTier:
 
     async def write(self, session_id: str, incarnation: str, entries: Sequence[Entry]) -> ColdSegment:
         """Upload `entries` as one segment, read it back and verify it: its `ColdSegment`."""
+        seg, data = self.encode(session_id, incarnation, entries)
+        await self.upload(session_id, incarnation, seg, data, entries)
+        return seg
+
+    @staticmethod
+    def encode(session_id: str, incarnation: str, entries: Sequence[Entry]) -> tuple[ColdSegment, bytes]:
+        """`entries` as a segment object not uploaded yet (the archiver records it pending first)."""
         data = encode_segment(session_id, incarnation, entries)
-        seg = describe(data, entries[0].n, entries[-1].n + 1)
+        return describe(data, entries[0].n, entries[-1].n + 1), data
+
+    async def upload(
+        self, session_id: str, incarnation: str, seg: ColdSegment, data: bytes, entries: Sequence[Entry]
+    ) -> None:
+        """Upload an `encode`d segment, read it back and verify it holds `entries`."""
         key = self.key(session_id, incarnation, seg)
         await self.objects.put(key, data)
         try:
@@ -261,9 +303,17 @@ class ColdTier:
             raise SegmentMissingError(
                 session_id, seg.lo, seg.hi, key, "the object was not there after its upload"
             ) from None
-        if decode_segment(session_id, incarnation, seg, key, back) != builtins.list(entries):
+        got = decode_segment(session_id, incarnation, seg, key, back)
+        if got != builtins.list(entries):
             raise SegmentCorruptError(session_id, seg.lo, seg.hi, key, "the object read back holds other entries")
-        return seg
+        self._remember(key, got)  # a merge with the next range reads it from here
+
+    def _remember(self, key: str, entries: builtins.list[Entry]) -> None:
+        if len(entries) <= self.cache_entries:
+            self._cache[key] = entries
+            self._cached += len(entries)
+            while len(self._cache) > self.cache_segments or self._cached > self.cache_entries:
+                self._cached -= len(self._cache.popitem(last=False)[1])
 
     async def drop(self, session_id: str, incarnation: str, segments: Sequence[ColdSegment]) -> None:
         for seg in segments:

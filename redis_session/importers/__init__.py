@@ -296,6 +296,10 @@ async def write_session(
                 replaced_created_at=old.header.created_at,
                 replaced_parent=old.header.parent,
             )
+            drop = getattr(store, "drop_life_segments", None)
+            if drop is not None:  # the replaced life's archived segments: named by no header now
+                with contextlib.suppress(Exception):  # what fails is left to `Archiver.sweep`
+                    await drop(sid, old.header.incarnation)
             return _result(parsed, "replaced")
         except StoreUnavailableError as e:
             if attempt + 1 < _SWAP_TRIES:

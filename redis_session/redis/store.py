@@ -46,7 +46,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..cold.segments import ColdSegment, ColdTier, cold_end, decode_cold, encode_cold, hot_start
+from ..cold.segments import ColdSegment, ColdTier, cold_end, decode_cold, encode_cold, hot_start, segment_name
 from ..errors import (
     AccessDeniedError,
     DurabilityError,
@@ -398,6 +398,8 @@ class RedisSessionStore(StoreRules):
         self._owns_client = owns_client
         # the cold tier (archived segments): given, or found at first need under {prefix}:cold:url
         self.cold: ColdTier | None = ColdTier(cold, prefix=prefix) if isinstance(cold, str) else cold
+        if self.cold is not None:
+            self.cold.bind(prefix)  # its objects live under this prefix (one tier, one prefix)
         # The fast path: the pool of a standalone client (None on a cluster: redis-py routes).
         self._pool = None if isinstance(self.client, RedisCluster) else PooledWire(self.client)
         self._router = ClusterRouter(self.client, read_replies) if isinstance(self.client, RedisCluster) else None
@@ -952,6 +954,8 @@ class RedisSessionStore(StoreRules):
                     await self.repair_links(parent_id)
                 return
             grandparent = _s(res[1]) or ""
+            if len(res) > 4 and res[4]:  # the purged parent's segments go with it (as on delete)
+                await self._drop_cold(parent_id, _s(res[3]) or legacy_incarnation(int(res[2])), res[4])
             member = index_member(int(res[2]), parent_id)
             parent_id = grandparent
 
@@ -1582,7 +1586,7 @@ class RedisSessionStore(StoreRules):
             return [e for e in fresh if e.n < hi] + own
         return cold + own
 
-    async def _own_range(self, session_id: str, lo: int, hi: int) -> builtins.list[Entry]:
+    async def _own_range(self, session_id: str, lo: int, hi: int, _depth: int = 0) -> builtins.list[Entry]:
         """Entries [lo, hi) of one session's own log (an ancestor a branch reads): its hot
         stream, and its archived segments where the range starts below them."""
         if hi <= lo:
@@ -1607,7 +1611,16 @@ class RedisSessionStore(StoreRules):
         if top <= lo:
             return own
         tier = await self._tier_for(session_id, segments)
-        return await tier.read(session_id, inc, segments, lo, top) + own
+        try:
+            return await tier.read(session_id, inc, segments, lo, top) + own
+        except SegmentMissingError:
+            # a merge or a restore deletes the objects it replaced after its script: if the
+            # header moved on, so does this read
+            with _io():
+                now = await self._raw("HGET", hdr_key, "cold")
+            if now == cold_raw or _depth > 3:
+                raise
+            return await self._own_range(session_id, lo, hi, _depth + 1)
 
     async def _cold_gap(self, session_id: str, nxt: int, batch: builtins.list[Entry], inc: str) -> builtins.list[Entry]:
         """A tail's `batch` read from the hot stream, with the entries [nxt, first) before it
@@ -1619,7 +1632,7 @@ class RedisSessionStore(StoreRules):
         return got + batch if len(got) == batch[0].n - nxt and got[0].n == nxt else batch
 
     async def _drop_cold(self, session_id: str, incarnation: str, cold_raw: bytes) -> None:
-        """Delete a deleted session's segments; what fails here is left to `Archiver.sweep`."""
+        """Delete a deleted (or purged) session's segments; what fails here is left to `Archiver.sweep`."""
         with contextlib.suppress(Exception):
             tier = await self.cold_tier()
             if tier is not None:
@@ -1647,11 +1660,68 @@ class RedisSessionStore(StoreRules):
             deleted=deleted is not None,
         )
 
+    async def begin_upload(self, session_id: str, segment: ColdSegment) -> None:
+        validate_session_id(session_id)
+        key = self.keys.cold_pending(session_id)
+        with _io():  # kept a day past the last upload: a dead archiver's records go by themselves
+            await self._pipeline(("ZADD", key, now_ms(), segment_name(segment)), ("PEXPIRE", key, 86_400_000))
+
+    async def pending_upload(self, session_id: str, name: str) -> int | None:
+        validate_session_id(session_id)
+        with _io():
+            got = await self._raw("ZSCORE", self.keys.cold_pending(session_id), name)
+        return None if got is None else int(float(got))
+
+    async def release_upload(self, session_id: str, name: str) -> bool:
+        validate_session_id(session_id)
+        with _io():
+            return int(await self._raw("ZREM", self.keys.cold_pending(session_id), name)) == 1
+
+    async def record_cold_url(self, tier: ColdTier, *, replace: bool = False) -> None:
+        """Record `tier` as where this prefix's segments live (``{prefix}:cold:url``), the one
+        check every archiving path passes through: another URL already recorded is refused
+        (`ValueError`) unless `replace` (readers would look for the archived segments there)."""
+        tier.bind(self.prefix)
+        with _io():
+            if not replace and not await self._raw("SET", self.keys.cold_url, tier.url, "NX"):
+                old = _s(await self._raw("GET", self.keys.cold_url))
+                if old is not None and old != tier.url:
+                    raise ValueError(
+                        f"this prefix's cold segments live in {old}; archiving to {tier.url} would leave readers "
+                        "looking for them there (copy the objects over, then record it with replace=True)"
+                    )
+            elif replace:
+                await self._raw("SET", self.keys.cold_url, tier.url)
+
+    async def drop_life_segments(self, session_id: str, incarnation: str) -> int:
+        """Delete every segment object of one life of `session_id` that is over (deleted, purged
+        or replaced by `swap_session`: call it after the swap with the replaced incarnation).
+        Refused (`ValueError`) while that life is still the id's, live or hidden; the number of
+        objects deleted. What fails here is left to `Archiver.sweep`."""
+        validate_session_id(session_id)
+        with _io():
+            inc_raw, born_raw = await self._raw("HMGET", self.keys.hdr(session_id), "incarnation", "created_at")
+        if born_raw is not None and (_s(inc_raw) or legacy_incarnation(int(born_raw))) == incarnation:
+            raise ValueError(f"session {session_id!r}: the life {incarnation!r} is still there")
+        tier = await self.cold_tier()
+        if tier is None:
+            return 0
+        keys = [info.key async for info in tier.objects.list(tier.life_dir(session_id, incarnation))]
+        for key in keys:
+            await tier.objects.delete(key)
+        return len(keys)
+
     async def commit_archive(self, session_id: str, state: ColdState, segment: ColdSegment) -> str:
         validate_session_id(session_id)
-        new = encode_cold([*state.cold, segment])
-        keys = [self.keys.hdr(session_id), self.keys.log(session_id), self.keys.restore(session_id)]
-        args = ["archive", state.incarnation, state.cold_raw, new, segment.lo, segment.hi]
+        kept = [s for s in state.cold if s.hi <= segment.lo]  # a merge replaces those after
+        if cold_end(kept, state.own_start) != segment.lo or segment.hi <= state.hot_start:
+            raise ValueError(f"segment [{segment.lo}, {segment.hi}) does not end the archived range at the hot log")
+        new = encode_cold([*kept, segment])
+        keys = [
+            self.keys.hdr(session_id), self.keys.log(session_id), self.keys.restore(session_id),
+            self.keys.cold_pending(session_id),
+        ]  # fmt: skip
+        args = ["archive", state.incarnation, state.cold_raw, new, state.hot_start, segment.hi, segment_name(segment)]
         with _io():
             res = await self._eval("archive", keys, args)
         return self._archive_reply(session_id, res)
@@ -1689,6 +1759,8 @@ class RedisSessionStore(StoreRules):
             raise SessionReplacedError(session_id, "archived while the session was replaced")
         if code == 9:
             return "moved"
+        if code == 11:
+            return "expired"
         if code == 2:
             raise SessionError(f"session {session_id!r}: the archived range is beyond n={int(res[1])}")
         raise SessionError(

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from ..cold.segments import ColdSegment, ColdTier, cold_end, encode_cold
+from ..cold.segments import ColdSegment, ColdTier, cold_end, encode_cold, segment_name
 from ..errors import (
     IdempotencyKeyReusedError,
     InvalidEntryError,
@@ -145,11 +145,14 @@ class MemorySessionStore(StoreRules):
         self.clock = clock
         #: where archived segments live (`redis_session.archiver`); None: nothing can be archived
         self.cold: ColdTier | None = ColdTier(cold, prefix="memory") if isinstance(cold, str) else cold
+        if self.cold is not None and self.cold._prefix is None:
+            self.cold.bind("memory")
         self.vocabulary = vocabulary if vocabulary is not None else Vocabulary()
         self.max_entry_bytes = max_entry_bytes
         self.max_batch = max_batch
         self._sessions: dict[str, _MemSession] = {}
         self._lock = anyio.Lock()
+        self._pending: dict[tuple[str, str], int] = {}  # (session, object name) -> upload start
         self._subscribers: builtins.list[Any] = []
         self.events: builtins.list[tuple[str, dict[str, Any]]] = []
         # streamed answers' state, as lua/answer.lua keeps it: (session, answer) -> fields, expiry
@@ -178,20 +181,23 @@ class MemorySessionStore(StoreRules):
         if s.ttl_ms is not None:
             s.expires_at = self.clock() + s.ttl_ms
 
-    def _purge(self, session_id: str) -> None:
+    def _purge(self, session_id: str) -> builtins.list[tuple[str, _MemSession]]:
+        """Remove a session (and the hidden ancestors it was the last branch of): those removed."""
         s = self._sessions.pop(session_id, None)
         if s is None:
-            return
+            return []
         s.changed.set()
+        gone = [(session_id, s)]
         parent_id = s.header.parent
         if parent_id is not None:
             parent = self._sessions.get(parent_id)
             if parent is not None:
                 parent.kids.discard(session_id)
                 if parent.deleted and not parent.kids:
-                    self._purge(parent_id)
+                    gone += self._purge(parent_id)
                 elif not parent.kids:
                     self._touch(parent)  # an ephemeral parent kept for its branches expires again
+        return gone
 
     def _entries_of(self, session_id: str, lo: int, hi: int) -> builtins.list[Entry]:
         s = self._sessions[session_id]
@@ -341,9 +347,6 @@ class MemorySessionStore(StoreRules):
             s = self._get(session_id)
             if s is None:
                 return False
-            if not s.kids and s.cold and self.cold is not None:
-                with contextlib.suppress(Exception):  # what fails is left to the sweep
-                    await self.cold.drop(session_id, s.header.incarnation, s.cold)
             if s.kids:
                 s.deleted = True
                 s.draft = None
@@ -353,8 +356,25 @@ class MemorySessionStore(StoreRules):
                 old, s.changed = s.changed, anyio.Event()
                 old.set()
             else:
-                self._purge(session_id)
+                # its segments, and those of the hidden parents purged with it, go with them
+                for sid, gone in self._purge(session_id):
+                    if gone.cold and self.cold is not None:
+                        with contextlib.suppress(Exception):  # what fails is left to the sweep
+                            await self.cold.drop(sid, gone.header.incarnation, gone.cold)
             return True
+
+    async def drop_life_segments(self, session_id: str, incarnation: str) -> int:
+        """As `RedisSessionStore.drop_life_segments`: every segment object of a life that is over."""
+        validate_session_id(session_id)
+        s = self._sessions.get(session_id)
+        if s is not None and s.header.incarnation == incarnation:
+            raise ValueError(f"session {session_id!r}: the life {incarnation!r} is still there")
+        if self.cold is None:
+            return 0
+        keys = [info.key async for info in self.cold.objects.list(self.cold.life_dir(session_id, incarnation))]
+        for key in keys:
+            await self.cold.objects.delete(key)
+        return len(keys)
 
     async def swap_session(
         self,
@@ -821,16 +841,30 @@ class MemorySessionStore(StoreRules):
             raise SessionReplacedError(session_id, "archived while the session was replaced")
         return s if (encode_cold(s.cold) if s.cold else b"") == state.cold_raw else None
 
+    async def begin_upload(self, session_id: str, segment: ColdSegment) -> None:
+        validate_session_id(session_id)
+        self._pending[(session_id, segment_name(segment))] = now_ms()
+
+    async def pending_upload(self, session_id: str, name: str) -> int | None:
+        return self._pending.get((session_id, name))
+
+    async def release_upload(self, session_id: str, name: str) -> bool:
+        return self._pending.pop((session_id, name), None) is not None
+
     async def commit_archive(self, session_id: str, state: ColdState, segment: ColdSegment) -> str:
         validate_session_id(session_id)
         async with self._lock:
             s = self._committing(session_id, state)
             if s is None:
                 return "moved"
-            if segment.hi > s.n or segment.lo != cold_end(s.cold, s.header.at or 0):
+            hot = cold_end(s.cold, s.header.at or 0)
+            kept = [c for c in s.cold if c.hi <= segment.lo]  # a merge replaces those after
+            if segment.hi > s.n or segment.hi <= hot or segment.lo != cold_end(kept, s.header.at or 0):
                 raise SessionError(f"session {session_id!r}: the archived range is not the hot log's start")
-            s.cold = [*s.cold, segment]  # a new list: a read in flight keeps the one it took
-            for i in range(segment.lo, segment.hi):
+            if self._pending.pop((session_id, segment_name(segment)), None) is None:
+                return "expired"  # a sweep released the upload: it may delete the object
+            s.cold = [*kept, segment]  # a new list: a read in flight keeps the one it took
+            for i in range(hot, segment.hi):
                 del s.entries[i]
             return "done"
 

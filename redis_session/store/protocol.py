@@ -273,9 +273,26 @@ class ArchivableStore(SessionStore, Protocol):
         """The session's archive state (a hidden one's too, ``deleted``); None when absent."""
         ...
 
+    async def begin_upload(self, session_id: str, segment: ColdSegment) -> None:
+        """Record that `segment`'s object is about to be uploaded (before the upload): the sweep
+        never deletes a pending object, and `commit_archive` takes the pending record (refusing
+        with "expired" when a sweep released it first), so one of the two always wins."""
+        ...
+
+    async def pending_upload(self, session_id: str, name: str) -> int | None:
+        """When the upload of the object named `name` (its last key part) began, if pending."""
+        ...
+
+    async def release_upload(self, session_id: str, name: str) -> bool:
+        """Drop a pending record (a sweep taking a stale upload, or an archiver giving up): True
+        if this call removed it (its archiver can no longer commit that segment)."""
+        ...
+
     async def commit_archive(self, session_id: str, state: ColdState, segment: ColdSegment) -> str:
-        """Name `segment` (written, read back and verified) in the header and drop its entries
-        from the hot log."""
+        """Name `segment` (written, read back and verified, its upload pending) in the header and
+        drop its entries from the hot log. `segment` starts at the hot start, or at the start of
+        an archived segment it merges with the hot range (those it covers leave the cold list;
+        the caller deletes their objects after). "expired": its pending record was released."""
         ...
 
     async def commit_restore(self, session_id: str, state: ColdState, entries: list[Entry]) -> str:
