@@ -446,7 +446,8 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
         return out
 
     def delete(self) -> None:
-        """Delete the session (the store's delete; an empty history after)."""
+        """Delete the session (the store's delete; an empty history after): only the life this
+        history belongs to, else `SessionReplacedError`."""
         run_sync(lambda: self.adelete())
 
     # -- async API: on the caller's loop
@@ -460,5 +461,8 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
         await self._view().clear()
 
     async def adelete(self) -> None:
-        """Delete the session (the store's delete)."""
-        await self._view().log.store.delete(self.session_id)
+        """Delete the session (the store's delete): only the life this history belongs to
+        (`SessionReplacedError` when the id names another one now; nothing is deleted)."""
+        view = self._view()
+        async with view.lock:
+            await view.log.delete()

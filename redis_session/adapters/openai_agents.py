@@ -51,8 +51,11 @@ to), so importing it does not need the SDK; running agents does (the ``openai-ag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
-from collections.abc import Awaitable, Mapping, Sequence
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -78,6 +81,34 @@ _SUMMARY_ROLES = frozenset({"user", "assistant", "system", "developer"})
 __all__ = ["CLEAR_REASON", "COMPACTION_REASON", "ITEM", "POP", "RedisEventSession"]
 
 T = TypeVar("T")
+
+
+class _CallLock:
+    """Serialises the calls of one instance across tasks AND event loops (threads): a lock per
+    loop orders the tasks of that loop fairly; a thread lock, taken without blocking the loop,
+    orders the loops (an ``anyio.Lock`` is bound to one loop: two threads deadlocked on it)."""
+
+    def __init__(self) -> None:
+        self._thread = threading.Lock()
+        self._guard = threading.Lock()  # held only for the dict lookup below
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.Lock] = weakref.WeakKeyDictionary()
+
+    @contextlib.asynccontextmanager
+    async def __call__(self) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        with self._guard:  # a dict insert from several threads, under a short lock
+            local = self._loops.get(loop)
+            if local is None:
+                local = self._loops[loop] = anyio.Lock()
+        async with local:
+            pause = 0.0005
+            while not self._thread.acquire(blocking=False):
+                await anyio.sleep(pause)
+                pause = min(pause * 2, 0.01)
+            try:
+                yield
+            finally:
+                self._thread.release()
 
 
 async def _await_mutation(awaitable: Awaitable[T]) -> T:
@@ -196,7 +227,10 @@ class RedisEventSession:
         self._items: dict[int, dict[str, Any]] = {}  # n -> item, not popped (cut-hidden ones too)
         self._before = 0
         self._summary: list[dict[str, Any]] = []
-        self._lock = anyio.Lock()
+        self._lock = _CallLock()
+        # the log's n at the first get_items since this instance's last write: the history a
+        # compaction that follows summarised (`_atomic_replace_items`)
+        self._seen: int | None = None
         self._log = SessionLog(
             LoopStores(store),
             session_id,
@@ -286,10 +320,12 @@ class RedisEventSession:
         the latest `limit` items (none for a limit <= 0)."""
         if limit is None and self.session_settings is not None:
             limit = self.session_settings.limit
-        async with self._lock:
+        async with self._lock():
             self._check_open()
             await self._log.catch_up()
             items = [*self._summary, *(item for _, item in self._visible())]
+            if self._seen is None:
+                self._seen = self._log.n
         if limit is not None:
             items = items[-limit:] if limit > 0 else []
         return cast("list[TResponseInputItem]", copy.deepcopy(items))
@@ -300,12 +336,13 @@ class RedisEventSession:
         converted = _items_of(items)
         if not converted:
             return
-        async with self._lock:
+        async with self._lock():
             self._check_open()
             step = self._log.max_batch
             for lo in range(0, len(converted), step):
                 chunk = [NewEntry(ITEM, item) for item in converted[lo : lo + step]]
                 await self._log.write(partial(list, chunk), fresh=False)
+            self._seen = None
 
     async def pop_item(self) -> TResponseInputItem | None:
         """Hide the most recent item (an ``openai/pop`` tombstone) and return it; None if empty."""
@@ -320,9 +357,10 @@ class RedisEventSession:
             popped.append(item)
             return [NewEntry(POP, {"n": n})]
 
-        async with self._lock:
+        async with self._lock():
             self._check_open()
             await _await_mutation(self._log.write(build, fresh=True))
+            self._seen = None
         return cast("TResponseInputItem", copy.deepcopy(popped[0])) if popped else None
 
     async def clear_session(self) -> None:
@@ -334,9 +372,10 @@ class RedisEventSession:
             n = self._log.n
             return [NewEntry(CUT, {"before": n, "summary": [], "reason": CLEAR_REASON})]
 
-        async with self._lock:
+        async with self._lock():
             self._check_open()
             await _await_mutation(self._log.write(build, fresh=True))
+            self._seen = None
 
     async def _atomic_replace_items(self, items: list[TResponseInputItem]) -> bool:
         """The SDK's atomic replacement hook (``OpenAIResponsesCompactionSession`` calls it to
@@ -351,12 +390,17 @@ class RedisEventSession:
             return False
 
         def build() -> list[NewEntry]:
+            seen = self._seen
+            # The history was summarised as read at `seen`: items other writers added since (on
+            # the caught-up state) stay visible, after the summary, in their order.
+            later = [] if seen is None else [item for n, item in self._visible() if n >= seen]
             cut = NewEntry(CUT, {"before": self._log.n, "summary": [], "reason": COMPACTION_REASON})
-            return [cut, *(NewEntry(ITEM, item) for item in converted)]
+            return [cut, *(NewEntry(ITEM, item) for item in [*converted, *later])]
 
-        async with self._lock:
+        async with self._lock():
             self._check_open()
             await _await_mutation(self._log.write(build, fresh=True))
+            self._seen = None
         return True
 
     # ------------------------------------------------------------------ extras
@@ -373,7 +417,7 @@ class RedisEventSession:
     async def close(self) -> None:
         """Close the store if `from_url` opened it, and make every later call raise; a store
         passed in is the caller's to close (then this is a no-op, as in the SDK)."""
-        async with self._lock:
+        async with self._lock():
             if self._owned is None:
                 return
             self._closed = True
