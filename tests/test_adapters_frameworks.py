@@ -757,20 +757,28 @@ async def test_ttl_applies_to_the_session_an_object_creates_only(fstore: Any, Ev
 
 def test_one_session_from_two_threads_at_once(redis_url: str, prefix: str, Ev: Any) -> None:
     """Each thread runs its own event loop on one object (an anyio.Lock of one loop deadlocked
-    them): both finish, every item lands once."""
+    them): both finish, every item lands once, each batch whole; a LangChain history too."""
     import threading
+
+    require_extra("langchain_core", "langchain")
+    from langchain_core.messages import HumanMessage
+
+    from redis_session.adapters.langchain import RedisChatMessageHistory
 
     store = RedisSessionStore.from_url(redis_url, prefix=prefix)
     s = Ev("threads", store)
+    h = RedisChatMessageHistory("threads-lc", store)
     asyncio.run(s.add_items(_items("first")))
     errors: list[BaseException] = []
 
     def worker(k: int) -> None:
         try:
             for i in range(3):
-                asyncio.run(s.add_items([{"role": "user", "content": f"{k}-{i}-a"}, {"role": "user", "content": f"{k}-{i}-b"}]))
+                pair = [{"role": "user", "content": f"{k}-{i}-a"}, {"role": "user", "content": f"{k}-{i}-b"}]
+                asyncio.run(s.add_items(pair))
                 asyncio.run(s.get_items())
-        except BaseException as e:  # noqa: BLE001
+                asyncio.run(h.aadd_messages([HumanMessage(p["content"]) for p in pair]))
+        except BaseException as e:
             errors.append(e)
 
     ts = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(2)]
@@ -779,9 +787,12 @@ def test_one_session_from_two_threads_at_once(redis_url: str, prefix: str, Ev: A
     for t in ts:
         t.join(30)
     assert not any(t.is_alive() for t in ts) and not errors
-    got = _texts_of(asyncio.run(Ev("threads", RedisSessionStore.from_url(redis_url, prefix=prefix)).get_items()))
-    assert len(got) == 13 and len(set(got)) == 13
+    fresh = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    got = _texts_of(asyncio.run(Ev("threads", fresh).get_items()))
+    lc = [m.content for m in RedisChatMessageHistory("threads-lc", fresh).messages]
+    assert len(got) == 13 and len(set(got)) == 13 and len(lc) == 12 and len(set(lc)) == 12
     for k in range(2):
         for i in range(3):
             assert got[got.index(f"{k}-{i}-a") + 1] == f"{k}-{i}-b"
+            assert lc[lc.index(f"{k}-{i}-a") + 1] == f"{k}-{i}-b"
     _cleanup_sync(redis_url, prefix)

@@ -345,7 +345,8 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
     `store` is a `SessionStore` or a `Sessions` service. As in langchain-redis: `key_prefix`
     starts the session's id (``key_prefix + session_id``; any length, as long as the whole id
     stays a valid session id of at most 256 characters), `ttl` (seconds; 0 or None: never) makes
-    a session this history creates expire `ttl` after its last write, `id` is the session id, ``len(history)``
+    a session this history creates expire `ttl` after its last write (a session that exists
+    already keeps its own expiry: the store has no call that changes it), `id` is the session id, ``len(history)``
     counts the messages, `search_messages` finds messages by text and `delete` removes the
     session. `origin` goes into the header of the session when this history creates it.
 

@@ -24,8 +24,10 @@ url=..., redis_kwargs=..., key_prefix=..., ttl=..., session_settings=...)`` or
 ``RedisEventSession(session_id, redis_client=client, key_prefix=...)`` (``key_prefix`` is the
 store's key prefix; ``rs`` by default, so every redis-session reader finds the session).
 
-``ttl`` (seconds, as in the SDK) makes the session ephemeral: every key of it expires ``ttl``
-after its last write. ``pop_item``, ``clear_session`` and the replacement finish their write even
+``ttl`` (seconds, as in the SDK) makes a session this instance creates ephemeral: every key of
+it expires ``ttl`` after its last write. Unlike the SDK's ``RedisSession``, a session that exists
+already keeps its own expiry (a session is ephemeral or not from its creation; the store has no
+call that changes it), so a ``ttl`` never makes another tool's durable session expire. ``pop_item``, ``clear_session`` and the replacement finish their write even
 when the caller is cancelled (the cancellation is raised once the write has landed, as the SDK
 does), so a call never stops between the store's commit and this instance's view of it. After
 ``close()`` of a session built by ``from_url``, every call raises ``RuntimeError``. An item that
@@ -41,8 +43,17 @@ was only deleted (or expired) reads as empty, and the next write starts a new on
 ``get_items`` folds those: the items of the entries with n >= the last cut's ``before`` that no
 pop hid (after a compaction by another tool, the cut's ``summary`` messages come first, as
 ``{role, content}`` items). Every write is an expected-n append: concurrent writers (other pods,
-other instances) conflict, catch up and retry, so none of their items are lost or reordered
-within a call; ``pop_item`` pops exactly the item it returns, even while others append. The SDK's
+other instances) conflict, catch up and retry, so none of their items are lost, doubled or
+reordered within a call (a batch lands whole); the SDK's ``Session`` has no notion of a conflict
+(the Runner's ``add_items`` must not fail), so two turns run at once on one session are NOT
+serialised: their batches land in the order they arrive (``[q0, q1, a1, a0]``). Run one turn
+at a time per session (a lease, a queue) when the order matters. ``pop_item`` pops exactly the
+item it returns, even while others append. A write whose reply was lost is re-sent with its
+idempotency key until the store's socket timeout; when it gives up, the
+``StoreUnavailableError`` says the write may have landed, and the caller's retry of the same call
+on the same instance is that same write (it lands once; a retried ``pop_item`` pops once). A
+compaction (``_atomic_replace_items``) keeps the items other writers added after the history it
+summarised was read, after the summary. The SDK's
 own ``RedisSession`` has neither the expected-n check nor the audit trail. The session is created
 on the first write. It satisfies the protocol structurally (as the SDK asks third-party sessions
 to), so importing it does not need the SDK; running agents does (the ``openai-agents`` extra).
@@ -201,8 +212,9 @@ class RedisEventSession:
     ``redis.asyncio`` client the caller keeps and closes) with `key_prefix` (the store's prefix,
     ``rs`` by default). `session_settings` (an ``agents.memory.SessionSettings`` or a dict;
     ``SessionSettings()`` by default, as in the SDK) gives the default ``limit`` of `get_items`.
-    `ttl` (seconds) makes a session this instance creates ephemeral. Calls on one instance are
-    serialised; several instances (or pods) may share a session.
+    `ttl` (seconds) makes a session this instance creates ephemeral (one that exists already
+    keeps its own expiry). Calls on one instance are serialised, across tasks and threads;
+    several instances (or pods) may share a session.
     """
 
     def __init__(
