@@ -64,9 +64,7 @@ def clone_store(store: Any) -> Any:
     )
 
 
-_homes: weakref.WeakKeyDictionary[Any, dict[str, weakref.ref[asyncio.AbstractEventLoop]]] = (
-    weakref.WeakKeyDictionary()
-)
+_homes: weakref.WeakKeyDictionary[Any, dict[str, weakref.ref[asyncio.AbstractEventLoop]]] = weakref.WeakKeyDictionary()
 _homes_lock = threading.Lock()
 
 

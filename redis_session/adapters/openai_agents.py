@@ -24,15 +24,16 @@ url=..., redis_kwargs=..., key_prefix=..., ttl=..., session_settings=...)`` or
 ``RedisEventSession(session_id, redis_client=client, key_prefix=...)`` (``key_prefix`` is the
 store's key prefix; ``rs`` by default, so every redis-session reader finds the session).
 
-``ttl`` (seconds, as in the SDK) makes a session this instance creates ephemeral: every key of
-it expires ``ttl`` after its last write. Unlike the SDK's ``RedisSession``, a session that exists
+``ttl`` (seconds, as in the SDK) makes a session this instance creates ephemeral: every key of it
+expires ``ttl`` after its last write. Unlike the SDK's ``RedisSession``, a session that exists
 already keeps its own expiry (a session is ephemeral or not from its creation; the store has no
 call that changes it), so a ``ttl`` never makes another tool's durable session expire.
-``pop_item``, ``clear_session`` and the replacement finish their write even when the caller
-is cancelled (the cancellation is raised once the write has landed, as the SDK does), so a call never stops between the store's commit and this instance's view of it. After
-``close()`` of a session built by ``from_url``, every call raises ``RuntimeError``. An item that
-is not JSON raises ``TypeError``, as in the SDK. One session works from several event loops
-(``Runner.run_sync`` next to ``asyncio.run``): each loop gets its own connections.
+``pop_item``, ``clear_session`` and the replacement finish their write even when the caller is
+cancelled (the cancellation is raised once the write has landed, as the SDK does), so a call never
+stops between the store's commit and this instance's view of it. After ``close()`` of a session
+built by ``from_url``, every call raises ``RuntimeError``. An item that is not JSON raises
+``TypeError``, as in the SDK. One session works from several event loops (``Runner.run_sync`` next
+to ``asyncio.run``): each loop gets its own connections.
 
 A session object belongs to one life of its id: the incarnation it first sees is checked by the
 store on every read and write, so once the id is deleted and created again by someone else (a
