@@ -637,6 +637,36 @@ async def test_the_callers_retry_after_the_resends_gave_up_lands_once(
     assert n == (4 if op == "aadd_messages" else 5)
 
 
+async def test_a_retry_of_a_call_torn_between_batches_writes_each_batch_once(
+    fstore: Any, Ev: Any, short_resends: None
+) -> None:
+    """add_items of 5 items in batches of 2: the second batch's reply stays lost; the caller's
+    retry goes on from that batch (the first is not written again)."""
+    from redis_session.errors import StoreUnavailableError
+
+    flaky = _LosesReplies(fstore)
+    flaky.max_batch = 2
+    s = Ev("torn", flaky)
+    texts = [f"m{i}" for i in range(5)]
+    sent = 0
+
+    async def put(*args: Any, **kwargs: Any) -> Any:
+        nonlocal sent
+        sent += 1
+        out = await fstore.put(*args, **kwargs)
+        if sent >= 2 and flaky.lose:
+            raise StoreUnavailableError("reply lost")
+        return out
+
+    flaky.put = put  # type: ignore[method-assign]
+    flaky.lose = 1
+    with pytest.raises(StoreUnavailableError):
+        await s.add_items(_items(*texts))
+    flaky.lose = 0
+    await s.add_items(_items(*texts))
+    assert _texts_of(await Ev("torn", fstore).get_items()) == texts
+
+
 async def test_a_retry_after_the_write_was_read_back_is_still_recognised(
     fstore: Any, Ev: Any, short_resends: None
 ) -> None:

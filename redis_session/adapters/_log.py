@@ -23,6 +23,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
 import anyio
@@ -172,6 +173,7 @@ class SessionLog:
         self._of: str | None = None  # the life the folded state is of (None: nothing folded yet)
         self._nonce = uuid.uuid4().hex  # this log's part of its writes' idempotency keys
         self._pending: _Pending | None = None
+        self._unfinished: tuple[str, list[Any], int] | None = None  # see `append`
         vocabulary = self._store.vocabulary
         for t in mark_types:
             # The adapter's own mark types, registered as "any JSON object" so a strict
@@ -327,6 +329,25 @@ class SessionLog:
             return stored
         assert last is not None
         raise last
+
+    async def append(self, entry_type: str, datas: Sequence[Any]) -> None:
+        """Append one `entry_type` entry per item of `datas`, in order, one expected-n write per
+        store batch. When a batch fails after earlier ones landed, the call is remembered: the
+        caller's retry of it (the same items) goes on from the batch that failed (re-sent as
+        that write, see `write`), so the batches that landed are not written again."""
+        items = list(datas)
+        step = self.max_batch
+        start = 0
+        unfinished, self._unfinished = self._unfinished, None
+        if unfinished is not None and unfinished[0] == entry_type and unfinished[1] == items:
+            start = unfinished[2]
+        for lo in range(start, len(items), step):
+            chunk = [NewEntry(entry_type, d) for d in items[lo : lo + step]]
+            try:
+                await self.write(partial(list, chunk), fresh=False)
+            except StoreUnavailableError:
+                self._unfinished = (entry_type, items, lo)
+                raise
 
     async def _retry_pending(self, build: Callable[[], Sequence[NewEntry]]) -> list[Entry] | None:
         """The caller's retry of the write whose outcome is unknown: re-sent as it was (the

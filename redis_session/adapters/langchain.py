@@ -35,7 +35,6 @@ import asyncio
 import json
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -324,10 +323,7 @@ class _View:
         if not data:
             return
         async with self.lock:
-            step = self.log.max_batch
-            for lo in range(0, len(data), step):
-                chunk = [NewEntry("message", d) for d in data[lo : lo + step]]
-                await self.log.write(partial(list, chunk), fresh=False)
+            await self.log.append("message", data)
 
     async def clear(self) -> None:
         def build() -> list[NewEntry]:

@@ -68,7 +68,6 @@ import copy
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
@@ -351,10 +350,7 @@ class RedisEventSession:
             return
         async with self._lock():
             self._check_open()
-            step = self._log.max_batch
-            for lo in range(0, len(converted), step):
-                chunk = [NewEntry(ITEM, item) for item in converted[lo : lo + step]]
-                await self._log.write(partial(list, chunk), fresh=False)
+            await self._log.append(ITEM, converted)
             self._seen = None
 
     async def pop_item(self) -> TResponseInputItem | None:
