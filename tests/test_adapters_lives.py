@@ -272,6 +272,18 @@ async def test_langchain_delete_then_a_new_conversation_on_the_same_object(store
     assert [m.content for m in await h.aget_messages()] == ["new"]
 
 
+async def test_store_delete_with_an_incarnation_deletes_only_that_life(store: Any) -> None:
+    """The guard the histories' delete relies on: checked by the store, atomically."""
+    first = await store.create(SessionHeader(id="G"), [_message("life-1")])
+    await _recreate(store, "G", [_message("life-2")])
+    with pytest.raises(SessionReplacedError):
+        await store.delete("G", incarnation=first.header.incarnation)
+    assert [e.data["content"] for e in await store.read("G")] == ["life-2"]
+    assert await store.delete("G", incarnation=(await store.head("G")).header.incarnation)
+    assert await store.head("G") is None
+    assert not await store.delete("G", incarnation=first.header.incarnation)  # absent: nothing to refuse
+
+
 @pytest.mark.parametrize("face", ["adelete", "delete"])
 async def test_langchain_a_stale_history_never_deletes_the_new_life(store: Any, History: Any, face: str) -> None:
     """Pod B deleted the id and started another conversation on it: A's delete (either face)

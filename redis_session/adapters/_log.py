@@ -387,15 +387,13 @@ class SessionLog:
             raise
 
     async def delete(self) -> bool:
-        """Delete the pinned life of the id (the store's delete): `SessionReplacedError` when the
-        id names another life now (nothing is deleted); False when nothing is there."""
-        store = self.store
+        """Delete the pinned life of the id (the store's delete, guarded by the incarnation):
+        `SessionReplacedError` when the id names another life now (nothing is deleted); False
+        when nothing is there. An object that never saw a life deletes whichever is there."""
         pin = self._align()
-        head = await store.head(self.session_id)
-        if head is None:
-            return False
-        if pin is not None and head.header.incarnation != pin:
-            raise self._replaced("nothing was deleted")
-        deleted = await store.delete(self.session_id)
+        try:
+            deleted = await self.store.delete(self.session_id, incarnation=pin)
+        except SessionReplacedError:
+            raise self._replaced("nothing was deleted") from None
         self._ended()
         return deleted
