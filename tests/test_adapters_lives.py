@@ -349,3 +349,15 @@ async def test_adapter_writes_land_once_when_replies_are_lost(tmp_path: Any, Ev:
                 await direct.aclose()
     finally:
         server.stop()
+
+
+def test_lost_replies_are_resent_for_as_long_as_the_store_waits_for_one(redis_url: str) -> None:
+    """The resend window is the store's socket timeout (capped), else a default."""
+    from redis_session import MemorySessionStore, RedisSessionStore
+    from redis_session.adapters._log import DEFAULT_RESEND_WINDOW, MAX_RESEND_WINDOW, resend_window
+
+    assert resend_window(RedisSessionStore.from_url(redis_url, client_options={"socket_timeout": 2})) == 2.0
+    assert resend_window(RedisSessionStore.from_url(redis_url, client_options={"socket_timeout": 99})) == (
+        MAX_RESEND_WINDOW
+    )
+    assert resend_window(MemorySessionStore()) == DEFAULT_RESEND_WINDOW

@@ -273,9 +273,11 @@ class SessionLog:
                 if head is None:
                     continue  # gone again (or hidden): try to create it once more
                 current = self.life.incarnation
-                if current is None or (lost and head.n == 0):
-                    # no life yet; or the reply of our create was lost and the id holds an
-                    # empty life (ours, or one created at that instant, nothing in it yet)
+                if current is None:
+                    current = self.life.adopt(head.header.incarnation)
+                elif lost and head.n == 0 and head.header.incarnation != current:
+                    # the reply of our create was lost and the id holds an empty life: ours
+                    # (or one created at that instant, with nothing in it yet)
                     current = head.header.incarnation
                     self.life.created(current)
                 if head.header.incarnation != current:
