@@ -1,15 +1,20 @@
 -- delete.lua: delete one session, or hide it (a tombstone) while live branches still read it.
 --
 -- KEYS[1..8] hdr, log, idem, proj, draft, kids, lease, live of the session  ({prefix}:{id}:*)
--- ARGV       none
+-- ARGV[1]    the incarnation to delete, or "" (whichever is current)
 --
 -- Returns {0}                                  absent (or already hidden)
+--         {3, incarnation}                      another life than ARGV[1]: nothing deleted
 --         {1, created_at}                       hidden: its branches keep reading its entries
 --         {2, created_at, parent or "", incarnation or "", cold or ""}
 --                                               deleted: every key gone (the caller deletes the
 --                                               archived segments `cold` names, else the sweep does)
 local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'created_at', 'parent', 'incarnation', 'cold')
 if not h[1] or h[2] then return {0} end
+if ARGV[1] and ARGV[1] ~= '' then
+  local inc = h[5] or ('legacy-' .. (h[3] or ''))
+  if inc ~= ARGV[1] then return {3, inc} end
+end
 if redis.call('ZCARD', KEYS[6]) > 0 then
   -- the tombstone is written last: a Redis user refused a DEL or PERSIST here (ACL) leaves the
   -- session visible, never hidden with half its keys

@@ -533,3 +533,296 @@ def test_close_of_a_from_url_session_used_on_several_loops(redis_url: str, prefi
         asyncio.run(finish())
     finally:
         _cleanup_sync(redis_url, prefix)
+
+
+# =========================================================================== lost replies, races, lives
+# (the outside review of the OpenAI Agents and LangChain adapters: each test is one of its findings)
+
+
+class _LosesReplies:
+    """A store whose writes run for real, then lose their reply (`StoreUnavailableError`, as a
+    cut connection does) while `lose` > 0: the write landed, the caller sees an error."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.vocabulary = inner.vocabulary
+        self.lose = 0
+        self.lose_creates = 0
+        self.sent = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def put(self, *args: Any, **kwargs: Any) -> Any:
+        from redis_session.errors import StoreUnavailableError
+
+        self.sent += 1
+        out = await self.inner.put(*args, **kwargs)
+        if self.lose:
+            self.lose -= 1
+            raise StoreUnavailableError("reply lost")
+        return out
+
+    async def create(self, *args: Any, **kwargs: Any) -> Any:
+        from redis_session.errors import StoreUnavailableError
+
+        out = await self.inner.create(*args, **kwargs)
+        if self.lose_creates:
+            self.lose_creates -= 1
+            raise StoreUnavailableError("reply lost")
+        return out
+
+
+@pytest.fixture
+def short_resends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resends give up after 0.3 s (the store's socket timeout otherwise: 10 s)."""
+    from redis_session.adapters import _log
+
+    monkeypatch.setattr(_log, "MAX_RESEND_WINDOW", 0.3)
+    monkeypatch.setattr(_log, "DEFAULT_RESEND_WINDOW", 0.3)
+
+
+def _texts_of(items: list[Any]) -> list[str]:
+    return [x["content"] if isinstance(x["content"], str) else x["content"][0]["text"] for x in items]
+
+
+async def test_a_short_outage_of_replies_is_outlasted_by_the_resends(fstore: Any, Ev: Any) -> None:
+    """Four lost replies in a row (< 1 s): the adapter keeps re-sending with one key, the call
+    returns, the item is stored once."""
+    flaky = _LosesReplies(fstore)
+    s = Ev("outage", flaky)
+    await s.add_items(_items("m0"))
+    flaky.lose = 4
+    await s.add_items(_items("m1"))
+    assert flaky.sent == 1 + 5
+    assert _texts_of(await Ev("outage", fstore).get_items()) == ["m0", "m1"]
+
+
+@pytest.mark.parametrize("op", ["add_items", "pop_item", "aadd_messages"])
+async def test_the_callers_retry_after_the_resends_gave_up_lands_once(
+    fstore: Any, Ev: Any, op: str, short_resends: None
+) -> None:
+    """The resends give up (the error says the write may have landed); the caller's retry of
+    the same call is the same write: one add, one pop."""
+    from redis_session.errors import StoreUnavailableError
+
+    flaky = _LosesReplies(fstore)
+    if op == "aadd_messages":
+        require_extra("langchain_core", "langchain")
+        from langchain_core.messages import HumanMessage
+
+        from redis_session.adapters.langchain import RedisChatMessageHistory
+
+        h = RedisChatMessageHistory("lost", flaky)
+        await h.aadd_messages([HumanMessage("h0"), HumanMessage("h1")])
+        call: Any = lambda: h.aadd_messages([HumanMessage("h2")])  # noqa: E731
+    else:
+        s = Ev("lost", flaky)
+        await s.add_items(_items("m0", "m1", "m2"))
+        call = (lambda: s.add_items(_items("m3"))) if op == "add_items" else s.pop_item
+    flaky.lose = 10_000
+    with pytest.raises(StoreUnavailableError, match="may have landed"):
+        await call()
+    flaky.lose = 0
+    await call()  # the caller's retry, once the network is back
+    if op == "aadd_messages":
+        back = RedisChatMessageHistory("lost", fstore)
+        assert [m.content for m in await back.aget_messages()] == ["h0", "h1", "h2"]
+    else:
+        want = ["m0", "m1", "m2", "m3"] if op == "add_items" else ["m0", "m1"]
+        assert _texts_of(await Ev("lost", fstore).get_items()) == want
+    # ... and the next call after the retry is a new write
+    await call()
+    n = (await fstore.head("lost")).n
+    assert n == (4 if op == "aadd_messages" else 5)
+
+
+async def test_a_retry_of_a_call_torn_between_batches_writes_each_batch_once(
+    fstore: Any, Ev: Any, short_resends: None
+) -> None:
+    """add_items of 5 items in batches of 2: the second batch's reply stays lost; the caller's
+    retry goes on from that batch (the first is not written again)."""
+    from redis_session.errors import StoreUnavailableError
+
+    flaky = _LosesReplies(fstore)
+    flaky.max_batch = 2
+    s = Ev("torn", flaky)
+    texts = [f"m{i}" for i in range(5)]
+    sent = 0
+
+    async def put(*args: Any, **kwargs: Any) -> Any:
+        nonlocal sent
+        sent += 1
+        out = await fstore.put(*args, **kwargs)
+        if sent >= 2 and flaky.lose:
+            raise StoreUnavailableError("reply lost")
+        return out
+
+    flaky.put = put  # type: ignore[method-assign]
+    flaky.lose = 1
+    with pytest.raises(StoreUnavailableError):
+        await s.add_items(_items(*texts))
+    flaky.lose = 0
+    await s.add_items(_items(*texts))
+    assert _texts_of(await Ev("torn", fstore).get_items()) == texts
+
+
+async def test_a_retry_after_the_write_was_read_back_is_still_recognised(
+    fstore: Any, Ev: Any, short_resends: None
+) -> None:
+    """The unknown add_items was read back (get_items folded it) before the caller retried:
+    the retry is re-sent at its n with its key, and lands nothing new."""
+    from redis_session.errors import StoreUnavailableError
+
+    flaky = _LosesReplies(fstore)
+    s = Ev("readback", flaky)
+    await s.add_items(_items("m0"))
+    flaky.lose = 10_000
+    with pytest.raises(StoreUnavailableError):
+        await s.add_items(_items("m1"))
+    flaky.lose = 0
+    assert _texts_of(await s.get_items()) == ["m0", "m1"]
+    await s.add_items(_items("m1"))
+    assert _texts_of(await s.get_items()) == ["m0", "m1"]
+
+
+async def test_two_objects_adding_equal_items_at_one_n_both_land(fstore: Any, Ev: Any) -> None:
+    """Keys are per object: pod B's equal item at the same n is not taken for A's retry."""
+    a, b = Ev("equal", fstore), Ev("equal", fstore)
+    await a.add_items(_items("m0"))
+    await b.get_items()
+    await a.add_items(_items("same"))
+    await b.add_items(_items("same"))  # stale n: conflicts, catches up, lands after A's
+    assert _texts_of(await Ev("equal", fstore).get_items()) == ["m0", "same", "same"]
+
+
+@pytest.mark.parametrize("framework", ["openai", "langchain"])
+async def test_the_creating_write_survives_a_lost_reply(fstore: Any, Ev: Any, framework: str) -> None:
+    """The create's reply is lost (the session exists, empty): re-sent, it finds the empty life
+    and the first write lands; also when the object's earlier life had ended."""
+    flaky = _LosesReplies(fstore)
+    flaky.lose_creates = 1
+    if framework == "langchain":
+        require_extra("langchain_core", "langchain")
+        from langchain_core.messages import HumanMessage
+
+        from redis_session.adapters.langchain import RedisChatMessageHistory
+
+        h = RedisChatMessageHistory("first", flaky)
+        add: Any = lambda t: h.aadd_messages([HumanMessage(t)])  # noqa: E731
+    else:
+        s = Ev("first", flaky)
+        add = lambda t: s.add_items(_items(t))  # noqa: E731
+    await add("one")
+    assert [e.data.get("content") for e in await fstore.read("first")] == ["one"]
+    assert await fstore.delete("first")  # the life ended: the next write starts a new one
+    flaky.lose_creates = 1
+    await add("two")
+    assert [e.data.get("content") for e in await fstore.read("first")] == ["two"]
+
+
+async def test_a_compaction_keeps_an_item_another_pod_added_during_the_request(fstore: Any, Ev: Any) -> None:
+    from agents.memory import OpenAIResponsesCompactionSession
+
+    a, b = Ev("race", fstore), Ev("race", fstore)
+    await a.add_items(_items("m0", "m1", "m2", "m3"))
+    summary = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "SUMMARY"}]}
+    seen: list[Any] = []
+
+    class Responses:
+        async def compact(self, **kwargs: Any) -> Any:
+            seen.append(kwargs.get("input"))
+            if len(seen) == 1:
+                await b.add_items(_items("B-new"))  # pod B, while the request is in flight
+            return SimpleNamespace(output=[summary], usage=None)
+
+    cs = OpenAIResponsesCompactionSession("race", a, client=SimpleNamespace(responses=Responses()), model="gpt-4.1")
+    await cs.run_compaction({"compaction_mode": "input", "force": True})
+    assert len(seen[0]) == 4
+    assert _texts_of(await Ev("race", fstore).get_items()) == ["SUMMARY", "B-new"]
+    assert _texts_of(await a.get_items()) == ["SUMMARY", "B-new"]
+    # with nobody writing meanwhile, the compaction replaces the whole history
+    await cs.run_compaction({"compaction_mode": "input", "force": True})
+    assert _texts_of(await Ev("race", fstore).get_items()) == ["SUMMARY"]
+
+
+async def test_two_concurrent_turns_keep_every_item_once_and_batches_whole(fstore: Any, Ev: Any) -> None:
+    """What the README promises for two turns on one session at once (the SDK's Session has no
+    conflict: the Runner's add_items must not fail): nothing lost, nothing doubled, each
+    add_items batch contiguous; the order between the turns is the order the writes arrive."""
+    await Ev("turns", fstore).add_items(_items("start"))
+    gate = asyncio.Event()
+
+    async def turn(k: int) -> None:
+        s = Ev("turns", fstore)
+        await s.get_items()
+        await s.add_items([{"role": "user", "content": f"q{k}-a"}, {"role": "user", "content": f"q{k}-b"}])
+        await gate.wait()
+        await s.add_items([{"role": "assistant", "content": f"a{k}"}])
+
+    tasks = [asyncio.create_task(turn(k)) for k in range(2)]
+    for _ in range(200):
+        if len(await fstore.read("turns")) == 5:
+            break
+        await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.gather(*tasks)
+    got = _texts_of(await Ev("turns", fstore).get_items())
+    assert sorted(got) == sorted(["start", "q0-a", "q0-b", "a0", "q1-a", "q1-b", "a1"])
+    for k in range(2):
+        i = got.index(f"q{k}-a")
+        assert got[i + 1] == f"q{k}-b"
+        assert got.index(f"a{k}") > i
+
+
+async def test_ttl_applies_to_the_session_an_object_creates_only(fstore: Any, Ev: Any) -> None:
+    """As documented: a session that exists keeps its own expiry (the store has no way to
+    change it); a session the object creates expires `ttl` after its last write."""
+    await Ev("kept", fstore).add_items(_items("a"))
+    await Ev("kept", fstore, ttl=1).add_items(_items("b"))
+    await let_pass(fstore, 1.5)
+    assert (await fstore.head("kept")).n == 2
+    assert "creates" in (Ev.__doc__ or "") and "exists" in (Ev.__init__.__doc__ or Ev.__doc__ or "")
+
+
+def test_one_session_from_two_threads_at_once(redis_url: str, prefix: str, Ev: Any) -> None:
+    """Each thread runs its own event loop on one object (an anyio.Lock of one loop deadlocked
+    them): both finish, every item lands once, each batch whole; a LangChain history too."""
+    import threading
+
+    require_extra("langchain_core", "langchain")
+    from langchain_core.messages import HumanMessage
+
+    from redis_session.adapters.langchain import RedisChatMessageHistory
+
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    s = Ev("threads", store)
+    h = RedisChatMessageHistory("threads-lc", store)
+    asyncio.run(s.add_items(_items("first")))
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(3):
+                pair = [{"role": "user", "content": f"{k}-{i}-a"}, {"role": "user", "content": f"{k}-{i}-b"}]
+                asyncio.run(s.add_items(pair))
+                asyncio.run(s.get_items())
+                asyncio.run(h.aadd_messages([HumanMessage(p["content"]) for p in pair]))
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert not any(t.is_alive() for t in ts) and not errors
+    fresh = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    got = _texts_of(asyncio.run(Ev("threads", fresh).get_items()))
+    lc = [m.content for m in RedisChatMessageHistory("threads-lc", fresh).messages]
+    assert len(got) == 13 and len(set(got)) == 13 and len(lc) == 12 and len(set(lc)) == 12
+    for k in range(2):
+        for i in range(3):
+            assert got[got.index(f"{k}-{i}-a") + 1] == f"{k}-{i}-b"
+            assert lc[lc.index(f"{k}-{i}-a") + 1] == f"{k}-{i}-b"
+    _cleanup_sync(redis_url, prefix)

@@ -272,6 +272,40 @@ async def test_langchain_delete_then_a_new_conversation_on_the_same_object(store
     assert [m.content for m in await h.aget_messages()] == ["new"]
 
 
+async def test_store_delete_with_an_incarnation_deletes_only_that_life(store: Any) -> None:
+    """The guard the histories' delete relies on: checked by the store, atomically."""
+    first = await store.create(SessionHeader(id="G"), [_message("life-1")])
+    await _recreate(store, "G", [_message("life-2")])
+    with pytest.raises(SessionReplacedError):
+        await store.delete("G", incarnation=first.header.incarnation)
+    assert [e.data["content"] for e in await store.read("G")] == ["life-2"]
+    assert await store.delete("G", incarnation=(await store.head("G")).header.incarnation)
+    assert await store.head("G") is None
+    assert not await store.delete("G", incarnation=first.header.incarnation)  # absent: nothing to refuse
+
+
+@pytest.mark.parametrize("face", ["adelete", "delete"])
+async def test_langchain_a_stale_history_never_deletes_the_new_life(store: Any, History: Any, face: str) -> None:
+    """Pod B deleted the id and started another conversation on it: A's delete (either face)
+    raises `SessionReplacedError` and the new conversation stays."""
+    from langchain_core.messages import HumanMessage
+
+    if face == "delete" and getattr(store, "cluster", False):
+        pytest.skip("the sync face clones the store for its loop: a cluster store has no clone yet")
+    a = History("S", store)
+    await a.aadd_messages([HumanMessage("life-1")])
+    await _recreate(store, "S", [_message("life-2")])
+    with pytest.raises(SessionReplacedError):
+        if face == "adelete":
+            await a.adelete()
+        else:
+            await asyncio.to_thread(a.delete)
+    assert [e.data["content"] for e in await store.read("S")] == ["life-2"]
+    fresh = History("S", store)  # an object on the new life deletes it
+    await fresh.adelete()
+    assert await store.head("S") is None
+
+
 # =========================================================================== a reply that never comes back
 
 
@@ -315,3 +349,15 @@ async def test_adapter_writes_land_once_when_replies_are_lost(tmp_path: Any, Ev:
                 await direct.aclose()
     finally:
         server.stop()
+
+
+def test_lost_replies_are_resent_for_as_long_as_the_store_waits_for_one(redis_url: str) -> None:
+    """The resend window is the store's socket timeout (capped), else a default."""
+    from redis_session import MemorySessionStore, RedisSessionStore
+    from redis_session.adapters._log import DEFAULT_RESEND_WINDOW, MAX_RESEND_WINDOW, resend_window
+
+    assert resend_window(RedisSessionStore.from_url(redis_url, client_options={"socket_timeout": 2})) == 2.0
+    assert resend_window(RedisSessionStore.from_url(redis_url, client_options={"socket_timeout": 99})) == (
+        MAX_RESEND_WINDOW
+    )
+    assert resend_window(MemorySessionStore()) == DEFAULT_RESEND_WINDOW

@@ -19,11 +19,15 @@ someone else meanwhile is refused.
 
 from __future__ import annotations
 
+import hashlib
+import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
+import msgspec
 
 from ..errors import (
     SessionAlreadyExistsError,
@@ -33,15 +37,71 @@ from ..errors import (
     StoreUnavailableError,
 )
 from ..keys import validate_session_id
-from ..model import Entry, NewEntry, SessionHeader
+from ..model import Entry, NewEntry, SessionHead, SessionHeader
 from ..retry import conflict_backoff
 from ..store import SessionStore
 from ._loops import LoopStores
 
 #: Attempts of one write under contention before the last conflict is raised.
 MAX_ATTEMPTS = 100
-#: Pauses (seconds) before re-sending a write whose reply was lost, with its idempotency key.
-LOST_REPLY_RETRIES = (0.05, 0.2, 0.5)
+#: Pauses (seconds) before re-sending a write whose reply was lost, with its idempotency key;
+#: the last one repeats until the store's socket timeout (`resend_window`) has passed.
+LOST_REPLY_PAUSES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0)
+#: The resend window when the store does not say its socket timeout (seconds), and its cap.
+DEFAULT_RESEND_WINDOW = 10.0
+MAX_RESEND_WINDOW = 30.0
+
+T = TypeVar("T")
+_encode = msgspec.json.Encoder()
+
+
+def resend_window(store: Any) -> float:
+    """How long (seconds) a write whose reply was lost is re-sent: the store's socket timeout
+    (a redis-py client's), else `DEFAULT_RESEND_WINDOW`; at most `MAX_RESEND_WINDOW`."""
+    client = getattr(store, "client", None)
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    timeout = kwargs.get("socket_timeout") if isinstance(kwargs, dict) else None
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        return DEFAULT_RESEND_WINDOW
+    return float(min(timeout, MAX_RESEND_WINDOW))
+
+
+async def resend(store: Any, call: Callable[[], Awaitable[T]], what: str) -> T:
+    """`call()`, re-sent after each lost reply (`StoreUnavailableError`) until the store's
+    timeout has passed; then the last error, saying that `what` may have landed."""
+    deadline = time.monotonic() + resend_window(store)
+    for i in range(1_000_000):
+        try:
+            return await call()
+        except StoreUnavailableError as e:
+            pause = LOST_REPLY_PAUSES[min(i, len(LOST_REPLY_PAUSES) - 1)]
+            if time.monotonic() + pause > deadline:
+                raise StoreUnavailableError(
+                    f"{e} ({what} may have landed: retry the same call on the same object, which "
+                    "re-sends it with its idempotency key, so it lands once)"
+                ) from e
+            await anyio.sleep(pause)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def batch_key(nonce: str, incarnation: str, n: int, entries: Sequence[NewEntry]) -> str:
+    """The idempotency key of a write: a function of the writing object (`nonce`), the life and
+    the n it is appended at, and its content, so a caller's retry of the same call is the same
+    write (and two objects writing equal entries at one n are not)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{nonce}|{incarnation}|{n}|".encode())
+    h.update(_encode.encode([(e.type, e.data, e.meta, e.surface, e.time) for e in entries]))
+    return h.hexdigest()
+
+
+class _Pending(NamedTuple):
+    """A write whose outcome is unknown (its reply was lost until the resends gave up)."""
+
+    incarnation: str
+    n: int
+    entries: Sequence[NewEntry]
+    key: str
 
 
 def resolve_store(store_or_sessions: Any) -> SessionStore:
@@ -111,6 +171,9 @@ class SessionLog:
         self._reset = reset
         self._exists = False
         self._of: str | None = None  # the life the folded state is of (None: nothing folded yet)
+        self._nonce = uuid.uuid4().hex  # this log's part of its writes' idempotency keys
+        self._pending: _Pending | None = None
+        self._unfinished: tuple[str, list[Any], int] | None = None  # see `append`
         vocabulary = self._store.vocabulary
         for t in mark_types:
             # The adapter's own mark types, registered as "any JSON object" so a strict
@@ -191,9 +254,20 @@ class SessionLog:
         pin = self._align()
         if self._exists and pin is not None:
             return pin
+        header = SessionHeader(id=self.session_id, origin=self._origin)
         for _ in range(MAX_ATTEMPTS):
+            lost = False
+
+            async def create() -> SessionHead:
+                nonlocal lost
+                try:
+                    return await store.create(header, ttl_ms=self.ttl_ms)
+                except StoreUnavailableError:
+                    lost = True  # it may have landed: a re-send may find our own create
+                    raise
+
             try:
-                created = await store.create(SessionHeader(id=self.session_id, origin=self._origin), ttl_ms=self.ttl_ms)
+                created = await resend(store, create, "the session's creation")
             except SessionAlreadyExistsError:
                 head = await store.head(self.session_id)
                 if head is None:
@@ -201,6 +275,11 @@ class SessionLog:
                 current = self.life.incarnation
                 if current is None:
                     current = self.life.adopt(head.header.incarnation)
+                elif lost and head.n == 0 and head.header.incarnation != current:
+                    # the reply of our create was lost and the id holds an empty life: ours
+                    # (or one created at that instant, with nothing in it yet)
+                    current = head.header.incarnation
+                    self.life.created(current)
                 if head.header.incarnation != current:
                     raise self._replaced("created again by another writer after this object's life ended") from None
             else:
@@ -217,11 +296,17 @@ class SessionLog:
         """Append what `build()` returns (called again after each conflict, against the caught-up
         state) at the current n, on the pinned life (`SessionReplacedError` on another one).
         `fresh` catches up first (for entries that depend on the log); otherwise the first
-        attempt is optimistic. An empty build writes nothing."""
+        attempt is optimistic. An empty build writes nothing.
+
+        A write whose reply stayed lost raises `StoreUnavailableError` (it may have landed) and
+        is remembered: the caller's retry of the same call (the same entries, built on the same
+        state) re-sends it at its n with its key, so it lands once (a pop pops once)."""
+        retried = await self._retry_pending(build)
+        if retried is not None:
+            return retried
         if fresh:
             await self.catch_up()
         store = self.store
-        key = uuid.uuid4().hex
         last: Exception | None = None
         for attempt in range(MAX_ATTEMPTS):
             self._align()
@@ -230,7 +315,7 @@ class SessionLog:
                 return []
             pin = await self._ensure_exists(store)
             try:
-                stored = await self._put(store, entries, key, pin)
+                stored = await self._put(store, pin, self.n, entries)
             except SessionReplacedError:
                 raise self._replaced("nothing was written") from None
             except SessionConflictError as e:
@@ -247,16 +332,70 @@ class SessionLog:
         assert last is not None
         raise last
 
-    async def _put(self, store: SessionStore, entries: Sequence[NewEntry], key: str, pin: str) -> list[Entry]:
-        """One expected-n put on the pinned life. A lost reply (`StoreUnavailableError`: the write
-        may have landed) is re-sent as it was, with its key, a few times: the store answers a
-        landed batch with what it wrote, so it lands once; the incarnation still refuses
-        another life."""
-        for pause in (*LOST_REPLY_RETRIES, None):
+    async def append(self, entry_type: str, datas: Sequence[Any]) -> None:
+        """Append one `entry_type` entry per item of `datas`, in order, one expected-n write per
+        store batch. When a batch fails after earlier ones landed, the call is remembered: the
+        caller's retry of it (the same items) goes on from the batch that failed (re-sent as
+        that write, see `write`), so the batches that landed are not written again."""
+        items = list(datas)
+        step = self.max_batch
+        start = 0
+        unfinished, self._unfinished = self._unfinished, None
+        if unfinished is not None and unfinished[0] == entry_type and unfinished[1] == items:
+            start = unfinished[2]
+        for lo in range(start, len(items), step):
+            chunk = [NewEntry(entry_type, d) for d in items[lo : lo + step]]
             try:
-                return await store.put(self.session_id, self.n, entries, idempotency_key=key, incarnation=pin)
+                await self.write(partial(list, chunk), fresh=False)
             except StoreUnavailableError:
-                if pause is None:
-                    raise
-                await anyio.sleep(pause)
-        raise AssertionError("unreachable")  # pragma: no cover
+                self._unfinished = (entry_type, items, lo)
+                raise
+
+    async def _retry_pending(self, build: Callable[[], Sequence[NewEntry]]) -> list[Entry] | None:
+        """The caller's retry of the write whose outcome is unknown: re-sent as it was (the
+        entries, n and key it was made with); None when this call is another write (or the
+        pending one was refused: then it did not land, and this call is an ordinary write)."""
+        pending, self._pending = self._pending, None
+        if pending is None or self._align() != pending.incarnation:
+            return None
+        entries = build()  # on the state it was built on, unless a read folded more since
+        if list(entries) != list(pending.entries):
+            return None
+        store = self.store
+        try:
+            stored = await self._put(store, pending.incarnation, pending.n, entries)
+        except (SessionConflictError, SessionNotFoundError):
+            return None  # it never landed, and the log moved on: an ordinary write
+        except SessionReplacedError:
+            raise self._replaced("nothing was written") from None
+        if stored and stored[0].n == self.n:
+            self._apply(stored)  # not folded yet (a read that folded it has moved n past it)
+        return stored
+
+    async def _put(self, store: SessionStore, pin: str, n: int, entries: Sequence[NewEntry]) -> list[Entry]:
+        """One expected-n put on the pinned life. A lost reply (`StoreUnavailableError`: the write
+        may have landed) is re-sent as it was, with its key, until the store's timeout: the store
+        answers a landed batch with what it wrote, so it lands once; the incarnation still
+        refuses another life. When the resends give up, the write is remembered (`write`)."""
+        key = batch_key(self._nonce, pin, n, entries)
+
+        async def put() -> list[Entry]:
+            return await store.put(self.session_id, n, entries, idempotency_key=key, incarnation=pin)
+
+        try:
+            return await resend(store, put, "the write")
+        except StoreUnavailableError:
+            self._pending = _Pending(pin, n, list(entries), key)
+            raise
+
+    async def delete(self) -> bool:
+        """Delete the pinned life of the id (the store's delete, guarded by the incarnation):
+        `SessionReplacedError` when the id names another life now (nothing is deleted); False
+        when nothing is there. An object that never saw a life deletes whichever is there."""
+        pin = self._align()
+        try:
+            deleted = await self.store.delete(self.session_id, incarnation=pin)
+        except SessionReplacedError:
+            raise self._replaced("nothing was deleted") from None
+        self._ended()
+        return deleted

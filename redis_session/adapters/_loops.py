@@ -64,14 +64,28 @@ def clone_store(store: Any) -> Any:
     )
 
 
+_homes: weakref.WeakKeyDictionary[Any, dict[str, weakref.ref[asyncio.AbstractEventLoop]]] = weakref.WeakKeyDictionary()
+_homes_lock = threading.Lock()
+
+
+def _home_of(store: Any) -> dict[str, weakref.ref[asyncio.AbstractEventLoop]]:
+    """The home record of `store` (see `LoopStores`), shared by every `LoopStores` of it."""
+    try:
+        with _homes_lock:
+            return _homes.setdefault(store, {})
+    except TypeError:  # not weakly referenceable (or unhashable): a record of its own
+        return {}
+
+
 class LoopStores:
     """The store to use on each event loop (see the module docstring)."""
 
     def __init__(self, store: SessionStore) -> None:
         self.store = store
         # {"home": weakref to the store's loop}: set once, by dict.setdefault (atomic), so the
-        # loops' threads agree on it without a lock
-        self._home: dict[str, weakref.ref[asyncio.AbstractEventLoop]] = {}
+        # loops' threads agree on it without a lock; one per store, shared by every LoopStores
+        # of it (two adapters on one store must agree on the loop its pool belongs to)
+        self._home = _home_of(store)
         self._clones: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SessionStore] = weakref.WeakKeyDictionary()
 
     def get(self) -> SessionStore:

@@ -35,7 +35,6 @@ import asyncio
 import json
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -324,10 +323,7 @@ class _View:
         if not data:
             return
         async with self.lock:
-            step = self.log.max_batch
-            for lo in range(0, len(data), step):
-                chunk = [NewEntry("message", d) for d in data[lo : lo + step]]
-                await self.log.write(partial(list, chunk), fresh=False)
+            await self.log.append("message", data)
 
     async def clear(self) -> None:
         def build() -> list[NewEntry]:
@@ -345,7 +341,8 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
     `store` is a `SessionStore` or a `Sessions` service. As in langchain-redis: `key_prefix`
     starts the session's id (``key_prefix + session_id``; any length, as long as the whole id
     stays a valid session id of at most 256 characters), `ttl` (seconds; 0 or None: never) makes
-    a session this history creates expire `ttl` after its last write, `id` is the session id, ``len(history)``
+    a session this history creates expire `ttl` after its last write (a session that exists
+    already keeps its own expiry: the store has no call that changes it), `id` is the session id, ``len(history)``
     counts the messages, `search_messages` finds messages by text and `delete` removes the
     session. `origin` goes into the header of the session when this history creates it.
 
@@ -446,7 +443,8 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
         return out
 
     def delete(self) -> None:
-        """Delete the session (the store's delete; an empty history after)."""
+        """Delete the session (the store's delete; an empty history after): only the life this
+        history belongs to, else `SessionReplacedError`."""
         run_sync(lambda: self.adelete())
 
     # -- async API: on the caller's loop
@@ -460,5 +458,8 @@ class RedisChatMessageHistory(BaseChatMessageHistory):
         await self._view().clear()
 
     async def adelete(self) -> None:
-        """Delete the session (the store's delete)."""
-        await self._view().log.store.delete(self.session_id)
+        """Delete the session (the store's delete): only the life this history belongs to
+        (`SessionReplacedError` when the id names another one now; nothing is deleted)."""
+        view = self._view()
+        async with view.lock:
+            await view.log.delete()

@@ -24,13 +24,16 @@ url=..., redis_kwargs=..., key_prefix=..., ttl=..., session_settings=...)`` or
 ``RedisEventSession(session_id, redis_client=client, key_prefix=...)`` (``key_prefix`` is the
 store's key prefix; ``rs`` by default, so every redis-session reader finds the session).
 
-``ttl`` (seconds, as in the SDK) makes the session ephemeral: every key of it expires ``ttl``
-after its last write. ``pop_item``, ``clear_session`` and the replacement finish their write even
-when the caller is cancelled (the cancellation is raised once the write has landed, as the SDK
-does), so a call never stops between the store's commit and this instance's view of it. After
-``close()`` of a session built by ``from_url``, every call raises ``RuntimeError``. An item that
-is not JSON raises ``TypeError``, as in the SDK. One session works from several event loops
-(``Runner.run_sync`` next to ``asyncio.run``): each loop gets its own connections.
+``ttl`` (seconds, as in the SDK) makes a session this instance creates ephemeral: every key of it
+expires ``ttl`` after its last write. Unlike the SDK's ``RedisSession``, a session that exists
+already keeps its own expiry (a session is ephemeral or not from its creation; the store has no
+call that changes it), so a ``ttl`` never makes another tool's durable session expire.
+``pop_item``, ``clear_session`` and the replacement finish their write even when the caller is
+cancelled (the cancellation is raised once the write has landed, as the SDK does), so a call never
+stops between the store's commit and this instance's view of it. After ``close()`` of a session
+built by ``from_url``, every call raises ``RuntimeError``. An item that is not JSON raises
+``TypeError``, as in the SDK. One session works from several event loops (``Runner.run_sync`` next
+to ``asyncio.run``): each loop gets its own connections.
 
 A session object belongs to one life of its id: the incarnation it first sees is checked by the
 store on every read and write, so once the id is deleted and created again by someone else (a
@@ -41,8 +44,17 @@ was only deleted (or expired) reads as empty, and the next write starts a new on
 ``get_items`` folds those: the items of the entries with n >= the last cut's ``before`` that no
 pop hid (after a compaction by another tool, the cut's ``summary`` messages come first, as
 ``{role, content}`` items). Every write is an expected-n append: concurrent writers (other pods,
-other instances) conflict, catch up and retry, so none of their items are lost or reordered
-within a call; ``pop_item`` pops exactly the item it returns, even while others append. The SDK's
+other instances) conflict, catch up and retry, so none of their items are lost, doubled or
+reordered within a call (a batch lands whole); the SDK's ``Session`` has no notion of a conflict
+(the Runner's ``add_items`` must not fail), so two turns run at once on one session are NOT
+serialised: their batches land in the order they arrive (``[q0, q1, a1, a0]``). Run one turn
+at a time per session (a lease, a queue) when the order matters. ``pop_item`` pops exactly the
+item it returns, even while others append. A write whose reply was lost is re-sent with its
+idempotency key until the store's socket timeout; when it gives up, the
+``StoreUnavailableError`` says the write may have landed, and the caller's retry of the same call
+on the same instance is that same write (it lands once; a retried ``pop_item`` pops once). A
+compaction (``_atomic_replace_items``) keeps the items other writers added after the history it
+summarised was read, after the summary. The SDK's
 own ``RedisSession`` has neither the expected-n check nor the audit trail. The session is created
 on the first write. It satisfies the protocol structurally (as the SDK asks third-party sessions
 to), so importing it does not need the SDK; running agents does (the ``openai-agents`` extra).
@@ -51,9 +63,11 @@ to), so importing it does not need the SDK; running agents does (the ``openai-ag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
-from collections.abc import Awaitable, Mapping, Sequence
-from functools import partial
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
@@ -78,6 +92,34 @@ _SUMMARY_ROLES = frozenset({"user", "assistant", "system", "developer"})
 __all__ = ["CLEAR_REASON", "COMPACTION_REASON", "ITEM", "POP", "RedisEventSession"]
 
 T = TypeVar("T")
+
+
+class _CallLock:
+    """Serialises the calls of one instance across tasks AND event loops (threads): a lock per
+    loop orders the tasks of that loop fairly; a thread lock, taken without blocking the loop,
+    orders the loops (an ``anyio.Lock`` is bound to one loop: two threads deadlocked on it)."""
+
+    def __init__(self) -> None:
+        self._thread = threading.Lock()
+        self._guard = threading.Lock()  # held only for the dict lookup below
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.Lock] = weakref.WeakKeyDictionary()
+
+    @contextlib.asynccontextmanager
+    async def __call__(self) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        with self._guard:  # a dict insert from several threads, under a short lock
+            local = self._loops.get(loop)
+            if local is None:
+                local = self._loops[loop] = anyio.Lock()
+        async with local:
+            pause = 0.0005
+            while not self._thread.acquire(blocking=False):
+                await anyio.sleep(pause)
+                pause = min(pause * 2, 0.01)
+            try:
+                yield
+            finally:
+                self._thread.release()
 
 
 async def _await_mutation(awaitable: Awaitable[T]) -> T:
@@ -170,8 +212,9 @@ class RedisEventSession:
     ``redis.asyncio`` client the caller keeps and closes) with `key_prefix` (the store's prefix,
     ``rs`` by default). `session_settings` (an ``agents.memory.SessionSettings`` or a dict;
     ``SessionSettings()`` by default, as in the SDK) gives the default ``limit`` of `get_items`.
-    `ttl` (seconds) makes a session this instance creates ephemeral. Calls on one instance are
-    serialised; several instances (or pods) may share a session.
+    `ttl` (seconds) makes a session this instance creates ephemeral (one that exists already
+    keeps its own expiry). Calls on one instance are serialised, across tasks and threads;
+    several instances (or pods) may share a session.
     """
 
     def __init__(
@@ -196,7 +239,10 @@ class RedisEventSession:
         self._items: dict[int, dict[str, Any]] = {}  # n -> item, not popped (cut-hidden ones too)
         self._before = 0
         self._summary: list[dict[str, Any]] = []
-        self._lock = anyio.Lock()
+        self._lock = _CallLock()
+        # the log's n at the first get_items since this instance's last write: the history a
+        # compaction that follows summarised (`_atomic_replace_items`)
+        self._seen: int | None = None
         self._log = SessionLog(
             LoopStores(store),
             session_id,
@@ -286,10 +332,12 @@ class RedisEventSession:
         the latest `limit` items (none for a limit <= 0)."""
         if limit is None and self.session_settings is not None:
             limit = self.session_settings.limit
-        async with self._lock:
+        async with self._lock():
             self._check_open()
             await self._log.catch_up()
             items = [*self._summary, *(item for _, item in self._visible())]
+            if self._seen is None:
+                self._seen = self._log.n
         if limit is not None:
             items = items[-limit:] if limit > 0 else []
         return cast("list[TResponseInputItem]", copy.deepcopy(items))
@@ -300,12 +348,10 @@ class RedisEventSession:
         converted = _items_of(items)
         if not converted:
             return
-        async with self._lock:
+        async with self._lock():
             self._check_open()
-            step = self._log.max_batch
-            for lo in range(0, len(converted), step):
-                chunk = [NewEntry(ITEM, item) for item in converted[lo : lo + step]]
-                await self._log.write(partial(list, chunk), fresh=False)
+            await self._log.append(ITEM, converted)
+            self._seen = None
 
     async def pop_item(self) -> TResponseInputItem | None:
         """Hide the most recent item (an ``openai/pop`` tombstone) and return it; None if empty."""
@@ -320,9 +366,10 @@ class RedisEventSession:
             popped.append(item)
             return [NewEntry(POP, {"n": n})]
 
-        async with self._lock:
+        async with self._lock():
             self._check_open()
             await _await_mutation(self._log.write(build, fresh=True))
+            self._seen = None
         return cast("TResponseInputItem", copy.deepcopy(popped[0])) if popped else None
 
     async def clear_session(self) -> None:
@@ -334,9 +381,10 @@ class RedisEventSession:
             n = self._log.n
             return [NewEntry(CUT, {"before": n, "summary": [], "reason": CLEAR_REASON})]
 
-        async with self._lock:
+        async with self._lock():
             self._check_open()
             await _await_mutation(self._log.write(build, fresh=True))
+            self._seen = None
 
     async def _atomic_replace_items(self, items: list[TResponseInputItem]) -> bool:
         """The SDK's atomic replacement hook (``OpenAIResponsesCompactionSession`` calls it to
@@ -351,12 +399,17 @@ class RedisEventSession:
             return False
 
         def build() -> list[NewEntry]:
+            seen = self._seen
+            # The history was summarised as read at `seen`: items other writers added since (on
+            # the caught-up state) stay visible, after the summary, in their order.
+            later = [] if seen is None else [item for n, item in self._visible() if n >= seen]
             cut = NewEntry(CUT, {"before": self._log.n, "summary": [], "reason": COMPACTION_REASON})
-            return [cut, *(NewEntry(ITEM, item) for item in converted)]
+            return [cut, *(NewEntry(ITEM, item) for item in [*converted, *later])]
 
-        async with self._lock:
+        async with self._lock():
             self._check_open()
             await _await_mutation(self._log.write(build, fresh=True))
+            self._seen = None
         return True
 
     # ------------------------------------------------------------------ extras
@@ -373,7 +426,7 @@ class RedisEventSession:
     async def close(self) -> None:
         """Close the store if `from_url` opened it, and make every later call raise; a store
         passed in is the caller's to close (then this is a no-op, as in the SDK)."""
-        async with self._lock:
+        async with self._lock():
             if self._owned is None:
                 return
             self._closed = True

@@ -1041,11 +1041,13 @@ class RedisSessionStore(StoreRules):
                 if cursor is None or len(items) >= limit:
                     return Page(items=items[:limit], cursor=cursor)
 
-    async def delete(self, session_id: str) -> bool:
+    async def delete(self, session_id: str, *, incarnation: str | None = None) -> bool:
         validate_session_id(session_id)
         with _io():
-            res = await self._eval("delete", self.keys.session_keys(session_id), [])
+            res = await self._eval("delete", self.keys.session_keys(session_id), [incarnation or ""])
             code = int(res[0])
+            if code == 3:
+                raise SessionReplacedError(session_id, f"it is incarnation {_s(res[1])} now; nothing was deleted")
             if code == 0:
                 # absent, or hidden already: a hidden one kept only by stale links goes now
                 await self.repair_links(session_id)

@@ -341,12 +341,16 @@ class MemorySessionStore(StoreRules):
         next_cursor = page[-1][0] if len(members) > limit else None
         return Page(items=[h for _, h in page], cursor=next_cursor)
 
-    async def delete(self, session_id: str) -> bool:
+    async def delete(self, session_id: str, *, incarnation: str | None = None) -> bool:
         validate_session_id(session_id)
         async with self._lock:
             s = self._get(session_id)
             if s is None:
                 return False
+            if incarnation is not None and s.header.incarnation != incarnation:
+                raise SessionReplacedError(
+                    session_id, f"it is incarnation {s.header.incarnation} now; nothing was deleted"
+                )
             if s.kids:
                 s.deleted = True
                 s.draft = None

@@ -64,7 +64,10 @@ class SessionStore(Protocol):
         self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
     ) -> Page[SessionHeader]: ...
 
-    async def delete(self, session_id: str) -> bool: ...
+    async def delete(self, session_id: str, *, incarnation: str | None = None) -> bool:
+        """Delete the session (False: absent); with `incarnation`, only that life of the id
+        (else `SessionReplacedError`, checked atomically: nothing is deleted)."""
+        ...
 
     async def links(self, session_id: str) -> tuple[builtins.list[str], builtins.list[str]]:
         """The branches linked to a session, live or deleted: ``(live, stale)`` child ids.
