@@ -378,10 +378,14 @@ def tail_cmd(
         raise CliError("--json prints entries: use it without --messages")
 
     async def main() -> None:
-        from .tailview import run_tail
+        from .tailview import TailPosition, run_tail
+
+        position = TailPosition()  # kept across the stores `_supervised` re-resolves
 
         async def body(store: Any) -> None:
-            await run_tail(store, session, start=start, messages=messages, console=out, as_json=as_json)
+            await run_tail(
+                store, session, start=start, messages=messages, console=out, as_json=as_json, position=position
+            )
 
         await _supervised(url, prefix, body)
 
