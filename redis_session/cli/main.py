@@ -42,8 +42,19 @@ server_app = typer.Typer(
 )
 app.add_typer(server_app, name="server")
 
+
+
+class _Stdout(Console):
+    """stdout's console: a reader closing the pipe raises `BrokenPipeError` (rich's default is
+    `SystemExit(1)`), which `main` turns into the one quiet exit every command shares."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(32, "Broken pipe")
+
+
 # piped output is never wrapped (soft_wrap); a terminal's width is used when there is one
-out = Console(soft_wrap=not sys.stdout.isatty())
+out = _Stdout(soft_wrap=not sys.stdout.isatty())
 err = Console(stderr=True, soft_wrap=True)
 
 UrlOpt = Annotated[
@@ -1198,13 +1209,45 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; turn every expected failure into one line and exit code 1."""
     try:
         code = app(args=argv, standalone_mode=False)
-    except SystemExit:
+        sys.stdout.flush()  # a closed pipe shows here for output still buffered
+    except SystemExit as e:
+        if _click_saw_closed_stdout(e):
+            _quiet_exit_on_closed_stdout()
         raise
     except BaseException as e:
+        if _closed_stdout(e):
+            _quiet_exit_on_closed_stdout()
         if _is_usage_error(e):
             _usage_error(e)
         _fail(e)
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+EXIT_CLOSED_STDOUT = 141
+"""The exit code of every command whose reader closed stdout (``| head``): 128 + SIGPIPE, what
+coreutils' commands exit with there; nothing is printed."""
+
+
+def _closed_stdout(e: BaseException) -> bool:
+    """A `BrokenPipeError` anywhere in `e` (task groups nest it in exception groups)."""
+    if isinstance(e, BaseExceptionGroup):
+        return any(_closed_stdout(x) for x in e.exceptions)
+    return isinstance(e, BrokenPipeError)
+
+
+def _click_saw_closed_stdout(e: SystemExit) -> bool:
+    """click turns an EPIPE out of a command into `sys.exit(1)` after wrapping stdout in its
+    (private) `PacifyFlushWrapper`; that wrapper is how it is told from a command's own exit 1."""
+    return e.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper"
+
+
+def _quiet_exit_on_closed_stdout() -> NoReturn:
+    # stdout goes to /dev/null, so that the interpreter's last flush of what is still buffered
+    # does not fail again ("Exception ignored ... BrokenPipeError", exit 120)
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    raise SystemExit(EXIT_CLOSED_STDOUT) from None
 
 
 def _is_usage_error(e: BaseException) -> bool:
