@@ -156,6 +156,38 @@ def test_bad_input_is_one_line_and_nonzero(redis_url: str, prefix: str, args: tu
     assert len(r.stderr.strip().splitlines()) <= 2  # one line (rich may wrap a long one)
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("compactor", "--summarizer", "no_such_mod_xq:summarize"), "cannot import module 'no_such_mod_xq'"),
+        (("compactor", "--summarizer", "os:no_such_fn"), "'os' has no attribute 'no_such_fn'"),
+        (("server", "start", "--port", "99999"), "--port"),
+        (("server", "start", "--port", "-1"), "--port"),
+        (("up", "--port", "99999"), "--port"),
+        (("demo", "--port", "99999", "--duration", "2"), "--port"),
+        (("projector", "--metrics-port", "99999"), "--metrics-port"),
+        (("compactor", "--metrics-port", "0", "--summarizer", "json:dumps"), "--metrics-port"),
+        (("gateway", "--port", "70000"), "--port"),
+    ],
+)
+def test_a_first_day_mistake_is_one_line_never_a_traceback(
+    prefix: str, tmp_path: Path, args: tuple[str, ...], needle: str
+) -> None:
+    """An unimportable summarizer, a missing function, an out-of-range port: each printed a 60-100
+    line traceback (`gateway --port 70000` even listened on 4464); now one line naming the cause,
+    refused before anything starts (no server is started in the empty data dir)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS")}
+    env["REDIS_SESSION_HOME"] = str(tmp_path / "home")
+    cmd = [sys.executable, "-m", "redis_session.cli", *args, "--prefix", prefix]
+    if args[0] == "server":
+        cmd = cmd[:-2]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+    assert not (tmp_path / "home" / "server.json").exists()
+
+
 def test_unreachable_server_is_one_line(prefix: str) -> None:
     r = cli("ls", url="redis://127.0.0.1:1/0", prefix=prefix, timeout=60)
     assert r.returncode == 1

@@ -79,6 +79,12 @@ TokensOpt = Annotated[
         "$REDIS_SESSION_TOKENS is read too.",
     ),
 ]
+# a TCP port at the option: out of range is a usage error naming the option (bind() would raise
+# OverflowError deep in a task group, and uvicorn would silently take the port modulo 65536)
+PORT_RANGE: dict[str, Any] = {"min": 0, "max": 65535}
+MetricsPortOpt = Annotated[
+    int | None, typer.Option(min=1, max=65535, help="Serve Prometheus metrics on this port (1-65535).")
+]
 T = TypeVar("T")
 
 
@@ -679,7 +685,10 @@ def projector_cmd(
     prefix: PrefixOpt = "rs",
     status: Annotated[bool, typer.Option("--status", help="Print lag and counters as JSON, then exit.")] = False,
     metrics_port: Annotated[
-        int | None, typer.Option(envvar="REDIS_SESSION_METRICS_PORT", help="Serve Prometheus metrics on this port.")
+        int | None,
+        typer.Option(
+            envvar="REDIS_SESSION_METRICS_PORT", min=1, max=65535, help="Serve Prometheus metrics on this port (1-65535)."
+        ),
     ] = None,
     metrics_addr: Annotated[str, typer.Option(help="Address of the metrics server.")] = "0.0.0.0",
     consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
@@ -743,7 +752,7 @@ def compactor_cmd(
     claim_idle_ms: Annotated[int, typer.Option(min=1, help="Retry failed/idle entries after.")] = 30_000,
     concurrency: Annotated[int, typer.Option(min=1, help="Sessions checked at once.")] = 4,
     feed_shards: Annotated[int, typer.Option(min=1, help="Change-feed shards (as the writers use).")] = 4,
-    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
+    metrics_port: MetricsPortOpt = None,
     from_start: Annotated[
         bool,
         typer.Option(
@@ -848,7 +857,9 @@ def archive_cmd(
     ] = False,
     group: Annotated[str, typer.Option(help="Consumer group (--worker).")] = "archiver",
     consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port (--worker).")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(min=1, max=65535, help="Serve Prometheus metrics on this port (--worker).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Move old entries into the cold tier (object storage): one session, a policy pass, --worker, or --sweep."""
@@ -942,7 +953,7 @@ def gateway_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     host: str = "127.0.0.1",
-    port: int = 8765,
+    port: Annotated[int, typer.Option(**PORT_RANGE, help="Port (0: any free one).")] = 8765,
     token: Annotated[
         str | None, typer.Option(help="Bearer token with every scope (default: $REDIS_SESSION_TOKEN).")
     ] = None,
@@ -1043,7 +1054,7 @@ def up_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     host: str = "127.0.0.1",
-    port: int = 8765,
+    port: Annotated[int, typer.Option(**PORT_RANGE, help="Port (0: any free one).")] = 8765,
     tokens: TokensOpt = None,
 ) -> None:
     """Server + projector + gateway in the foreground, for local development."""
@@ -1078,7 +1089,7 @@ def demo_cmd(
     prefix: PrefixOpt = "demo",
     duration: Annotated[float, typer.Option(min=1.0, help="Seconds of simulated traffic.")] = 20.0,
     pods: Annotated[int, typer.Option(min=1, max=64, help="Simulated agent pods.")] = 4,
-    port: Annotated[int, typer.Option(help="Gateway port (0: no gateway).")] = 8765,
+    port: Annotated[int, typer.Option(**PORT_RANGE, help="Gateway port (0: no gateway).")] = 8765,
     quiet: Annotated[bool, typer.Option("--quiet", help="No live tail, summary only.")] = False,
 ) -> None:
     """The main job: pods writing concurrent sessions, a projector, the gateway, a live tail."""
@@ -1096,7 +1107,8 @@ def demo_cmd(
 def server_start(
     data_dir: DirOpt = None,
     port: Annotated[
-        int | None, typer.Option(help="Port (default: $REDIS_SESSION_PORT, else 6390; a free one if taken).")
+        int | None,
+        typer.Option(**PORT_RANGE, help="Port (0: any free one; default: $REDIS_SESSION_PORT, else 6390; a free one if taken)."),
     ] = None,
 ) -> None:
     """Start (or find) the embedded server and print its URL."""
