@@ -768,6 +768,9 @@ async def test_tail_json_carries_the_deltas_of_a_streamed_answer(
 def _tail_proc(home: Path, *args: str) -> Any:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS")}
     env["REDIS_SESSION_HOME"] = str(home)
+    # the tail looks for a moved server every 4 s: what the test writes right after the move
+    # lands (nearly always) before the tail has reconnected — the case that lost or repeated entries
+    env["REDIS_SESSION_WATCH_INTERVAL"] = "4"
     cmd = [sys.executable, "-m", "redis_session.cli", "tail", *args, "--json"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

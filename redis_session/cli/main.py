@@ -207,7 +207,7 @@ async def _supervised(url: str | None, prefix: str, body: Callable[[Any], Awaita
 
 
 GONE_GRACE = float(os.environ.get("REDIS_SESSION_GONE_GRACE") or 10.0)
-WATCH_INTERVAL = 1.0
+WATCH_INTERVAL = float(os.environ.get("REDIS_SESSION_WATCH_INTERVAL") or 1.0)  # seconds between looks
 
 
 async def _watch_embedded(data_dir: Path, url: str) -> str:
