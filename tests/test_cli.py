@@ -240,6 +240,33 @@ def test_demo_runs_on_the_embedded_server_and_leaves_consistent_sessions(tmp_pat
         cli("server", "stop", "--data-dir", str(tmp_path / ".redis-session"))
 
 
+def test_piped_demo_prints_each_entry_whole_in_log_order(tmp_path: Path) -> None:
+    """`demo | cat` printed a streamed answer before the question it answers, split around other
+    entries, two answers glued on one line. Piped, each session block is whole entries in log
+    order: every line `#n …`, n increasing, the first user message before any answer."""
+    try:
+        local = ("--dir", ".redis-session")
+        r = cli(*local, "demo", "--duration", "3", "--pods", "1", "--port", "0", cwd=tmp_path, timeout=180)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    finally:
+        cli("server", "stop", "--data-dir", str(tmp_path / ".redis-session"))
+    blocks: list[list[str]] = []
+    for line in r.stdout.split("summary")[0].splitlines():
+        if line.startswith("─"):
+            blocks.append([])
+        elif blocks and line.strip():
+            blocks[-1].append(line)
+    assert any(blocks), r.stdout
+    for block in filter(None, blocks):  # (a session begun at the deadline has no turn)
+        assert all(line.startswith("#") for line in block), block
+        ns = [int(line[1:].split()[0]) for line in block]
+        assert ns == sorted(set(ns)), block
+        roles = [line.split()[1] for line in block]
+        assert roles[0] == "user", block  # the question, then its answer
+        answers = [line for line in block if line.split()[1] == "assistant"]
+        assert all(line.count("#") <= 2 for line in answers)  # never two answers glued on one line
+
+
 def _nanobot_file(path: Path, key: str, *, broken: bool = False) -> None:
     rows = [
         json.dumps({"_type": "metadata", "key": key, "metadata": {}}),
