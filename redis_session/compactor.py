@@ -222,7 +222,9 @@ def load_summarizer(spec: str) -> Summarizer:
     try:
         obj: Any = importlib.import_module(mod)
     except ImportError as e:  # a typo, or a file not on the path: the one-line error the CLI prints
-        raise ValueError(f"summarizer {spec!r}: cannot import module {mod!r} ({e}; is its folder on PYTHONPATH?)") from e
+        raise ValueError(
+            f"summarizer {spec!r}: cannot import module {mod!r} ({e}; is its folder on PYTHONPATH?)"
+        ) from e
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"summarizer {spec!r}: {mod!r} has no attribute {part!r}")

@@ -290,7 +290,9 @@ def check_tool_calls(tool_calls: Sequence[OpenAIToolCall] | None, content: Any) 
             try:
                 ids.append(msgspec.convert(b, ToolCallBlock).id)
             except msgspec.ValidationError as e:
-                raise ValueError(f"content[{i}] is a malformed tool-call block: {e} (accepted: {TOOL_CALL_BLOCK_SHAPE})") from None
+                raise ValueError(
+                    f"content[{i}] is a malformed tool-call block: {e} (accepted: {TOOL_CALL_BLOCK_SHAPE})"
+                ) from None
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
         raise ValueError(f"tool call ids must be unique within a message: {', '.join(map(repr, repeated))} repeats")

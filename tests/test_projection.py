@@ -150,7 +150,10 @@ def test_a_malformed_tool_calls_is_refused_showing_the_accepted_shape(data: dict
 
 
 _MALFORMED_CALLS = {
-    "repeated-id": ({"content": None, "tool_calls": [_CALL, {**_CALL, "function": {"name": "g", "arguments": "{}"}}]}, "unique"),
+    "repeated-id": (
+        {"content": None, "tool_calls": [_CALL, {**_CALL, "function": {"name": "g", "arguments": "{}"}}]},
+        "unique",
+    ),
     "repeated-across-block-and-tool_calls": (
         {"content": [{"type": "tool-call", "id": _CALL["id"], "name": "f", "arguments": "{}"}], "tool_calls": [_CALL]},
         "unique",

@@ -43,7 +43,6 @@ server_app = typer.Typer(
 app.add_typer(server_app, name="server")
 
 
-
 class _Stdout(Console):
     """stdout's console: a reader closing the pipe raises `BrokenPipeError` (rich's default is
     `SystemExit(1)`), which `main` turns into the one quiet exit every command shares."""
@@ -687,7 +686,10 @@ def projector_cmd(
     metrics_port: Annotated[
         int | None,
         typer.Option(
-            envvar="REDIS_SESSION_METRICS_PORT", min=1, max=65535, help="Serve Prometheus metrics on this port (1-65535)."
+            envvar="REDIS_SESSION_METRICS_PORT",
+            min=1,
+            max=65535,
+            help="Serve Prometheus metrics on this port (1-65535).",
         ),
     ] = None,
     metrics_addr: Annotated[str, typer.Option(help="Address of the metrics server.")] = "0.0.0.0",
@@ -1108,7 +1110,9 @@ def server_start(
     data_dir: DirOpt = None,
     port: Annotated[
         int | None,
-        typer.Option(**PORT_RANGE, help="Port (0: any free one; default: $REDIS_SESSION_PORT, else 6390; a free one if taken)."),
+        typer.Option(
+            **PORT_RANGE, help="Port (0: any free one; default: $REDIS_SESSION_PORT, else 6390; a free one if taken)."
+        ),
     ] = None,
 ) -> None:
     """Start (or find) the embedded server and print its URL."""
