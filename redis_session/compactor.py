@@ -219,8 +219,15 @@ def load_summarizer(spec: str) -> Summarizer:
     mod, sep, attr = spec.partition(":")
     if not sep or not mod or not attr:
         raise ValueError(f"summarizer must be given as module:function, got {spec!r}")
-    obj: Any = importlib.import_module(mod)
+    try:
+        obj: Any = importlib.import_module(mod)
+    except ImportError as e:  # a typo, or a file not on the path: the one-line error the CLI prints
+        raise ValueError(
+            f"summarizer {spec!r}: cannot import module {mod!r} ({e}; is its folder on PYTHONPATH?)"
+        ) from e
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"summarizer {spec!r}: {mod!r} has no attribute {part!r}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(f"{spec} is not callable")

@@ -271,10 +271,31 @@ class AssistantMessageData(_Schema):
     def __post_init__(self) -> None:
         if self.content is None and not self.tool_calls:
             raise ValueError("an assistant/message needs `content` or `tool_calls`")
-        ids = [c.id for c in self.tool_calls or ()]
-        ids += [b.id for b in self.content if isinstance(b, ToolCallBlock)] if isinstance(self.content, list) else []
-        if len(set(ids)) < len(ids):
-            raise ValueError("tool call ids must be unique within an assistant/message")
+        check_tool_calls(self.tool_calls, self.content)
+
+
+TOOL_CALL_BLOCK_SHAPE = '{"type": "tool-call", "id": "call_1", "name": "get_weather", "arguments": "{}"}'
+
+
+def check_tool_calls(tool_calls: Sequence[OpenAIToolCall] | None, content: Any) -> None:
+    """The one rule for the tool calls of a message, whatever its type (``assistant/message``,
+    ``message``): each ``tool-call`` content block has a string `id`, `name` and `arguments` (a
+    JSON string), and no id repeats across the OpenAI `tool_calls` and those blocks. Raises
+    `ValueError` (msgspec reports it as the payload's validation error)."""
+    ids = [c.id for c in tool_calls or ()]
+    for i, b in enumerate(content if isinstance(content, list) else ()):
+        if isinstance(b, ToolCallBlock):
+            ids.append(b.id)
+        elif isinstance(b, dict) and b.get("type") == "tool-call":
+            try:
+                ids.append(msgspec.convert(b, ToolCallBlock).id)
+            except msgspec.ValidationError as e:
+                raise ValueError(
+                    f"content[{i}] is a malformed tool-call block: {e} (accepted: {TOOL_CALL_BLOCK_SHAPE})"
+                ) from None
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ValueError(f"tool call ids must be unique within a message: {', '.join(map(repr, repeated))} repeats")
 
 
 class ChatMessageData(_Schema):
@@ -286,6 +307,9 @@ class ChatMessageData(_Schema):
     tool_call_id: str | None = None
     name: str | None = None
     reasoning_content: str | None = None
+
+    def __post_init__(self) -> None:
+        check_tool_calls(self.tool_calls, self.content)
 
 
 class CutData(_Schema):

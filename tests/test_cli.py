@@ -156,6 +156,38 @@ def test_bad_input_is_one_line_and_nonzero(redis_url: str, prefix: str, args: tu
     assert len(r.stderr.strip().splitlines()) <= 2  # one line (rich may wrap a long one)
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("compactor", "--summarizer", "no_such_mod_xq:summarize"), "cannot import module 'no_such_mod_xq'"),
+        (("compactor", "--summarizer", "os:no_such_fn"), "'os' has no attribute 'no_such_fn'"),
+        (("server", "start", "--port", "99999"), "--port"),
+        (("server", "start", "--port", "-1"), "--port"),
+        (("up", "--port", "99999"), "--port"),
+        (("demo", "--port", "99999", "--duration", "2"), "--port"),
+        (("projector", "--metrics-port", "99999"), "--metrics-port"),
+        (("compactor", "--metrics-port", "0", "--summarizer", "json:dumps"), "--metrics-port"),
+        (("gateway", "--port", "70000"), "--port"),
+    ],
+)
+def test_a_first_day_mistake_is_one_line_never_a_traceback(
+    prefix: str, tmp_path: Path, args: tuple[str, ...], needle: str
+) -> None:
+    """An unimportable summarizer, a missing function, an out-of-range port: each printed a 60-100
+    line traceback (`gateway --port 70000` even listened on 4464); now one line naming the cause,
+    refused before anything starts (no server is started in the empty data dir)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS")}
+    env["REDIS_SESSION_HOME"] = str(tmp_path / "home")
+    cmd = [sys.executable, "-m", "redis_session.cli", *args, "--prefix", prefix]
+    if args[0] == "server":
+        cmd = cmd[:-2]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+    assert not (tmp_path / "home" / "server.json").exists()
+
+
 def test_unreachable_server_is_one_line(prefix: str) -> None:
     r = cli("ls", url="redis://127.0.0.1:1/0", prefix=prefix, timeout=60)
     assert r.returncode == 1
@@ -206,6 +238,33 @@ def test_demo_runs_on_the_embedded_server_and_leaves_consistent_sessions(tmp_pat
         assert checked >= 5
     finally:
         cli("server", "stop", "--data-dir", str(tmp_path / ".redis-session"))
+
+
+def test_piped_demo_prints_each_entry_whole_in_log_order(tmp_path: Path) -> None:
+    """`demo | cat` printed a streamed answer before the question it answers, split around other
+    entries, two answers glued on one line. Piped, each session block is whole entries in log
+    order: every line `#n …`, n increasing, the first user message before any answer."""
+    try:
+        local = ("--dir", ".redis-session")
+        r = cli(*local, "demo", "--duration", "3", "--pods", "1", "--port", "0", cwd=tmp_path, timeout=180)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    finally:
+        cli("server", "stop", "--data-dir", str(tmp_path / ".redis-session"))
+    blocks: list[list[str]] = []
+    for line in r.stdout.split("summary")[0].splitlines():
+        if line.startswith("─"):
+            blocks.append([])
+        elif blocks and line.strip():
+            blocks[-1].append(line)
+    assert any(blocks), r.stdout
+    for block in filter(None, blocks):  # (a session begun at the deadline has no turn)
+        assert all(line.startswith("#") for line in block), block
+        ns = [int(line[1:].split()[0]) for line in block]
+        assert ns == sorted(set(ns)), block
+        roles = [line.split()[1] for line in block]
+        assert roles[0] == "user", block  # the question, then its answer
+        answers = [line for line in block if line.split()[1] == "assistant"]
+        assert all(line.count("#") <= 2 for line in answers)  # never two answers glued on one line
 
 
 def _nanobot_file(path: Path, key: str, *, broken: bool = False) -> None:

@@ -199,6 +199,37 @@ def test_tool_results_pair_with_a_call_in_their_step() -> None:
     assert "'b'" in problems[0].message
 
 
+def test_openai_tool_calls_pair_with_their_results_inside_a_step() -> None:
+    """The README's round trip in a turn/step: an assistant/message with OpenAI `tool_calls`, then
+    its tool/result. It was reported `tool-unpaired` (only tool/call marks counted as calls)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    log = Log().turn(1).add("user/message", content="Weather in Paris?").step(1, 1)
+    log.add("assistant/message", content=None, tool_calls=[call], turn=1, step=1).result(1, 1, "call_1")
+    log.step_end(1, 1).end(1)
+    assert check_invariants(log.entries) == []
+    # on a plain `message` (role assistant) too, with a tool-call block or OpenAI tool_calls
+    log = Log().turn(1).step(1, 1).add("message", role="assistant", content=None, tool_calls=[call], turn=1, step=1)
+    log.add("message", role="assistant", content=[{"type": "tool-call", "id": "b1", "name": "f", "arguments": "{}"}])
+    log.result(1, 1, "call_1").result(1, 1, "b1").step_end(1, 1).end(1)
+    assert check_invariants(log.entries) == []
+
+
+def test_a_tool_result_whose_call_exists_nowhere_is_unpaired_in_a_log_without_turns() -> None:
+    """A log without turns (ChatLuna, nanobot, a plain app): a result whose call exists nowhere
+    was reported clean. Calls from tool/call marks, assistant blocks and tool_calls all count;
+    only one made before the result pairs it."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    log = Log().add("user/message", content="hi").add("tool/result", callId="nowhere", content="r")
+    log.add("assistant/message", content=None, tool_calls=[call]).add("tool/result", callId="c1", content="r")
+    log.add("tool/call", callId="m1", name="f", arguments="{}").add("tool/result", callId="m1", content="r")
+    log.add("message", role="tool", tool_call_id="c1", content="r")  # an OpenAI-shaped result of c1
+    log.add("message", role="tool", tool_call_id="ghost", content="r")
+    log.add("tool/result", callId="later", content="r").add("tool/call", callId="later", name="f", arguments="{}")
+    problems = check_invariants(log.entries)
+    assert [(p.n, p.code) for p in problems] == [(1, "tool-unpaired"), (7, "tool-unpaired"), (8, "tool-unpaired")]
+    assert "'nowhere'" in problems[0].message and "before it" in problems[0].message
+
+
 def test_check_invariants_never_raises() -> None:
     odd = [
         Entry(n=0, time=0, type="turn/start", data={"turn": "one"}),
@@ -209,7 +240,8 @@ def test_check_invariants_never_raises() -> None:
         Entry(n=9, time=0, type="request/header", data={"header": "nope"}),
     ]
     problems = check_invariants(odd)
-    assert {p.code for p in problems} >= {"check-failed", "cut-before", "n-gap", "header-delta"}
+    # an unhashable call id is compared by its JSON: the result answers no call, reported as such
+    assert {p.code for p in problems} >= {"tool-unpaired", "cut-before", "n-gap", "header-delta"}
 
 
 # --------------------------------------------------------------------------- crash recovery (§28-31)

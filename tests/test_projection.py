@@ -149,6 +149,45 @@ def test_a_malformed_tool_calls_is_refused_showing_the_accepted_shape(data: dict
         assert '"tool_calls": [{"id": "call_1", "type": "function", "function": {"name":' in str(info.value)
 
 
+_MALFORMED_CALLS = {
+    "repeated-id": (
+        {"content": None, "tool_calls": [_CALL, {**_CALL, "function": {"name": "g", "arguments": "{}"}}]},
+        "unique",
+    ),
+    "repeated-across-block-and-tool_calls": (
+        {"content": [{"type": "tool-call", "id": _CALL["id"], "name": "f", "arguments": "{}"}], "tool_calls": [_CALL]},
+        "unique",
+    ),
+    "block-arguments-an-object": (
+        {"content": [{"type": "tool-call", "id": "c1", "name": "f", "arguments": {"a": 1}}]},
+        "Expected `str`, got `object`",
+    ),
+    "block-without-name": ({"content": [{"type": "tool-call", "id": "c1", "arguments": "{}"}]}, "`name`"),
+}
+
+
+@pytest.mark.parametrize("etype", ["assistant/message", "message"])
+@pytest.mark.parametrize("case", list(_MALFORMED_CALLS))
+def test_malformed_tool_calls_are_refused_alike_on_assistant_message_and_message(etype: str, case: str) -> None:
+    """A repeated id, an object for arguments, a block without a name were written on the plain
+    `message` type (role assistant) and then dropped or garbled by `to_openai`: the same rule
+    (`model.check_tool_calls`) now refuses them on both types, nothing written."""
+    data, where = _MALFORMED_CALLS[case]
+    if etype == "message":
+        data = {"role": "assistant", **data}
+    with pytest.raises(InvalidEntryError) as info:
+        encode_batch([(etype, data)], Vocabulary())
+    assert where in str(info.value)
+
+
+def test_well_formed_tool_calls_on_a_message_still_project() -> None:
+    block = {"type": "tool-call", "id": "b1", "name": "f", "arguments": "{}"}
+    data = {"role": "assistant", "content": [{"type": "text", "text": "x"}, block], "tool_calls": [_CALL]}
+    encode_batch([("message", data)], Vocabulary())  # accepted
+    [_, m] = project([um(0, "q"), E(1, "message", data)])
+    assert [b["id"] for b in m.content if b["type"] == "tool-call"] == ["b1", _CALL["id"]]
+
+
 def test_tool_result_becomes_a_tool_message_with_one_tool_result_block() -> None:
     [m] = project([E(0, "tool/result", {"callId": "c1", "content": [text("ok")], "isError": False})])
     assert m.role == "tool"

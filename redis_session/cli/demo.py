@@ -44,6 +44,9 @@ class Stats:
     # In a terminal the answer being streamed lives in the status display, never on a half-printed
     # line the status line would be drawn after (issue 25 item 7); it is printed whole once done.
     streaming: str = ""
+    # Piped, the tail prints whole entries: the session it follows and the next n it will print
+    # (a switch to the next session, and the end, wait until it printed the old one to its end).
+    shown: tuple[str, int] = ("", 0)
 
     def rate(self) -> float:
         return self.entries / max(time.monotonic() - self.started, 0.001)
@@ -166,7 +169,9 @@ async def _pod(sessions: Any, run_id: str, pod: int, stats: Stats, shared_id: st
 
 
 async def _watch(store: Any, stats: Stats, console: Console) -> None:
-    """A live tail in the terminal of whatever pod 0 writes now."""
+    """A live tail of whatever pod 0 writes now: in a terminal the answers stream delta by delta;
+    piped, each entry is printed whole in log order (`_print_entries`)."""
+    piped = not console.is_terminal
     while True:
         sid = stats.current.get(0)
         if sid is None:
@@ -177,29 +182,65 @@ async def _watch(store: Any, stats: Stats, console: Console) -> None:
             async def follow_switch(sid: str = sid) -> None:
                 while stats.current.get(0) == sid:  # noqa: ASYNC110 - another task's progress
                     await anyio.sleep(0.05)
-                await anyio.sleep(0.3)  # let the last entries of the old session print
+                if piped:
+                    with anyio.move_on_after(10):
+                        await _printed_to_the_end(store, stats, sid)
+                else:
+                    await anyio.sleep(0.3)  # let the last entries of the old session print
                 tg.cancel_scope.cancel()
 
             tg.start_soon(follow_switch)
-            await _print_tail(store, sid, console, stats)
+            if piped:
+                await _print_entries(store, sid, console, stats)
+            else:
+                await _print_tail(store, sid, console, stats)
+
+
+async def _printed_to_the_end(store: Any, stats: Stats, session_id: str) -> None:
+    """Wait until the piped tail printed `session_id` up to its end now (its writer moved on)."""
+    head = await store.head(session_id)
+    end = head.n if head is not None else 0
+    while stats.shown[0] != session_id or stats.shown[1] < end:  # noqa: ASYNC110 - another task's progress
+        await anyio.sleep(0.02)
+
+
+def _rule(store_head: Any, session_id: str, console: Console) -> int:
+    """The session's title rule; returns the first n to show (a branch: only what is its own)."""
+    from rich.markup import escape
+
+    hd = store_head.header if store_head is not None else None
+    start = hd.at if hd is not None and hd.parent and hd.at else 0
+    title = escape(hd.title or "") if hd is not None else ""
+    if hd is not None and hd.parent:
+        title = f"branch of {escape(hd.parent)} at {hd.at}"
+    console.rule(f"[dim]{escape(session_id)}[/dim] {title}", style="dim")
+    return int(start)
+
+
+async def _print_entries(store: Any, session_id: str, console: Console, stats: Stats) -> None:
+    """Piped: the session as a conversation, one whole entry per line in log order — an answer as
+    its committed assistant/message (its streamed chunks are not printed), never interleaved."""
+    from ..live import follow
+
+    start = _rule(await store.head(session_id), session_id, console)
+    stats.shown = (session_id, start)
+    async with contextlib.aclosing(follow(store, session_id, start)) as entries:
+        async for e in entries:
+            if e.type != "assistant/chunk":
+                line = _line(e, streamed=False)
+                if line:
+                    console.print(line, highlight=False)
+            stats.shown = (session_id, e.n + 1)
 
 
 async def _print_tail(store: Any, session_id: str, console: Console, stats: Stats | None = None) -> None:
     """The session as a conversation: the user, each answer once as it streams (its chunks, never
     the committed message again), tool calls and results; turn and step marks are left out."""
-    from rich.markup import escape
-
-    head = await store.head(session_id)
-    hd = head.header if head is not None else None
-    start = hd.at if hd is not None and hd.parent and hd.at else 0  # a branch: only what is its own
-    title = escape(hd.title or "") if hd is not None else ""
-    if hd is not None and hd.parent:
-        title = f"branch of {escape(hd.parent)} at {hd.at}"
-    console.rule(f"[dim]{escape(session_id)}[/dim] {title}", style="dim")
+    start = _rule(await store.head(session_id), session_id, console)
     streaming = False
     live: set[str] = set()  # answers printed from their live deltas (their chunk rows are not)
     # A terminal has the status display below the conversation: the answer is kept there while it
-    # streams and printed as one line when it ends. A pipe gets the pieces as they come.
+    # streams and printed as one line when it ends. (Piped, `_print_entries` prints whole entries.)
     buffered = console.is_terminal and stats is not None
     answer = ""
     async for e in tail_deltas(store, session_id, start):
@@ -419,7 +460,11 @@ async def _traffic(
             async with anyio.create_task_group() as writers:
                 for p in range(pods):
                     writers.start_soon(_pod, sessions, run_id, p, stats, shared_id, pace)
-            await anyio.sleep(0 if quiet else 0.3)  # the tail prints the last entries
+            if not quiet and not console.is_terminal and stats.current.get(0):
+                with anyio.move_on_after(10):  # the piped tail prints the last session to its end
+                    await _printed_to_the_end(store, stats, stats.current[0])
+            elif not quiet:
+                await anyio.sleep(0.3)  # the tail prints the last entries
             tg.cancel_scope.cancel()
     finally:
         if live is not None:

@@ -42,8 +42,18 @@ server_app = typer.Typer(
 )
 app.add_typer(server_app, name="server")
 
+
+class _Stdout(Console):
+    """stdout's console: a reader closing the pipe raises `BrokenPipeError` (rich's default is
+    `SystemExit(1)`), which `main` turns into the one quiet exit every command shares."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(32, "Broken pipe")
+
+
 # piped output is never wrapped (soft_wrap); a terminal's width is used when there is one
-out = Console(soft_wrap=not sys.stdout.isatty())
+out = _Stdout(soft_wrap=not sys.stdout.isatty())
 err = Console(stderr=True, soft_wrap=True)
 
 UrlOpt = Annotated[
@@ -67,6 +77,12 @@ TokensOpt = Annotated[
         help="Token file: lines 'TOKEN [read|write|admin [PREFIX]]' or JSON (see docs); "
         "$REDIS_SESSION_TOKENS is read too.",
     ),
+]
+# a TCP port at the option: out of range is a usage error naming the option (bind() would raise
+# OverflowError deep in a task group, and uvicorn would silently take the port modulo 65536)
+PORT_RANGE: dict[str, Any] = {"min": 0, "max": 65535}
+MetricsPortOpt = Annotated[
+    int | None, typer.Option(min=1, max=65535, help="Serve Prometheus metrics on this port (1-65535).")
 ]
 T = TypeVar("T")
 
@@ -190,7 +206,7 @@ async def _supervised(url: str | None, prefix: str, body: Callable[[Any], Awaita
 
 
 GONE_GRACE = float(os.environ.get("REDIS_SESSION_GONE_GRACE") or 10.0)
-WATCH_INTERVAL = 1.0
+WATCH_INTERVAL = float(os.environ.get("REDIS_SESSION_WATCH_INTERVAL") or 1.0)  # seconds between looks
 
 
 async def _watch_embedded(data_dir: Path, url: str) -> str:
@@ -378,10 +394,14 @@ def tail_cmd(
         raise CliError("--json prints entries: use it without --messages")
 
     async def main() -> None:
-        from .tailview import run_tail
+        from .tailview import TailPosition, run_tail
+
+        position = TailPosition()  # kept across the stores `_supervised` re-resolves
 
         async def body(store: Any) -> None:
-            await run_tail(store, session, start=start, messages=messages, console=out, as_json=as_json)
+            await run_tail(
+                store, session, start=start, messages=messages, console=out, as_json=as_json, position=position
+            )
 
         await _supervised(url, prefix, body)
 
@@ -674,7 +694,13 @@ def projector_cmd(
     prefix: PrefixOpt = "rs",
     status: Annotated[bool, typer.Option("--status", help="Print lag and counters as JSON, then exit.")] = False,
     metrics_port: Annotated[
-        int | None, typer.Option(envvar="REDIS_SESSION_METRICS_PORT", help="Serve Prometheus metrics on this port.")
+        int | None,
+        typer.Option(
+            envvar="REDIS_SESSION_METRICS_PORT",
+            min=1,
+            max=65535,
+            help="Serve Prometheus metrics on this port (1-65535).",
+        ),
     ] = None,
     metrics_addr: Annotated[str, typer.Option(help="Address of the metrics server.")] = "0.0.0.0",
     consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
@@ -738,7 +764,7 @@ def compactor_cmd(
     claim_idle_ms: Annotated[int, typer.Option(min=1, help="Retry failed/idle entries after.")] = 30_000,
     concurrency: Annotated[int, typer.Option(min=1, help="Sessions checked at once.")] = 4,
     feed_shards: Annotated[int, typer.Option(min=1, help="Change-feed shards (as the writers use).")] = 4,
-    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
+    metrics_port: MetricsPortOpt = None,
     from_start: Annotated[
         bool,
         typer.Option(
@@ -845,7 +871,9 @@ def archive_cmd(
         str, typer.Option(help="Consumer group (--worker) and the counters every run adds to (--status).")
     ] = "archiver",
     consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port (--worker).")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(min=1, max=65535, help="Serve Prometheus metrics on this port (--worker).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Move old entries into the cold tier (object storage): one session, a policy pass, --worker, or --sweep."""
@@ -939,7 +967,7 @@ def gateway_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     host: str = "127.0.0.1",
-    port: int = 8765,
+    port: Annotated[int, typer.Option(**PORT_RANGE, help="Port (0: any free one).")] = 8765,
     token: Annotated[
         str | None, typer.Option(help="Bearer token with every scope (default: $REDIS_SESSION_TOKEN).")
     ] = None,
@@ -1040,7 +1068,7 @@ def up_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     host: str = "127.0.0.1",
-    port: int = 8765,
+    port: Annotated[int, typer.Option(**PORT_RANGE, help="Port (0: any free one).")] = 8765,
     tokens: TokensOpt = None,
 ) -> None:
     """Server + projector + gateway in the foreground, for local development."""
@@ -1075,7 +1103,7 @@ def demo_cmd(
     prefix: PrefixOpt = "demo",
     duration: Annotated[float, typer.Option(min=1.0, help="Seconds of simulated traffic.")] = 20.0,
     pods: Annotated[int, typer.Option(min=1, max=64, help="Simulated agent pods.")] = 4,
-    port: Annotated[int, typer.Option(help="Gateway port (0: no gateway).")] = 8765,
+    port: Annotated[int, typer.Option(**PORT_RANGE, help="Gateway port (0: no gateway).")] = 8765,
     quiet: Annotated[bool, typer.Option("--quiet", help="No live tail, summary only.")] = False,
 ) -> None:
     """The main job: pods writing concurrent sessions, a projector, the gateway, a live tail."""
@@ -1093,7 +1121,10 @@ def demo_cmd(
 def server_start(
     data_dir: DirOpt = None,
     port: Annotated[
-        int | None, typer.Option(help="Port (default: $REDIS_SESSION_PORT, else 6390; a free one if taken).")
+        int | None,
+        typer.Option(
+            **PORT_RANGE, help="Port (0: any free one; default: $REDIS_SESSION_PORT, else 6390; a free one if taken)."
+        ),
     ] = None,
 ) -> None:
     """Start (or find) the embedded server and print its URL."""
@@ -1206,13 +1237,45 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; turn every expected failure into one line and exit code 1."""
     try:
         code = app(args=argv, standalone_mode=False)
-    except SystemExit:
+        sys.stdout.flush()  # a closed pipe shows here for output still buffered
+    except SystemExit as e:
+        if _click_saw_closed_stdout(e):
+            _quiet_exit_on_closed_stdout()
         raise
     except BaseException as e:
+        if _closed_stdout(e):
+            _quiet_exit_on_closed_stdout()
         if _is_usage_error(e):
             _usage_error(e)
         _fail(e)
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+EXIT_CLOSED_STDOUT = 141
+"""The exit code of every command whose reader closed stdout (``| head``): 128 + SIGPIPE, what
+coreutils' commands exit with there; nothing is printed."""
+
+
+def _closed_stdout(e: BaseException) -> bool:
+    """A `BrokenPipeError` anywhere in `e` (task groups nest it in exception groups)."""
+    if isinstance(e, BaseExceptionGroup):
+        return any(_closed_stdout(x) for x in e.exceptions)
+    return isinstance(e, BrokenPipeError)
+
+
+def _click_saw_closed_stdout(e: SystemExit) -> bool:
+    """click turns an EPIPE out of a command into `sys.exit(1)` after wrapping stdout in its
+    (private) `PacifyFlushWrapper`; that wrapper is how it is told from a command's own exit 1."""
+    return e.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper"
+
+
+def _quiet_exit_on_closed_stdout() -> NoReturn:
+    # stdout goes to /dev/null, so that the interpreter's last flush of what is still buffered
+    # does not fail again ("Exception ignored ... BrokenPipeError", exit 120)
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    raise SystemExit(EXIT_CLOSED_STDOUT) from None
 
 
 def _is_usage_error(e: BaseException) -> bool:

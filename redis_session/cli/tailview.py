@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import time
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import SessionNotFoundError
+from ..errors import SessionNotFoundError, SessionReplacedError
 from ..live import follow, follow_deltas
 from ..model import Entry
 from ..projection.chunks import Delta, DeltaGap, unpack_row
@@ -336,6 +337,16 @@ def _body_style(e: Entry) -> str:
     return "dim"
 
 
+@dataclasses.dataclass
+class TailPosition:
+    """Where a tail is: the next n to show and the incarnation it began on. `run_tail` keeps it up
+    to date, so a tail restarted on another store (the embedded server moved to another port)
+    resumes at the last shown n + 1 of the same life instead of at its start argument."""
+
+    next: int | None = None
+    incarnation: str | None = None
+
+
 async def run_tail(
     store: SessionStore,
     session_id: str,
@@ -347,6 +358,7 @@ async def run_tail(
     max_backoff: float = 5.0,
     deltas: bool = True,
     as_json: bool = False,
+    position: TailPosition | None = None,
 ) -> int:
     """Print a session live until it is deleted (or `stop_after` entries were shown).
 
@@ -355,7 +367,9 @@ async def run_tail(
     start); chunk rows of the log form the assistant's text inline otherwise. A dropped
     connection is reported and retried with backoff,
     resuming at the last shown n + 1: nothing is lost or shown twice. Returns the n to resume at.
-    Raises `SessionNotFoundError` when the session does not exist.
+    Raises `SessionNotFoundError` when the session does not exist. Pass the same `position` to a
+    call that resumes an earlier one (on a re-resolved store): it continues at the position's next
+    n, on its incarnation — `SessionReplacedError` when the id names another life by then.
     """
     console = console if console is not None else Console()
     view: TailRenderer | JsonTail
@@ -363,14 +377,29 @@ async def run_tail(
         view = JsonTail(console.file, Console(stderr=True))
     else:
         view = TailRenderer(console, messages=messages)
+    pos = position if position is not None else TailPosition()
+    resuming = pos.next is not None
     head = await store.head(session_id)
     if head is None:
+        if resuming:  # deleted while the tail was away: the end a live tail sees too
+            view.note(f"session {session_id} was deleted", "bold red")
+            return pos.next or 0
         raise SessionNotFoundError(session_id)
-    nxt = head.n if start is None else start
+    if pos.incarnation is None:
+        pos.incarnation = head.header.incarnation
+    elif head.header.incarnation != pos.incarnation:
+        raise SessionReplacedError(session_id)
+    if pos.next is not None:
+        nxt = pos.next
+        view.note(f"resuming {session_id} at n={nxt}", style="bold")
+    else:
+        nxt = head.n if start is None else start
+        pos.next = nxt
     title = f" — {head.header.title}" if head.header.title else ""
     branch = f" (branch of {head.header.parent} at {head.header.at})" if head.header.parent else ""
-    view.note(f"following {session_id}{title}{branch}: n={head.n}, from {nxt}", style="bold")
-    if nxt > head.n:
+    if not resuming:
+        view.note(f"following {session_id}{title}{branch}: n={head.n}, from {nxt}", style="bold")
+    if nxt > head.n and not resuming:
         view.note(
             f"{session_id} has {head.n} entries (0..{head.n - 1}): nothing to show until entry {nxt} is written"
             if head.n
@@ -384,9 +413,11 @@ async def run_tail(
     shown = 0
     try:
         async with contextlib.aclosing(
-            follow_deltas(store, session_id, nxt, on_retry=on_retry, max_backoff=max_backoff)
+            follow_deltas(
+                store, session_id, nxt, on_retry=on_retry, max_backoff=max_backoff, incarnation=pos.incarnation
+            )
             if deltas
-            else follow(store, session_id, nxt, on_retry=on_retry, max_backoff=max_backoff)
+            else follow(store, session_id, nxt, on_retry=on_retry, max_backoff=max_backoff, incarnation=pos.incarnation)
         ) as entries:
             async for e in entries:
                 if isinstance(e, Delta):
@@ -396,7 +427,7 @@ async def run_tail(
                     view.note(f"deltas {e.start}.. of answer {e.answer} are gone from the live stream", "yellow")
                     continue
                 view.render(e)
-                nxt = e.n + 1
+                nxt = pos.next = e.n + 1
                 shown += 1
                 if stop_after is not None and shown >= stop_after:
                     return nxt

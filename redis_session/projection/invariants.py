@@ -66,7 +66,6 @@ class _Turns:
         self.turn: int | None = None
         self.last_step = 0
         self.step: int | None = None
-        self.calls: set[Any] = set()  # tool/call ids of the current step
 
     def see(self, e: Entry) -> None:
         t = e.type
@@ -86,7 +85,6 @@ class _Turns:
         self.turn = turn if turn is not None else self.last_turn + 1
         self.last_turn = self.turn
         self.step, self.last_step = None, 0
-        self.calls.clear()
         self._orphans = None
 
     def _turn_end(self, e: Entry) -> None:
@@ -99,7 +97,6 @@ class _Turns:
             if self.step is not None:
                 self.add(e.n, "step-open", f"turn/end while step {self.step} is open")
         self.turn = self.step = None
-        self.calls.clear()
         self._orphans = None
 
     def _in_turn(self, e: Entry) -> None:
@@ -128,7 +125,6 @@ class _Turns:
             self.add(e.n, "step-number", f"expected step {self.last_step + 1}, got {step}")
         self.step = step if step is not None else self.last_step + 1
         self.last_step = self.step
-        self.calls.clear()
 
     def _orphan(self, n: int, t: str, step: int) -> bool:
         """Fold an entry naming `step` while no step is open into the run it continues (the
@@ -156,7 +152,6 @@ class _Turns:
         elif step != self.step:
             self.add(e.n, "step-mismatch", f"step/end {step} does not match the open step {self.step}")
         self.step = None
-        self.calls.clear()
 
     def _in_step(self, e: Entry) -> None:
         t, d, n = e.type, e.data, e.n
@@ -167,10 +162,60 @@ class _Turns:
             else:
                 where = "no step is open" if self.step is None else f"step {self.step} is open"
                 self.add(n, "step-mismatch", f"{t} names step {step}, but {where}")
-        if t == "tool/call":
-            self.calls.add(d.get("callId"))
-        elif t == "tool/result" and d.get("callId") not in self.calls and not _is_interrupted_result(d):
-            self.add(n, "tool-unpaired", f"tool/result for call {d.get('callId')!r} has no tool/call in its step")
+
+
+class _ToolPairing:
+    """Every tool result answers a call made before it — in its own step, in a log that uses
+    turn/step events (dsh), else anywhere earlier in the log.
+
+    A call is a dsh ``tool/call`` mark, or a tool-call of an assistant message: the
+    ``assistant/message`` or ``message`` (role assistant) content blocks and OpenAI `tool_calls`,
+    read by `assistant_blocks` (the projection's one rule). A result is a ``tool/result`` (its
+    ``callId``) or a ``message`` with role tool (its ``tool_call_id``); dsh's synthetic
+    ``interrupted`` results are exempt."""
+
+    SCOPES = BOUNDARY_TYPES
+
+    def __init__(self, add: _Report, scoped: bool) -> None:
+        self.add = add
+        self.scoped = scoped
+        self.calls: set[Any] = set()
+
+    def see(self, e: Entry) -> None:
+        t, d = e.type, e.data
+        if t in self.SCOPES:
+            if self.scoped:
+                self.calls.clear()
+        elif t == "tool/call":
+            self.calls.add(_key(d.get("callId")))
+        elif t == "assistant/message" or (t == "message" and d.get("role") == "assistant"):
+            for block in assistant_blocks(d):
+                if isinstance(block, dict) and block.get("type") == "tool-call":
+                    self.calls.add(_key(block.get("id")))
+        elif t == "tool/result":
+            if _key(d.get("callId")) not in self.calls and not _is_interrupted_result(d):
+                self._unpaired(e.n, f"tool/result for call {d.get('callId')!r}")
+        elif t == "message" and d.get("role") == "tool" and _key(d.get("tool_call_id")) not in self.calls:
+            self._unpaired(e.n, f"tool message for call {d.get('tool_call_id')!r}")
+
+    def _unpaired(self, n: int, what: str) -> None:
+        where = "in its step" if self.scoped else "before it"
+        self.add(n, "tool-unpaired", f"{what} answers no tool call {where} (a tool/call or an assistant tool call)")
+
+
+def _key(value: Any) -> Any:
+    """A call id as a set member (an odd, unhashable id is compared by its JSON)."""
+    try:
+        hash(value)
+    except TypeError:
+        return _json_key(value)
+    return value
+
+
+def _json_key(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def check_invariants(entries: Sequence[Entry]) -> list[Problem]:
@@ -184,16 +229,21 @@ def check_invariants(entries: Sequence[Entry]) -> list[Problem]:
     - in logs that use turn/step events (dsh): turns numbered from 1 without gaps and never
       nested; turn/end matches the open turn with no step open; steps numbered from 1 in each turn,
       never nested; assistant/tool/step events inside an open turn, naming the open turn and step
-      when they carry numbers; a tool/result answers a tool/call of its own step (synthetic
-      ``interrupted`` results excepted). A log without turn/step events (ChatLuna, nanobot) has no
-      turn problems. A turn still open at the end is not a problem: the session may be mid-turn.
+      when they carry numbers. A log without turn/step events (ChatLuna, nanobot) has no turn
+      problems. A turn still open at the end is not a problem: the session may be mid-turn;
+    - tool pairing (`_ToolPairing`): every tool result answers a call made before it — a
+      ``tool/call`` mark or an assistant message's tool call (blocks or OpenAI `tool_calls`) — in
+      its own step in a log with turns, anywhere earlier otherwise (synthetic ``interrupted``
+      results excepted).
     """
     problems: list[Problem] = []
 
     def add(n: int | None, code: str, message: str) -> None:
         problems.append(Problem(n, code, message))
 
-    turns = _Turns(add, problems) if any(e.type in BOUNDARY_TYPES for e in entries) else None
+    uses_turns = any(e.type in BOUNDARY_TYPES for e in entries)
+    turns = _Turns(add, problems) if uses_turns else None
+    pairing = _ToolPairing(add, scoped=uses_turns)
     state: ProjectionState | None = ProjectionState()
     header: dict[str, Any] | None = None
     expected = 0
@@ -228,6 +278,10 @@ def check_invariants(entries: Sequence[Entry]) -> list[Problem]:
                 turns.see(e)
             except Exception as err:
                 add(n, "check-failed", f"turns: {type(err).__name__}: {err}")
+        try:
+            pairing.see(e)
+        except Exception as err:
+            add(n, "check-failed", f"tool pairing: {type(err).__name__}: {err}")
     return problems
 
 
