@@ -1,4 +1,4 @@
-"""The issue-17 fixes to the drop-in adapters, each driven as its framework drives it:
+"""The drop-in adapters, each driven as its framework drives it:
 
 - `RedisEventSession` (OpenAI Agents SDK): the SDK's settings handling, ``ttl``, the atomic
   replacement hook of ``OpenAIResponsesCompactionSession`` (one batch, checked by a concurrent
@@ -216,7 +216,7 @@ async def test_close_of_a_from_url_session_makes_later_calls_raise(
     assert len(await t.get_items()) == 1
 
 
-# --------------------------------------------------------------------------- issue 24
+# --------------------------------------------------------------------------- OpenAI Agents, as the SDK's suite expects
 
 
 async def test_a_subclass_keeps_its_overridden_storage_methods_in_a_compaction(fstore: Any, Ev: Any) -> None:
@@ -457,7 +457,7 @@ async def test_langchain_ttl_expires_the_session(fstore: Any, History: Any) -> N
     assert await h.aget_messages() == []
 
 
-# --------------------------------------------------------------------------- issue 24 (LangChain)
+# --------------------------------------------------------------------------- LangChain, as its own suite expects
 
 
 def test_langchain_session_ids_limit_zero_and_ttl_zero_as_langchain_redis(History: Any) -> None:

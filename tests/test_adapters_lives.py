@@ -1,4 +1,4 @@
-"""Issue 21 §1: an adapter object belongs to one life of its session id (DESIGN.md §9, "One
+"""An adapter object belongs to one life of its session id (DESIGN.md §9, "One
 session reference").
 
 The reproduction: pod A holds a framework object on session X; pod B deletes X and creates X

@@ -1,4 +1,4 @@
-"""Issue 18, "the first hour": the CLI as a new user meets it, every command a real subprocess
+"""The CLI as a new user meets it, every command a real subprocess
 whose stdout and stderr are pipes.
 
 - one embedded server per user (a data dir, a stable port with a fallback, said once on stderr,
@@ -348,7 +348,7 @@ def _tail_lines(args: tuple[str, ...], want: int, timeout: float = 60) -> list[s
 async def test_tail_piped_is_one_line_per_entry_never_wrapped_nor_padded(
     redis_store: RedisSessionStore, redis_url: str, prefix: str
 ) -> None:
-    """Issue 25 item 10: piped, `tail` wrapped at 80 columns and padded lines with spaces."""
+    """Piped, `tail` wrapped at 80 columns and padded lines with spaces."""
     long = "word " * 60
     entries = [
         NewEntry("user/message", {"content": long.strip()}),
@@ -379,7 +379,7 @@ async def test_tail_json_prints_one_entry_per_line(redis_store: RedisSessionStor
 
 
 def test_version_and_short_help() -> None:
-    """Issue 25 item 16: `--version` and `-h` (on the app and on a command)."""
+    """`--version` and `-h` (on the app and on a command)."""
     from redis_session import __version__
 
     r = run("--version")
@@ -438,7 +438,7 @@ async def test_fork_after_a_compact_says_which_boundary_is_valid(redis_store: Re
 async def test_an_openai_tool_call_round_trip_is_kept_and_a_malformed_one_refused(
     redis_store: RedisSessionStore,
 ) -> None:
-    """Issue 25 item 3: `tool_calls` on an assistant/message was accepted, then vanished (and its
+    """`tool_calls` on an assistant/message was accepted, then vanished (and its
     tool/result with it) while doctor said clean."""
     from redis_session import InvalidEntryError, Sessions, to_anthropic, to_openai
 
@@ -603,7 +603,7 @@ def _in_a_terminal(cmd: list[str], env: dict[str, str], timeout: float = 180) ->
 
 
 def test_demo_in_a_terminal_shows_no_raw_markup(home: Path) -> None:
-    """Issue 25 item 7: the status line was drawn inside the print of a streamed piece (markup off,
+    """The status line was drawn inside the print of a streamed piece (markup off,
     style blue): `help[bold]24[/bold] sessions …`, glued to a half word of the answer."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "COLUMNS", "LINES")}
     env["REDIS_SESSION_HOME"] = str(home)
@@ -620,7 +620,7 @@ def test_demo_in_a_terminal_shows_no_raw_markup(home: Path) -> None:
 
 
 def test_the_demo_summary_viewer_link_works_after_up(home: Path) -> None:
-    """Issue 25 item 16: the summary's viewer link pointed at the demo's stopped gateway."""
+    """The summary's viewer link pointed at the demo's stopped gateway."""
     import urllib.request
 
     port = free_port()
@@ -660,7 +660,7 @@ def test_the_demo_summary_viewer_link_works_after_up(home: Path) -> None:
 async def test_show_in_a_terminal_is_one_line_per_entry(
     redis_store: RedisSessionStore, redis_url: str, prefix: str
 ) -> None:
-    """Issue 25 item 16: in a terminal `show` printed each entry as pretty JSON over many lines;
+    """In a terminal `show` printed each entry as pretty JSON over many lines;
     now one line per entry cut to the width (piped and --json keep the whole entry per line)."""
     entries = [NewEntry("user/message", {"content": "word " * 60}), NewEntry("test/mark", {"i": 1, "k": [1, 2]})]
     await redis_store.create(SessionHeader(id="shown"), entries)
@@ -678,7 +678,7 @@ async def test_show_in_a_terminal_is_one_line_per_entry(
 async def test_a_streamed_answer_without_its_step_start_is_one_doctor_line(
     redis_store: RedisSessionStore, redis_url: str, prefix: str
 ) -> None:
-    """Issue 25 item 11: streaming inside a turn without a step/start passed at write time, then
+    """Streaming inside a turn without a step/start passed at write time, then
     `doctor` printed one step-mismatch line per chunk row. Now the run is one problem that says
     what is missing."""
     from redis_session import Sessions

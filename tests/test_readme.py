@@ -1,4 +1,4 @@
-"""Issue 25 item 5: every code block of README.md, run in order the way a reader runs them.
+"""Every code block of README.md, run in order the way a reader runs them.
 
 A new user ran the README top to bottom and hit a 409, a 412, a TypeScript snippet that did not
 compile, an `InvalidEntryError`, a `SessionForkError`, a top-level `await` and an AttributeError.
@@ -128,7 +128,7 @@ def _install_lines() -> Iterator[tuple[str, str]]:
 
 
 def test_every_install_line_names_the_distribution_in_pyproject() -> None:
-    """Issue 25 item 1: `redis-session` on PyPI is someone else's 2018 project, so an install line
+    """`redis-session` on PyPI is someone else's 2018 project, so an install line
     naming it installs a stranger's code. Every install line names pyproject's [project] name."""
     name = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
     assert name != "redis-session"
@@ -377,7 +377,7 @@ def test_every_readme_block_runs_in_order(tmp_path: Path) -> None:
 
 
 def test_the_quick_start_puts_redis_session_on_path() -> None:
-    """Issue 25 item 12: after the Quick start `redis-session` was not on PATH (the venv was never
+    """After the Quick start `redis-session` was not on PATH (the venv was never
     activated). The Quick start activates it; a shell without it reaches the command through the
     venv's path, as the README says."""
     text = README.read_text()

@@ -422,7 +422,7 @@ async def test_a_strict_vocabulary_accepts_the_interrupted_mark() -> None:
 
 
 def test_a_gateway_stopped_with_sse_clients_open_stops_cleanly(redis_url: str, prefix: str) -> None:
-    """Issue 25 item 6: SIGTERM with a viewer open (its store-wide ``/events`` and a session's
+    """SIGTERM with a viewer open (its store-wide ``/events`` and a session's
     ``?deltas=1`` stream) ends every stream and exits 0, with no 'Exception in ASGI application'."""
     import signal
     import socket
