@@ -42,7 +42,7 @@ class Stats:
     lag: int | None = None  # the projector's lag, as last measured
     started: float = field(default_factory=time.monotonic)
     # In a terminal the answer being streamed lives in the status display, never on a half-printed
-    # line the status line would be drawn after (issue 25 item 7); it is printed whole once done.
+    # line the status line would be drawn after; it is printed whole once done.
     streaming: str = ""
     # Piped, the tail prints whole entries: the session it follows and the next n it will print
     # (a switch to the next session, and the end, wait until it printed the old one to its end).

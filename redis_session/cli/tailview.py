@@ -169,7 +169,7 @@ class TailRenderer:
         self.console = console
         self.messages = messages
         # Not a terminal (a pipe, a file): one line per entry, never wrapped at the console's
-        # default 80 columns nor padded to it (issue 25 item 10); a terminal gets aligned columns.
+        # default 80 columns nor padded to it; a terminal gets aligned columns.
         self.plain = not console.is_terminal
         self._stream_key: tuple[Any, Any] | None = None  # (turn, step) or ("answer", id) of the open line
         self._streamed: list[str] = []

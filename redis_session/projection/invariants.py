@@ -60,7 +60,7 @@ class _Turns:
         self.add = add
         self.problems = problems
         # A streamed answer in a turn without its step/start names the step on every chunk row:
-        # one problem for the run (first n, last n, step, types), not one per row (issue 25 item 11).
+        # one problem for the run (first n, last n, step, types), not one per row.
         self._orphans: tuple[int, int, int, dict[str, int]] | None = None
         self.last_turn = 0
         self.turn: int | None = None
