@@ -42,7 +42,7 @@ import zstandard
 
 from .cold.objects import ObjectStore, open_objects
 from .cold.segments import ColdSegment, ColdTier, segment_name
-from .errors import SessionError, SessionNotFoundError, SessionReplacedError
+from .errors import SegmentMissingError, SessionError, SessionNotFoundError, SessionReplacedError
 from .feed import FeedWorker, default_consumer, feed_client_of, validate_group
 from .keys import validate_session_id
 from .model import now_ms
@@ -219,7 +219,12 @@ class Archiver:
         last = state.cold[-1] if state.cold else None
         if last is not None and last.hi - last.lo < self.merge_below and k - last.lo <= self.segment_entries:
             # a small segment before the range: one object for both (few segments, a compact header)
-            entries = await tier.segment(session_id, state.incarnation, last) + entries
+            try:
+                entries = await tier.segment(session_id, state.incarnation, last) + entries
+            except SegmentMissingError:
+                # another archiver merged it (or a restore took it) since `state` was read: this
+                # pass lost the race, and its script would refuse the stale cold list anyway
+                return ArchiveResult(session_id, "moved", lo, k)
             merged = [last]
         seg, data = tier.encode(session_id, state.incarnation, entries)
         await self.hook("before_upload")
