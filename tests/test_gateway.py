@@ -850,3 +850,40 @@ async def test_sign_in_sets_an_httponly_cookie_that_authenticates(redis_store: R
         assert out.status_code == 303 and "Max-Age=0" in out.headers["set-cookie"]
         client.cookies.clear()
         assert (await client.get("/sessions/sc")).status_code == 401
+
+
+async def test_sign_in_behind_a_tls_ingress_sets_a_secure_cookie_and_refuses_odd_bodies(
+    redis_store: RedisSessionStore,
+) -> None:
+    """Behind an ingress that ends TLS the gateway sees plain http with the public Host: its cookie
+    (the token itself) must still be Secure, so a browser never sends it over http. A local gateway
+    (127.0.0.1) keeps it usable over plain http. A declared oversize body is refused at once, and
+    a duplicate member name (`{"token": a, "token": b}`) is not taken."""
+    async with (
+        running_gateway(
+            redis_store, token="tok", allowed_hosts=["127.0.0.1", "localhost", "sessions.example.com"]
+        ) as base,
+        httpx.AsyncClient(base_url=base) as client,
+    ):
+        local = await client.post("/signin", json={"token": "tok"})
+        assert local.status_code == 204 and "secure" not in local.headers["set-cookie"].lower()
+        public = await client.post(
+            "/signin", json={"token": "tok"}, headers={"Host": "sessions.example.com", "X-Forwarded-Proto": "https"}
+        )
+        assert public.status_code == 204, public.text
+        assert "; Secure" in public.headers["set-cookie"], public.headers["set-cookie"]
+        dup = await client.post("/signin", content=b'{"token":"nope","token":"tok"}',
+                                headers={"Content-Type": "application/json"})  # fmt: skip
+        assert dup.status_code == 422 and "set-cookie" not in dup.headers
+        host, port = base.removeprefix("http://").split(":")
+        stream = await anyio.connect_tcp(host, int(port))
+        try:
+            await stream.send(
+                f"POST /signin HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                "Content-Length: 999999999999\r\n\r\n{".encode()
+            )
+            with anyio.fail_after(10):  # answered at once, not after reading (or waiting for) the body
+                reply = await stream.receive()
+            assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        finally:
+            await stream.aclose()

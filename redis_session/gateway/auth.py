@@ -243,10 +243,16 @@ class _TokenAuth:
 
     async def _sign(self, scope: Scope, receive: Receive) -> Response:
         form = any(k == b"content-type" and b"form" in v for k, v in scope.get("headers", ()))
-        secure = "; Secure" if scope.get("scheme") == "https" else ""
+        # Secure over https, and whenever the browser reached the gateway by a name that is not this
+        # machine's own (a TLS ingress in front of it forwards plain http): only a local gateway
+        # (localhost, 127.0.0.1, [::1]) may set it without, and browsers keep Secure cookies there too
+        secure = "; Secure" if scope.get("scheme") == "https" or not _local_host(scope) else ""
         attrs = f"; Path={scope.get('root_path', '') or '/'}; HttpOnly; SameSite=Strict{secure}"
         if scope["path"] == "/signout":
             return Response(status_code=303, headers={"Location": "./", "Set-Cookie": f"{COOKIE}={attrs}; Max-Age=0"})
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if declared is not None and (not declared.isdigit() or int(declared) > SIGNIN_LIMIT):
+            return _error(413, "too_large", f"a sign-in body is at most {SIGNIN_LIMIT} bytes")
         body = await _read_small(receive, SIGNIN_LIMIT)
         given: str | None = None
         next_hash = ""
@@ -257,7 +263,9 @@ class _TokenAuth:
             next_hash = raw_next if raw_next.startswith("#") and "\n" not in raw_next else ""
         elif body:
             try:
-                doc = json.loads(body)
+                doc = json.loads(body, object_pairs_hook=_unique_members)
+            except _DuplicateMember as e:
+                return _error(422, "invalid", f"$.{e.args[0]}: a duplicate member name (I-JSON)")
             except ValueError:
                 doc = None
             given = doc.get("token") if isinstance(doc, dict) and isinstance(doc.get("token"), str) else None
@@ -272,6 +280,27 @@ class _TokenAuth:
                 status_code=303, headers={"Location": "./" + quote(next_hash, safe="#/%:"), "Set-Cookie": cookie}
             )
         return Response(status_code=204, headers={"Set-Cookie": cookie})
+
+
+class _DuplicateMember(ValueError):
+    pass
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose member names are unique (I-JSON): `{"token": a, "token": b}` is refused."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateMember(k)
+        out[k] = v
+    return out
+
+
+def _local_host(scope: Scope) -> bool:
+    """Whether the request names this machine (its Host is localhost or a loopback address)."""
+    host = next((v for k, v in scope.get("headers", ()) if k == b"host"), b"").decode("latin-1").lower()
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]", 1)[0] + "]"
+    return name in ("localhost", "[::1]") or name.startswith("127.")
 
 
 async def _read_small(receive: Receive, limit: int) -> bytes | None:
