@@ -28,6 +28,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import anyio
 import msgspec
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from ..errors import (
     SessionAlreadyExistsError,
@@ -38,6 +40,7 @@ from ..errors import (
 )
 from ..keys import validate_session_id
 from ..model import Entry, NewEntry, SessionHead, SessionHeader
+from ..redis.wire import socket_timeout
 from ..retry import conflict_backoff
 from ..store import SessionStore
 from ._loops import LoopStores
@@ -59,10 +62,8 @@ def resend_window(store: Any) -> float:
     """How long (seconds) a write whose reply was lost is re-sent: the store's socket timeout
     (a redis-py client's), else `DEFAULT_RESEND_WINDOW`; at most `MAX_RESEND_WINDOW`."""
     client = getattr(store, "client", None)
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None)
-    timeout = kwargs.get("socket_timeout") if isinstance(kwargs, dict) else None
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+    timeout = socket_timeout(client) if isinstance(client, (aioredis.Redis, RedisCluster)) else None
+    if timeout is None or timeout <= 0:
         return DEFAULT_RESEND_WINDOW
     return float(min(timeout, MAX_RESEND_WINDOW))
 
