@@ -357,6 +357,35 @@ async def test_http_deltas_and_end_of_an_old_life_answer_are_refused(
     assert await redis_store.read_live("life2") == []
 
 
+async def test_a_keyed_begin_in_a_new_life_never_takes_the_old_lifes_answer(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    key = {"Idempotency-Key": "turn1-step1"}
+    await redis_store.create(SessionHeader(id="life3"))
+    r = await client.post(path("life3", "answers"), json={"turn": 1, "step": 1}, headers=key)
+    old = r.json()["answer"]
+    again = await client.post(path("life3", "answers"), json={"turn": 1, "step": 1}, headers=key)
+    assert again.status_code == 201 and again.json()["answer"] == old  # a retry: the same answer
+    other = await client.post(path("life3", "answers"), json={"turn": 2, "step": 1}, headers=key)
+    assert other.status_code == 422 and other.json()["error"] == "idempotency_key_reused"
+    assert (await client.post(path("life3", f"answers/{old}/deltas"), json=_batch(0, ["OLD0 "]))).status_code == 201
+    await redis_store.delete("life3")
+    await redis_store.create(SessionHeader(id="life3"))
+    r = await client.post(path("life3", "answers"), json={"turn": 1, "step": 1}, headers=key)
+    new = r.json()["answer"]
+    assert r.status_code == 201 and new != old
+    assert (await client.post(path("life3", f"answers/{new}/deltas"), json=_batch(0, ["NEW0 "]))).status_code == 201
+    # the old writer (no incarnation header) goes on: refused, nothing of it in the new life
+    r = await client.post(path("life3", f"answers/{old}/deltas"), json=_batch(1, ["OLD1"]))
+    assert r.status_code in (404, 409)
+    r = await client.post(path("life3", f"answers/{old}/end"), json={"reason": "committed", "deltas": 2})
+    assert r.status_code in (404, 409)
+    r = await client.post(path("life3", f"answers/{new}/end"), json={"reason": "committed"})
+    assert r.status_code == 201, r.text
+    msg = (await redis_store.read("life3"))[-1]
+    assert msg.type == "assistant/message" and msg.data["content"] == [{"type": "text", "text": "NEW0 "}]
+
+
 async def test_a_follower_of_the_old_life_is_told_it_was_replaced(redis_store: RedisSessionStore) -> None:
     await redis_store.create(SessionHeader(id="life3"))
     s = await Sessions(redis_store).open("life3")

@@ -568,10 +568,13 @@ class MemorySessionStore(StoreRules):
         s, ttl, st = self._answer_prelude(session_id, answer, incarnation, ttl_ms)
         cur = s.header.incarnation
         if st is not None and st["inc"] == cur:
+            if (st.get("tu"), st.get("st")) != (turn, step):
+                raise answer_refusal(15, [15], session_id, answer)
             return AnswerBegun(answer=answer, n=st["n"], begin_id=st["bid"], incarnation=cur, retry=True)
         at = s.n if n is None else n
         bid = self._live_xadd(s, LiveRecord(answer=answer, kind="begin", turn=turn, step=step, n=at, incarnation=cur))
         st = {"inc": cur, "n": at, "ln": at, "live": 0, "log": 0, "t": self.clock(), "bid": bid, "e": None, "r": None}
+        st.update(tu=turn, st=step)
         self._answer_expire(s, (session_id, answer), st, ttl)
         return AnswerBegun(answer=answer, n=at, begin_id=bid, incarnation=cur)
 
