@@ -15,6 +15,8 @@ a real server.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -439,6 +441,54 @@ async def test_an_sse_resume_into_another_life_answers_replaced(
     r = await client.get(path("life4", "events"), headers={"Last-Event-ID": "x:y:z"})
     assert r.status_code == 400
     assert (await events(f"{new_inc}:3"))[0] == f"id: {new_inc}:4"
+
+
+async def test_an_sse_resume_after_the_answer_ended_gets_the_rest(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    await redis_store.create(SessionHeader(id="sser"), [("turn/start", {"turn": 1})])
+    a = await _begin(client, "sser")
+    assert (await client.post(path("sser", f"answers/{a}/deltas"), json=_batch(0, ["d0", "d1"]))).status_code == 201
+
+    async def events(headers: dict[str, str], until: Any) -> list[tuple[str, str, str]]:
+        seen: list[tuple[str, str, str]] = []
+        ev, eid = "message", ""
+        with anyio.fail_after(20):
+            async with client.stream("GET", path("sser", "events"), params={"deltas": "1"}, headers=headers) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("event:"):
+                        ev = line[6:].strip()
+                    elif line.startswith("id:"):
+                        eid = line[3:].strip()
+                    elif line.startswith("data:"):
+                        seen.append((ev, eid, line[5:].strip()))
+                        ev = "message"
+                        if until(seen):
+                            break
+        return seen
+
+    first = await events({}, lambda seen: any(e[0] == "delta" for e in seen))
+    last = next(e[1] for e in first if e[0] == "delta")  # the reader leaves after d0
+    assert (await client.post(path("sser", f"answers/{a}/deltas"), json=_batch(2, ["d2"]))).status_code == 201
+    assert (await client.post(path("sser", f"answers/{a}/end"), json={"reason": "committed"})).status_code == 201
+
+    def done(seen: list[tuple[str, str, str]]) -> bool:
+        return any(e[0] == "gap" for e in seen) or sum(e[0] == "delta" for e in seen) >= 2
+
+    again = await events({"Last-Event-ID": last}, done)
+    deltas = [json.loads(e[2])["text"] for e in again if e[0] == "delta"]
+    assert deltas == ["d1", "d2"] or any(e[0] == "gap" for e in again), again
+    # and exactly as follow_deltas with that cursor
+    cursor = last.split("/", 1)[1]
+    got: list[str] = []
+    with anyio.fail_after(20):
+        async with contextlib.aclosing(follow_deltas(redis_store, "sser", 1, live_after=cursor)) as items:
+            async for item in items:
+                if isinstance(item, Delta):
+                    got.append(item.text)
+                if len(got) == 2:
+                    break
+    assert got == deltas
 
 
 async def test_the_raw_answer_script_refuses_a_state_of_another_life(raw_redis: aioredis.Redis) -> None:
