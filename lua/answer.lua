@@ -229,9 +229,23 @@ if op == 'end' then
   f[#f + 1] = 'r'; f[#f + 1] = reason
   call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
   call('HSET', state, 'log', fmt('%d', logged), 'e', fmt('%d', closing), 'r', reason, 't', fmt('%d', now))
-  -- records older than the grace go (a reader away longer is told it missed them: a gap); an
-  -- answer's own records are never trimmed by another's end while a reader may still resume it
-  call('XTRIM', live, 'MINID', fmt('%d-0', now - ttl))
+  -- records older than the grace go (a reader away longer is told it missed them: a gap), but
+  -- never from the begin of an answer still open on: the trim stops at the oldest such begin (its
+  -- state, in the session's hash slot, has no end), so one answer's end never cuts another
+  local cutoff = fmt('%d-0', now - ttl)
+  local base = string.sub(state, 1, #state - #answer)
+  for _, r in ipairs(call('XRANGE', live, '-', '(' .. cutoff)) do
+    local fl = r[2]
+    local kind, who = nil, nil
+    for i = 1, #fl, 2 do
+      if fl[i] == 'k' then kind = fl[i + 1] elseif fl[i] == 'a' then who = fl[i + 1] end
+    end
+    if kind == 'b' and who and who ~= answer then
+      local o = call('HMGET', base .. who, 'inc', 'e')
+      if o[1] == cur and not o[2] then cutoff = r[1]; break end
+    end
+  end
+  call('XTRIM', live, 'MINID', cutoff)
   expire(ttl)
   return {0, closing, now}
 end

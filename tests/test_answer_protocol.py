@@ -32,6 +32,7 @@ from redis_session import (
     DeltaGap,
     DurabilityError,
     RedisSessionStore,
+    SessionConflictError,
     SessionHeader,
     SessionReplacedError,
     Sessions,
@@ -275,6 +276,31 @@ async def test_a_trimmed_start_of_an_answer_is_a_gap_for_a_fresh_reader() -> Non
             items.append(item)
     assert items[0] == DeltaGap(answer="q", start=0, stop=4, cursor=items[1].cursor)
     assert isinstance(items[1], Delta) and items[1].index == 4
+
+
+async def test_one_answers_end_never_trims_another_open_answer(store: Any) -> None:
+    await store.create(SessionHeader(id="trimo"), [("turn/start", {"turn": 1})])
+    s = await Sessions(store).open("trimo")
+    wa = s.stream(turn=1, step=1, flush_interval=60)
+    await wa.__aenter__()
+    try:
+        await wa.delta("a0")
+        await wa.delta("a1")
+        await anyio.sleep(0.5)  # A's records grow older than B's grace
+        await _stream(await Sessions(store).open("trimo"), ["b0"], turn=1, step=2, grace=0.2, flush_interval=0.05)
+        assert await store.get_draft("trimo") is not None  # A is still open
+        got: list[Any] = []
+        with anyio.move_on_after(3):
+            async with contextlib.aclosing(follow_deltas(store, "trimo", 1)) as items:
+                async for item in items:
+                    if isinstance(item, (Delta, DeltaGap)) and item.answer == wa.answer:
+                        got.append(item)
+                    if len(got) >= 2:
+                        break
+        assert [g.text for g in got if isinstance(g, Delta)] == ["a0", "a1"], got
+    finally:
+        with contextlib.suppress(SessionConflictError):  # B wrote since A began: A's end conflicts
+            await wa.__aexit__(None, None, None)
 
 
 # --------------------------------------------------------------------------- 7 quiet and dead writers

@@ -712,6 +712,15 @@ class MemorySessionStore(StoreRules):
             ))  # fmt: skip
             st.update(log=logged, e=closing_n, r=reason, t=now)
             floor = (now - ttl) << 20
+            for r in s.live:  # never from the begin of another answer still open (as answer.lua)
+                if _live_seq(r.id) >= floor:
+                    break
+                if r.kind == "begin" and r.answer != answer:
+                    got = self._answers.get((session_id, r.answer))
+                    o = None if got is None or got[1] <= now else got[0]
+                    if o is not None and o["inc"] == s.header.incarnation and o["e"] is None:
+                        floor = _live_seq(r.id)
+                        break
             s.live = [r for r in s.live if _live_seq(r.id) >= floor]
             self._answer_expire(s, (session_id, answer), st, ttl)
             return AnswerEnded(n=None if closing_n < 0 else closing_n, reason=reason)
