@@ -41,11 +41,13 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 
 from .errors import (
     AnswerAliveError,
     AnswerError,
     DurabilityError,
+    InvalidEntryError,
     SessionConflictError,
     SessionNotFoundError,
     SessionReplacedError,
@@ -193,7 +195,16 @@ class AnswerStream:
             raise self._broken
         if self._closed or not self._tasks:
             raise RuntimeError("this answer stream is not open (use `async with s.stream(...)`)")
-        delta_chunk(kind, text, call_id, name)  # validates the kind
+        chunk = delta_chunk(kind, text, call_id, name)  # validates the kind
+        # refused here, to the caller, before anything is queued: a delta no row could carry
+        # (a lone surrogate, or one over the entry limit) would otherwise fail in the background
+        try:
+            size = len(msgspec.json.encode(chunk))
+        except UnicodeEncodeError as e:
+            raise InvalidEntryError(f"a delta must be valid UTF-8 text: {e.reason}") from None
+        limit = self.store.max_entry_bytes
+        if size > limit:
+            raise InvalidEntryError(f"a delta of {size} bytes; an entry's limit is {limit}")
         index = len(self._deltas)
         self._deltas.append(Delta(answer=self.answer, index=index, kind=kind, text=text, call_id=call_id, name=name))
         self._send_wake.set()

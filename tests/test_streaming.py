@@ -476,3 +476,22 @@ def test_a_gateway_stopped_with_sse_clients_open_stops_cleanly(redis_url: str, p
     assert proc.returncode == 0, text[-3000:]
     assert "Exception in ASGI application" not in text and "Traceback" not in text, text[-3000:]
     assert took < 5, f"the streams were not ended at once ({took:.1f} s)"
+
+
+async def test_a_delta_no_row_could_carry_is_refused_at_once_and_the_answer_closes(store: Any) -> None:
+    from redis_session import InvalidEntryError
+
+    await store.create(SessionHeader(id="bad"))
+    s = await Sessions(store).open("bad")
+    big = "x" * (store.max_entry_bytes + 1)
+    async with s.stream(turn=1, step=1) as w:
+        await w.delta("ok ")
+        with pytest.raises(InvalidEntryError):
+            await w.delta("a\ud800")  # a lone surrogate
+        with pytest.raises(InvalidEntryError):
+            await w.delta(big)
+        await w.delta("done")
+    assert w.message is not None and w.text == "ok done"
+    types = [e.type for e in await store.read("bad")]
+    assert types[-1] == "assistant/message" and INTERRUPTED not in types
+    assert "\ud800" not in str([r.text for r in await store.read_live("bad") if r.is_delta])
