@@ -495,3 +495,25 @@ async def test_a_delta_no_row_could_carry_is_refused_at_once_and_the_answer_clos
     types = [e.type for e in await store.read("bad")]
     assert types[-1] == "assistant/message" and INTERRUPTED not in types
     assert "\ud800" not in str([r.text for r in await store.read_live("bad") if r.is_delta])
+
+
+async def test_a_chunk_row_the_store_refuses_closes_the_answer_interrupted() -> None:
+    from redis_session import InvalidEntryError
+
+    store = MemorySessionStore(max_entry_bytes=2000)
+    await store.create(SessionHeader(id="rowbad"))
+    s = await Sessions(store).open("rowbad")
+    with pytest.raises(InvalidEntryError):
+        async with s.stream(turn=1, step=1, flush_interval=0.05) as w:
+            await w.delta("a" * 100)
+            await anyio.sleep(0.2)  # that row lands
+            for _ in range(3):
+                await w.delta("b" * 900)  # each fits; the row of all three is refused
+            with anyio.fail_after(5):
+                while True:
+                    await w.delta("")  # raises once the refused row is known
+                    await anyio.sleep(0.02)
+    types = [e.type for e in await store.read("rowbad")]
+    assert types == [CHUNK, INTERRUPTED], types
+    assert w.interrupted is not None
+    assert any(r.kind == "end" for r in await store.read_live("rowbad"))
