@@ -7,7 +7,7 @@
 --                         inc (the life it began in), n (the log's n at its begin), ln (the log's
 --                         n after its own last row: "nobody else wrote since"), live / log (the
 --                         next delta index on the live stream / in the log), t (server ms of its
---                         last write or beat), bid (its begin's live id), e (the closing n, -1 for
+--                         last write or beat), bid (its begin's live id), tu / st (its begin's turn / step), e (the closing n, -1 for
 --                         none, once ended), r (the end's reason)
 -- KEYS[10]   feed   optional change-feed shard (standalone servers only)
 --
@@ -45,6 +45,7 @@
 --   {2, n} end: conflict (expected)   {13} end with stale_ms: the writer is alive
 --   {14, first} a row at `first` landed with other deltas than this one (a key reused)
 --   {6, last_id} the stream is ahead of the header (corrupt)
+--   {15} begin: this answer began with another turn / step (an idempotency key reused)
 local call, fmt = redis.call, string.format
 local op, answer, want_inc = ARGV[1], ARGV[2], ARGV[3]
 local ttl = tonumber(ARGV[4])
@@ -90,8 +91,12 @@ local function add_entry(at, typ, data, meta)
 end
 
 if op == 'begin' then
-  local s = call('HMGET', state, 'inc', 'n', 'bid')
-  if s[1] == cur then return {1, tonumber(s[2]), s[3], cur} end
+  local s = call('HMGET', state, 'inc', 'n', 'bid', 'tu', 'st')
+  if s[1] == cur then
+    -- a retry names the same turn and step (a keyed begin with another body is another request)
+    if (s[4] or '') ~= ARGV[6] or (s[5] or '') ~= ARGV[7] then return {15} end
+    return {1, tonumber(s[2]), s[3], cur}
+  end
   local at = n
   if ARGV[8] ~= '' then at = tonumber(ARGV[8]) end
   local f = {'a', answer, 'k', 'b'}
@@ -102,7 +107,7 @@ if op == 'begin' then
   local bid = call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
   call('DEL', state)  -- a state of another life under this id (a keyed begin) is not this one
   call('HSET', state, 'inc', cur, 'n', fmt('%d', at), 'ln', fmt('%d', at), 'live', 0, 'log', 0,
-    't', fmt('%d', now), 'bid', bid)
+    't', fmt('%d', now), 'bid', bid, 'tu', ARGV[6], 'st', ARGV[7])
   expire(ttl)
   return {0, at, bid, cur}
 end
@@ -224,9 +229,23 @@ if op == 'end' then
   f[#f + 1] = 'r'; f[#f + 1] = reason
   call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
   call('HSET', state, 'log', fmt('%d', logged), 'e', fmt('%d', closing), 'r', reason, 't', fmt('%d', now))
-  -- records older than the grace go (a reader away longer is told it missed them: a gap); an
-  -- answer's own records are never trimmed by another's end while a reader may still resume it
-  call('XTRIM', live, 'MINID', fmt('%d-0', now - ttl))
+  -- records older than the grace go (a reader away longer is told it missed them: a gap), but
+  -- never from the begin of an answer still open on: the trim stops at the oldest such begin (its
+  -- state, in the session's hash slot, has no end), so one answer's end never cuts another
+  local cutoff = fmt('%d-0', now - ttl)
+  local base = string.sub(state, 1, #state - #answer)
+  for _, r in ipairs(call('XRANGE', live, '-', '(' .. cutoff)) do
+    local fl = r[2]
+    local kind, who = nil, nil
+    for i = 1, #fl, 2 do
+      if fl[i] == 'k' then kind = fl[i + 1] elseif fl[i] == 'a' then who = fl[i + 1] end
+    end
+    if kind == 'b' and who and who ~= answer then
+      local o = call('HMGET', base .. who, 'inc', 'e')
+      if o[1] == cur and not o[2] then cutoff = r[1]; break end
+    end
+  end
+  call('XTRIM', live, 'MINID', cutoff)
   expire(ttl)
   return {0, closing, now}
 end

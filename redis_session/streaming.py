@@ -41,11 +41,13 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 
 from .errors import (
     AnswerAliveError,
     AnswerError,
     DurabilityError,
+    InvalidEntryError,
     SessionConflictError,
     SessionNotFoundError,
     SessionReplacedError,
@@ -151,6 +153,7 @@ class AnswerStream:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._broken: BaseException | None = None  # the session was replaced, the answer closed
+        self._failed: InvalidEntryError | None = None  # a chunk row the store refused
         self._durability: DurabilityError | None = None
         self._live_unsure = False  # a live send's reply was lost: read what landed first
         self._live_id: str | None = None  # the live id of our last delta that landed
@@ -191,9 +194,20 @@ class AnswerStream:
             raise TypeError(f"a delta is a str, got {type(text).__name__}")
         if self._broken is not None:
             raise self._broken
+        if self._failed is not None:
+            raise self._failed
         if self._closed or not self._tasks:
             raise RuntimeError("this answer stream is not open (use `async with s.stream(...)`)")
-        delta_chunk(kind, text, call_id, name)  # validates the kind
+        chunk = delta_chunk(kind, text, call_id, name)  # validates the kind
+        # refused here, to the caller, before anything is queued: a delta no row could carry
+        # (a lone surrogate, or one over the entry limit) would otherwise fail in the background
+        try:
+            size = len(msgspec.json.encode(chunk))
+        except UnicodeEncodeError as e:
+            raise InvalidEntryError(f"a delta must be valid UTF-8 text: {e.reason}") from None
+        limit = self.store.max_entry_bytes
+        if size > limit:
+            raise InvalidEntryError(f"a delta of {size} bytes; an entry's limit is {limit}")
         index = len(self._deltas)
         self._deltas.append(Delta(answer=self.answer, index=index, kind=kind, text=text, call_id=call_id, name=name))
         self._send_wake.set()
@@ -280,7 +294,7 @@ class AnswerStream:
     async def _flush(self) -> None:
         """Append the buffered deltas as one row (at most `max_chunks`). A row whose reply was
         lost is sent again with the same bounds: it lands once."""
-        if self._broken is not None:
+        if self._broken is not None or self._failed is not None:
             return
         if self._row is None:
             if len(self._deltas) <= self._flushed:
@@ -303,6 +317,11 @@ class AnswerStream:
             return
         except (AnswerError, SessionNotFoundError) as e:
             self._break(e)
+            return
+        except InvalidEntryError as e:  # a row the store refuses (never retried): the answer ends interrupted
+            log.warning("chunks of %r (answer %s) refused: %s", self.session_id, self.answer, e)
+            self._failed = e
+            self._closed = True
             return
         self._row = None
         self._flushed = hi
@@ -372,6 +391,19 @@ class AnswerStream:
             if self._broken is not None:
                 if exc_type is None:
                     raise self._broken
+                return
+            if self._failed is not None:
+                # close it interrupted with what the log holds (the refused row never lands),
+                # then tell the block
+                self._row = None
+                del self._deltas[self._flushed :]
+                self._live = min(self._live, self._flushed)
+                try:
+                    await self._interrupt("error")
+                except Exception:
+                    log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
+                if exc_type is None:
+                    raise self._failed
                 return
             # every delta is live before the entry that closes the answer lands
             for _ in range(3):

@@ -15,6 +15,8 @@ a real server.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from redis_session import (
     DeltaGap,
     DurabilityError,
     RedisSessionStore,
+    SessionConflictError,
     SessionHeader,
     SessionReplacedError,
     Sessions,
@@ -275,6 +278,31 @@ async def test_a_trimmed_start_of_an_answer_is_a_gap_for_a_fresh_reader() -> Non
     assert isinstance(items[1], Delta) and items[1].index == 4
 
 
+async def test_one_answers_end_never_trims_another_open_answer(store: Any) -> None:
+    await store.create(SessionHeader(id="trimo"), [("turn/start", {"turn": 1})])
+    s = await Sessions(store).open("trimo")
+    wa = s.stream(turn=1, step=1, flush_interval=60)
+    await wa.__aenter__()
+    try:
+        await wa.delta("a0")
+        await wa.delta("a1")
+        await anyio.sleep(0.5)  # A's records grow older than B's grace
+        await _stream(await Sessions(store).open("trimo"), ["b0"], turn=1, step=2, grace=0.2, flush_interval=0.05)
+        assert await store.get_draft("trimo") is not None  # A is still open
+        got: list[Any] = []
+        with anyio.move_on_after(3):
+            async with contextlib.aclosing(follow_deltas(store, "trimo", 1)) as items:
+                async for item in items:
+                    if isinstance(item, (Delta, DeltaGap)) and item.answer == wa.answer:
+                        got.append(item)
+                    if len(got) >= 2:
+                        break
+        assert [g.text for g in got if isinstance(g, Delta)] == ["a0", "a1"], got
+    finally:
+        with contextlib.suppress(SessionConflictError):  # B wrote since A began: A's end conflicts
+            await wa.__aexit__(None, None, None)
+
+
 # --------------------------------------------------------------------------- 7 quiet and dead writers
 
 
@@ -357,6 +385,35 @@ async def test_http_deltas_and_end_of_an_old_life_answer_are_refused(
     assert await redis_store.read_live("life2") == []
 
 
+async def test_a_keyed_begin_in_a_new_life_never_takes_the_old_lifes_answer(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    key = {"Idempotency-Key": "turn1-step1"}
+    await redis_store.create(SessionHeader(id="life3"))
+    r = await client.post(path("life3", "answers"), json={"turn": 1, "step": 1}, headers=key)
+    old = r.json()["answer"]
+    again = await client.post(path("life3", "answers"), json={"turn": 1, "step": 1}, headers=key)
+    assert again.status_code == 201 and again.json()["answer"] == old  # a retry: the same answer
+    other = await client.post(path("life3", "answers"), json={"turn": 2, "step": 1}, headers=key)
+    assert other.status_code == 422 and other.json()["error"] == "idempotency_key_reused"
+    assert (await client.post(path("life3", f"answers/{old}/deltas"), json=_batch(0, ["OLD0 "]))).status_code == 201
+    await redis_store.delete("life3")
+    await redis_store.create(SessionHeader(id="life3"))
+    r = await client.post(path("life3", "answers"), json={"turn": 1, "step": 1}, headers=key)
+    new = r.json()["answer"]
+    assert r.status_code == 201 and new != old
+    assert (await client.post(path("life3", f"answers/{new}/deltas"), json=_batch(0, ["NEW0 "]))).status_code == 201
+    # the old writer (no incarnation header) goes on: refused, nothing of it in the new life
+    r = await client.post(path("life3", f"answers/{old}/deltas"), json=_batch(1, ["OLD1"]))
+    assert r.status_code in (404, 409)
+    r = await client.post(path("life3", f"answers/{old}/end"), json={"reason": "committed", "deltas": 2})
+    assert r.status_code in (404, 409)
+    r = await client.post(path("life3", f"answers/{new}/end"), json={"reason": "committed"})
+    assert r.status_code == 201, r.text
+    msg = (await redis_store.read("life3"))[-1]
+    assert msg.type == "assistant/message" and msg.data["content"] == [{"type": "text", "text": "NEW0 "}]
+
+
 async def test_a_follower_of_the_old_life_is_told_it_was_replaced(redis_store: RedisSessionStore) -> None:
     await redis_store.create(SessionHeader(id="life3"))
     s = await Sessions(redis_store).open("life3")
@@ -410,6 +467,54 @@ async def test_an_sse_resume_into_another_life_answers_replaced(
     r = await client.get(path("life4", "events"), headers={"Last-Event-ID": "x:y:z"})
     assert r.status_code == 400
     assert (await events(f"{new_inc}:3"))[0] == f"id: {new_inc}:4"
+
+
+async def test_an_sse_resume_after_the_answer_ended_gets_the_rest(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    await redis_store.create(SessionHeader(id="sser"), [("turn/start", {"turn": 1})])
+    a = await _begin(client, "sser")
+    assert (await client.post(path("sser", f"answers/{a}/deltas"), json=_batch(0, ["d0", "d1"]))).status_code == 201
+
+    async def events(headers: dict[str, str], until: Any) -> list[tuple[str, str, str]]:
+        seen: list[tuple[str, str, str]] = []
+        ev, eid = "message", ""
+        with anyio.fail_after(20):
+            async with client.stream("GET", path("sser", "events"), params={"deltas": "1"}, headers=headers) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("event:"):
+                        ev = line[6:].strip()
+                    elif line.startswith("id:"):
+                        eid = line[3:].strip()
+                    elif line.startswith("data:"):
+                        seen.append((ev, eid, line[5:].strip()))
+                        ev = "message"
+                        if until(seen):
+                            break
+        return seen
+
+    first = await events({}, lambda seen: any(e[0] == "delta" for e in seen))
+    last = next(e[1] for e in first if e[0] == "delta")  # the reader leaves after d0
+    assert (await client.post(path("sser", f"answers/{a}/deltas"), json=_batch(2, ["d2"]))).status_code == 201
+    assert (await client.post(path("sser", f"answers/{a}/end"), json={"reason": "committed"})).status_code == 201
+
+    def done(seen: list[tuple[str, str, str]]) -> bool:
+        return any(e[0] == "gap" for e in seen) or sum(e[0] == "delta" for e in seen) >= 2
+
+    again = await events({"Last-Event-ID": last}, done)
+    deltas = [json.loads(e[2])["text"] for e in again if e[0] == "delta"]
+    assert deltas == ["d1", "d2"] or any(e[0] == "gap" for e in again), again
+    # and exactly as follow_deltas with that cursor
+    cursor = last.split("/", 1)[1]
+    got: list[str] = []
+    with anyio.fail_after(20):
+        async with contextlib.aclosing(follow_deltas(redis_store, "sser", 1, live_after=cursor)) as items:
+            async for item in items:
+                if isinstance(item, Delta):
+                    got.append(item.text)
+                if len(got) == 2:
+                    break
+    assert got == deltas
 
 
 async def test_the_raw_answer_script_refuses_a_state_of_another_life(raw_redis: aioredis.Redis) -> None:

@@ -476,3 +476,44 @@ def test_a_gateway_stopped_with_sse_clients_open_stops_cleanly(redis_url: str, p
     assert proc.returncode == 0, text[-3000:]
     assert "Exception in ASGI application" not in text and "Traceback" not in text, text[-3000:]
     assert took < 5, f"the streams were not ended at once ({took:.1f} s)"
+
+
+async def test_a_delta_no_row_could_carry_is_refused_at_once_and_the_answer_closes(store: Any) -> None:
+    from redis_session import InvalidEntryError
+
+    await store.create(SessionHeader(id="bad"))
+    s = await Sessions(store).open("bad")
+    big = "x" * (store.max_entry_bytes + 1)
+    async with s.stream(turn=1, step=1) as w:
+        await w.delta("ok ")
+        with pytest.raises(InvalidEntryError):
+            await w.delta("a\ud800")  # a lone surrogate
+        with pytest.raises(InvalidEntryError):
+            await w.delta(big)
+        await w.delta("done")
+    assert w.message is not None and w.text == "ok done"
+    types = [e.type for e in await store.read("bad")]
+    assert types[-1] == "assistant/message" and INTERRUPTED not in types
+    assert "\ud800" not in str([r.text for r in await store.read_live("bad") if r.is_delta])
+
+
+async def test_a_chunk_row_the_store_refuses_closes_the_answer_interrupted() -> None:
+    from redis_session import InvalidEntryError
+
+    store = MemorySessionStore(max_entry_bytes=2000)
+    await store.create(SessionHeader(id="rowbad"))
+    s = await Sessions(store).open("rowbad")
+    with pytest.raises(InvalidEntryError):
+        async with s.stream(turn=1, step=1, flush_interval=0.05) as w:
+            await w.delta("a" * 100)
+            await anyio.sleep(0.2)  # that row lands
+            for _ in range(3):
+                await w.delta("b" * 900)  # each fits; the row of all three is refused
+            with anyio.fail_after(5):
+                while True:
+                    await w.delta("")  # raises once the refused row is known
+                    await anyio.sleep(0.02)
+    types = [e.type for e in await store.read("rowbad")]
+    assert types == [CHUNK, INTERRUPTED], types
+    assert w.interrupted is not None
+    assert any(r.kind == "end" for r in await store.read_live("rowbad"))

@@ -6,7 +6,9 @@ answer between requests).
 ``POST /sessions/{id}/answers`` ``{turn?, step?}``
     opens an answer in the session's current life (or the ``X-Session-Incarnation`` one: 409
     ``session_replaced`` otherwise); 201 ``{answer, n, incarnation, begin_id}``. With an
-    ``Idempotency-Key`` the answer id is derived from it (a retry gets the same answer).
+    ``Idempotency-Key`` the answer id is derived from it and the life (a retry gets the same
+    answer; the same key in a later life of the id another one; with another body 422
+    ``idempotency_key_reused``).
 ``POST /sessions/{id}/answers/{answer}/deltas`` ``{first_index, deltas: [...], turn?, step?}``
     a batch of deltas (``{text}``, ``{kind: "reasoning", text}``, ``{kind: "tool-call", callId,
     name?, text}``) numbered from `first_index`: one packed ``assistant/chunk`` row in the log
@@ -48,7 +50,7 @@ from ..errors import (
     InvalidEntryError,
     SessionNotFoundError,
 )
-from ..model import NewEntry
+from ..model import NewEntry, legacy_incarnation
 from ..projection.chunks import TOOL_CALL, Delta, assemble, new_answer_id, replay
 from ..streaming import DEFAULT_GRACE, DEFAULT_LIVE_TTL, answer_message, interrupted_mark
 from .body import (
@@ -141,11 +143,21 @@ async def begin(gw: Gateway, request: Request, sid: str) -> Response:
     cond = preconditions(request)
     req = convert(decode_json(await read_body(request, gw.max_body)), BeginIn)
     answer = new_answer_id()
+    incarnation = cond.incarnation
     if cond.idempotency_key is not None:
-        answer = hashlib.sha256(f"{sid}\0{cond.idempotency_key}".encode()).hexdigest()[:10]
+        # the id is derived from the key and the life: the same key in a later life of the id (a
+        # key made of turn and step) begins another answer, so a writer of the old life never
+        # reaches the new one; the begin is pinned to that life (a replace in between: 409)
+        if incarnation is None:
+            head = await gw.store.head(sid)
+            if head is None:
+                raise SessionNotFoundError(sid)
+            incarnation = head.header.incarnation or legacy_incarnation(head.header.created_at)
+        key = f"{sid}\0{incarnation}\0{cond.idempotency_key}"
+        answer = hashlib.sha256(key.encode()).hexdigest()[:10]
     try:
         begun = await gw.store.answer_begin(
-            sid, answer, turn=req.turn, step=req.step, incarnation=cond.incarnation, ttl_ms=LIVE_TTL_MS
+            sid, answer, turn=req.turn, step=req.step, incarnation=incarnation, ttl_ms=LIVE_TTL_MS
         )
     except AnswerError as e:
         return _refused(e)

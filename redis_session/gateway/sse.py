@@ -147,7 +147,16 @@ async def _stream_with_deltas(stream: _EventStream, write: Write, on_retry: Any)
     """The live part of a ``?deltas=1`` stream: entries, ``event: delta`` and ``event: gap`` as
     they come (`follow_deltas`), every event id ``<incarnation>:<last n>/<last live id>`` so a
     reconnect with Last-Event-ID resumes both without repeat, and says what it missed."""
-    nxt = await stream._backlog(write)
+    if stream.live_after is None:
+        nxt = await stream._backlog(write)
+    else:
+        # a resume with a live cursor: `follow_deltas` sends the stored entries itself, in order
+        # with the deltas after the cursor (or a gap); a backlog sent first would start it past
+        # the end of an answer that ended meanwhile and skip the rest of it
+        nxt = stream.start
+        head = await stream.store.head(stream.session_id)
+        if head is not None and stream._incarnation is None:
+            stream._incarnation = head.header.incarnation
     items = follow_deltas(
         stream.store, stream.session_id, nxt, live_after=stream.live_after, on_retry=on_retry,
         incarnation=stream._incarnation,

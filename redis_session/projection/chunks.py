@@ -35,6 +35,7 @@ from ..errors import (
     AnswerIncompleteError,
     AnswerNotFoundError,
     AnswerOrderError,
+    IdempotencyKeyReusedError,
     SessionConflictError,
     SessionError,
     SessionNotFoundError,
@@ -250,6 +251,8 @@ def answer_refusal(
         return AnswerAliveError(session_id, answer)
     if code == 14:
         return AnswerBatchMismatchError(session_id, answer, int(res[1]))
+    if code == 15:
+        return IdempotencyKeyReusedError(session_id, f"answer {answer}")
     if code == 6:
         return SessionError(f"session {session_id!r}: the stream is ahead of the header; run `redis-session doctor`")
     return SessionError(f"unexpected reply from answer.lua: {res!r}")

@@ -568,10 +568,13 @@ class MemorySessionStore(StoreRules):
         s, ttl, st = self._answer_prelude(session_id, answer, incarnation, ttl_ms)
         cur = s.header.incarnation
         if st is not None and st["inc"] == cur:
+            if (st.get("tu"), st.get("st")) != (turn, step):
+                raise answer_refusal(15, [15], session_id, answer)
             return AnswerBegun(answer=answer, n=st["n"], begin_id=st["bid"], incarnation=cur, retry=True)
         at = s.n if n is None else n
         bid = self._live_xadd(s, LiveRecord(answer=answer, kind="begin", turn=turn, step=step, n=at, incarnation=cur))
         st = {"inc": cur, "n": at, "ln": at, "live": 0, "log": 0, "t": self.clock(), "bid": bid, "e": None, "r": None}
+        st.update(tu=turn, st=step)
         self._answer_expire(s, (session_id, answer), st, ttl)
         return AnswerBegun(answer=answer, n=at, begin_id=bid, incarnation=cur)
 
@@ -709,6 +712,15 @@ class MemorySessionStore(StoreRules):
             ))  # fmt: skip
             st.update(log=logged, e=closing_n, r=reason, t=now)
             floor = (now - ttl) << 20
+            for r in s.live:  # never from the begin of another answer still open (as answer.lua)
+                if _live_seq(r.id) >= floor:
+                    break
+                if r.kind == "begin" and r.answer != answer:
+                    got = self._answers.get((session_id, r.answer))
+                    o = None if got is None or got[1] <= now else got[0]
+                    if o is not None and o["inc"] == s.header.incarnation and o["e"] is None:
+                        floor = _live_seq(r.id)
+                        break
             s.live = [r for r in s.live if _live_seq(r.id) >= floor]
             self._answer_expire(s, (session_id, answer), st, ttl)
             return AnswerEnded(n=None if closing_n < 0 else closing_n, reason=reason)
