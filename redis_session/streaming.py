@@ -467,7 +467,14 @@ class AnswerStream:
     async def _commit(self) -> None:
         message = answer_message(self.answer, self.turn, self.step, self.content(), self.usage, self._meta)
         try:
-            ended, unconfirmed = await self._end("committed", message, self._expected())
+            try:
+                ended, unconfirmed = await self._end("committed", message, self._expected())
+            except SessionConflictError as e:
+                # the handle may trail only this answer's own rows (a row whose reply was lost, then
+                # settled): move past them and close once more; another writer's entry still conflicts
+                if not await self._absorb_own_rows(e):
+                    raise
+                ended, unconfirmed = await self._end("committed", message, self._expected())
         except SessionConflictError:
             # someone wrote since the answer's rows: keep the deltas, close the answer, let the
             # caller retry the message (`Session.commit`)
@@ -476,6 +483,20 @@ class AnswerStream:
         self.message = await self._closing_entry(ended.n)
         if unconfirmed and self._durability is not None:
             raise self._durability
+
+    async def _absorb_own_rows(self, conflict: SessionConflictError) -> bool:
+        """Whether every entry between the handle and the log's end is one of this answer's own
+        chunk rows; if so the handle moves past them (a close can then be sent again)."""
+        if self._advance is None or conflict.actual_n is None or conflict.expected_n is None:
+            return False
+        lo, hi = conflict.expected_n, conflict.actual_n
+        if not 0 <= lo < hi or hi - lo > 64:
+            return False
+        got = await _retrying(lambda: self.store.read(self.session_id, lo, hi, incarnation=self._incarnation))
+        if len(got) != hi - lo or any(e.type != CHUNK or e.data.get("answer") != self.answer for e in got):
+            return False
+        await self._advance(got)
+        return True
 
     async def _interrupt(self, reason: str) -> None:
         mark = interrupted_mark(
