@@ -252,7 +252,7 @@ async def fanout(store: RedisSessionStore, port: int, readers: int, sessions: in
                     end = buf.find(b"\n", at)
                     if end < 0:
                         break
-                    got = int(buf[at + 4 : end].split(b"/")[0])
+                    got = int(buf[at + 4 : end].split(b"/")[0].rsplit(b":", 1)[-1])  # <inc>:<n>[/<live id>]
                     buf = buf[end:]
                     t = sent.get((sid, got))
                     if t is not None:

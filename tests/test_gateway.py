@@ -238,9 +238,12 @@ async def test_stream_limit_answers_503(redis_store: RedisSessionStore) -> None:
 
 async def test_default_stream_limit_follows_the_pool(redis_url: str) -> None:
     store = RedisSessionStore.from_url(redis_url, prefix="unused", client_options={"max_connections": 100})
-    assert create_app(store).state.streams.limit == 90
+    app = create_app(store)
+    # a live tail per followed session holds a pooled connection: the pool less a margin
+    assert app.state.tails.connection_limit == 90 and app.state.streams.limit is None
+    assert create_app(store, max_streams=5).state.streams.limit == 5
     await store.aclose()
-    assert create_app(MemorySessionStore()).state.streams.limit is None
+    assert create_app(MemorySessionStore()).state.tails.connection_limit is None
 
 
 # --------------------------------------------------------------------------- read routes

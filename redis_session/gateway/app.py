@@ -75,7 +75,8 @@ from .context import Gateway
 from .errors import guarded, http_error, server_error
 from .openapi import openapi
 from .routes import WebPolicy, _WebGuard
-from .sse import _default_stream_limit, _Drafts, _store_events_route, _Streams
+from .sse import _default_stream_limit, _Drafts, _entry_event, _store_events_route, _Streams
+from .tails import Tails
 
 __all__ = ["MessagesFn", "WebPolicy", "check_exposure", "create_app", "listen", "openapi", "run_workers", "serve"]
 
@@ -131,7 +132,9 @@ def create_app(
     `messages` answers `/messages` (default: `Sessions.messages`, the projector's cached snapshot
     plus the entries after it). `draft_interval` is how often a stream polls the draft while the
     session is active (it backs off to 2 s when idle). `max_streams` caps concurrent SSE clients
-    (default: what the store's connection pool can hold); past it `/events` answers 503.
+    (default: none). The SSE streams of one session share one live tail, so they hold one pooled
+    connection between them (a ``?deltas=1`` stream holds its own); a stream that would need one
+    more than the pool can spare answers 503, as one past `max_streams` does.
     `max_body` caps a request body (413 before it is parsed).
 
     `allowed_hosts` are the ``Host`` names answered (default: `host` — the address served on —
@@ -154,8 +157,9 @@ def create_app(
         store=store,
         get_messages=messages if messages is not None else sessions.messages,
         custom_messages=messages is not None,
-        streams=_Streams(max_streams if max_streams is not None else _default_stream_limit(store)),
+        streams=_Streams(max_streams),
         drafts=_Drafts(),
+        tails=Tails(store, _entry_event, _default_stream_limit(store)),
         heartbeat=heartbeat,
         draft_interval=draft_interval,
         auth=known is not None,
@@ -181,6 +185,7 @@ def create_app(
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     app.state.streams = gw.streams
+    app.state.tails = gw.tails
     return app
 
 

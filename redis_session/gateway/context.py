@@ -1,5 +1,5 @@
 """`Gateway`: what the route handlers of one app share (the store, the projection source, the
-open SSE streams and draft polls, the settings)."""
+open SSE streams, their shared tails and draft polls, the settings)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from ..sessions import Sessions
 from ..store import SessionStore
 from .common import MessagesFn
 from .sse import _Drafts, _Streams
+from .tails import Tails
 
 
 @dataclass
@@ -18,6 +19,7 @@ class Gateway:
     custom_messages: bool  # `messages=` was given: it does not check the session exists itself
     streams: _Streams
     drafts: _Drafts
+    tails: Tails  # one live tail per followed session, shared by its SSE streams
     heartbeat: float
     draft_interval: float
     auth: bool

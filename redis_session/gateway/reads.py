@@ -179,6 +179,7 @@ async def events(gw: Gateway, request: Request, sid: str) -> Response:
         draft_interval=gw.draft_interval,
         streams=gw.streams,
         drafts=gw.drafts,
+        tails=gw.tails,
         deltas=request.query_params.get("deltas") in ("1", "true"),
         live_after=live_after,
         incarnation=incarnation,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import time
@@ -22,11 +23,12 @@ from ..projection.chunks import Delta, DeltaGap
 from ..store import SessionStore
 from .auth import principal
 from .common import _error, _json, log
+from .tails import REPLACED, Tails
 
 
 class _Streams:
     """The open SSE streams, so a shutting-down server can end them at once instead of waiting
-    for clients that never hang up."""
+    for clients that never hang up; `limit` caps how many (`create_app(max_streams=)`)."""
 
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
@@ -43,22 +45,57 @@ class _Streams:
 
 
 class _DraftSlot:
-    """The last draft read for one session, shared by its SSE clients: whoever finds it older
-    than `max_age` reads it again while the others wait on the lock and take that answer."""
+    """The draft of one session for all its SSE clients: one poller reads it (fast while the
+    session is active, backing off to `IDLE` when not) and wakes the clients when it changes, so
+    a thousand viewers of one session cost one GET per interval and no task of their own."""
 
-    def __init__(self, live: bool = True) -> None:
-        self.lock = anyio.Lock()
-        self.raw = b"null"
-        self.read_at = -1e9
-        self.users = 0
+    IDLE = 2.0
+    ACTIVE_WINDOW = 10.0  # seconds after the last entry or draft change during which it polls fast
+
+    def __init__(self, store: SessionStore, session_id: str, live: bool, interval: float) -> None:
+        self.store, self.session_id, self.interval = store, session_id, interval
         self.live = live  # False: only set_draft's draft (the stream sends deltas itself)
+        self.raw = b"null"
+        self.version = 0  # bumped on every change; 0: not read yet
+        self.gone = False  # the session was deleted
+        self.users = 0
+        self.active_at = time.monotonic()
+        self._changed = anyio.Event()
+        self.task: asyncio.Task[None] | None = None
 
-    async def get(self, store: SessionStore, session_id: str, max_age: float) -> bytes:
-        async with self.lock:
-            if time.monotonic() - self.read_at >= max_age:
-                self.raw = _json.encode(await store.get_draft(session_id, live=self.live))
-                self.read_at = time.monotonic()
-            return self.raw
+    def poke(self) -> None:
+        """An entry landed: poll fast again (an answer may be starting)."""
+        self.active_at = time.monotonic()
+
+    async def next(self, seen: int) -> tuple[int, bytes] | None:
+        """The draft once its version is past `seen`; None when the session is gone."""
+        while self.version <= seen and not self.gone:
+            await self._changed.wait()
+        return None if self.gone else (self.version, self.raw)
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
+
+    async def poll(self) -> None:
+        interval = self.interval
+        while True:
+            try:
+                raw = _json.encode(await self.store.get_draft(self.session_id, live=self.live))
+            except SessionNotFoundError:
+                self.gone = True
+                self._wake()
+                return
+            except StoreUnavailableError:
+                await anyio.sleep(self.IDLE)
+                continue
+            now = time.monotonic()
+            if raw != self.raw or self.version == 0:
+                self.raw, self.version, self.active_at = raw, self.version + 1, now
+                self._wake()
+            active = now - self.active_at < self.ACTIVE_WINDOW
+            interval = self.interval if active else min(interval * 1.5, self.IDLE)
+            await anyio.sleep(interval)
 
 
 class _Drafts:
@@ -66,23 +103,28 @@ class _Drafts:
         self.slots: dict[tuple[str, bool], _DraftSlot] = {}
 
     @contextlib.contextmanager
-    def use(self, session_id: str, live: bool = True) -> Iterator[_DraftSlot]:
+    def use(self, store: SessionStore, session_id: str, interval: float, live: bool = True) -> Iterator[_DraftSlot]:
         key = (session_id, live)
         slot = self.slots.get(key)
-        if slot is None:
-            slot = self.slots[key] = _DraftSlot(live)
+        if slot is None or slot.gone:
+            slot = self.slots[key] = _DraftSlot(store, session_id, live, interval)
+            slot.task = asyncio.get_running_loop().create_task(slot.poll())
         slot.users += 1
         try:
             yield slot
         finally:
             slot.users -= 1
             if slot.users == 0:
-                del self.slots[key]
+                if self.slots.get(key) is slot:
+                    del self.slots[key]
+                if slot.task is not None:
+                    slot.task.cancel()
 
 
 def _default_stream_limit(store: SessionStore) -> int | None:
-    """Each SSE client holds one pooled connection in XREAD BLOCK; past the pool's size the next
-    command would fail with "Too many connections". Keep a margin for the short commands."""
+    """Each live tail holds one pooled connection in XREAD BLOCK (one per followed session, and
+    one per ``?deltas=1`` stream); past the pool's size the next command would fail with "Too many
+    connections". Keep a margin for the short commands."""
     size = getattr(store, "max_connections", None)
     if isinstance(size, int) and size > 0:
         return max(1, size - max(4, size // 10))
@@ -105,6 +147,12 @@ def _entry_event(e: Entry, inc: str, cursor: str | None = None) -> bytes:
 
 
 Write = Callable[[bytes], Awaitable[None]]
+
+
+async def _flush(write: Write, out: list[bytes]) -> None:
+    if out:
+        await write(b"".join(out))
+        out.clear()
 
 
 # --------------------------------------------------------------------------- SSE deltas (§8.2)
@@ -164,7 +212,7 @@ async def _stream_with_deltas(stream: _EventStream, write: Write, on_retry: Any)
     inc = stream._incarnation or ""
     async with contextlib.aclosing(items) as live:
         async for item in live:
-            stream._active_at = time.monotonic()
+            stream._poke()
             if isinstance(item, Delta):
                 stream.live_after = item.cursor
                 await write(_delta_event(inc, nxt - 1, item))
@@ -185,8 +233,6 @@ class _EventStream(Response):
     wire before the tail asks Redis for the next one."""
 
     media_type = "text/event-stream"
-    IDLE_DRAFT_INTERVAL = 2.0
-    ACTIVE_WINDOW = 10.0  # seconds after the last entry or draft change during which drafts poll fast
     BACKLOG_PAGE = 1000
 
     def __init__(
@@ -202,6 +248,7 @@ class _EventStream(Response):
         deltas: bool = False,
         live_after: str | None = None,
         incarnation: str | None = None,
+        tails: Tails | None = None,
     ) -> None:
         # not Response.__init__: it would announce a Content-Length of 0
         self.status_code = 200
@@ -214,24 +261,34 @@ class _EventStream(Response):
         self.draft_interval = draft_interval
         self.streams = streams
         self.drafts = drafts
-        self._active_at = time.monotonic()
+        self._draft_slot: _DraftSlot | None = None  # the session's shared draft poll, poked by entries
         self._last_write = time.monotonic()
         self._incarnation: str | None = incarnation  # the life a resume names (None: the one met first)
         self.deltas = deltas  # `event: delta` too (`_stream_with_deltas`); drafts then only set_draft's
         self.live_after = live_after
+        self.tails = tails  # the process's shared tails (None: this stream follows the session alone)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "HEAD":
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        if self.streams.full():
+        # a shared tail's streams hold one pooled connection between them, a `?deltas=1` stream
+        # its own: counted before the first await, so concurrent requests cannot all slip under
+        held: object = self.session_id if not self.deltas else object()
+        if self.streams.full() or (self.tails is not None and not self.tails.reserve(held)):
             busy = _error(503, "busy", "too many live streams; retry later", {"Retry-After": "5"})
             await busy(scope, receive, send)
             return
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            if self.tails is not None:
+                self.tails.release(held)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         lock = anyio.Lock(fast_acquire=True)
         async with anyio.create_task_group() as tg:
-            # counted before the first await: concurrent requests cannot all slip under the limit
             self.streams.scopes.add(tg.cancel_scope)
 
             async def write(body: bytes) -> None:
@@ -256,6 +313,10 @@ class _EventStream(Response):
         with anyio.CancelScope(shield=True), anyio.move_on_after(1), contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    def _poke(self) -> None:
+        if self._draft_slot is not None:
+            self._draft_slot.poke()
+
     async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while True:
             message = await receive()
@@ -270,13 +331,10 @@ class _EventStream(Response):
         try:
             if self.deltas:
                 await _stream_with_deltas(self, write, on_retry)
+            elif self.tails is None:
+                await self._own_tail(write, on_retry)
             else:
-                nxt = await self._backlog(write)
-                tail = follow(self.store, self.session_id, nxt, on_retry=on_retry, incarnation=self._incarnation)
-                async with contextlib.aclosing(tail) as entries:
-                    async for e in entries:
-                        self._active_at = time.monotonic()
-                        await write(_entry_event(e, self._incarnation or ""))
+                await self._shared_tail(write, self.tails)
         except SessionReplacedError:
             # the id was deleted and created again: this stream's session is gone for good
             await write(b"event: replaced\ndata: %b\n\n" % _json.encode({"session": self.session_id}))
@@ -287,12 +345,77 @@ class _EventStream(Response):
             await write(b"event: error\ndata: %b\n\n" % _json.encode({"error": type(exc).__name__}))
         await write(b"event: end\ndata: {}\n\n")
 
-    async def _backlog(self, write: Write) -> int:
-        """Send what is already stored, a page per write; the n the live tail starts at.
+    async def _own_tail(self, write: Write, on_retry: Any) -> None:
+        nxt = await self._backlog(write)
+        tail = follow(self.store, self.session_id, nxt, on_retry=on_retry, incarnation=self._incarnation)
+        async with contextlib.aclosing(tail) as entries:
+            async for e in entries:
+                self._poke()
+                await write(_entry_event(e, self._incarnation or ""))
+
+    async def _shared_tail(self, write: Write, tails: Tails) -> None:
+        """The live part from the session's shared tail (`tails.Tails`): every entry once and in
+        order, whatever the hub had handed out before this stream joined (read from the store),
+        and after falling behind (detached, caught up from the store, joined again)."""
+        nxt = await self._backlog(write)
+        delay = 0.05
+        while True:
+            if self._incarnation is None:  # not there at the start: the same end as a tail's
+                return
+            inc = self._incarnation
+            try:
+                with tails.join(self.session_id, inc, nxt) as joined:
+                    if joined.behind > nxt:
+                        nxt = await self._read_to(write, nxt, joined.behind)
+                    # what queued up meanwhile goes out in one write: a busy session costs a
+                    # reader one send per wake-up, not one per entry
+                    while (items := await joined.subscriber.take()) is not None:
+                        out: list[bytes] = []
+                        for item in items:
+                            if isinstance(item, tuple):
+                                e, event = item
+                                if e.n < nxt:
+                                    continue
+                                if e.n > nxt:  # never expected: filled by a read
+                                    await _flush(write, out)
+                                    nxt = await self._read_to(write, nxt, e.n)
+                                out.append(event)
+                                nxt = e.n + 1
+                                continue
+                            await _flush(write, out)
+                            if item == REPLACED:
+                                raise SessionReplacedError(self.session_id)
+                            if isinstance(item, SessionError):
+                                raise item
+                            return  # deleted
+                        if out:
+                            self._poke()
+                            await _flush(write, out)
+                            delay = 0.05
+                    if not joined.subscriber.lagged:
+                        return
+            except RETRYABLE:  # this stream's own reads; the hub retries its own
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            nxt = await self._backlog(write, nxt)  # behind (or a read failed): catch up, then join again
+
+    async def _read_to(self, write: Write, nxt: int, stop: int) -> int:
+        inc = self._incarnation or ""
+        while nxt < stop:
+            page = await self.store.read(self.session_id, nxt, min(stop, nxt + self.BACKLOG_PAGE), incarnation=inc)
+            if not page:
+                break
+            await write(b"".join([_entry_event(e, inc) for e in page]))
+            nxt = page[-1].n + 1
+        return nxt
+
+    async def _backlog(self, write: Write, start: int | None = None) -> int:
+        """Send what is already stored from `start` (default: the stream's), a page per write;
+        the n the live tail starts at.
 
         A reconnecting viewer of a long session catches up in a few large reads and writes, not
         one per entry. A store error here is left to the live tail, which retries it."""
-        nxt = self.start
+        nxt = self.start if start is None else start
         try:
             while True:
                 head = await self.store.head(self.session_id)
@@ -316,28 +439,15 @@ class _EventStream(Response):
             return nxt
 
     async def _drafts(self, write: Write) -> None:
-        """Send the draft when it changes. Polled fast while the session is active, slower when
-        idle; the clients of one session share each poll (`_Drafts`), so fifty viewers of one
-        session cost one GET per interval, not fifty."""
-        with self.drafts.use(self.session_id, live=not self.deltas) as slot:
-            last = b"null"
-            interval = self.draft_interval
-            while True:
-                try:
-                    raw = await slot.get(self.store, self.session_id, max_age=self.draft_interval * 0.9)
-                except SessionNotFoundError:
-                    return
-                except StoreUnavailableError:
-                    await anyio.sleep(self.IDLE_DRAFT_INTERVAL)
-                    continue
-                now = time.monotonic()
+        """Send the draft when it changes (`_DraftSlot`: one poller per session, shared)."""
+        with self.drafts.use(self.store, self.session_id, self.draft_interval, live=not self.deltas) as slot:
+            self._draft_slot = slot
+            last, seen = b"null", 0
+            while (got := await slot.next(seen)) is not None:
+                seen, raw = got
                 if raw != last:
                     last = raw
-                    self._active_at = now
                     await write(b'event: draft\ndata: {"draft":%b}\n\n' % raw)
-                active = now - self._active_at < self.ACTIVE_WINDOW
-                interval = self.draft_interval if active else min(interval * 1.5, self.IDLE_DRAFT_INTERVAL)
-                await anyio.sleep(interval)
 
     async def _heartbeats(self, write: Write) -> None:
         while True:

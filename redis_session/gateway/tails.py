@@ -1,0 +1,190 @@
+"""One live tail per session and life, shared by every SSE stream of it in this process.
+
+A thousand viewers of fifty sessions cost fifty XREAD BLOCK connections, not a thousand: each
+`_Hub` follows one (session id, incarnation) with `live.follow` (so a dropped connection is
+retried and resumed without gap) and hands every entry, encoded once, to its subscribers.
+
+The rules a subscriber keeps, so sharing changes nothing it delivers:
+
+- it joins with the n it needs next (after reading its own backlog); an entry the hub delivered
+  before the join is read from the store (`Joined.behind`), an entry it already has is skipped,
+  and a gap (never expected) is filled by a read: every entry once, in order;
+- the hub never waits for a subscriber. Each has a bounded queue; one that falls `QUEUE` entries
+  or `QUEUE_BYTES` behind is detached (`Subscriber.lagged`) and catches up from the store on its
+  own before it joins again, so a slow client slows no one else and nothing buffers without
+  bound (the queues share the entries: a hub holds at most its slowest reader's window);
+- the hub's end is every subscriber's end, said once: deleted (`END`), replaced by another life
+  (`REPLACED`) or a corrupt log (a `SessionError`); a hub that ended leaves the registry at
+  once, so a later stream of a new life gets a new hub.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..errors import SessionError, SessionNotFoundError, SessionReplacedError
+from ..live import follow
+from ..model import Entry
+from ..store import SessionStore
+from .common import log
+
+END: Final = "end"
+REPLACED: Final = "replaced"
+
+Item = tuple[Entry, bytes] | str | SessionError
+"""What a subscriber receives: an entry with its SSE event, or how the tail ended."""
+
+Encode = Callable[[Entry, str], bytes]
+
+
+@dataclass(eq=False)
+class Subscriber:
+    send: MemoryObjectSendStream[Item]
+    receive: MemoryObjectReceiveStream[Item]
+    lagged: bool = False  # detached for falling behind: catch up from the store, then join again
+    pending: int = 0  # bytes handed and not yet taken (`taken`)
+
+    async def take(self) -> list[Item] | None:
+        """Whatever is queued (waiting for at least one item); None once the queue is closed
+        (the hub ended, or detached this subscriber: see `lagged`)."""
+        try:
+            items = [await self.receive.receive()]
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            return None
+        while True:
+            try:
+                items.append(self.receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+        self.pending -= sum(len(item[1]) for item in items if isinstance(item, tuple))
+        return items
+
+
+@dataclass(eq=False)
+class _Hub:
+    key: tuple[str, str]
+    next: int  # the n of the next entry it will hand out
+    subscribers: set[Subscriber] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True)
+class Joined:
+    subscriber: Subscriber
+    behind: int  # the hub's next n at the join: entries from the subscriber's n up to it are read
+
+
+class Tails:
+    """The shared tails of one gateway process, and what they hold of the store's pool."""
+
+    QUEUE = 4096  # entries a subscriber may be behind before it is detached to catch up alone
+    QUEUE_BYTES = 16 << 20  # … or bytes of events
+
+    def __init__(self, store: SessionStore, encode: Encode, connection_limit: int | None) -> None:
+        self.store = store
+        self.encode = encode
+        self.connection_limit = connection_limit
+        self._hubs: dict[tuple[str, str], _Hub] = {}
+        self._reserved: dict[Hashable, int] = {}  # what holds a connection -> its streams
+
+    def reserve(self, holder: Hashable) -> bool:
+        """Count a stream before its first await: `holder` is the session id of a stream on the
+        shared tail, a key of its own for a stream that follows alone. False when it would need
+        one more connection than the pool can spare (the caller answers 503)."""
+        users = self._reserved.get(holder, 0)
+        if users == 0 and self.connection_limit is not None and len(self._reserved) >= self.connection_limit:
+            return False
+        self._reserved[holder] = users + 1
+        return True
+
+    def release(self, holder: Hashable) -> None:
+        users = self._reserved.get(holder, 0) - 1
+        if users <= 0:
+            self._reserved.pop(holder, None)
+        else:
+            self._reserved[holder] = users
+
+    @property
+    def connections(self) -> int:
+        """The sessions with a tail held or reserved (each is at most one pooled connection)."""
+        return len(self._reserved)
+
+    @contextlib.contextmanager
+    def join(self, session_id: str, incarnation: str, nxt: int) -> Iterator[Joined]:
+        """Subscribe to the tail of `session_id`'s life `incarnation` (started at `nxt` if none
+        runs). No await between reading the hub's position and subscribing: every entry the hub
+        hands out after `behind` reaches this subscriber."""
+        key = (session_id, incarnation)
+        hub = self._hubs.get(key)
+        if hub is None:
+            hub = self._hubs[key] = _Hub(key, nxt)
+            hub.task = asyncio.get_running_loop().create_task(self._run(hub))
+        send, receive = anyio.create_memory_object_stream[Item](self.QUEUE)
+        sub = Subscriber(send, receive)
+        hub.subscribers.add(sub)
+        try:
+            yield Joined(sub, hub.next)
+        finally:
+            hub.subscribers.discard(sub)
+            send.close()
+            receive.close()
+            if not hub.subscribers and self._hubs.get(key) is hub:
+                del self._hubs[key]
+                if hub.task is not None:
+                    hub.task.cancel()
+
+    async def _run(self, hub: _Hub) -> None:
+        session_id, incarnation = hub.key
+
+        def on_retry(exc: BaseException, wait: float, at: int) -> None:
+            log.warning("tail of %r dropped (%s); resuming at n=%d in %.2fs", session_id, exc, at, wait)
+
+        end: Item = END
+        try:
+            tail = follow(self.store, session_id, hub.next, on_retry=on_retry, incarnation=incarnation)
+            async with contextlib.aclosing(tail) as entries:
+                async for e in entries:
+                    hub.next = e.n + 1
+                    item = (e, self.encode(e, incarnation))
+                    for sub in list(hub.subscribers):
+                        self._hand(hub, sub, item, self.QUEUE_BYTES)
+        except SessionReplacedError:
+            end = REPLACED
+        except SessionNotFoundError:
+            end = END
+        except SessionError as exc:
+            log.exception("tail of %r failed", session_id)
+            end = exc
+        except Exception as exc:  # never leave subscribers waiting on a dead hub
+            log.exception("tail of %r failed", session_id)
+            end = SessionError(f"the live tail failed: {type(exc).__name__}")
+        if self._hubs.get(hub.key) is hub:
+            del self._hubs[hub.key]  # a stream arriving now starts a new tail (of a new life)
+        for sub in list(hub.subscribers):
+            self._hand(hub, sub, end, None)
+            sub.send.close()
+
+    @staticmethod
+    def _hand(hub: _Hub, sub: Subscriber, item: Item, max_bytes: int | None) -> None:
+        try:
+            if isinstance(item, tuple):
+                if max_bytes is not None and sub.pending > max_bytes:
+                    raise anyio.WouldBlock
+                sub.send.send_nowait(item)
+                sub.pending += len(item[1])
+            else:
+                sub.send.send_nowait(item)
+        except anyio.WouldBlock:
+            # too far behind: detached, it reads what it missed from the store and joins again
+            sub.lagged = True
+            hub.subscribers.discard(sub)
+            sub.send.close()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            hub.subscribers.discard(sub)

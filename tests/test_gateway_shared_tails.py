@@ -1,0 +1,318 @@
+"""The SSE streams of one session share one live tail (`gateway.tails`): one XREAD BLOCK per
+followed session, whatever the number of readers. Sharing must change nothing a reader gets:
+every entry once and in order for a reader that joins at any moment, a slow reader that slows no
+one else, a deleted or re-created id that ends every stream (never the new life's entries), a
+killed Redis connection resumed without gap, and a pool limit that counts sessions, not readers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from redis_session import RedisSessionStore, SessionHeader
+
+from support import running_gateway, wait_for
+
+pytestmark = [pytest.mark.anyio, pytest.mark.redis]
+
+
+def path(session_id: str, sub: str = "events") -> str:
+    return f"/sessions/{session_id}/{sub}"
+
+
+@pytest.fixture
+async def named_store(redis_url: str, prefix: str) -> AsyncIterator[tuple[RedisSessionStore, str]]:
+    """A store whose connections carry a name of their own, so the test can count its XREADs."""
+    name = f"rs-tails-{uuid.uuid4().hex[:10]}"
+    store = RedisSessionStore.from_url(
+        redis_url, prefix=prefix, client_options={"client_name": name, "max_connections": 40}
+    )
+    store.block_ms = 1000
+    try:
+        yield store, name
+    finally:
+        await store.aclose()
+
+
+async def blocked_xreads(redis_url: str, name: str) -> list[int]:
+    """The ids of this store's connections now in XREAD."""
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        out = await r.execute_command("CLIENT", "LIST")
+    finally:
+        await r.aclose()
+    text = out.decode() if isinstance(out, bytes) else str(out)
+    ids = []
+    for line in text.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if fields.get("name") == name and fields.get("cmd") == "xread":
+            ids.append(int(fields["id"]))
+    return ids
+
+
+async def events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    ev: dict[str, Any] = {}
+    async for line in response.aiter_lines():
+        if line == "":
+            if ev:
+                yield ev
+            ev = {}
+        elif not line.startswith(":"):
+            key, _, value = line.partition(":")
+            ev[key] = value.removeprefix(" ")
+
+
+async def read_until(client: httpx.AsyncClient, url: str, last: int, got: list[int], ended: list[str]) -> None:
+    """Every entry's n into `got` until n == `last`, or how the stream ended into `ended`."""
+    async with client.stream("GET", url) as r:
+        assert r.status_code == 200, r.text
+        async for ev in events(r):
+            if ev.get("event") in ("end", "replaced", "error"):
+                ended.append(ev["event"])
+                return
+            if "id" in ev and "event" not in ev:
+                got.append(json.loads(ev["data"])["n"])
+                if got[-1] >= last:
+                    return
+
+
+def contiguous(got: list[int], start: int, last: int) -> bool:
+    return got == list(range(start, last + 1))
+
+
+async def test_the_streams_of_a_session_share_one_tail_and_each_gets_every_entry_once(
+    named_store: tuple[RedisSessionStore, str], redis_url: str
+) -> None:
+    store, name = named_store
+    sids = [f"share-{i}" for i in range(3)]
+    for sid in sids:
+        await store.create(SessionHeader(id=sid), [("user/message", {"content": "hi"})])
+    total = 40
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        results: list[tuple[int, list[int], list[str]]] = []
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(30):
+                    sid, start = sids[i % 3], i % 2  # half read the backlog, half start after it
+                    got: list[int] = []
+                    ended: list[str] = []
+                    results.append((start, got, ended))
+                    tg.start_soon(read_until, client, path(sid) + f"?start={start}", total, got, ended)
+                # every stream open and past its backlog: one XREAD per session, not per reader
+                await wait_for(lambda: all(r[1] or r[0] == 1 for r in results), within=60)
+                await wait_for(lambda: _len(blocked_xreads(redis_url, name), 3), within=60)
+                for k in range(1, total + 1):
+                    for sid in sids:
+                        await store.put(sid, k, [("test/mark", {"k": k})])
+        for start, got, ended in results:
+            assert ended == [] and contiguous(got, start, total), (start, got[:5], got[-5:], ended)
+        # the last reader gone, its tail is stopped: no XREAD left behind
+        await wait_for(lambda: _len(blocked_xreads(redis_url, name), 0), within=30)
+
+
+async def _len(ids: Any, want: int) -> bool:
+    return len(await ids) == want
+
+
+async def test_a_stream_joining_while_entries_land_misses_none_and_repeats_none(
+    named_store: tuple[RedisSessionStore, str],
+) -> None:
+    store, _ = named_store
+    sid = "join-race"
+    await store.create(SessionHeader(id=sid))
+    total = 300
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        results: list[tuple[int, list[int], list[str]]] = []
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+
+                async def writer() -> None:
+                    for k in range(total + 1):
+                        await store.put(sid, k, [("test/mark", {"k": k})])
+                        if k % 7 == 0:
+                            await anyio.sleep(0.002)
+
+                tg.start_soon(writer)
+                for i in range(24):  # joining all along the writes, from the start or from "now"
+                    head = await store.head(sid)
+                    start = 0 if i % 3 == 0 else (head.n if head else 0)
+                    got: list[int] = []
+                    ended: list[str] = []
+                    results.append((start, got, ended))
+                    tg.start_soon(read_until, client, path(sid) + f"?start={start}", total, got, ended)
+                    await anyio.sleep(0.01 * (i % 4))
+        for start, got, ended in results:
+            assert ended == [] and contiguous(got, start, total), (start, got[:5], got[-5:], ended)
+
+
+async def test_a_reader_that_stops_reading_slows_no_one_and_later_gets_everything(
+    named_store: tuple[RedisSessionStore, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redis_session.gateway import tails
+
+    monkeypatch.setattr(tails.Tails, "QUEUE", 16)  # detach it early: the queue, not the socket, fills
+    store, _ = named_store
+    sid = "slow"
+    await store.create(SessionHeader(id=sid))
+    total, pad = 1200, "x" * 4000  # ~5 MB of events: more than the sockets of a stuck reader hold
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        port = int(base.rsplit(":", 1)[1])
+        slow = await anyio.connect_tcp("127.0.0.1", port)
+        await slow.send(f"GET {path(sid)} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        got: list[int] = []
+        ended: list[str] = []
+        with anyio.fail_after(180):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read_until, client, path(sid), total - 1, got, ended)
+                await anyio.sleep(0.3)
+                for k in range(0, total, 20):
+                    await store.put(sid, k, [("test/mark", {"k": k + j, "pad": pad}) for j in range(20)])
+            # the fast reader had it all while the slow one read nothing
+            missing = sorted(set(range(total)) - set(got))[:10]
+            assert ended == [] and contiguous(got, 0, total - 1), (len(got), len(set(got)), missing)
+            # now the slow one reads: every entry, once, in order
+            buf = b""
+            seen: list[int] = []
+            while not seen or seen[-1] < total - 1:
+                buf += await slow.receive(1 << 20)
+                *done, buf = buf.split(b"\n\n")
+                for ev in done:
+                    for line in ev.split(b"\n"):
+                        if line.startswith(b"data: {") and b'"n":' in line:
+                            seen.append(json.loads(line[6:])["n"])
+        await slow.aclose()
+        assert contiguous(seen, 0, total - 1), (seen[:5], seen[-5:], len(seen))
+
+
+async def test_a_deleted_and_recreated_id_ends_every_shared_stream_and_a_new_one_follows_the_new_life(
+    named_store: tuple[RedisSessionStore, str],
+) -> None:
+    store, _ = named_store
+    sid = "relife"
+    await store.create(SessionHeader(id=sid), [("user/message", {"content": "OLD-0"})])
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        contents: list[list[str]] = [[] for _ in range(8)]
+        ends: list[list[str]] = [[] for _ in range(8)]
+
+        async def reader(i: int) -> None:
+            async with client.stream("GET", path(sid)) as r:
+                async for ev in events(r):
+                    if ev.get("event") in ("end", "replaced", "error"):
+                        ends[i].append(ev["event"])
+                        return
+                    if "id" in ev and "event" not in ev:
+                        contents[i].append(json.loads(ev["data"])["data"]["content"])
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(reader, i)
+                await wait_for(lambda: all(c == ["OLD-0"] for c in contents), within=30)
+                await store.delete(sid)
+                await store.create(SessionHeader(id=sid), [("user/message", {"content": f"NEW-{k}"}) for k in range(3)])
+        for c, e in zip(contents, ends, strict=True):
+            assert c == ["OLD-0"] and e in (["end"], ["replaced"]), (c, e)
+        got: list[int] = []
+        with anyio.fail_after(30):
+            await read_until(client, path(sid), 2, got, [])
+        assert got == [0, 1, 2]
+
+
+async def test_a_killed_tail_connection_is_resumed_for_every_stream_without_gap(
+    named_store: tuple[RedisSessionStore, str], redis_url: str
+) -> None:
+    store, name = named_store
+    sid = "killed"
+    await store.create(SessionHeader(id=sid))
+    total = 60
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        results = [([], []) for _ in range(10)]  # type: list[tuple[list[int], list[str]]]
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for got, ended in results:
+                    tg.start_soon(read_until, client, path(sid), total - 1, got, ended)
+                await wait_for(lambda: _len(blocked_xreads(redis_url, name), 1), within=30)
+                for k in range(total):
+                    if k in (20, 40):
+                        r = aioredis.Redis.from_url(redis_url)
+                        for cid in await blocked_xreads(redis_url, name):
+                            await r.execute_command("CLIENT", "KILL", "ID", cid)
+                        await r.aclose()
+                    await store.put(sid, k, [("test/mark", {"k": k})])
+        for got, ended in results:
+            assert ended == [] and contiguous(got, 0, total - 1), (got, ended)
+
+
+async def test_the_pool_limit_counts_followed_sessions_not_readers(redis_url: str, prefix: str) -> None:
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix, client_options={"max_connections": 12})
+    store.block_ms = 1000
+    limit = 12 - 4  # the pool less a margin for the short commands
+    try:
+        for i in range(limit + 1):
+            await store.create(SessionHeader(id=f"cap-{i}"))
+        async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+            async with contextlib_stack() as stack:
+                for i in range(limit):  # one stream per session, up to the limit
+                    r = await stack.enter_async_context(client.stream("GET", path(f"cap-{i}")))
+                    assert r.status_code == 200
+                for _ in range(20):  # more readers of a followed session cost no connection
+                    r = await stack.enter_async_context(client.stream("GET", path("cap-0")))
+                    assert r.status_code == 200
+                r = await client.get(path(f"cap-{limit}"))  # one more session would need one
+                assert r.status_code == 503 and r.json()["error"] == "busy"
+    finally:
+        await store.aclose()
+
+
+def contextlib_stack() -> Any:
+    import contextlib
+
+    return contextlib.AsyncExitStack()
+
+
+async def test_the_streams_of_a_session_share_one_draft_poll_and_each_sees_the_draft(
+    named_store: tuple[RedisSessionStore, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, _ = named_store
+    sid = "drafty"
+    await store.create(SessionHeader(id=sid), [("user/message", {"content": "hi"})])
+    polls = 0
+    get_draft = store.get_draft
+
+    async def counting(session_id: str, *, live: bool = True) -> Any:
+        nonlocal polls
+        polls += 1
+        return await get_draft(session_id, live=live)
+
+    monkeypatch.setattr(store, "get_draft", counting)
+    readers, seconds = 40, 2.0
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as c:
+        drafts: list[list[Any]] = [[] for _ in range(readers)]
+        opened: list[int] = []
+
+        async def reader(i: int) -> None:
+            async with c.stream("GET", path(sid)) as r:
+                opened.append(r.status_code)
+                async for ev in events(r):
+                    if ev.get("event") == "draft":
+                        drafts[i].append(json.loads(ev["data"])["draft"])
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(readers):
+                    tg.start_soon(reader, i)
+                await wait_for(lambda: opened == [200] * readers, within=30)
+                polls = 0
+                await anyio.sleep(seconds)
+                await store.set_draft(sid, {"text": "thinking"})
+                await wait_for(lambda: all(d == [{"text": "thinking"}] for d in drafts), within=30)
+                tg.cancel_scope.cancel()
+    # one poll per interval (0.25 s while active) for all of them; a poll each would be 40 x 8
+    assert polls <= 3 * seconds / 0.25, polls
