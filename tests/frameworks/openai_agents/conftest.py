@@ -1,7 +1,8 @@
 """The OpenAI Agents SDK's own session tests (copied, see tests/frameworks/README.md), run on
-redis-session's `RedisEventSession` and, as the control, on the SDK's own `RedisSession`, both on
-the test server. The tests that do not apply to ours (they test the SDK's Redis commands, not the
-Session protocol) are listed in `NOT_FOR_OURS`, each with why."""
+redis-session's `RedisEventSession` and, as the control (`test_redis_session.py[control]`, derived
+from the same file by ../_control.py), on the SDK's own `RedisSession`, both on the test server.
+The tests that do not apply to ours (they test the SDK's Redis commands, not the Session protocol)
+are listed in `NOT_FOR_OURS`, each with why."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import inspect
 from collections.abc import Iterator
 
 import pytest
+
+from .._control import is_control
 
 pytest.importorskip("agents", reason="needs the openai-agents extra")
 
@@ -64,7 +67,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "frameworks/openai_agents/" in str(item.path):
             item.add_marker(pytest.mark.redis)  # both sides talk to the test server
         name = getattr(item, "originalname", item.name)
-        if item.path.name == "test_redis_session.py" and name in NOT_FOR_OURS:
+        if item.path.name == "test_redis_session.py" and name in NOT_FOR_OURS and not is_control(item):
             item.add_marker(pytest.mark.skip(reason=f"does not apply to redis-session: {NOT_FOR_OURS[name]}"))
 
 

@@ -1,6 +1,6 @@
-# Copied from langchain-core 1.8.3, tests/unit_tests/runnables/test_history.py (MIT, (c) LangChain,
-# Inc.). Changed lines end in "# redis-session"; everything else is upstream's.
-# This copy runs on redis-session: `InMemoryChatMessageHistory` names ours (see _ours.py).
+# Copied from langchain-core 1.8.3, tests/unit_tests/runnables/test_history.py (MIT, (c) LangChain,  # redis-session (both; added)
+# Inc.). Every line we changed or added ends in a redis-session marker (../../README.md); the rest  # redis-session (both; added)
+# is upstream's. Run as is on ours (_ours.py); as test_history.py[control] on langchain-core's own.  # redis-session (both; added)
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,7 +12,7 @@ from typing_extensions import override
 from langchain_core.callbacks import (
     CallbackManagerForLLMRun,
 )
-from frameworks.langchain._ours import InMemoryChatMessageHistory  # redis-session
+from frameworks.langchain._ours import InMemoryChatMessageHistory  # redis-session (upstream: from langchain_core.chat_history import InMemoryChatMessageHistory)
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
@@ -27,7 +27,7 @@ from langchain_core.tracers.root_listeners import (
     AsyncRootListenersTracer,
     RootListenersTracer,
 )
-from frameworks.langchain.upstream.pydantic_utils import _schema  # redis-session
+from frameworks.langchain.upstream.pydantic_utils import _schema  # redis-session (both; upstream: from tests.unit_tests.pydantic_utils import _schema)
 
 # This module is the compatibility test suite for `RunnableWithMessageHistory`,
 # so constructing that deprecated class is the behavior under test.

@@ -1,7 +1,7 @@
-# Copied from openai-agents 0.24.0, tests/extensions/memory/test_redis_session.py (MIT, (c) OpenAI).
-# Changed lines end in "# redis-session"; everything else is upstream's. No fakeredis here: the
-# tests take their real-Redis path, on the test server.
-# This copy runs on redis-session: `RedisSession` names `RedisEventSession` (see ../_ours.py).
+# Copied from openai-agents 0.24.0, tests/extensions/memory/test_redis_session.py (MIT, (c) OpenAI).  # redis-session (both; added)
+# Every line we changed or added ends in a redis-session marker (../../README.md); the rest is  # redis-session (both; added)
+# upstream's. No fakeredis here: the tests take their real-Redis path, on the test server. Run as  # redis-session (both; added)
+# is on RedisEventSession (../_ours.py); as test_redis_session.py[control] on the SDK's RedisSession.  # redis-session (both; added)
 from __future__ import annotations
 
 import asyncio
@@ -15,12 +15,12 @@ from unittest.mock import AsyncMock, Mock
 import pytest
 
 pytest.importorskip("redis")  # Skip tests if Redis is not installed
-from frameworks.openai_agents._ours import server_url  # redis-session
+from frameworks.openai_agents._ours import server_url  # redis-session (both; added)
 
 from agents import Agent, Runner, TResponseInputItem
-from frameworks.openai_agents._ours import RedisSession  # redis-session
+from frameworks.openai_agents._ours import RedisSession  # redis-session (upstream: from agents.extensions.memory.redis_session import RedisSession)
 from agents.testing import ScriptedModel
-from frameworks.openai_agents.upstream._test_responses import get_text_message  # redis-session
+from frameworks.openai_agents.upstream._test_responses import get_text_message  # redis-session (both; upstream: from tests.test_responses import get_text_message)
 
 # Keep the fallback-to-real-Redis path isolated from xdist workers.
 pytestmark = [pytest.mark.asyncio, pytest.mark.serial]
@@ -55,7 +55,7 @@ except ImportError:
 
 if not USE_FAKE_REDIS:
     # Fallback to real Redis for tests that need it
-    REDIS_URL = server_url()  # redis-session
+    REDIS_URL = server_url()  # redis-session (both; upstream: REDIS_URL = "redis://localhost:6379/15"  # Using database 15 for tests)
 
 
 async def _safe_rpush(client: Redis, key: str, value: str) -> None:
@@ -762,7 +762,7 @@ async def test_from_url_constructor():
         pytest.skip("from_url constructor test requires real Redis server")
 
     # Test standard Redis URL
-    session = RedisSession.from_url("url_test", url=REDIS_URL)  # redis-session
+    session = RedisSession.from_url("url_test", url=REDIS_URL)  # redis-session (both; upstream: session = RedisSession.from_url("url_test", url="redis://localhost:6379/15"))
     try:
         if not await session.ping():
             pytest.skip("Redis server not available")
@@ -856,7 +856,7 @@ async def test_internal_client_ownership():
         pytest.skip("This test requires real Redis to test from_url behavior")
 
     # Create session using from_url (internal client)
-    session = RedisSession.from_url("internal_client_test", url=REDIS_URL)  # redis-session
+    session = RedisSession.from_url("internal_client_test", url=REDIS_URL)  # redis-session (both; upstream: session = RedisSession.from_url("internal_client_test", url="redis://localhost:6379/15"))
 
     try:
         if not await session.ping():
@@ -937,7 +937,7 @@ async def test_real_redis_decode_responses_compatibility():
     import redis.asyncio as redis
 
     # Create a Redis client with decode_responses=True
-    decoded_client = redis.Redis.from_url(REDIS_URL, decode_responses=True)  # redis-session
+    decoded_client = redis.Redis.from_url(REDIS_URL, decode_responses=True)  # redis-session (both; upstream: decoded_client = redis.Redis.from_url("redis://localhost:6379/15", decode_responses=True))
 
     session = RedisSession(
         session_id="real_decode_test",
@@ -1357,7 +1357,7 @@ async def test_runner_with_session_settings_override():
     from agents import Agent, RunConfig, Runner
     from agents.memory import SessionSettings
     from agents.testing import ScriptedModel
-    from frameworks.openai_agents.upstream._test_responses import get_text_message  # redis-session
+    from frameworks.openai_agents.upstream._test_responses import get_text_message  # redis-session (both; upstream: from tests.test_responses import get_text_message)
 
     if USE_FAKE_REDIS:
         session = RedisSession(
@@ -1413,7 +1413,7 @@ def _create_owned_redis_session(session_id: str) -> RedisSession:
         "agents.extensions.memory.redis_session.redis.from_url",
         return_value=fakeredis.aioredis.FakeRedis(),
     ):
-        return RedisSession.from_url(session_id, url=REDIS_URL)  # redis-session
+        return RedisSession.from_url(session_id, url=REDIS_URL)  # redis-session (both; upstream: return RedisSession.from_url(session_id, url="redis://localhost:6379/15"))
 
 
 async def test_redis_session_closed_operations_raise_runtime_error():
@@ -3336,7 +3336,7 @@ async def test_redis_session_operation_waiting_behind_close_raises():
     with unittest.mock.patch(
         "agents.extensions.memory.redis_session.redis.from_url", return_value=fake_client
     ):
-        session = RedisSession.from_url("close_interleave_test", url=REDIS_URL)  # redis-session
+        session = RedisSession.from_url("close_interleave_test", url=REDIS_URL)  # redis-session (both; upstream: session = RedisSession.from_url("close_interleave_test", url="redis://localhost:6379/15"))
     assert session._owns_client is True
 
     close_task: asyncio.Task[None] | None = None
@@ -3486,7 +3486,7 @@ async def test_compaction_subclass_retains_overridden_storage_methods() -> None:
 
     original = await _create_test_session()
     backend = IndexedRedisSession(
-        original.session_id, original.store  # redis-session
+        original.session_id, original.store  # redis-session (upstream: original.session_id, redis_client=original._redis, key_prefix="test:")
     )
     output: list[TResponseInputItem] = [{"role": "user", "content": "summary"}]
     compact = AsyncMock(return_value=SimpleNamespace(usage=None, output=output))
@@ -3593,7 +3593,7 @@ async def test_cancelled_redis_compaction_handoff_remains_resumable(
     from agents.handoffs import HandoffInputData
     from agents.items import MessageOutputItem
     from agents.memory import OpenAIResponsesCompactionSession
-    from frameworks.openai_agents.upstream._test_responses import get_function_tool_call  # redis-session
+    from frameworks.openai_agents.upstream._test_responses import get_function_tool_call  # redis-session (both; upstream: from tests.test_responses import get_function_tool_call)
 
     backend = await _create_test_session()
     compacted: list[TResponseInputItem] = [{"role": "assistant", "content": "compacted history"}]
