@@ -76,6 +76,7 @@ from .errors import guarded, http_error, server_error
 from .openapi import openapi
 from .routes import WebPolicy, _WebGuard
 from .sse import _default_stream_limit, _Drafts, _store_events_route, _Streams
+from .wire import http_protocol
 
 __all__ = ["MessagesFn", "WebPolicy", "check_exposure", "create_app", "listen", "openapi", "run_workers", "serve"]
 
@@ -271,7 +272,7 @@ async def serve(
         log_level=log_level,
         access_log=False,
         lifespan="off",
-        http=http,
+        http=http_protocol(http),  # keeps an absolute-form target for the host check (wire)
         timeout_graceful_shutdown=3,
     )
     started = anyio.Event()
