@@ -34,6 +34,7 @@ Cross-session keys (never needed for an append's correctness)::
 from __future__ import annotations
 
 import re
+import unicodedata
 import zlib
 
 from .errors import InvalidSessionIdError
@@ -74,6 +75,27 @@ def validate_session_id(session_id: object) -> str:
             "braces, whitespace and control characters are not allowed"
         )
     return session_id
+
+
+def validate_new_session_id(session_id: object) -> str:
+    """`validate_session_id`, plus the rule for an id being created (create, open of a missing
+    session, branch, fork, import): no invisible format character (Unicode category Cf: zero-width
+    ones such as U+200B and U+FEFF, bidirectional controls such as U+202E and U+2066..U+2069), so
+    two ids that look the same in the viewer, a terminal or a log always name one session.
+
+    Only new ids: a session created under such an id before this rule stays readable, writable
+    and deletable through `validate_session_id` (an operator can still clean it up)."""
+    sid = validate_session_id(session_id)
+    if not sid.isascii():
+        for c in sid:
+            if unicodedata.category(c) == "Cf":
+                name = unicodedata.name(c, "a format character")
+                raise InvalidSessionIdError(
+                    f"session id {sid[:80]!r} contains U+{ord(c):04X} ({name}): a new session id may not "
+                    "hold invisible format characters (zero-width or bidirectional controls, Unicode "
+                    "category Cf), which would make two different ids look the same"
+                )
+    return sid
 
 
 # A replacing import builds its session under a staging id (`importers.common.staging_id`):

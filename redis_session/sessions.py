@@ -51,7 +51,7 @@ from .errors import (
     SessionReplacedError,
     StoreUnavailableError,
 )
-from .keys import MAX_ID_LENGTH, validate_session_id
+from .keys import MAX_ID_LENGTH, validate_new_session_id, validate_session_id
 from .model import (
     CUT,
     Entry,
@@ -126,7 +126,12 @@ def _default_branch_id(parent: str) -> str:
             f"the default branch id of {parent[:60]!r}… would be {len(branch_id)} characters "
             f"(the limit is {MAX_ID_LENGTH}): pass an explicit branch_id"
         )
-    return branch_id
+    try:
+        return validate_new_session_id(branch_id)
+    except InvalidSessionIdError as e:  # a parent created under an older rule (a format character)
+        raise InvalidSessionIdError(
+            f"{e}; the default branch id copies the parent's: pass an explicit branch_id"
+        ) from None
 
 
 def _is_user_message(e: Entry) -> bool:
@@ -892,6 +897,8 @@ class Sessions:
         `idempotency_key` is recorded with the creation, as for `create`.
         """
         validate_session_id(session_id)
+        if branch_id is not None:
+            validate_new_session_id(branch_id)  # before any round trip: nothing is read or written
         _check_int(at, "at")
         parent = await self.store.head(session_id)
         if parent is None:
@@ -947,7 +954,7 @@ class Sessions:
         head = await self.store.head(session_id)
         if head is None:
             raise SessionForkError(f"session {session_id!r} not found", "SESSION_NOT_FOUND")
-        if fork_id is not None and await self.store.head(validate_session_id(fork_id)) is not None:
+        if fork_id is not None and await self.store.head(validate_new_session_id(fork_id)) is not None:
             raise SessionForkError(f"session {fork_id!r} already exists", "SESSION_ALREADY_EXISTS")
         n = head.n
         last = "none" if n == 0 else str(n - 1)

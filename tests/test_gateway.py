@@ -3,6 +3,7 @@ clients, auth on every route, and bad input answered as JSON 4xx, never a 500.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -648,6 +649,126 @@ async def test_dns_rebinding_reaches_no_route(redis_store: RedisSessionStore) ->
     assert head is not None and head.n == 2
 
 
+async def test_new_ids_with_format_characters_are_refused_old_ones_stay_usable(
+    redis_store: RedisSessionStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`chat\u200b1` and `chat1` look the same in the viewer and in logs but name two sessions:
+    an id with a zero-width or bidirectional control character (Unicode Cf) is no longer created
+    (400 bad_request, nothing written, by create, branch and fork), while a session created under
+    such an id before the rule is still read, appended to, branched (to a clean id) and deleted."""
+    from redis_session.store import rules
+
+    old = ["chat\u200b1", "\u202egnp.exe", "a\u2066b\u2069", "\ufeffbom"]
+    with monkeypatch.context() as m:  # sessions an older version created
+        m.setattr(rules, "validate_new_session_id", rules.validate_session_id)
+        for sid in old:
+            await mk(redis_store, sid, 2)
+    await mk(redis_store, "clean", 1)
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=10) as client:
+        for new in ["chat\u200b2", "x\u202ey", "x\u2067", "\ufeff", "soft\u00adhyphen"]:
+            for url, body in [
+                ("/sessions", {"id": new, "entries": [um_entry("x")]}),
+                (path("clean", "branch"), {"at": 1, "id": new}),
+                (path("clean", "fork"), {"id": new}),
+            ]:
+                r = await client.post(url, json=body)
+                assert r.status_code == 400 and r.json()["error"] == "bad_request", (url, new, r.text)
+                assert "Cf" in r.json()["message"], r.text
+            assert await redis_store.head(new) is None
+        # branching an old one by default copies its id into the child's: refused, with the way out
+        r = await client.post(path(old[0], "branch"), json={"at": 1})
+        assert r.status_code == 400 and "explicit branch_id" in r.json()["message"], r.text
+        listed = {h["id"] for h in (await client.get("/sessions")).json()["items"]}
+        assert listed == {*old, "clean"}
+        for sid in old:
+            head = await client.get(path(sid))
+            assert head.status_code == 200 and head.json()["n"] == 2, (sid, head.text)
+            assert [e["n"] for e in (await client.get(path(sid, "entries"))).json()["entries"]] == [0, 1]
+            assert (await client.post(path(sid, "entries"), json=um_entry("more"))).status_code == 201
+            child = await client.post(path(sid, "branch"), json={"at": 1, "id": f"copy-{len(sid)}-{ord(sid[1])}"})
+            assert child.status_code == 201, child.text
+            assert (await client.delete(path(sid))).status_code == 204
+            assert (await client.get(path(sid))).status_code == 404
+    for sid in old:
+        assert await redis_store.head(sid) is None
+    assert len((await redis_store.list()).items) == 1 + len(old)  # clean and the branches
+
+
+async def raw_http(base: str, request: bytes) -> tuple[int, bytes]:
+    """Send `request` as it is over a TCP socket to the server at `base` (it asks the server to close
+    the connection); the status and the body of the answer."""
+    host, port = base.removeprefix("http://").split(":")
+    stream = await anyio.connect_tcp(host, int(port))
+    chunks: list[bytes] = []
+    try:
+        await stream.send(request)
+        with anyio.fail_after(20):
+            while True:
+                try:
+                    chunks.append(await stream.receive())
+                except anyio.EndOfStream:
+                    break
+    finally:
+        await stream.aclose()
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+_NO_HTTPTOOLS = importlib.util.find_spec("httptools") is None
+PARSERS = [
+    "h11",
+    pytest.param("httptools", marks=pytest.mark.skipif(_NO_HTTPTOOLS, reason="httptools (the fast extra) is missing")),
+]
+
+
+@pytest.mark.parametrize("http", PARSERS)
+async def test_an_ambiguous_host_reaches_no_route(redis_store: RedisSessionStore, http: str) -> None:
+    """The host check read one Host value while other layers read another: with two Host headers
+    (httptools passes both; the check took the last, Starlette the first) or an absolute-form
+    target (``POST http://evil.example/...`` with an allowed Host: httptools drops the authority,
+    which RFC 9112 says is the host the request is for), a write reached its route. Now the host
+    must be unambiguous on every route (400, the gateway's JSON, before any handler) — the same on
+    both parsers (h11 refuses two Host headers itself, httptools a target that is no URL)."""
+    await mk(redis_store, "victim", 1)
+    entry = json.dumps(um_entry("pwned")).encode()
+    async with running_gateway(redis_store, http=http) as base:
+        port = base.rsplit(":", 1)[1]
+        me = f"127.0.0.1:{port}"
+
+        def post(target: str, *hosts: str) -> bytes:
+            lines = [f"POST {target} HTTP/1.1", *(f"Host: {h}" for h in hosts)]
+            lines += ["Content-Type: application/json", f"Content-Length: {len(entry)}", "Connection: close"]
+            return ("\r\n".join(lines) + "\r\n\r\n").encode() + entry
+
+        # (name, request, the parser that lets it through to the guard: its 400 is the gateway's JSON)
+        attacks = [
+            ("evil Host first", post("/sessions/victim/entries", f"evil.example:{port}", me), "httptools"),
+            ("evil Host last", post("/sessions/victim/entries", me, f"evil.example:{port}"), "httptools"),
+            ("absolute-form", post(f"http://evil.example:{port}/sessions/victim/entries", me), "both"),
+            ("userinfo", post(f"http://{me}@evil.example:{port}/sessions/victim/entries", me), "both"),
+            ("another allowed name", post(f"http://localhost:{port}/sessions/victim/entries", me), "both"),
+            ("no port in the target", post("http://127.0.0.1/sessions/victim/entries", me), "both"),
+            ("a list in Host", post("/sessions/victim/entries", f"{me}, evil.example:{port}"), "both"),
+            ("not a URL", post("http://[evil.example/sessions/victim/entries", me), "h11"),
+            ("a probe", post(f"http://evil.example:{port}/healthz", me).replace(b"POST", b"GET", 1), "both"),
+            ("two Origin headers", post("/sessions/victim/entries", me).replace(
+                b"Connection:", f"Origin: http://{me}\r\nOrigin: http://evil.example\r\nConnection:".encode()
+            ), "both"),
+        ]  # fmt: skip
+        for name, request, reaches in attacks:
+            status, body = await raw_http(base, request)
+            assert status == 400, (name, status, body[:200])
+            if reaches in ("both", http):  # else the parser refused it itself (its own plain 400)
+                assert json.loads(body)["error"] == "bad_request", (name, body[:200])
+        # an absolute-form target naming the Host itself is the same request (RFC 9112 §3.2.2)
+        status, body = await raw_http(base, post(f"http://{me}/sessions/victim/entries", me))
+        assert status == 201, body[:200]
+        status, body = await raw_http(base, f"GET http://{me}/sessions/victim HTTP/1.1\r\nHost: {me}\r\n"
+                                            "Connection: close\r\n\r\n".encode())  # fmt: skip
+        assert status == 200 and json.loads(body)["n"] == 2, body[:200]
+    assert [e.data["content"] for e in await redis_store.read("victim")] == ["m0", "pwned"]
+
+
 async def test_allowed_hosts_are_configurable(redis_store: RedisSessionStore) -> None:
     await mk(redis_store, "h", 1)
     async with (
@@ -727,7 +848,7 @@ HOSTILE_BODIES: list[tuple[str, str, bytes, int, str | None]] = [
     ("lone surrogate", "entries", b'{"type":"x/y","data":{"a":"\\ud800"}}', 400, None),
     ("lone low surrogate key", "entries", b'{"type":"x/y","data":{"\\udc00":1}}', 400, None),
     ("duplicate keys", "entries", b'{"type":"x/y","type":"a/b","data":{}}', 422, "$"),
-    ("duplicate in data", "entries", b'{"type":"x/y","data":{"k":1,"k":2}}', 422, "$"),
+    ("duplicate in data", "entries", b'{"type":"x/y","data":{"k":1,"k":2}}', 422, "$.data"),
     ("duplicate in create", "create", b'{"id":"t","id":"u"}', 422, "$"),
 ]
 
@@ -758,6 +879,40 @@ async def test_hostile_small_bodies_are_4xx_with_the_path_and_write_nothing(
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
     assert (await redis_store.head("b")).n == 1  # type: ignore[union-attr]
     assert await redis_store.head("t") is None and await redis_store.head("u") is None
+    assert [h.id for h in (await redis_store.list()).items] == ["b"]
+
+
+DUPLICATES: list[tuple[str, bytes, str, str]] = [
+    # (route, body, path of the object holding the duplicate, the duplicate name)
+    ("entries", b'{"type":"x/y","type":"a/b","data":{}}', "$", "type"),
+    ("entries", b'{"type":"x/y","data":{"k":1,"k":2}}', "$.data", "k"),
+    (
+        "entries",
+        b'{"entries":[{"type":"x/y","data":{"a":1}},{"type":"x/y","data":{"a":{"deep":[{"z":1,"z":2}]}}}]}',
+        "$.entries[1].data.a.deep[0]",
+        "z",
+    ),
+    ("entries", b'[{"type":"x/y","data":{}},{"type":"x/y","data":{},"meta":{"m":1,"m":1}}]', "$[1].meta", "m"),
+    ("create", b'{"id":"t","entries":[{"type":"x/y","data":{"a":1,"b":2,"a":3}}]}', "$.entries[0].data", "a"),
+    ("branch", b'{"at":0,"origin":{"o":{"p":1,"p":2}}}', "$.origin.o", "p"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "where", "key"), DUPLICATES, ids=[d[2] for d in DUPLICATES])
+async def test_a_duplicate_member_name_is_a_422_naming_its_object_and_the_name(
+    redis_store: RedisSessionStore, route: str, body: bytes, where: str, key: str
+) -> None:
+    """A duplicate member name answered 422 with `path` "$" wherever it was; the path now names
+    the object holding it (as the other I-JSON errors name their field) and the message the name."""
+    await mk(redis_store, "b", 1)
+    url = {"entries": path("b", "entries"), "create": "/sessions", "branch": path("b", "branch")}[route]
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=10) as client:
+        r = await client.post(url, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    got = r.json()
+    assert got["error"] == "invalid" and got["path"] == where, got
+    assert repr(key) in got["message"] and where in got["message"], got["message"]
+    assert (await redis_store.head("b")).n == 1  # type: ignore[union-attr]
     assert [h.id for h in (await redis_store.list()).items] == ["b"]
 
 

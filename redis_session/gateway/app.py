@@ -77,6 +77,7 @@ from .openapi import openapi
 from .routes import WebPolicy, _WebGuard
 from .sse import _default_stream_limit, _Drafts, _entry_event, _store_events_route, _Streams
 from .tails import Tails
+from .wire import http_protocol
 
 __all__ = ["MessagesFn", "WebPolicy", "check_exposure", "create_app", "listen", "openapi", "run_workers", "serve"]
 
@@ -276,7 +277,7 @@ async def serve(
         log_level=log_level,
         access_log=False,
         lifespan="off",
-        http=http,
+        http=http_protocol(http),  # keeps an absolute-form target for the host check (wire)
         timeout_graceful_shutdown=3,
     )
     started = anyio.Event()

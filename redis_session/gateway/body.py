@@ -106,19 +106,39 @@ MAX_SAFE_INT = 2**53 - 1
 """Integers beyond ±this lose precision in JavaScript (and every IEEE-double JSON reader)."""
 
 
-class _Duplicate(Exception):
-    pass
+class _Duplicate:
+    """Stands, in a re-parsed body, for an object holding a duplicate member name `key`."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
 
 
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _unique(pairs: list[tuple[str, Any]]) -> Any:
     d = dict(pairs)
     if len(d) != len(pairs):
         seen: set[str] = set()
         for k, _ in pairs:
             if k in seen:
-                raise _Duplicate(k)
+                return _Duplicate(k)  # its place in the body is found once the whole body is parsed
             seen.add(k)
     return d
+
+
+def _find_duplicate(value: Any) -> tuple[str, str] | None:
+    """(path of the object, member name) of the first object, in document order, that holds a
+    duplicate member name; without recursion (the body's depth is already bounded)."""
+    stack: list[tuple[Any, str]] = [(value, "$")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, _Duplicate):
+            return path, v.key
+        if isinstance(v, dict):
+            stack.extend((x, f"{path}.{k}") for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))))
+    return None
 
 
 def decode_json(raw: bytes) -> Any:
@@ -137,10 +157,10 @@ def decode_json(raw: bytes) -> Any:
     if isinstance(value, (dict, list)):
         _audit(value)
         if raw.count(b":") > 1:  # duplicate names need two members somewhere
-            try:
-                json.loads(raw, object_pairs_hook=_unique)
-            except _Duplicate as e:
-                raise Unprocessable(f"the member name {e.args[0]!r} appears twice in one object", "$") from None
+            found = _find_duplicate(json.loads(raw, object_pairs_hook=_unique))
+            if found is not None:
+                where, key = found
+                raise Unprocessable(f"the member name {key!r} appears twice in the object at {where}", where)
     return value
 
 

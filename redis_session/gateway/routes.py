@@ -6,9 +6,10 @@ and, before any route, which ``Host`` names and which browser origins may call a
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -19,6 +20,7 @@ from . import answers, reads, writes
 from .auth import principal
 from .common import PROBE_PATHS, _error, _session_path, route_key
 from .context import Gateway
+from .wire import TARGET
 
 Handler = Callable[[Gateway, Request, str], Awaitable[Response]]
 
@@ -168,9 +170,61 @@ def split_list(text: str | None) -> list[str]:
     return [p for p in (text or "").replace(",", " ").split() if p]
 
 
+_ABSOLUTE = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://")
+_HOST_VALUE = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]*)(?::[0-9]{1,5})?")
+"""A ``Host`` value: a DNS name or IPv4 address, or an IPv6 one in brackets, and a port."""
+
+
+def _request_target(scope: Scope) -> bytes:
+    """The request target as the client sent it, without the query: the parser's own (`wire`)
+    when it kept only the path, else ``raw_path`` (h11 keeps an absolute-form target there)."""
+    kept: bytes | None = scope.get(TARGET)
+    if kept is not None:
+        return kept.split(b"?", 1)[0]
+    raw: bytes = scope.get("raw_path") or scope.get("path", "").encode("latin-1", "replace")
+    root = scope.get("root_path", "").encode("latin-1", "replace")
+    return raw[len(root) :] if root and raw.startswith(root) else raw
+
+
+def _ambiguity(scope: Scope, hosts: list[str], origins: list[str]) -> str | None:
+    """Why the host this request is for is ambiguous (a 400), or None. Every layer must see the
+    one name the host check saw: more than one ``Host`` header (parsers and frameworks disagree
+    on which one counts), a ``Host`` that is no host[:port] (``a, b``), or an absolute-form target
+    (``GET http://other/...``, which RFC 9112 makes the host the request is for) naming another
+    authority than ``Host``. Two ``Origin`` headers are refused for the same reason."""
+    if len(hosts) > 1:
+        return f"the request has {len(hosts)} Host headers; exactly one is allowed"
+    if len(origins) > 1:
+        return f"the request has {len(origins)} Origin headers; at most one is allowed"
+    host = hosts[0].strip() if hosts else ""
+    if not _HOST_VALUE.fullmatch(host):
+        return f"the Host header {host[:80]!r} is not a host name or address with an optional port"
+    target = _request_target(scope)
+    if _ABSOLUTE.match(target):
+        try:
+            authority = urlsplit(target.decode("latin-1")).netloc
+        except ValueError:  # "http://[x/": not a URL
+            return "the request target is not a URL"
+        if authority.lower() != host.lower():
+            return f"the request target names host {authority[:80]!r}, the Host header {host[:80]!r}"
+    return None
+
+
+def _origin_form(scope: Scope) -> Scope:
+    """The scope of an absolute-form request (its authority already found equal to ``Host``) with
+    the path alone, as httptools gives it: the routes match on both parsers."""
+    root: str = scope.get("root_path", "")
+    target = _request_target(scope)
+    if TARGET in scope or not _ABSOLUTE.match(target):
+        return scope
+    rel = urlsplit(target.decode("latin-1")).path or "/"
+    return {**scope, "raw_path": root.encode("latin-1") + rel.encode("latin-1"), "path": root + unquote(rel)}
+
+
 class _WebGuard:
-    """Before every route: the Host must be allowed (421); a page of another origin gets CORS
-    answers only when its origin is allowed, and may write only then (403)."""
+    """Before every route: the Host must be unambiguous (400: one ``Host`` header, and an
+    absolute-form target naming the same host) and allowed (421); a page of another origin gets
+    CORS answers only when its origin is allowed, and may write only then (403)."""
 
     def __init__(self, app: ASGIApp, policy: WebPolicy) -> None:
         self.app = app
@@ -180,12 +234,20 @@ class _WebGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        host = origin = None
+        hosts: list[str] = []
+        origins: list[str] = []
         for k, v in scope.get("headers", ()):
             if k == b"host":
-                host = v.decode("latin-1")
+                hosts.append(v.decode("latin-1"))
             elif k == b"origin":
-                origin = v.decode("latin-1")
+                origins.append(v.decode("latin-1"))
+        problem = _ambiguity(scope, hosts, origins)
+        if problem is not None:  # on every route, the probes too: no layer may pick another host
+            await _error(400, "bad_request", problem)(scope, receive, send)
+            return
+        scope = _origin_form(scope)
+        host = hosts[0].strip() if hosts else None
+        origin = origins[0] if origins else None
         path: str = scope["path"]
         if path not in PROBE_PATHS and not self.policy.allows_host(host or ""):
             shown = (host or "")[:80]

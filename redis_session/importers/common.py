@@ -17,7 +17,7 @@ from urllib.parse import unquote
 import msgspec
 
 from ..errors import ImportFormatError, InvalidSessionIdError, SessionError
-from ..keys import is_staging_id, validate_session_id
+from ..keys import is_staging_id, validate_new_session_id, validate_session_id
 from ..model import NewEntry, SessionHeader
 
 Format = Literal["auto", "redis-session", "nanobot", "dsh", "tutorial"]
@@ -388,9 +388,10 @@ def session_id_to_key(session_id: str) -> str:
 
 
 def checked_id(path: Path, line: int | None, value: Any) -> str:
-    """`value` as a session id for the file at `path`, or `ImportFormatError`."""
+    """`value` as a session id for the file at `path` (an import creates it: a new id), or
+    `ImportFormatError`."""
     try:
-        return validate_session_id(value)
+        return validate_new_session_id(value)
     except InvalidSessionIdError as e:
         shown = value[:80] if isinstance(value, str) else value
         raise ImportFormatError(

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..errors import InvalidEntryError
-from ..keys import validate_session_id
+from ..keys import validate_new_session_id, validate_session_id
 from ..model import EncodedEntry, NewEntryLike, SessionHeader, Vocabulary, encode_batch, lossless_json
 from ..projection.invariants import Problem
 from .protocol import MAX_CURSOR_LENGTH, MAX_LIST_LIMIT, MAX_READ_RANGE
@@ -60,9 +60,11 @@ def _is_int(v: object) -> bool:
 
 
 def check_header(header: SessionHeader) -> None:
+    """A header a create may write: the id is a valid *new* id (`validate_new_session_id`); the
+    parent only needs to be a valid id (an existing session under an older rule may be branched)."""
     if not isinstance(header, SessionHeader):
         raise TypeError("header must be a SessionHeader")
-    validate_session_id(header.id)
+    validate_new_session_id(header.id)
     if not _is_int(header.created_at) or not 0 <= header.created_at < 10**13:
         raise InvalidEntryError(f"created_at must be ms since the epoch (an int), got {header.created_at!r}")
     if not _is_int(header.format_version) or header.format_version < 1:

@@ -167,6 +167,24 @@ export class SessionClient {
     return `/sessions/${encodeURIComponent(id)}${sub ? `/${sub}` : ''}`
   }
 
+  /**
+   * An id this call creates (create, branch, fork): no invisible format character (Unicode
+   * category Cf: zero-width ones, bidirectional controls, the BOM), the gateway's rule for new
+   * ids, so two ids that look the same name one session. Sessions created under such an id
+   * before the rule are still read, written and deleted by their id.
+   */
+  private newId(id: string | undefined): void {
+    const bad = id === undefined ? null : /\p{Cf}/u.exec(id)
+    if (bad !== null) {
+      const code = bad[0].codePointAt(0)!.toString(16).toUpperCase().padStart(4, '0')
+      throw new SessionError(
+        `session id ${JSON.stringify(id)} contains U+${code}: a new session id may not hold invisible format characters (Unicode category Cf)`,
+        400,
+        'bad_request',
+      )
+    }
+  }
+
   private headers(extra: Record<string, string | undefined> = {}): Record<string, string> {
     const h: Record<string, string> = { accept: 'application/json' }
     if (this.token !== undefined) h.authorization = `Bearer ${this.token}`
@@ -219,6 +237,7 @@ export class SessionClient {
 
   /** Create a session (201), optionally with its first entries; `SessionAlreadyExistsError` if the id is taken. */
   async create(options: CreateOptions = {}): Promise<SessionHead> {
+    this.newId(options.id)
     const body: Record<string, unknown> = {}
     if (options.id !== undefined) body.id = options.id
     if (options.title !== undefined) body.title = options.title
@@ -276,6 +295,7 @@ export class SessionClient {
 
   /** A new session holding entries [0, at) of `id`, then its own (nothing is copied). */
   async branch(id: string, at: number, options: BranchOptions = {}): Promise<SessionHead> {
+    this.newId(options.id)
     const body: Record<string, unknown> = { at }
     if (options.id !== undefined) body.id = options.id
     if (options.title !== undefined) body.title = options.title
@@ -290,6 +310,7 @@ export class SessionClient {
 
   /** dsh fork: a child holding [0, boundary], the boundary a `turn/end` (default: the last entry). */
   async fork(id: string, options: { boundary?: number; id?: string; idempotencyKey?: string } = {}): Promise<SessionHead> {
+    this.newId(options.id)
     const body: Record<string, unknown> = {}
     if (options.boundary !== undefined) body.boundary = options.boundary
     if (options.id !== undefined) body.id = options.id

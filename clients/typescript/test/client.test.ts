@@ -9,6 +9,7 @@ import {
   SessionAlreadyExistsError,
   SessionClient,
   SessionConflictError,
+  SessionError,
   SessionNotFoundError,
   SessionReplacedError,
   type Entry,
@@ -85,6 +86,32 @@ describe('SessionClient', { skip }, () => {
     await client.create({ id })
     await assert.rejects(client.append(id, um('x'), { incarnation: old }), SessionReplacedError)
     assert.equal((await client.head(id))?.n, 0)
+  })
+
+  it('refuses a new id with an invisible format character, before anything is sent; the gateway does too', async () => {
+    const parent = uid('ts/cf')
+    await client.create({ id: parent, entries: [um('a')] })
+    for (const c of ['\u200b', '\u202e', '\u2066', '\ufeff']) {
+      const id = uid('ts/cf') + c
+      for (const call of [
+        () => client.create({ id }),
+        () => client.branch(parent, 1, { id }),
+        () => client.fork(parent, { id }),
+      ]) {
+        const err = await call().catch((e: unknown) => e)
+        assert.ok(err instanceof SessionError && err.status === 400 && err.code === 'bad_request', String(err))
+        assert.match(err.message, /Unicode category Cf/)
+      }
+      const raw = await fetch(`${URL}/sessions`, {
+        method: 'POST',
+        headers: { authorization: `Bearer ${ADMIN}`, 'content-type': 'application/json' },
+        body: JSON.stringify({ id }),
+      })
+      assert.equal(raw.status, 400)
+      assert.equal(((await raw.json()) as { error: string }).error, 'bad_request')
+      assert.equal(await client.head(id), undefined)
+    }
+    assert.equal((await client.head(parent))?.n, 1)
   })
 
   it('enforces scopes and tenants', async () => {
