@@ -212,7 +212,6 @@ async def test_bad_requests_write_nothing(client: httpx.AsyncClient, redis_store
     url = path("h5", f"answers/{a['answer']}/deltas")
     before = (await redis_store.read("h5"), await redis_store.read_live("h5"))
     for body, where in [
-        ({"first_index": 0, "deltas": []}, "$.deltas"),
         ({"first_index": -1, "deltas": [{"text": "a"}]}, "$.first_index"),
         ({"first_index": 0, "deltas": [{"text": 1}]}, "$.deltas[0].text"),
         ({"first_index": 0, "deltas": [{"kind": "tool-call", "text": "{"}]}, "$.deltas[0].callId"),
@@ -268,6 +267,47 @@ async def test_a_dead_http_writer_is_closed_by_repair(
     appended = await Sessions(redis_store).repair("h7", stale_after=0)
     assert appended[0].type == INTERRUPTED and appended[0].data["reason"] == "crashed"
     assert appended[0].data["deltas"] == 2 and appended[0].data["content"] == [{"type": "text", "text": "one two"}]
+
+
+async def test_an_empty_batch_is_a_heartbeat_that_keeps_a_quiet_writer_alive(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    """A writer that is alive but quiet (a model thinking before a tool call) beats with an empty
+    batch: `repair` leaves its answer open, while one whose writer went just as quiet without
+    beating is closed. The beat writes nothing and is refused for an answer that ended, or one of
+    another life of the id."""
+    for sid in ("h8", "h9"):
+        await _session(redis_store, sid)
+    alive, dead = await _begin(client, "h8"), await _begin(client, "h9")
+    for sid, a in (("h8", alive), ("h9", dead)):
+        r = await client.post(path(sid, f"answers/{a['answer']}/deltas"), json=_batch(0, ["think", "ing "]))
+        assert r.status_code == 201, r.text
+    before = (await redis_store.read("h8"), await redis_store.read_live("h8"))
+    await anyio.sleep(2.5)  # both writers are quiet longer than the repairer's stale_after below
+    beat = await client.post(path("h8", f"answers/{alive['answer']}/deltas"), json={"first_index": 2, "deltas": []})
+    assert beat.status_code == 200, beat.text
+    assert beat.json()["next_index"] == 2 and beat.json()["n"] == 4 and beat.json()["entries"] == []
+    assert (await redis_store.read("h8"), await redis_store.read_live("h8")) == before  # nothing written
+    assert await Sessions(redis_store).repair("h8", stale_after=2.0) == []  # it beat: alive
+    repaired = await Sessions(redis_store).repair("h9", stale_after=2.0)  # it did not: dead
+    assert [e.type for e in repaired][:1] == [INTERRUPTED] and repaired[0].data["reason"] == "crashed"
+    r = await client.post(path("h8", f"answers/{alive['answer']}/deltas"), json=_batch(2, ["done"]))
+    assert r.status_code == 201, r.text
+    end = await client.post(path("h8", f"answers/{alive['answer']}/end"), json={"reason": "committed"})
+    assert end.status_code == 201 and end.json()["entries"][0]["data"]["content"] == [
+        {"type": "text", "text": "thinking done"}
+    ]
+    for sid, a in (("h8", alive), ("h9", dead)):  # ended (committed, or closed by the repair)
+        r = await client.post(path(sid, f"answers/{a['answer']}/deltas"), json={"first_index": 0, "deltas": []})
+        assert r.status_code == 409 and r.json()["error"] == "answer_ended", r.text
+    # another life of the id: the old answer's beat never reaches it
+    await _session(redis_store, "h10")
+    old = await _begin(client, "h10")
+    await redis_store.delete("h10")
+    await _session(redis_store, "h10")
+    r = await client.post(path("h10", f"answers/{old['answer']}/deltas"), json={"first_index": 0, "deltas": []})
+    assert r.status_code == 409 and r.json()["error"] == "session_replaced", r.text
+    assert await redis_store.read_live("h10") == []
 
 
 TOKENS = """

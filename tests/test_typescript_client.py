@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from redis_session import RedisSessionStore
+from redis_session import RedisSessionStore, Sessions
 from redis_session.gateway.auth import Token
 
 from support import running_gateway
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.anyio
 
 PACKAGE = Path(__file__).resolve().parent.parent / "clients" / "typescript"
 ADMIN, READ, TENANT = "ts-admin-0123456789", "ts-read-0123456789", "ts-tenant-0123456789"
+STALE_AFTER = 3.0
 
 
 def _node_missing() -> str | None:
@@ -31,8 +32,13 @@ def _node_missing() -> str | None:
 
 
 @pytest.mark.skipif(_node_missing() is not None, reason=_node_missing() or "")
-async def test_typescript_client_against_a_real_gateway(redis_store: RedisSessionStore) -> None:
+async def test_typescript_client_against_a_real_gateway(
+    redis_store: RedisSessionStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     redis_store.block_ms = 200  # an idle tail notices a deletion this soon
+    # the gateway's repair takes an answer quiet for 3 s (not 30) for dead: the heartbeat test
+    # (answers.test.ts) keeps a live writer quiet longer than that and sees it left alone
+    monkeypatch.setitem(Sessions.repair.__kwdefaults__, "stale_after", STALE_AFTER)
     tokens = [
         Token.make(ADMIN, ["admin"], name="ts admin"),
         Token.make(READ, ["read"], name="ts reader"),
@@ -44,6 +50,7 @@ async def test_typescript_client_against_a_real_gateway(redis_store: RedisSessio
         "RS_TOKEN_READ": READ,
         "RS_TOKEN_TENANT": TENANT,
         "RS_TENANT_PREFIX": "tenant/",
+        "RS_STALE_AFTER_MS": str(round(STALE_AFTER * 1000)),
         "npm_config_audit": "false",
         "npm_config_fund": "false",
         "npm_config_update_notifier": "false",

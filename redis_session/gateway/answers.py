@@ -16,7 +16,9 @@ answer between requests).
     409 ``out_of_order`` with ``expected_index`` otherwise (never reordered, holes never
     accepted). A retry of a batch that landed is a no-op that still leaves its deltas on the
     live stream exactly once (two copies at once too); the same index with other deltas is 422
-    ``batch_mismatch``. 201 ``{n, next_index, entries: []}``.
+    ``batch_mismatch``. 201 ``{n, next_index, entries: []}``. An empty batch (``deltas: []``) is
+    the writer's heartbeat: nothing is written, the answer's lease is refreshed (`repair` leaves an
+    answer alone while its writer wrote or beat within ``stale_after``, 30 s); 200.
 ``POST /sessions/{id}/answers/{answer}/end`` ``{reason, deltas?, content?, usage?, meta?, cause?}``
     closes it: ``committed`` appends the ``assistant/message`` (content assembled by index from
     the answer's chunk rows, unless given), ``interrupted`` the ``assistant/interrupted`` mark;
@@ -183,7 +185,7 @@ async def deltas(gw: Gateway, request: Request, sid: str) -> Response:
     cond = preconditions(request)
     req = convert(decode_json(await read_body(request, gw.max_body)), DeltasIn)
     if not req.deltas:
-        raise Unprocessable("a batch holds at least one delta", "$.deltas")
+        return await _beat(gw, sid, answer, cond.incarnation)
     if len(req.deltas) > MAX_DELTAS:
         raise TooLarge(f"a batch holds at most {MAX_DELTAS} deltas; this one has {len(req.deltas)}", "batch_too_large")
     batch = [_delta(answer, req.first_index + i, d, f"$.deltas[{i}]") for i, d in enumerate(req.deltas)]
@@ -201,6 +203,24 @@ async def deltas(gw: Gateway, request: Request, sid: str) -> Response:
     inc = head.header.incarnation if head is not None else None
     body = {"n": n, "next_index": ack.logged, "entries": []}
     return _JSON(body, status_code=201, headers=_tags(n, inc))
+
+
+async def _beat(gw: Gateway, sid: str, answer: str, incarnation: str | None) -> Response:
+    """An empty batch: the writer is alive but has nothing to send (a model thinking, a long tool
+    call). The protocol's beat (``lua/answer.lua``, as `Session.stream`'s heartbeat): the answer's
+    last-write time and its expiries are refreshed, so `repair` does not take it for dead; refused
+    like a batch for an answer that ended (409 ``answer_ended``), another life's (409
+    ``session_replaced``) or an unknown one (404). Nothing is written; 200 ``{n, next_index}``."""
+    try:
+        await gw.store.answer_beat(sid, answer, incarnation=incarnation, ttl_ms=LIVE_TTL_MS)
+    except AnswerError as e:
+        return _refused(e)
+    st = (await gw.store.answer_states(sid, [answer])).get(answer)
+    head = await gw.store.head(sid)
+    if head is None:
+        raise SessionNotFoundError(sid)
+    body: dict[str, Any] = {"n": head.n, "next_index": st.logged if st is not None else None, "entries": []}
+    return _JSON(body, status_code=200, headers=_tags(head.n, head.header.incarnation))
 
 
 # --------------------------------------------------------------------------- end

@@ -436,10 +436,18 @@ def _answer_paths(
         "/sessions/{session_id}/answers/{answer}/deltas": {
             "post": {
                 "summary": "A batch of deltas: live for tailing readers (SSE `?deltas=1`), and one packed "
-                "`assistant/chunk` row in the log; a retried batch (same `first_index`) is written nowhere twice",
+                "`assistant/chunk` row in the log; a retried batch (same `first_index`) is written nowhere twice. "
+                "An empty batch (`deltas: []`) is the writer's heartbeat: nothing is written, the answer's lease "
+                "is refreshed (repair leaves an answer alone while its writer wrote or beat within 30 s); 409 "
+                "`answer_ended` once it ended",
                 "parameters": [sid, answer, incarnation],
                 "requestBody": body(ref("DeltaBatch")),
-                "responses": {"201": created("The chunk row", ref("Written")), **write_errors, **replaced},
+                "responses": {
+                    "200": created("A heartbeat (an empty batch): nothing written", ref("Written")),
+                    "201": created("The chunk row", ref("Written")),
+                    **write_errors,
+                    **replaced,
+                },
             }
         },
         "/sessions/{session_id}/answers/{answer}/end": {
@@ -493,7 +501,11 @@ def _answer_schemas() -> dict[str, Any]:
                     "minimum": 0,
                     "description": "the first delta's index in the answer",
                 },
-                "deltas": {"type": "array", "items": {"$ref": "#/components/schemas/Delta"}, "minItems": 1},
+                "deltas": {
+                    "type": "array",
+                    "items": {"$ref": "#/components/schemas/Delta"},
+                    "description": "none: a heartbeat (the writer is alive, nothing to send)",
+                },
                 **turn_step,
             },
         },

@@ -230,7 +230,13 @@ export class SessionClient {
 
   private async json<T>(method: string, path: string, options: Parameters<SessionClient['request']>[2] = {}): Promise<T> {
     const r = await this.request(method, path, options)
-    return (await r.json()) as T
+    try {
+      return (await r.json()) as T
+    } catch (e) {
+      if (options.signal?.aborted) throw e
+      // the connection was cut while the answer came back: as lost as one that never came
+      throw new UnavailableError(`the gateway's answer to ${method} ${path} was cut short: ${(e as Error).message}`)
+    }
   }
 
   // ------------------------------------------------------------------ lifecycle
@@ -387,11 +393,23 @@ export class SessionClient {
     const body: Record<string, unknown> = {}
     if (options.turn !== undefined) body.turn = options.turn
     if (options.step !== undefined) body.step = options.step
-    const begun = await this.json<AnswerBegun>('POST', this.path(id, 'answers'), {
-      body,
-      headers: { 'content-type': 'application/json', 'idempotency-key': options.idempotencyKey },
-      sessionId: id,
-    })
+    // keyed, so a begin whose answer was lost is sent again and gets the same answer (never a
+    // second one left open)
+    const key = options.idempotencyKey ?? `ts-stream-${globalThis.crypto.randomUUID()}`
+    let begun: AnswerBegun
+    for (let attempt = 0; ; attempt++) {
+      try {
+        begun = await this.json<AnswerBegun>('POST', this.path(id, 'answers'), {
+          body,
+          headers: { 'content-type': 'application/json', 'idempotency-key': key },
+          sessionId: id,
+        })
+        break
+      } catch (e) {
+        if (!(e instanceof UnavailableError) || attempt + 1 >= (options.retries ?? 5)) throw e
+        await sleep(backoff(attempt, 25, 1000))
+      }
+    }
     const post: Post = (path, payload, headers) =>
       this.request('POST', path, { body: payload, headers: { 'content-type': 'application/json', ...headers }, sessionId: id })
     return new AnswerWriter(post, this.path(id, 'answers'), id, begun, options)

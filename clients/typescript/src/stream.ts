@@ -13,6 +13,17 @@
  * write is checked against the life the answer began in (`SessionReplacedError`). `end()` sends the
  * rest and commits the `assistant/message`; `abort()` sends the rest and leaves the
  * `assistant/interrupted` mark.
+ *
+ * A request whose answer is lost (the gateway unreachable, a connection cut before or while the
+ * reply comes back, a 502/503/504) is sent again as it was, `retries` times: a batch carries its
+ * `first_index`, so a copy of one that landed is a no-op; an end that landed answers its entry
+ * again. When the attempts run out the deltas stay queued (the next send, `flush()` or `end()` tries
+ * them again) and `flush()`/`end()` throw `UnavailableError` — never a bare `TypeError` of fetch.
+ *
+ * While the answer is open and nothing was sent for `heartbeatMs` (a model thinking, a long tool
+ * call) the writer beats: an empty batch, which refreshes the answer's lease in the server, so
+ * `repair` tells it from a writer that died (whose answer it closes once it is quiet for its
+ * `stale_after`, 30 s). The beats stop at `end()`/`abort()`, and never keep the process alive.
  */
 
 import { SessionError, UnavailableError } from './errors.js'
@@ -46,6 +57,9 @@ export interface StreamOptions {
   idempotencyKey?: string
   /** attempts per batch when the gateway is unreachable (default 5) */
   retries?: number
+  /** the heartbeat while the answer is open and idle: an empty batch after this many ms with
+   * nothing sent (default 5000; keep it well under the repairer's `stale_after`, 30 s) */
+  heartbeatMs?: number
 }
 
 export interface EndOptions {
@@ -79,13 +93,17 @@ export class AnswerWriter {
   private readonly step: number | undefined
   private readonly intervalMs: number
   private readonly retries: number
+  private readonly heartbeatMs: number
   private readonly post: Post
   private readonly base: string
   private queue: DeltaIn[] = []
   private sent = 0 // deltas [0, sent) are in the log
   private timer: ReturnType<typeof setTimeout> | undefined
+  private beatTimer: ReturnType<typeof setTimeout> | undefined
   private inFlight: Promise<void> = Promise.resolve()
-  private failure: unknown
+  private failure: unknown // the gateway refused: the answer cannot go on
+  private unsent: UnavailableError | undefined // the last send ran out of attempts: its deltas stay queued
+  private unsentCount = 0 // how many deltas that batch had
   private closed = false
 
   constructor(post: Post, base: string, sessionId: string, begun: AnswerBegun, options: StreamOptions) {
@@ -101,7 +119,10 @@ export class AnswerWriter {
     this.step = options.step
     this.intervalMs = options.intervalMs ?? 75
     this.retries = options.retries ?? 5
+    this.heartbeatMs = options.heartbeatMs ?? 5000
+    if (!(this.heartbeatMs > 0)) throw new RangeError('heartbeatMs must be > 0')
     this.closing = undefined
+    this.armBeat()
   }
 
   /** Deltas so far (sent or queued). */
@@ -131,6 +152,7 @@ export class AnswerWriter {
     this.inFlight = this.inFlight.then(() => this.sendQueued())
     await this.inFlight
     if (this.failure !== undefined) throw this.failure
+    if (this.unsent !== undefined) throw this.unsent
   }
 
   /** Send the rest and commit the `assistant/message` (`SessionConflictError` on a stale `expectedN`:
@@ -166,30 +188,88 @@ export class AnswerWriter {
 
   private async sendQueued(): Promise<void> {
     while (this.queue.length > 0 && this.failure === undefined) {
-      const batch = this.queue.slice(0, MAX_BATCH)
+      // a batch whose answer was lost goes again as it was (the same bounds: a copy of one that
+      // landed is a no-op; a longer one would straddle it and be refused)
+      const batch = this.queue.slice(0, this.unsentCount || MAX_BATCH)
       const body: Record<string, unknown> = { first_index: this.sent, deltas: batch }
       if (this.turn !== undefined) body.turn = this.turn
       if (this.step !== undefined) body.step = this.step
       try {
-        const written = await this.send(`${this.base}/${encodeURIComponent(this.answer)}/deltas`, body, {})
+        const written = await this.send(this.deltasPath(), body, {})
         this.n = Math.max(this.n, written.n)
       } catch (e) {
-        this.failure = e // the deltas stay queued: `abort` still closes the answer with what landed
+        // the deltas stay queued; a lost answer is tried again with the next send (the same
+        // `first_index`: a no-op if it landed); a refusal ends the writing (`abort` still closes
+        // the answer with what landed)
+        if (e instanceof UnavailableError) {
+          this.unsent = e
+          this.unsentCount = batch.length
+        } else this.failure = e
         return
       }
+      this.unsent = undefined
+      this.unsentCount = 0
       this.queue = this.queue.slice(batch.length)
       this.sent += batch.length
+      this.armBeat()
     }
   }
 
-  /** POST, again with the same body while the gateway is unreachable (the gateway dedupes). */
-  private async send(path: string, body: unknown, headers: Record<string, string | undefined>): Promise<Written> {
+  private deltasPath(): string {
+    return `${this.base}/${encodeURIComponent(this.answer)}/deltas`
+  }
+
+  /** The next heartbeat, `heartbeatMs` from now (each send moves it). */
+  private armBeat(): void {
+    if (this.beatTimer !== undefined) clearTimeout(this.beatTimer)
+    this.beatTimer = undefined
+    if (this.closed || this.failure !== undefined) return
+    this.beatTimer = setTimeout(() => {
+      this.beatTimer = undefined
+      this.inFlight = this.inFlight.then(() => this.beat())
+    }, this.heartbeatMs)
+    this.beatTimer.unref?.() // a writer its process forgot is a dead one: its beats never keep it running
+  }
+
+  /** An empty batch: the writer is alive (the server refreshes the answer's lease; nothing is
+   * written). Refused for an answer that ended (closed by `repair`) or of another life: then the
+   * writer stops, as a refused batch stops it. */
+  private async beat(): Promise<void> {
+    if (this.closed || this.failure !== undefined) return
+    if (this.queue.length > 0) {
+      await this.sendQueued() // deltas waiting (a batch whose answers were lost): they are the beat
+    } else {
+      try {
+        await this.send(this.deltasPath(), { first_index: this.sent, deltas: [] }, {}, 1)
+      } catch (e) {
+        if (!(e instanceof UnavailableError)) {
+          if (!this.closed) this.failure = e
+          return
+        }
+      }
+    }
+    this.armBeat()
+  }
+
+  /** POST, again with the same body while its answer is lost (the gateway dedupes). A connection
+   * cut while the answer's body is read is a lost answer too: `UnavailableError`, never a bare
+   * `TypeError` of fetch. */
+  private async send(
+    path: string,
+    body: unknown,
+    headers: Record<string, string | undefined>,
+    attempts = this.retries,
+  ): Promise<Written> {
     for (let attempt = 0; ; attempt++) {
       try {
         const r = await this.post(path, body, { 'x-session-incarnation': this.incarnation ?? undefined, ...headers })
-        return (await r.json()) as Written
+        try {
+          return (await r.json()) as Written
+        } catch (e) {
+          throw new UnavailableError(`the gateway's answer to ${path} was cut short: ${(e as Error).message}`)
+        }
       } catch (e) {
-        if (!(e instanceof UnavailableError) || attempt + 1 >= this.retries) throw e
+        if (!(e instanceof UnavailableError) || attempt + 1 >= attempts) throw e
         await new Promise((resolve) => setTimeout(resolve, Math.random() * Math.min(1000, 25 * 2 ** attempt)))
       }
     }
@@ -201,12 +281,18 @@ export class AnswerWriter {
     this.inFlight = this.inFlight.then(() => this.sendQueued())
     await this.inFlight
     if (this.failure !== undefined && reason === 'committed') throw this.failure
+    if (this.unsent !== undefined && reason === 'committed') throw this.unsent // still open: end or abort again
     this.closed = true
+    if (this.beatTimer !== undefined) clearTimeout(this.beatTimer)
+    this.beatTimer = undefined
+    // a batch whose every answer was lost may have landed: an abort then closes with what the log
+    // holds, however many that is
+    const unsure = this.unsent !== undefined && this.queue.length > 0
     const body: Record<string, Json | undefined> = {
       reason,
       // how many deltas this writer sent: the gateway refuses the end (`AnswerIncompleteError`,
       // naming the missing range) while the log lacks any of them
-      deltas: this.sent,
+      ...(unsure ? {} : { deltas: this.sent }),
       ...(this.turn !== undefined ? { turn: this.turn } : {}),
       ...(this.step !== undefined ? { step: this.step } : {}),
       ...(cause !== undefined ? { cause } : {}),
@@ -219,7 +305,11 @@ export class AnswerWriter {
     try {
       this.closing = await this.send(`${this.base}/${encodeURIComponent(this.answer)}/end`, body, { 'if-match': ifMatch })
     } catch (e) {
-      if (e instanceof SessionError && e.code === 'conflict') this.closed = false // still open: end or abort again
+      // still open: end or abort again (a lost end is a no-op to retry: it answers its entry)
+      if (e instanceof SessionError && (e.code === 'conflict' || e instanceof UnavailableError)) {
+        this.closed = false
+        this.armBeat()
+      }
       throw e
     }
     this.n = this.closing.n
