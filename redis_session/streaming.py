@@ -628,39 +628,71 @@ async def tail_deltas(
         raise SessionNotFoundError(session_id)
     if incarnation is not None and head.header.incarnation != incarnation:
         raise SessionReplacedError(session_id)
-    incarnation = head.header.incarnation or None
-    skip = answers_to_skip(records, start, None)
-    expect: dict[str, int] = {}  # answer -> the next index the reader is owed
-    floor = (-1, -1) if live_after is None else _id_key(live_after)
-    pending: list[Entry | Delta | DeltaGap] = []
-    if live_after is not None and live_after != "0-0" and (not records or _id_key(records[0].id) > floor):
-        # the records up to the cursor are gone (trimmed after their grace, or the stream
-        # expired): some after it may be too, of answers it cannot name any more
-        pending.append(DeltaGap(answer="", start=0, stop=None, cursor=live_after))
-    for r in records:
-        if incarnation and r.incarnation and r.incarnation != incarnation:
-            if r.kind == "begin":
-                raise SessionReplacedError(session_id, "its live stream belongs to another life")
-            continue  # a straggler of another life's answer: never this session's
-        if _id_key(r.id) <= floor:
-            _seen(expect, skip, r)  # delivered before the reader resumed
-            continue
-        pending.extend(_deliver(expect, r, skip))
-    for given in pending:
+    reader = LiveReader(session_id, start, head.header.incarnation or None, live_after)
+    for given in reader.records(records):
         yield given
-    cursor = records[-1].id if records else (live_after or "0-0")
-    if live_after is not None and _id_key(live_after) > _id_key(cursor):
-        cursor = live_after
-    async for got in store.tail_live(session_id, start, live_after=cursor, incarnation=incarnation):
+    async for got in store.tail_live(session_id, start, live_after=reader.cursor or "0-0", incarnation=incarnation):
         if not isinstance(got, LiveRecord):
             yield got
             continue
-        if incarnation and got.incarnation and got.incarnation != incarnation:
-            if got.kind == "begin":
-                raise SessionReplacedError(session_id, "its live stream belongs to another life")
-            continue
-        for out in _deliver(expect, got, skip):
+        for out in reader.feed(got):
             yield out
+
+
+class LiveReader:
+    """What one reader of a session's live stream is owed, record by record: the one place of
+    the delivery rules behind `tail_deltas` and the gateway's shared tails. Every delta once and in
+    order per answer; a `DeltaGap` where the stream cannot give the next one; nothing of an
+    answer closed before `start` (its entries are behind the reader); a begin of another life
+    raises `SessionReplacedError`, another life's other records are never taken.
+
+    `records` takes a read of the whole live stream (the first one, or a catch-up: records up to
+    `cursor` were seen, and a stream that no longer holds the cursor may have lost some after it:
+    an empty-answer gap says so); `feed` takes each record as it lands; `cursor` is the id of the
+    last record taken, where a tail resumes."""
+
+    def __init__(self, session_id: str, start: int, incarnation: str | None, live_after: str | None) -> None:
+        self.session_id = session_id
+        self.start = start
+        self.incarnation = incarnation
+        self.cursor = live_after  # None: nothing read yet (a fresh reader gets the answer so far)
+        self.expect: dict[str, int] = {}  # answer -> the next index the reader is owed
+        self.skip: set[str] | None = None  # answers it gets nothing more of
+
+    def records(self, records: Sequence[LiveRecord]) -> list[Delta | DeltaGap]:
+        first = self.skip is None
+        skip = self.skip = answers_to_skip(records, self.start, None) if self.skip is None else self.skip
+        floor = (-1, -1) if self.cursor is None else _id_key(self.cursor)
+        out: list[Delta | DeltaGap] = []
+        if self.cursor not in (None, "0-0") and (not records or _id_key(records[0].id) > floor):
+            # the records up to the cursor are gone (trimmed after their grace, or the stream
+            # expired): some after it may be too, of answers it cannot name any more
+            out.append(DeltaGap(answer="", start=0, stop=None, cursor=self.cursor))
+        for r in records:
+            if _id_key(r.id) <= floor:
+                if first and self._ours(r):
+                    _seen(self.expect, skip, r)  # delivered before the reader resumed
+                continue
+            out.extend(self.feed(r))
+        if self.cursor is None:
+            self.cursor = "0-0"
+        return out
+
+    def feed(self, r: LiveRecord) -> list[Delta | DeltaGap]:
+        if self.skip is None:
+            self.skip = set()
+        if self.cursor is None or _id_key(r.id) > _id_key(self.cursor):
+            self.cursor = r.id
+        if not self._ours(r):
+            return []  # a straggler of another life's answer: never this session's
+        return _deliver(self.expect, r, self.skip)
+
+    def _ours(self, r: LiveRecord) -> bool:
+        if self.incarnation and r.incarnation and r.incarnation != self.incarnation:
+            if r.kind == "begin":
+                raise SessionReplacedError(self.session_id, "its live stream belongs to another life")
+            return False
+        return True
 
 
 def _seen(expect: dict[str, int], skip: set[str], r: LiveRecord) -> None:
