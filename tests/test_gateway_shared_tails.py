@@ -316,3 +316,170 @@ async def test_the_streams_of_a_session_share_one_draft_poll_and_each_sees_the_d
                 tg.cancel_scope.cancel()
     # one poll per interval (0.25 s while active) for all of them; a poll each would be 40 x 8
     assert polls <= 3 * seconds / 0.25, polls
+
+
+# --------------------------------------------------------------------------- ?deltas=1 streams
+
+
+async def read_deltas(
+    client: httpx.AsyncClient, url: str, answers: int, log: list[tuple[str, Any]], headers: dict[str, str] | None = None
+) -> None:
+    """Entries and deltas of a ``?deltas=1`` stream into `log` until `answers` answers closed."""
+    closed = 0
+    async with client.stream("GET", url, headers=headers) as r:
+        assert r.status_code == 200, r.text
+        async for ev in events(r):
+            kind = ev.get("event", "message")
+            if kind in ("end", "replaced", "error"):
+                log.append((kind, None))
+                return
+            if kind == "delta":
+                d = json.loads(ev["data"])
+                log.append(("delta", (d["answer"], d["index"], d["text"])))
+            elif kind == "gap":
+                log.append(("gap", json.loads(ev["data"])))
+            elif kind == "message" and "data" in ev:
+                e = json.loads(ev["data"])
+                log.append(("entry", e["n"]))
+                if e["type"] == "assistant/message":
+                    closed += 1
+                    if closed == answers:
+                        return
+
+
+def check_deltas(log: list[tuple[str, Any]], texts: dict[str, list[str]]) -> None:
+    """Each answer's deltas once and in order from index 0 (a fresh reader gets the answer so
+    far), entries once and in order, nothing else."""
+    kinds = {k for k, _ in log}
+    assert kinds <= {"delta", "entry"}, log
+    ns = [v for k, v in log if k == "entry"]
+    assert ns == list(range(ns[0], ns[0] + len(ns))), ns
+    by_answer: dict[str, list[tuple[int, str]]] = {}
+    for k, v in log:
+        if k == "delta":
+            by_answer.setdefault(v[0], []).append((v[1], v[2]))
+    for answer, got in by_answer.items():
+        assert answer in texts
+        assert got == list(enumerate(texts[answer][: len(got)])), (answer, got)
+
+
+async def _answers(store: RedisSessionStore, sid: str, count: int, words: int, pause: float) -> dict[str, list[str]]:
+    from redis_session import Sessions
+
+    s = await Sessions(store).open(sid)
+    texts: dict[str, list[str]] = {}
+    for a in range(count):
+        async with s.stream(turn=a + 1, step=1, flush_interval=0.005) as w:
+            texts[w.answer] = []
+            for i in range(words):
+                t = f"a{a}w{i} "
+                texts[w.answer].append(t)
+                await w.delta(t)
+                await anyio.sleep(pause)
+    return texts
+
+
+async def test_deltas_streams_of_a_session_share_one_live_tail_and_each_gets_every_delta_once(
+    named_store: tuple[RedisSessionStore, str], redis_url: str
+) -> None:
+    store, name = named_store
+    sid = "live-share"
+    await store.create(SessionHeader(id=sid), [("user/message", {"content": "hi"})])
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        logs: list[list[tuple[str, Any]]] = [[] for _ in range(16)]
+        texts: dict[str, list[str]] = {}
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for log in logs[:8]:  # before the answers
+                    tg.start_soon(read_deltas, client, path(sid) + "?deltas=1", 3, log)
+                await wait_for(lambda: all(log for log in logs[:8]), within=30)
+                await wait_for(lambda: _len(blocked_xreads(redis_url, name), 1), within=30)
+
+                async def write() -> None:
+                    texts.update(await _answers(store, sid, 3, 30, 0.003))
+
+                tg.start_soon(write)
+                for log in logs[8:]:  # joining mid-answer: the answer so far, then the rest
+                    await anyio.sleep(0.02)
+                    tg.start_soon(read_deltas, client, path(sid) + "?deltas=1", 3, log)
+                await wait_for(lambda: bool(texts), within=60)
+        for log in logs:
+            check_deltas(log, texts)
+        assert all(sum(1 for k, _ in log if k == "delta") >= 30 for log in logs[:8])  # every delta
+
+
+async def test_a_slow_deltas_reader_is_detached_and_still_gets_every_delta_once(
+    named_store: tuple[RedisSessionStore, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redis_session.gateway import tails
+
+    monkeypatch.setattr(tails.Tails, "QUEUE", 4)
+    store, _ = named_store
+    sid = "live-slow"
+    await store.create(SessionHeader(id=sid), [("user/message", {"content": "hi"})])
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        fast: list[tuple[str, Any]] = []
+        slow: list[tuple[str, Any]] = []
+        texts: dict[str, list[str]] = {}
+
+        async def slow_reader() -> None:
+            async with client.stream("GET", path(sid) + "?deltas=1") as r:
+                closed = 0
+                async for ev in events(r):
+                    await anyio.sleep(0.01)  # a reader slower than the writer
+                    kind = ev.get("event", "message")
+                    if kind == "delta":
+                        d = json.loads(ev["data"])
+                        slow.append(("delta", (d["answer"], d["index"], d["text"])))
+                    elif kind == "message" and "data" in ev:
+                        e = json.loads(ev["data"])
+                        slow.append(("entry", e["n"]))
+                        closed += e["type"] == "assistant/message"
+                        if closed == 2:
+                            return
+                    elif kind in ("gap", "end", "replaced", "error"):
+                        slow.append((kind, ev.get("data")))
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read_deltas, client, path(sid) + "?deltas=1", 2, fast)
+                tg.start_soon(slow_reader)
+                await wait_for(lambda: bool(fast) and bool(slow), within=30)
+                texts.update(await _answers(store, sid, 2, 60, 0.0))
+        check_deltas(fast, texts)
+        # the slow one: every delta once and in order too, or a gap it can repair from the log
+        gaps = [v for k, v in slow if k == "gap"]
+        check_deltas([x for x in slow if x[0] != "gap"], texts) if not gaps else None
+        assert [v for k, v in slow if k == "entry"] == [v for k, v in fast if k == "entry"]
+
+
+async def test_a_killed_live_tail_connection_is_resumed_for_every_deltas_stream(
+    named_store: tuple[RedisSessionStore, str], redis_url: str
+) -> None:
+    store, name = named_store
+    sid = "live-killed"
+    await store.create(SessionHeader(id=sid), [("user/message", {"content": "hi"})])
+    async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        logs: list[list[tuple[str, Any]]] = [[] for _ in range(6)]
+        texts: dict[str, list[str]] = {}
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for log in logs:
+                    tg.start_soon(read_deltas, client, path(sid) + "?deltas=1", 2, log)
+                await wait_for(lambda: all(log for log in logs), within=30)
+                await wait_for(lambda: _len(blocked_xreads(redis_url, name), 1), within=30)
+
+                async def killer() -> None:
+                    r = aioredis.Redis.from_url(redis_url)
+                    try:
+                        for _ in range(3):
+                            await anyio.sleep(0.15)
+                            for cid in await blocked_xreads(redis_url, name):
+                                await r.execute_command("CLIENT", "KILL", "ID", cid)
+                    finally:
+                        await r.aclose()
+
+                tg.start_soon(killer)
+                texts.update(await _answers(store, sid, 2, 40, 0.01))
+        for log in logs:
+            check_deltas(log, texts)

@@ -75,7 +75,7 @@ from .context import Gateway
 from .errors import guarded, http_error, server_error
 from .openapi import openapi
 from .routes import WebPolicy, _WebGuard
-from .sse import _default_stream_limit, _Drafts, _entry_event, _store_events_route, _Streams
+from .sse import _default_stream_limit, _Drafts, _store_events_route, _Streams
 from .tails import Tails
 from .wire import http_protocol
 
@@ -160,7 +160,7 @@ def create_app(
         custom_messages=messages is not None,
         streams=_Streams(max_streams),
         drafts=_Drafts(),
-        tails=Tails(store, _entry_event, _default_stream_limit(store)),
+        tails=Tails(store, _default_stream_limit(store)),
         heartbeat=heartbeat,
         draft_interval=draft_interval,
         auth=known is not None,

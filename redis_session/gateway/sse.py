@@ -17,13 +17,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..errors import SessionError, SessionNotFoundError, SessionReplacedError, StoreUnavailableError
-from ..live import RETRYABLE, follow, follow_deltas
+from ..live import RETRYABLE
 from ..model import Entry
-from ..projection.chunks import Delta, DeltaGap
+from ..projection.chunks import Delta, DeltaGap, LiveRecord
 from ..store import SessionStore
+from ..streaming import LiveReader, _id_key
 from .auth import principal
 from .common import _error, _json, log
-from .tails import REPLACED, Tails
+from .tails import REPLACED, Subscriber, Tails
 
 
 class _Streams:
@@ -142,8 +143,9 @@ def _event_id(inc: str, n: int, cursor: str | None) -> bytes:
     return b"%b:%d" % (inc.encode(), n)
 
 
-def _entry_event(e: Entry, inc: str, cursor: str | None = None) -> bytes:
-    return b"id: %b\ndata: %b\n\n" % (_event_id(inc, e.n, cursor), _json.encode(e))
+def _entry_event(e: Entry, inc: str, cursor: str | None = None, body: bytes | None = None) -> bytes:
+    """An entry's event; `body` is its JSON when already encoded (once, by a shared tail)."""
+    return b"id: %b\ndata: %b\n\n" % (_event_id(inc, e.n, cursor), _json.encode(e) if body is None else body)
 
 
 Write = Callable[[bytes], Awaitable[None]]
@@ -191,46 +193,14 @@ def _gap_event(inc: str, last_n: int, g: DeltaGap, cursor: str | None) -> bytes:
     return b"event: gap\nid: %b\ndata: %b\n\n" % (_event_id(inc, last_n, cursor), _json.encode(body))
 
 
-async def _stream_with_deltas(stream: _EventStream, write: Write, on_retry: Any) -> None:
-    """The live part of a ``?deltas=1`` stream: entries, ``event: delta`` and ``event: gap`` as
-    they come (`follow_deltas`), every event id ``<incarnation>:<last n>/<last live id>`` so a
-    reconnect with Last-Event-ID resumes both without repeat, and says what it missed."""
-    if stream.live_after is None:
-        nxt = await stream._backlog(write)
-    else:
-        # a resume with a live cursor: `follow_deltas` sends the stored entries itself, in order
-        # with the deltas after the cursor (or a gap); a backlog sent first would start it past
-        # the end of an answer that ended meanwhile and skip the rest of it
-        nxt = stream.start
-        head = await stream.store.head(stream.session_id)
-        if head is not None and stream._incarnation is None:
-            stream._incarnation = head.header.incarnation
-    items = follow_deltas(
-        stream.store, stream.session_id, nxt, live_after=stream.live_after, on_retry=on_retry,
-        incarnation=stream._incarnation,
-    )  # fmt: skip
-    inc = stream._incarnation or ""
-    async with contextlib.aclosing(items) as live:
-        async for item in live:
-            stream._poke()
-            if isinstance(item, Delta):
-                stream.live_after = item.cursor
-                await write(_delta_event(inc, nxt - 1, item))
-            elif isinstance(item, DeltaGap):
-                stream.live_after = item.cursor or stream.live_after
-                await write(_gap_event(inc, nxt - 1, item, stream.live_after))
-            else:
-                nxt = item.n + 1
-                await write(_entry_event(item, inc, stream.live_after))
-
-
 class _EventStream(Response):
-    """One SSE client: the backlog in pages, then a live tail (`follow`, so a dropped store
-    connection is retried and resumed without gap), a draft poller and a heartbeat.
+    """One SSE client: the backlog in pages, then the session's shared live tail (`tails.Tails`:
+    a dropped store connection is retried and resumed without gap), its shared draft poll and a
+    heartbeat.
 
-    All three write straight to the response under one lock. A slow client therefore slows its
-    own XREAD loop and no one else's, and nothing buffers without bound; and a new entry is on the
-    wire before the tail asks Redis for the next one."""
+    All three write straight to the response under one lock. A slow client slows no one else: its
+    queue on the shared tail is bounded, and past it the client is detached and catches up from
+    the store alone."""
 
     media_type = "text/event-stream"
     BACKLOG_PAGE = 1000
@@ -248,7 +218,7 @@ class _EventStream(Response):
         deltas: bool = False,
         live_after: str | None = None,
         incarnation: str | None = None,
-        tails: Tails | None = None,
+        tails: Tails,
     ) -> None:
         # not Response.__init__: it would announce a Content-Length of 0
         self.status_code = 200
@@ -264,9 +234,9 @@ class _EventStream(Response):
         self._draft_slot: _DraftSlot | None = None  # the session's shared draft poll, poked by entries
         self._last_write = time.monotonic()
         self._incarnation: str | None = incarnation  # the life a resume names (None: the one met first)
-        self.deltas = deltas  # `event: delta` too (`_stream_with_deltas`); drafts then only set_draft's
+        self.deltas = deltas  # `event: delta` too (`_shared_deltas`); drafts then only set_draft's
         self.live_after = live_after
-        self.tails = tails  # the process's shared tails (None: this stream follows the session alone)
+        self.tails = tails  # the process's shared tails: this stream joins its session's
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "HEAD":
@@ -275,16 +245,15 @@ class _EventStream(Response):
             return
         # a shared tail's streams hold one pooled connection between them, a `?deltas=1` stream
         # its own: counted before the first await, so concurrent requests cannot all slip under
-        held: object = self.session_id if not self.deltas else object()
-        if self.streams.full() or (self.tails is not None and not self.tails.reserve(held)):
+        held = Tails.holder(self.session_id, self.deltas)
+        if self.streams.full() or not self.tails.reserve(held):
             busy = _error(503, "busy", "too many live streams; retry later", {"Retry-After": "5"})
             await busy(scope, receive, send)
             return
         try:
             await self._serve(scope, receive, send)
         finally:
-            if self.tails is not None:
-                self.tails.release(held)
+            self.tails.release(held)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         lock = anyio.Lock(fast_acquire=True)
@@ -325,14 +294,9 @@ class _EventStream(Response):
                 return
 
     async def _entries(self, write: Write) -> None:
-        def on_retry(exc: BaseException, wait: float, at: int) -> None:
-            log.warning("tail of %r dropped (%s); resuming at n=%d in %.2fs", self.session_id, exc, at, wait)
-
         try:
             if self.deltas:
-                await _stream_with_deltas(self, write, on_retry)
-            elif self.tails is None:
-                await self._own_tail(write, on_retry)
+                await self._shared_deltas(write, self.tails)
             else:
                 await self._shared_tail(write, self.tails)
         except SessionReplacedError:
@@ -344,14 +308,6 @@ class _EventStream(Response):
             log.exception("tail of %r failed", self.session_id)
             await write(b"event: error\ndata: %b\n\n" % _json.encode({"error": type(exc).__name__}))
         await write(b"event: end\ndata: {}\n\n")
-
-    async def _own_tail(self, write: Write, on_retry: Any) -> None:
-        nxt = await self._backlog(write)
-        tail = follow(self.store, self.session_id, nxt, on_retry=on_retry, incarnation=self._incarnation)
-        async with contextlib.aclosing(tail) as entries:
-            async for e in entries:
-                self._poke()
-                await write(_entry_event(e, self._incarnation or ""))
 
     async def _shared_tail(self, write: Write, tails: Tails) -> None:
         """The live part from the session's shared tail (`tails.Tails`): every entry once and in
@@ -367,37 +323,110 @@ class _EventStream(Response):
                 with tails.join(self.session_id, inc, nxt) as joined:
                     if joined.behind > nxt:
                         nxt = await self._read_to(write, nxt, joined.behind)
-                    # what queued up meanwhile goes out in one write: a busy session costs a
-                    # reader one send per wake-up, not one per entry
-                    while (items := await joined.subscriber.take()) is not None:
-                        out: list[bytes] = []
-                        for item in items:
-                            if isinstance(item, tuple):
-                                e, event = item
-                                if e.n < nxt:
-                                    continue
-                                if e.n > nxt:  # never expected: filled by a read
-                                    await _flush(write, out)
-                                    nxt = await self._read_to(write, nxt, e.n)
-                                out.append(event)
-                                nxt = e.n + 1
-                                continue
-                            await _flush(write, out)
-                            if item == REPLACED:
-                                raise SessionReplacedError(self.session_id)
-                            if isinstance(item, SessionError):
-                                raise item
-                            return  # deleted
-                        if out:
-                            self._poke()
-                            await _flush(write, out)
-                            delay = 0.05
-                    if not joined.subscriber.lagged:
+                    nxt, done = await self._drain(write, joined.subscriber, inc, nxt, None)
+                    if done:
                         return
+                    delay = 0.05
             except RETRYABLE:  # this stream's own reads; the hub retries its own
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 5.0)
             nxt = await self._backlog(write, nxt)  # behind (or a read failed): catch up, then join again
+
+    async def _shared_deltas(self, write: Write, tails: Tails) -> None:
+        """A ``?deltas=1`` stream on the session's shared live tail. The reader's own
+        `LiveReader` decides what it is owed of the live records — those the hub hands out, and
+        those it reads itself when it joins behind the hub or catches up after falling behind —
+        so it gets what a tail of its own (`follow_deltas`) would: every entry and delta once and
+        in order, a gap where the live stream cannot give a delta."""
+        sid = self.session_id
+        # a fresh stream sends what is stored first; a resume with a live cursor takes the entries
+        # from its start after the live records: a backlog sent first would start it past the end
+        # of an answer that ended meanwhile, and skip the rest of that answer
+        nxt = await self._backlog(write) if self.live_after is None else self.start
+        reader: LiveReader | None = None
+        delay = 0.05
+        while True:
+            try:
+                records = await self.store.read_live(sid)
+                head = await self.store.head(sid)  # the life, after the records (`tail_deltas`)
+                if head is None:
+                    return
+                if self._incarnation is None:
+                    self._incarnation = head.header.incarnation
+                elif head.header.incarnation != self._incarnation:
+                    raise SessionReplacedError(sid)
+                inc = self._incarnation or ""
+                if reader is None:
+                    reader = LiveReader(sid, nxt, inc or None, self.live_after)
+                await self._send_live(write, inc, nxt, reader, reader.records(records))
+                with tails.join(sid, inc, nxt, reader.cursor or "0-0") as joined:
+                    if joined.behind > nxt:
+                        nxt = await self._read_to(write, nxt, joined.behind)
+                    if _id_key(joined.cursor) > _id_key(reader.cursor or "0-0"):
+                        # records the hub handed out before the join (those it hands out again
+                        # are behind the reader's cursor, and skipped)
+                        more = reader.records(await self.store.read_live(sid))
+                        await self._send_live(write, inc, nxt, reader, more)
+                    nxt, done = await self._drain(write, joined.subscriber, inc, nxt, reader)
+                    if done:
+                        return
+                    delay = 0.05
+                nxt = await self._backlog(write, nxt)  # behind: its entries, then (above) its records
+            except RETRYABLE:  # this stream's own reads; the hub retries its own
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _drain(
+        self, write: Write, sub: Subscriber, inc: str, nxt: int, reader: LiveReader | None
+    ) -> tuple[int, bool]:
+        """Send what the hub hands `sub` until it ends (True) or detaches `sub` for falling
+        behind (False); the n of the next entry owed. What queued up meanwhile goes out in one
+        write: a busy session costs a reader one send per wake-up, not one per entry."""
+        while (items := await sub.take()) is not None:
+            out: list[bytes] = []
+            for item in items:
+                if isinstance(item, tuple):
+                    e, body = item
+                    if e.n < nxt:
+                        continue
+                    if e.n > nxt:  # never expected: filled by a read
+                        await _flush(write, out)
+                        nxt = await self._read_to(write, nxt, e.n)
+                    out.append(_entry_event(e, inc, self.live_after, body))
+                    nxt = e.n + 1
+                elif isinstance(item, LiveRecord):
+                    if reader is not None and _id_key(item.id) > _id_key(reader.cursor or "0-0"):
+                        out.extend(self._live_events(inc, nxt, reader, reader.feed(item)))
+                else:
+                    await _flush(write, out)
+                    if item == REPLACED:
+                        raise SessionReplacedError(self.session_id)
+                    if isinstance(item, SessionError):
+                        raise item
+                    return nxt, True  # deleted
+            if out:
+                self._poke()
+                await _flush(write, out)
+        return nxt, not sub.lagged
+
+    def _live_events(self, inc: str, nxt: int, reader: LiveReader, given: list[Delta | DeltaGap]) -> list[bytes]:
+        """The events of what a `LiveReader` gave; the stream's cursor moves to the reader's."""
+        out = []
+        for d in given:
+            if isinstance(d, Delta):
+                out.append(_delta_event(inc, nxt - 1, d))
+            else:
+                out.append(_gap_event(inc, nxt - 1, d, d.cursor or reader.cursor))
+        self.live_after = reader.cursor
+        return out
+
+    async def _send_live(
+        self, write: Write, inc: str, nxt: int, reader: LiveReader, given: list[Delta | DeltaGap]
+    ) -> None:
+        out = self._live_events(inc, nxt, reader, given)
+        if out:
+            self._poke()
+            await _flush(write, out)
 
     async def _read_to(self, write: Write, nxt: int, stop: int) -> int:
         inc = self._incarnation or ""
@@ -405,7 +434,7 @@ class _EventStream(Response):
             page = await self.store.read(self.session_id, nxt, min(stop, nxt + self.BACKLOG_PAGE), incarnation=inc)
             if not page:
                 break
-            await write(b"".join([_entry_event(e, inc) for e in page]))
+            await write(b"".join([_entry_event(e, inc, self.live_after) for e in page]))
             nxt = page[-1].n + 1
         return nxt
 

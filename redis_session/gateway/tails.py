@@ -1,8 +1,11 @@
 """One live tail per session and life, shared by every SSE stream of it in this process.
 
 A thousand viewers of fifty sessions cost fifty XREAD BLOCK connections, not a thousand: each
-`_Hub` follows one (session id, incarnation) with `live.follow` (so a dropped connection is
-retried and resumed without gap) and hands every entry, encoded once, to its subscribers.
+`_Hub` follows one (session id, incarnation) — with `live.follow` (a dropped connection retried
+and resumed without gap), or for ``?deltas=1`` streams with `store.tail_live` (entries and the
+live stream's records, resumed after the last of each) — and hands every entry, its JSON encoded
+once, and every live record to its subscribers. What a reader is owed of the live records is
+decided by each reader (`streaming.LiveReader`), as for a reader of its own.
 
 The rules a subscriber keeps, so sharing changes nothing it delivers:
 
@@ -22,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Hashable, Iterator
+import random
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -30,18 +34,26 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import SessionError, SessionNotFoundError, SessionReplacedError
-from ..live import follow
+from ..live import RETRYABLE, follow
 from ..model import Entry
+from ..projection.chunks import LiveRecord
 from ..store import SessionStore
-from .common import log
+from .common import _json, log
 
 END: Final = "end"
 REPLACED: Final = "replaced"
 
-Item = tuple[Entry, bytes] | str | SessionError
-"""What a subscriber receives: an entry with its SSE event, or how the tail ended."""
+Item = tuple[Entry, bytes] | LiveRecord | str | SessionError
+"""What a subscriber receives: an entry with its JSON, a live record (``?deltas=1`` hubs), or how
+the tail ended."""
 
-Encode = Callable[[Entry, str], bytes]
+
+def _size(item: Item) -> int:
+    if isinstance(item, tuple):
+        return len(item[1])
+    if isinstance(item, LiveRecord):
+        return len(item.text) + 64
+    return 0
 
 
 @dataclass(eq=False)
@@ -63,14 +75,15 @@ class Subscriber:
                 items.append(self.receive.receive_nowait())
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
-        self.pending -= sum(len(item[1]) for item in items if isinstance(item, tuple))
+        self.pending -= sum(_size(item) for item in items)
         return items
 
 
 @dataclass(eq=False)
 class _Hub:
-    key: tuple[str, str]
+    key: tuple[str, str, bool]  # session id, incarnation, with the live stream's records
     next: int  # the n of the next entry it will hand out
+    cursor: str  # the id of the last live record it handed out (live hubs)
     subscribers: set[Subscriber] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
 
@@ -79,6 +92,7 @@ class _Hub:
 class Joined:
     subscriber: Subscriber
     behind: int  # the hub's next n at the join: entries from the subscriber's n up to it are read
+    cursor: str  # the hub's last live record at the join: records after the subscriber's, up to it
 
 
 class Tails:
@@ -87,17 +101,16 @@ class Tails:
     QUEUE = 4096  # entries a subscriber may be behind before it is detached to catch up alone
     QUEUE_BYTES = 16 << 20  # … or bytes of events
 
-    def __init__(self, store: SessionStore, encode: Encode, connection_limit: int | None) -> None:
+    def __init__(self, store: SessionStore, connection_limit: int | None) -> None:
         self.store = store
-        self.encode = encode
         self.connection_limit = connection_limit
-        self._hubs: dict[tuple[str, str], _Hub] = {}
+        self._hubs: dict[tuple[str, str, bool], _Hub] = {}
         self._reserved: dict[Hashable, int] = {}  # what holds a connection -> its streams
 
     def reserve(self, holder: Hashable) -> bool:
-        """Count a stream before its first await: `holder` is the session id of a stream on the
-        shared tail, a key of its own for a stream that follows alone. False when it would need
-        one more connection than the pool can spare (the caller answers 503)."""
+        """Count a stream before its first await: `holder` names the tail it will share (see
+        `holder`), or is a key of its own for a stream that follows alone. False when it would
+        need one more connection than the pool can spare (the caller answers 503)."""
         users = self._reserved.get(holder, 0)
         if users == 0 and self.connection_limit is not None and len(self._reserved) >= self.connection_limit:
             return False
@@ -116,21 +129,28 @@ class Tails:
         """The sessions with a tail held or reserved (each is at most one pooled connection)."""
         return len(self._reserved)
 
+    @staticmethod
+    def holder(session_id: str, live: bool) -> Hashable:
+        """What the streams of one tail share in `reserve`: one connection per session and kind."""
+        return (session_id, live)
+
     @contextlib.contextmanager
-    def join(self, session_id: str, incarnation: str, nxt: int) -> Iterator[Joined]:
-        """Subscribe to the tail of `session_id`'s life `incarnation` (started at `nxt` if none
-        runs). No await between reading the hub's position and subscribing: every entry the hub
-        hands out after `behind` reaches this subscriber."""
-        key = (session_id, incarnation)
+    def join(self, session_id: str, incarnation: str, nxt: int, cursor: str | None = None) -> Iterator[Joined]:
+        """Subscribe to the tail of `session_id`'s life `incarnation` — with the live stream's
+        records after `cursor` when one is given — started at (`nxt`, `cursor`) if none runs. No
+        await between reading the hub's position and subscribing: every item the hub hands out
+        after (`behind`, `cursor`) reaches this subscriber."""
+        key = (session_id, incarnation, cursor is not None)
         hub = self._hubs.get(key)
         if hub is None:
-            hub = self._hubs[key] = _Hub(key, nxt)
-            hub.task = asyncio.get_running_loop().create_task(self._run(hub))
+            hub = self._hubs[key] = _Hub(key, nxt, cursor or "0-0")
+            run = self._run_live(hub) if cursor is not None else self._run(hub)
+            hub.task = asyncio.get_running_loop().create_task(run)
         send, receive = anyio.create_memory_object_stream[Item](self.QUEUE)
         sub = Subscriber(send, receive)
         hub.subscribers.add(sub)
         try:
-            yield Joined(sub, hub.next)
+            yield Joined(sub, hub.next, hub.cursor)
         finally:
             hub.subscribers.discard(sub)
             send.close()
@@ -141,7 +161,7 @@ class Tails:
                     hub.task.cancel()
 
     async def _run(self, hub: _Hub) -> None:
-        session_id, incarnation = hub.key
+        session_id, incarnation, _ = hub.key
 
         def on_retry(exc: BaseException, wait: float, at: int) -> None:
             log.warning("tail of %r dropped (%s); resuming at n=%d in %.2fs", session_id, exc, at, wait)
@@ -152,7 +172,7 @@ class Tails:
             async with contextlib.aclosing(tail) as entries:
                 async for e in entries:
                     hub.next = e.n + 1
-                    item = (e, self.encode(e, incarnation))
+                    item = (e, _json.encode(e))
                     for sub in list(hub.subscribers):
                         self._hand(hub, sub, item, self.QUEUE_BYTES)
         except SessionReplacedError:
@@ -165,6 +185,51 @@ class Tails:
         except Exception as exc:  # never leave subscribers waiting on a dead hub
             log.exception("tail of %r failed", session_id)
             end = SessionError(f"the live tail failed: {type(exc).__name__}")
+        self._finish(hub, end)
+
+    async def _run_live(self, hub: _Hub) -> None:
+        """A ``?deltas=1`` hub: `store.tail_live` from (next, cursor); a dropped connection waits
+        (backoff with jitter) and resumes after the last entry and the last record handed out."""
+        session_id, incarnation, _ = hub.key
+        end: Item = END
+        delay, dropped = 0.05, False
+        while True:
+            try:
+                tail = self.store.tail_live(session_id, hub.next, live_after=hub.cursor, incarnation=incarnation)
+                async for got in tail:
+                    if isinstance(got, LiveRecord):
+                        hub.cursor = got.id
+                        item: Item = got
+                    else:
+                        hub.next = got.n + 1
+                        item = (got, _json.encode(got))
+                    for sub in list(hub.subscribers):
+                        self._hand(hub, sub, item, self.QUEUE_BYTES)
+                    delay = 0.05
+                break  # deleted
+            except SessionReplacedError:
+                end = REPLACED
+                break
+            except SessionNotFoundError:
+                break  # gone (at the start, or while the connection was down)
+            except RETRYABLE as exc:
+                wait = delay * (0.5 + random.random())
+                if not dropped or delay >= 1:
+                    log.warning("live tail of %r dropped (%s); resuming in %.2fs", session_id, exc, wait)
+                dropped = True
+                await anyio.sleep(wait)
+                delay = min(delay * 2, 5.0)
+            except SessionError as exc:
+                log.exception("live tail of %r failed", session_id)
+                end = exc
+                break
+            except Exception as exc:  # never leave subscribers waiting on a dead hub
+                log.exception("live tail of %r failed", session_id)
+                end = SessionError(f"the live tail failed: {type(exc).__name__}")
+                break
+        self._finish(hub, end)
+
+    def _finish(self, hub: _Hub, end: Item) -> None:
         if self._hubs.get(hub.key) is hub:
             del self._hubs[hub.key]  # a stream arriving now starts a new tail (of a new life)
         for sub in list(hub.subscribers):
@@ -174,13 +239,10 @@ class Tails:
     @staticmethod
     def _hand(hub: _Hub, sub: Subscriber, item: Item, max_bytes: int | None) -> None:
         try:
-            if isinstance(item, tuple):
-                if max_bytes is not None and sub.pending > max_bytes:
-                    raise anyio.WouldBlock
-                sub.send.send_nowait(item)
-                sub.pending += len(item[1])
-            else:
-                sub.send.send_nowait(item)
+            if max_bytes is not None and sub.pending > max_bytes:
+                raise anyio.WouldBlock
+            sub.send.send_nowait(item)
+            sub.pending += _size(item)
         except anyio.WouldBlock:
             # too far behind: detached, it reads what it missed from the store and joins again
             sub.lagged = True
