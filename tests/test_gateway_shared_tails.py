@@ -15,6 +15,7 @@ import anyio
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from test_gateway import sse as events
 
 from redis_session import RedisSessionStore, SessionHeader
 
@@ -57,18 +58,6 @@ async def blocked_xreads(redis_url: str, name: str) -> list[int]:
     return ids
 
 
-async def events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    ev: dict[str, Any] = {}
-    async for line in response.aiter_lines():
-        if line == "":
-            if ev:
-                yield ev
-            ev = {}
-        elif not line.startswith(":"):
-            key, _, value = line.partition(":")
-            ev[key] = value.removeprefix(" ")
-
-
 async def read_until(client: httpx.AsyncClient, url: str, last: int, got: list[int], ended: list[str]) -> None:
     """Every entry's n into `got` until n == `last`, or how the stream ended into `ended`."""
     async with client.stream("GET", url) as r:
@@ -78,7 +67,7 @@ async def read_until(client: httpx.AsyncClient, url: str, last: int, got: list[i
                 ended.append(ev["event"])
                 return
             if "id" in ev and "event" not in ev:
-                got.append(json.loads(ev["data"])["n"])
+                got.append(ev["data"]["n"])
                 if got[-1] >= last:
                     return
 
@@ -208,7 +197,7 @@ async def test_a_deleted_and_recreated_id_ends_every_shared_stream_and_a_new_one
                         ends[i].append(ev["event"])
                         return
                     if "id" in ev and "event" not in ev:
-                        contents[i].append(json.loads(ev["data"])["data"]["content"])
+                        contents[i].append(ev["data"]["data"]["content"])
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
@@ -302,7 +291,7 @@ async def test_the_streams_of_a_session_share_one_draft_poll_and_each_sees_the_d
                 opened.append(r.status_code)
                 async for ev in events(r):
                     if ev.get("event") == "draft":
-                        drafts[i].append(json.loads(ev["data"])["draft"])
+                        drafts[i].append(ev["data"]["draft"])
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
@@ -334,17 +323,28 @@ async def read_deltas(
                 log.append((kind, None))
                 return
             if kind == "delta":
-                d = json.loads(ev["data"])
+                d = ev["data"]
                 log.append(("delta", (d["answer"], d["index"], d["text"])))
             elif kind == "gap":
-                log.append(("gap", json.loads(ev["data"])))
+                log.append(("gap", ev["data"]))
             elif kind == "message" and "data" in ev:
-                e = json.loads(ev["data"])
+                e = ev["data"]
                 log.append(("entry", e["n"]))
                 if e["type"] == "assistant/message":
                     closed += 1
                     if closed == answers:
                         return
+
+
+async def deltas_readers(
+    tg: Any, client: httpx.AsyncClient, sid: str, answers: int, logs: list[Any], redis_url: str, name: str
+) -> None:
+    """Start a `?deltas=1` reader per log; return once each has its backlog and they share one
+    XREAD."""
+    for log in logs:
+        tg.start_soon(read_deltas, client, path(sid) + "?deltas=1", answers, log)
+    await wait_for(lambda: all(log for log in logs), within=30)
+    await wait_for(lambda: _len(blocked_xreads(redis_url, name), 1), within=30)
 
 
 def check_deltas(log: list[tuple[str, Any]], texts: dict[str, list[str]]) -> None:
@@ -390,10 +390,7 @@ async def test_deltas_streams_of_a_session_share_one_live_tail_and_each_gets_eve
         texts: dict[str, list[str]] = {}
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
-                for log in logs[:8]:  # before the answers
-                    tg.start_soon(read_deltas, client, path(sid) + "?deltas=1", 3, log)
-                await wait_for(lambda: all(log for log in logs[:8]), within=30)
-                await wait_for(lambda: _len(blocked_xreads(redis_url, name), 1), within=30)
+                await deltas_readers(tg, client, sid, 3, logs[:8], redis_url, name)  # before the answers
 
                 async def write() -> None:
                     texts.update(await _answers(store, sid, 3, 30, 0.003))
@@ -429,10 +426,10 @@ async def test_a_slow_deltas_reader_is_detached_and_still_gets_every_delta_once(
                     await anyio.sleep(0.01)  # a reader slower than the writer
                     kind = ev.get("event", "message")
                     if kind == "delta":
-                        d = json.loads(ev["data"])
+                        d = ev["data"]
                         slow.append(("delta", (d["answer"], d["index"], d["text"])))
                     elif kind == "message" and "data" in ev:
-                        e = json.loads(ev["data"])
+                        e = ev["data"]
                         slow.append(("entry", e["n"]))
                         closed += e["type"] == "assistant/message"
                         if closed == 2:
@@ -464,10 +461,7 @@ async def test_a_killed_live_tail_connection_is_resumed_for_every_deltas_stream(
         texts: dict[str, list[str]] = {}
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
-                for log in logs:
-                    tg.start_soon(read_deltas, client, path(sid) + "?deltas=1", 2, log)
-                await wait_for(lambda: all(log for log in logs), within=30)
-                await wait_for(lambda: _len(blocked_xreads(redis_url, name), 1), within=30)
+                await deltas_readers(tg, client, sid, 2, logs, redis_url, name)
 
                 async def killer() -> None:
                     r = aioredis.Redis.from_url(redis_url)

@@ -23,6 +23,7 @@ import {
   type JsonObject,
 } from '../src/index.js'
 import { ADMIN, skip, uid, URL as GATEWAY } from './env.js'
+import { openTurn as openTurnOf, replay } from './turns.js'
 
 const client = new SessionClient({ url: GATEWAY, token: ADMIN })
 /** the repairer's `stale_after` on the gateway under test (tests/test_typescript_client.py sets a
@@ -99,26 +100,7 @@ class CuttingProxy {
   }
 }
 
-async function openTurn(id: string): Promise<void> {
-  await client.create({
-    id,
-    entries: [
-      { type: 'turn/start', data: { turn: 1 } },
-      { type: 'user/message', data: { content: 'hi' } },
-      { type: 'step/start', data: { turn: 1, step: 1 } },
-    ],
-  })
-}
-
-/** Every delta of `answer` the log holds, in order (its packed chunk rows). */
-function replay(entries: Entry[], answer: string): JsonObject[] {
-  const out: JsonObject[] = []
-  for (const e of entries) {
-    if (e.type !== 'assistant/chunk' || e.data.answer !== answer) continue
-    for (const c of e.data.chunks as (string | JsonObject)[]) out.push(typeof c === 'string' ? { type: 'text-delta', text: c } : c)
-  }
-  return out
-}
+const openTurn = (id: string): Promise<void> => openTurnOf(client, id)
 
 /** A reader following the session's deltas (connected once it returns: it has read the entries
  * already there); `done` resolves with the deltas of every answer, by answer, once `messages`

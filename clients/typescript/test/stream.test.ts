@@ -3,30 +3,12 @@ import { describe, it } from 'node:test'
 
 import { Delta, DeltaGap, SessionClient, SessionConflictError, sleep, type Entry, type JsonObject } from '../src/index.js'
 import { ADMIN, skip, uid, URL } from './env.js'
+import { openTurn as openTurnOf, replay } from './turns.js'
 
 const client = new SessionClient({ url: URL, token: ADMIN })
 const WORDS = Array.from({ length: 60 }, (_, i) => `w${i} `)
 
-async function openTurn(id: string): Promise<void> {
-  await client.create({
-    id,
-    entries: [
-      { type: 'turn/start', data: { turn: 1 } },
-      { type: 'user/message', data: { content: 'hi' } },
-      { type: 'step/start', data: { turn: 1, step: 1 } },
-    ],
-  })
-}
-
-/** Every delta of `answer` the log holds, in order (the packed chunk rows, as Python's `replay`). */
-function replay(entries: Entry[], answer: string): JsonObject[] {
-  const out: JsonObject[] = []
-  for (const e of entries) {
-    if (e.type !== 'assistant/chunk' || e.data.answer !== answer) continue
-    for (const c of e.data.chunks as (string | JsonObject)[]) out.push(typeof c === 'string' ? { type: 'text-delta', text: c } : c)
-  }
-  return out
-}
+const openTurn = (id: string): Promise<void> => openTurnOf(client, id)
 
 describe('streaming answers', { skip }, () => {
   it('streams deltas live to a tail, once and in order, and the log replays the text', async () => {
