@@ -1,6 +1,7 @@
 """The HTTP gateway against the Python store directly, on the same server, side by side in one run.
 
     python bench/gateway_http.py [--url URL] [--seconds N] [--writers W] [--readers R] [--sessions S]
+                                 [--only latency|throughput|fanout] [--stack TEXT]
 
 (Not named ``http.py``: in bench/ that name would shadow the standard library's ``http`` package
 for every sibling bench, since running a script puts its folder first on ``sys.path``.)
@@ -318,6 +319,10 @@ def main() -> None:
     p.add_argument("--writers", type=int, default=32, help="concurrent writers of the throughput run")
     p.add_argument("--readers", type=int, default=1000, help="SSE readers of the fan-out run")
     p.add_argument("--sessions", type=int, default=50, help="sessions the SSE readers follow")
+    p.add_argument(
+        "--only", choices=["latency", "throughput", "fanout"], action="append", help="run only this part (repeatable)"
+    )
+    p.add_argument("--stack", default=None, help="latency: only the HTTP stacks whose name contains this text")
     args = p.parse_args()
     with server(args.url) as url:
         prefix = unique_prefix()
@@ -331,47 +336,64 @@ def main() -> None:
 async def _run(url: str, pool_url: str, prefix: str, args: Any) -> None:
     store = RedisSessionStore.from_url(pool_url, prefix=prefix, client_options={"socket_connect_timeout": 30})
     try:
-        rows: list[list[Any]] = []
-        for label, options in STACKS:
-            gw = Gateway(url, prefix, *options)
-            try:
-                rows += await latency(store, gw, label, args.seconds)
-            finally:
-                gw.stop()
-        print_table(["latency (one writer)", "gateway p50 ms", "store p50 ms", "ratio", "gateway p99 ms"], rows)
-        print("ratio: gateway p50 / store p50 (1.00x = no overhead; the goal is <= 2x)\n")
-
-        direct = await throughput(store, None, "store", args.writers, args.seconds)
-        trows: list[list[Any]] = [["store directly (this process)", f"{direct:,.0f}", "1.00x"]]
-        for workers in (1, 2, 4):
-            gw = Gateway(url, prefix, "--workers", str(workers))
-            try:
-                ops = await throughput(store, gw.port, f"w{workers}", args.writers, args.seconds)
-            finally:
-                gw.stop()
-            trows.append([f"gateway, {workers} worker process(es)", f"{ops:,.0f}", f"{ops / direct:.2f}x"])
-        print_table([f"throughput ({args.writers} writers, 1 entry)", "appends/s", "vs store"], trows)
-        print(f"(this machine has {os.cpu_count()} cores, shared with the server and this client)\n")
-
-        gw = Gateway(pool_url, prefix)
-        try:
-            frows = await fanout(store, gw.port, args.readers, args.sessions, args.seconds * 2)
-        finally:
-            gw.stop()
-        print_table(
-            [
-                "SSE fan-out, one gateway process",
-                "SSE p50 ms",
-                "tail p50 ms",
-                "ratio",
-                "p99 ms SSE / tail",
-                "deliveries",
-            ],
-            frows,
-        )
-        print("delivery: the reader has the entry - its append was sent; the goal is SSE p50 <= 2x tail p50")
+        parts = set(args.only or ["latency", "throughput", "fanout"])
+        if "latency" in parts:
+            await _latency_part(store, url, prefix, args)
+        if "throughput" in parts:
+            await _throughput_part(store, url, prefix, args)
+        if "fanout" in parts:
+            await _fanout_part(store, pool_url, prefix, args)
     finally:
         await store.aclose()
+
+
+async def _latency_part(store: RedisSessionStore, url: str, prefix: str, args: Any) -> None:
+    rows: list[list[Any]] = []
+    for label, options in STACKS:
+        if args.stack is not None and args.stack not in label:
+            continue
+        gw = Gateway(url, prefix, *options)
+        try:
+            rows += await latency(store, gw, label, args.seconds)
+        finally:
+            gw.stop()
+    print_table(["latency (one writer)", "gateway p50 ms", "store p50 ms", "ratio", "gateway p99 ms"], rows)
+    print("ratio: gateway p50 / store p50 (1.00x = no overhead; the goal is <= 2x)\n")
+
+
+async def _throughput_part(store: RedisSessionStore, url: str, prefix: str, args: Any) -> None:
+
+    direct = await throughput(store, None, "store", args.writers, args.seconds)
+    trows: list[list[Any]] = [["store directly (this process)", f"{direct:,.0f}", "1.00x"]]
+    for workers in (1, 2, 4):
+        gw = Gateway(url, prefix, "--workers", str(workers))
+        try:
+            ops = await throughput(store, gw.port, f"w{workers}", args.writers, args.seconds)
+        finally:
+            gw.stop()
+        trows.append([f"gateway, {workers} worker process(es)", f"{ops:,.0f}", f"{ops / direct:.2f}x"])
+    print_table([f"throughput ({args.writers} writers, 1 entry)", "appends/s", "vs store"], trows)
+    print(f"(this machine has {os.cpu_count()} cores, shared with the server and this client)\n")
+
+
+async def _fanout_part(store: RedisSessionStore, pool_url: str, prefix: str, args: Any) -> None:
+    gw = Gateway(pool_url, prefix)
+    try:
+        frows = await fanout(store, gw.port, args.readers, args.sessions, args.seconds * 2)
+    finally:
+        gw.stop()
+    print_table(
+        [
+            "SSE fan-out, one gateway process",
+            "SSE p50 ms",
+            "tail p50 ms",
+            "ratio",
+            "p99 ms SSE / tail",
+            "deliveries",
+        ],
+        frows,
+    )
+    print("delivery: the reader has the entry - its append was sent; the goal is SSE p50 <= 2x tail p50")
 
 
 if __name__ == "__main__":

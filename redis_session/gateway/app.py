@@ -45,13 +45,14 @@ token, `serve` binds only loopback unless told `insecure_no_auth` (`check_exposu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import signal
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import uvicorn
@@ -72,7 +73,7 @@ from .auth import SCOPES, Token, TokenSet, _TokenAuth
 from .body import DEFAULT_MAX_BODY
 from .common import MessagesFn, _SessionRoute, log
 from .context import Gateway
-from .errors import guarded, http_error, server_error
+from .errors import GuardedApp, guarded, http_error, server_error
 from .openapi import openapi
 from .routes import WebPolicy, _WebGuard
 from .sse import _default_stream_limit, _Drafts, _store_events_route, _Streams
@@ -169,12 +170,14 @@ def create_app(
         max_batch=getattr(store, "max_batch", DEFAULT_MAX_BATCH),
     )
     routes = [
+        # first: the hot route (appends, reads, streams) is found without trying the others; no
+        # other route's path starts with /sessions/
+        _SessionRoute("/sessions/{rest:path}", GuardedApp(partial(routes_.session, gw)), methods=routes_.METHODS),
         Route("/healthz", reads.healthz, methods=["GET"]),
         Route("/readyz", guarded(partial(reads.readyz, gw)), methods=["GET"]),
         Route("/", guarded(partial(reads.viewer, gw)), methods=["GET"]),
         Route("/openapi.json", guarded(partial(reads.openapi_doc, gw)), methods=["GET"]),
-        Route("/sessions", guarded(partial(routes_.sessions, gw)), methods=["GET", "POST"]),
-        _SessionRoute("/sessions/{rest:path}", guarded(partial(routes_.session, gw)), methods=routes_.METHODS),
+        Route("/sessions", GuardedApp(partial(routes_.sessions, gw)), methods=["GET", "POST"]),
         Route("/events", guarded(_store_events_route(store, heartbeat, gw.streams)), methods=["GET"]),
     ]
     middleware = [Middleware(_SecurityHeaders), Middleware(_WebGuard, policy=policy)]
@@ -277,7 +280,8 @@ async def serve(
         log_level=log_level,
         access_log=False,
         lifespan="off",
-        http=http_protocol(http),  # keeps an absolute-form target for the host check (wire)
+        # one write per answer (`_Cork`); an absolute-form target kept for the host check (`wire`)
+        http=_corked_protocol(http),
         timeout_graceful_shutdown=3,
     )
     started = anyio.Event()
@@ -313,6 +317,79 @@ async def serve(
             server.should_exit = True
     if failed:
         raise failed[0]
+
+
+class _Cork:
+    """A transport whose writes of one event-loop pass leave in one send: uvicorn writes an
+    answer's status line and headers, then its body, each at once (two syscalls, two TCP
+    segments); here they are joined and sent right after the pass (``call_soon``), so nothing
+    is held longer than that, and at once past `FLUSH_AT` bytes, so a fast producer still meets
+    the transport's back-pressure (uvicorn pauses on its ``pause_writing``)."""
+
+    FLUSH_AT = 1 << 16
+    __slots__ = ("_buf", "_loop", "_size", "_t")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._t = transport
+        self._buf: list[bytes] = []
+        self._size = 0
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes) -> None:
+        if not self._buf:
+            self._loop.call_soon(self.flush)
+        self._buf.append(data)
+        self._size += len(data)
+        if self._size >= self.FLUSH_AT:
+            self.flush()
+
+    def writelines(self, data: Iterable[bytes]) -> None:
+        for d in data:
+            self.write(d)
+
+    def flush(self) -> None:
+        if not self._buf:
+            return
+        data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
+        self._buf = []
+        self._size = 0
+        if not self._t.is_closing():
+            self._t.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._t.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._t.write_eof()
+
+    def get_write_buffer_size(self) -> int:
+        return self._t.get_write_buffer_size() + self._size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+
+def _corked_protocol(http: str) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (`http`: auto, httptools, h11) on a `_Cork`ed transport, the
+    httptools one keeping a non-origin-form target for the host check (`wire.http_protocol`)."""
+    import importlib
+
+    if http not in ("auto", "httptools", "h11"):
+        raise ValueError(f"http is auto, httptools or h11, got {http!r}")
+    resolved = http_protocol(http)
+    base: Any = (
+        importlib.import_module("uvicorn.protocols.http.h11_impl").H11Protocol
+        if isinstance(resolved, str)
+        else resolved
+    )
+
+    class Corked(base):  # type: ignore[misc]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(_Cork(transport))
+
+    return cast("type[asyncio.Protocol]", Corked)
 
 
 class _Server(uvicorn.Server):

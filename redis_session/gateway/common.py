@@ -121,8 +121,9 @@ class _SessionRoute(Route):
             root: str = scope.get("root_path", "")
             if root and path.startswith(root):
                 path = path[len(root) :]
-            if path.startswith("/sessions/"):
-                return super().matches({**scope, "path": "/sessions/-", "root_path": ""})
+            if path.startswith("/sessions/"):  # what the pattern gives for "/sessions/-", without a regex
+                child = {"endpoint": self.endpoint, "path_params": {**scope.get("path_params", {}), "rest": "-"}}
+                return (Match.FULL if not self.methods or scope["method"] in self.methods else Match.PARTIAL), child
         return Match.NONE, {}
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from ..errors import (
     AccessDeniedError,
@@ -139,6 +140,29 @@ def guarded(fn: Endpoint) -> Endpoint:
             return response
 
     return endpoint
+
+
+class GuardedApp:
+    """`guarded` as a bare ASGI app, for a `Route` to call directly: one `Request`, the handler,
+    its answer, without Starlette's per-route wrapper around a function endpoint (a second
+    exception-handling layer and send wrapper per request); an `HTTPException` still reaches the
+    app's handler (`http_error`), one layer out."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Endpoint) -> None:
+        self.fn = fn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        response: Response | None
+        try:
+            response = await self.fn(request)
+        except Exception as e:
+            response = error_response(e)
+            if response is None:
+                raise
+        await response(scope, receive, send)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
