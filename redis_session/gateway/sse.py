@@ -24,7 +24,7 @@ from ..store import SessionStore
 from ..streaming import LiveReader, _id_key
 from .auth import principal
 from .common import _error, _json, log
-from .tails import REPLACED, Subscriber, Tails
+from .tails import REPLACED, Subscriber, Tails, stop
 
 
 class _Streams:
@@ -118,8 +118,7 @@ class _Drafts:
             if slot.users == 0:
                 if self.slots.get(key) is slot:
                     del self.slots[key]
-                if slot.task is not None:
-                    slot.task.cancel()
+                stop(slot.task)
 
 
 def _default_stream_limit(store: SessionStore) -> int | None:

@@ -25,6 +25,7 @@ import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
+import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -209,6 +210,11 @@ async def read_replies(conn: Any, count: int, soft_tail: bool) -> tuple[list[Any
     return replies, error
 
 
+async def _release(pool: Any, conn: Any) -> None:
+    with anyio.CancelScope(shield=True):
+        await pool.release(conn)
+
+
 class PooledWire:
     """Packed commands on a connection of a standalone client's pool, skipping redis-py's
     command layer."""
@@ -229,20 +235,27 @@ class PooledWire:
         `soft_tail` an error reply of the last command is returned in place."""
         pool = self.pool
         for attempt in (0, 1):
-            conn = await self._connection()
+            # Taking a connection from the pool and giving it back are shielded: a cancellation
+            # (a reader that hung up: anyio cancels again at every await until the task leaves
+            # its scope) landing inside either would leave the connection counted as in use for
+            # ever, and a pool that leaks its last one answers "Too many connections" to every
+            # later command. The command itself stays cancellable (redis-py then drops the
+            # connection, which is released as closed).
+            with anyio.CancelScope(shield=True):
+                conn = await self._connection()
             try:
                 await conn.send_packed_command(packed)
                 replies, error = await read_replies(conn, count, soft_tail)
             except RedisConnectionError:
-                await pool.release(conn)
+                await _release(pool, conn)
                 if not retry or attempt:
                     raise
                 await pool.disconnect(inuse_connections=False)  # the other idle ones are stale too
                 continue
             except BaseException:
-                await pool.release(conn)
+                await _release(pool, conn)
                 raise
-            await pool.release(conn)
+            await _release(pool, conn)
             if error is not None:
                 raise error
             return replies
