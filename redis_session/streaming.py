@@ -14,9 +14,12 @@ TypeScript client) use the same ops, so the rules cannot drift between writers.
 
 Each delta goes two ways:
 
-- **live**: a record on the session's ``live`` stream, sent by a background task that sends
-  whatever is queued as plain pipelined XADDs (no script per delta), so `delta` never waits for
-  Redis; after a lost reply it reads what landed before it sends the rest (each delta once);
+- **live**: a record on the session's ``live`` stream, plain XADDs (no script per delta). When no
+  live send is in flight `delta` writes it to the server itself, at once, and leaves the reply
+  to a background task; while one is, the delta is queued and that task sends whatever is
+  queued in one pipelined write after the reply. So `delta` never waits for Redis, a record
+  never waits for a task's next turn, and one send is in flight at a time (order holds); after
+  a lost reply the task reads what landed before it sends the rest (each delta once);
 - **durable**: buffered and appended as packed ``assistant/chunk`` rows every `flush_interval`
   seconds or `max_chunks` deltas, whichever comes first; a row that failed is retried with the
   same bounds, so it lands once.
@@ -157,6 +160,11 @@ class AnswerStream:
         self._durability: DurabilityError | None = None
         self._live_unsure = False  # a live send's reply was lost: read what landed first
         self._live_id: str | None = None  # the live id of our last delta that landed
+        # the one live send in flight: True from its write until its replies are read
+        self._sending = False
+        # a batch `delta` wrote itself: (read its replies, the live count once they are read)
+        self._inflight: tuple[Callable[[], Awaitable[list[str]]], int] | None = None
+        self._send_now_to = getattr(store, "answer_live_send", None)  # None: the task sends all
         self._expired_at = 0.0
 
     # ------------------------------------------------------------------ writing
@@ -178,16 +186,19 @@ class AnswerStream:
     async def delta(self, text: str) -> None:
         """A piece of the answer's text."""
         self._add(TEXT, text, None, None)
+        await self._send_now()
 
     async def reasoning(self, text: str) -> None:
         """A piece of the model's reasoning."""
         self._add(REASONING, text, None, None)
+        await self._send_now()
 
     async def tool_call_delta(self, call_id: str, name: str | None, args_delta: str) -> None:
         """A piece of a tool call's JSON arguments (`name` may be given on the first one only)."""
         if not isinstance(call_id, str) or not call_id:
             raise ValueError("call_id must be a non-empty str")
         self._add(TOOL_CALL, args_delta, call_id, name)
+        await self._send_now()
 
     def _add(self, kind: str, text: str, call_id: str | None, name: str | None) -> None:
         if not isinstance(text, str):
@@ -225,13 +236,81 @@ class AnswerStream:
 
     # ------------------------------------------------------------------ live path
 
+    async def _send_now(self) -> None:
+        """Write the deltas not live yet from the caller's task when no live send is in flight,
+        so the record leaves now and not on the sender task's next turn (on a loaded event loop,
+        milliseconds later); the sender task reads the reply (`_settle`). Otherwise, or when the
+        store cannot write at once, the sender task sends them."""
+        send = self._send_now_to
+        first, upto = self._live, len(self._deltas)
+        if (
+            send is None or self._sending or self._live_unsure or self._closed or self._broken is not None
+            or first >= upto
+        ):  # fmt: skip
+            return
+        self._sending = True
+        expired_at = self._expired_at
+        try:
+            replies = await send(
+                self.session_id, self.answer, first, self._deltas[first:upto],
+                incarnation=self._incarnation or "", expire_ms=self._expiry(),
+            )  # fmt: skip
+        except StoreUnavailableError as e:  # a write that failed may have landed in part
+            log.warning("live deltas of %r (answer %s) not sent yet: %s", self.session_id, self.answer, e)
+            self._live_unsure = True
+            replies = None
+        except BaseException:  # cancelled while writing: what landed is read before the rest goes
+            self._live_unsure = True
+            self._sending = False
+            self._send_wake.set()
+            raise
+        if replies is None:  # nothing written (or unsure): the sender task takes over
+            if not self._live_unsure:
+                self._expired_at = expired_at
+            self._sending = False
+        else:
+            self._inflight = (replies, upto)
+        self._send_wake.set()
+
+    async def _settle(self) -> None:
+        """Read the replies of the batch `_send_now` wrote."""
+        if self._inflight is None:
+            return
+        replies, upto = self._inflight
+        self._inflight = None
+        try:
+            ids = await replies()
+        except StoreUnavailableError as e:
+            log.warning("live deltas of %r (answer %s) may not have landed: %s", self.session_id, self.answer, e)
+            self._live_unsure = True
+            return
+        except (AnswerError, SessionNotFoundError) as e:
+            self._break(e)
+            return
+        except BaseException:
+            self._live_unsure = True
+            raise
+        finally:
+            self._sending = False
+        self._live = upto
+        if ids and ids[-1]:
+            self._live_id = ids[-1]
+        self._wrote_at = anyio.current_time()
+
     async def _send_loop(self) -> None:
-        while not self._closed:
+        while True:
             await self._send_wake.wait()
             self._send_wake = anyio.Event()
+            await self._settle()  # a batch in flight is always read, even on close
             if self._closed:
                 return  # what is left goes out with the close
-            await self._send_pending()
+            if self._sending:
+                continue  # `_send_now` is writing: it wakes this task once it has
+            self._sending = True
+            try:
+                await self._send_pending()
+            finally:
+                self._sending = False
 
     async def _send_pending(self) -> None:
         """Send the deltas not live yet in one round trip; after a lost reply, first read what
@@ -388,6 +467,7 @@ class AnswerStream:
             for result in await asyncio.gather(*self._tasks, return_exceptions=True):
                 if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                     log.warning("answer %s of %r: a background write failed: %r", self.answer, self.session_id, result)
+            await self._settle()  # (the send loop reads it; this only if it ended early)
             if self._broken is not None:
                 if exc_type is None:
                     raise self._broken

@@ -517,3 +517,34 @@ async def test_a_chunk_row_the_store_refuses_closes_the_answer_interrupted() -> 
     assert types == [CHUNK, INTERRUPTED], types
     assert w.interrupted is not None
     assert any(r.kind == "end" for r in await store.read_live("rowbad"))
+
+
+async def test_a_delta_is_written_to_the_server_by_delta_itself(redis_store: RedisSessionStore, redis_url: str) -> None:
+    """`delta` writes the live record itself when no send is in flight: it is on the server while
+    the event loop is held (no background task has run since), and every delta lands once, in
+    order, whether sent by `delta` or queued behind a send in flight."""
+    import redis as sync_redis
+
+    s = await _open(redis_store)
+    live = redis_store.keys.live("chat")
+    probe = sync_redis.Redis.from_url(redis_url)
+    try:
+        async with s.stream(turn=1, step=1) as w:
+            await w.delta("first ")
+            # blocking the loop: only what `delta` wrote before returning can reach the server
+            deadline = time.monotonic() + 10
+            got: list[Any] = []
+            while time.monotonic() < deadline:
+                got = [f for _, f in probe.xrange(live) if f.get(b"i") == b"0"]
+                if got:
+                    break
+                time.sleep(0.01)  # noqa: ASYNC251 (the point: the loop is held)
+            assert got and got[0][b"t"] == b"first "
+            for word in WORDS:  # back to back: most queue behind the send in flight
+                await w.delta(word)
+        records = [f for _, f in probe.xrange(live) if b"i" in f and f.get(b"k") is None]
+    finally:
+        probe.close()
+    assert [int(f[b"i"]) for f in records] == list(range(len(WORDS) + 1))
+    assert b"".join(f[b"t"] for f in records).decode() == "first " + "".join(WORDS)
+    assert w.message is not None and w.message.data["content"] == [{"type": "text", "text": "first " + "".join(WORDS)}]

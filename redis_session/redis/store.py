@@ -27,7 +27,7 @@ import contextlib
 import heapq
 import itertools
 import secrets
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, cast
@@ -1332,6 +1332,52 @@ class RedisSessionStore(StoreRules):
         sender reads what landed (`read_live` after its last id) and sends the rest. The ids
         ("" where the stream is gone: NOMKSTREAM, the answer's begin made it)."""
         validate_session_id(session_id)
+        key, packed, count = self._live_packed(session_id, answer, first, deltas, incarnation, expire_ms)
+        with _io():
+            replies = await self._send_write(key, packed, count)
+        return [_s(r) or "" for r in replies[: len(deltas)]]
+
+    async def answer_live_send(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        *,
+        incarnation: str,
+        expire_ms: int | None = None,
+    ) -> Callable[[], Awaitable[builtins.list[str]]] | None:
+        """`answer_live` in two steps, when the records can be written at once (a standalone
+        server and a pooled connection free; else None, nothing sent): they are written to the
+        server now and the call returned reads their ids (await it exactly once: it gives the
+        connection back to the pool). A writer sends a delta from its own task this way, without
+        waiting for Redis."""
+        validate_session_id(session_id)
+        if self._pool is None or not self._pool.free():
+            return None
+        _, packed, count = self._live_packed(session_id, answer, first, deltas, incarnation, expire_ms)
+        with _io():
+            pending = await self._pool.begin(packed, count)
+
+        async def read() -> builtins.list[str]:
+            with _io():
+                try:
+                    replies = await pending()
+                except ResponseError as e:
+                    raise _typed(e) from None
+            return [_s(r) or "" for r in replies[: len(deltas)]]
+
+        return read
+
+    def _live_packed(
+        self,
+        session_id: str,
+        answer: str,
+        first: int,
+        deltas: Sequence[Delta],
+        incarnation: str,
+        expire_ms: int | None,
+    ) -> tuple[str, bytes, int]:
         key = self.keys.live(session_id)
         head = bulks(("XADD", key, "NOMKSTREAM", "MAXLEN", "~", self.live_maxlen, "*"))
         parts = []
@@ -1343,9 +1389,7 @@ class RedisSessionStore(StoreRules):
             parts.append(b"*%d\r\n%b%b" % (7 + len(f), head, bulks(f)))
         if expire_ms is not None:
             parts += [pack(("PEXPIRE", key, expire_ms)), pack(("PEXPIRE", f"{key}:{answer}", expire_ms))]
-        with _io():
-            replies = await self._send_write(key, b"".join(parts), len(parts))
-        return [_s(r) or "" for r in replies[: len(deltas)]]
+        return key, b"".join(parts), len(parts)
 
     async def answer_beat(self, session_id: str, answer: str, *, incarnation: str | None = None, ttl_ms: int) -> None:
         res, _ = await self._answer(session_id, answer, ["beat", answer, incarnation or "", ttl_ms, self.live_maxlen])

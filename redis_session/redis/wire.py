@@ -7,7 +7,9 @@ used here, checked against redis-py 8.1 (the version ``pyproject.toml`` pins):
 - a pool's ``get_connection`` (its signature is sniffed: before 5.3 it wants a command name),
   ``release`` and ``disconnect(inuse_connections=)``, and ``connection_kwargs``;
 - a connection's ``send_packed_command`` and ``read_response(disable_decoding=True)``: commands
-  are packed to RESP here and replies come back from hiredis undecoded;
+  are packed to RESP here and replies come back from hiredis undecoded; a connected connection's
+  ``_writer``, ``health_check_interval``, ``next_health_check``, ``socket_timeout`` and
+  ``disconnect(nowait=)`` (`write_packed`: a write without a task of its own);
 - a client's ``response_callbacks``, emptied for the commands whose raw replies we parse
   ourselves (msgspec decodes them), on a client wrapped around the caller's pool so that the
   caller's own client is untouched (a cluster client shares its callbacks with its nodes and is
@@ -21,8 +23,9 @@ used here, checked against redis-py 8.1 (the version ``pyproject.toml`` pins):
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, cast
 
 import anyio
@@ -30,6 +33,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # redis-py's per-command option to read a reply undecoded, whatever the client's decode_responses.
 RAW: dict[str, Any] = {"NEVER_DECODE": True}
@@ -193,6 +197,42 @@ def connection_getter(pool: Any) -> Callable[[], Any]:
     return cast(Callable[[], Any], pool.get_connection)
 
 
+async def write_packed(conn: Any, packed: bytes) -> None:
+    """`conn.send_packed_command(packed)`, written to the socket at once.
+
+    With a socket timeout, redis-py runs every write through ``asyncio.wait_for``, which before
+    Python 3.12 wraps it in a task of its own: the bytes leave one event-loop iteration later
+    (on a busy loop, milliseconds: a streamed delta's live record waited for it) and each command
+    pays for a task. A connected connection is written here directly; the timeout still bounds a
+    write that must wait for the socket (the transport's buffer full). Not connected, or due a
+    health check: redis-py's own path. A failed write disconnects, as redis-py's does."""
+    writer = getattr(conn, "_writer", None)
+    if writer is None or getattr(conn, "_reader", None) is None:
+        await conn.send_packed_command(packed)
+        return
+    interval = conn.health_check_interval
+    if interval and asyncio.get_running_loop().time() > conn.next_health_check:
+        await conn.send_packed_command(packed)
+        return
+    try:
+        writer.write(packed)
+        timeout = conn.socket_timeout
+        if timeout and writer.transport.get_write_buffer_size() > 0:
+            async with asyncio.timeout(timeout):
+                await writer.drain()
+        else:
+            await writer.drain()  # returns at once unless the buffer is over its high-water mark
+    except TimeoutError:
+        await conn.disconnect(nowait=True)
+        raise RedisTimeoutError("Timeout writing to socket") from None
+    except OSError as e:
+        await conn.disconnect(nowait=True)
+        raise RedisConnectionError(f"Error while writing to socket: {e}") from e
+    except BaseException:
+        await conn.disconnect(nowait=True)  # a write cut short: the connection is out of step
+        raise
+
+
 async def read_replies(conn: Any, count: int, soft_tail: bool) -> tuple[list[Any], ResponseError | None]:
     """Read `count` raw replies, even past an error reply, so the connection stays in step.
 
@@ -244,7 +284,7 @@ class PooledWire:
             with anyio.CancelScope(shield=True):
                 conn = await self._connection()
             try:
-                await conn.send_packed_command(packed)
+                await write_packed(conn, packed)
                 replies, error = await read_replies(conn, count, soft_tail)
             except RedisConnectionError:
                 await _release(pool, conn)
@@ -260,3 +300,31 @@ class PooledWire:
                 raise error
             return replies
         raise AssertionError("unreachable")
+
+    def free(self) -> bool:
+        """Whether a connection can be had without waiting (an idle one, or room for another)."""
+        can = getattr(self.pool, "can_get_connection", None)
+        return True if can is None else bool(can())
+
+    async def begin(self, packed: bytes, count: int) -> Callable[[], Awaitable[list[Any]]]:
+        """Write `count` packed commands now, on a pooled connection held until their replies are
+        read: the call returned reads them (it must be awaited once, it gives the connection
+        back). Never retried (for writes whose outcome the caller settles itself)."""
+        pool = self.pool
+        conn = await self._connection()
+        try:
+            await write_packed(conn, packed)
+        except BaseException:
+            await pool.release(conn)
+            raise
+
+        async def replies() -> list[Any]:
+            try:
+                got, error = await read_replies(conn, count, False)
+            finally:
+                await pool.release(conn)
+            if error is not None:
+                raise error
+            return got
+
+        return replies
