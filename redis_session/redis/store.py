@@ -414,7 +414,10 @@ class RedisSessionStore(StoreRules):
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "rs", cluster: bool = False, **kwargs: Any) -> RedisSessionStore:
-        """Connect to ``redis://``, ``rediss://`` or ``unix://``; `cluster=True` for Redis Cluster."""
+        """Connect to ``redis://``, ``rediss://`` or ``unix://``; `cluster=True` for Redis Cluster.
+
+        `client_options` go to redis-py (``pool_timeout``: how long a command waits for a pooled
+        connection when all are in use, default 5 s)."""
         opts: dict[str, Any] = {
             "socket_connect_timeout": 5,
             "socket_timeout": 10,
@@ -425,7 +428,12 @@ class RedisSessionStore(StoreRules):
         if cluster:
             client = RedisCluster.from_url(url, **opts)
         else:
-            client = aioredis.Redis.from_url(url, **opts)
+            # A burst past the pool's size (a hundred SSE readers joining at once, a pod's writers
+            # all at the same moment) waits up to `pool_timeout` seconds for a connection instead
+            # of failing at once with "Too many connections" (`?max_connections=` sets the size).
+            timeout = opts.pop("pool_timeout", 5.0)
+            opts.setdefault("max_connections", 100)
+            client = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(url, timeout=timeout, **opts))
         return cls(client, prefix=prefix, owns_client=True, **kwargs)
 
     @property

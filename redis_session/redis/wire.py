@@ -311,18 +311,19 @@ class PooledWire:
         read: the call returned reads them (it must be awaited once, it gives the connection
         back). Never retried (for writes whose outcome the caller settles itself)."""
         pool = self.pool
-        conn = await self._connection()
+        with anyio.CancelScope(shield=True):  # as in `send`: never a connection lost to the pool
+            conn = await self._connection()
         try:
             await write_packed(conn, packed)
         except BaseException:
-            await pool.release(conn)
+            await _release(pool, conn)
             raise
 
         async def replies() -> list[Any]:
             try:
                 got, error = await read_replies(conn, count, False)
             finally:
-                await pool.release(conn)
+                await _release(pool, conn)
             if error is not None:
                 raise error
             return got
