@@ -14,7 +14,10 @@ sweep never deletes a pending object, and the script of step 3 takes the pending
 refuses when a sweep released a stale one first), so whatever the grace values, either the
 header names a verified object or the hot copy stays. A range that follows a small archived
 segment is merged with it (one new object for both; the old one goes after the script), so
-archiving a few entries at a time (``keep`` on each hint) leaves few large segments.
+archiving a few entries at a time (``keep`` on each hint) leaves few large segments. The script
+waits as the store's writes do (``durability``: WAIT for a replica, WAITAOF): a merge or a restore
+deletes the objects it replaced only once that wait confirmed it, else the sweep does (a failover
+to a replica that missed the script brings back the header naming them).
 
 A crash before 3 leaves the hot copy (and maybe an orphan object, which `sweep` deletes once it
 is older than its grace); after 3 the cold copy, named by the header. A concurrent append is
@@ -243,11 +246,14 @@ class Archiver:
         await self.hook("after_script")
         if status == "expired":
             return ArchiveResult(session_id, "slow", lo, k)  # a sweep released it: the hot copy stays
-        if status != "done":
+        if status not in ("done", "unconfirmed"):
             await self.store.release_upload(session_id, name)
             return ArchiveResult(session_id, "moved", lo, k)
-        if merged:
+        if merged and status == "done":
             await tier.drop(session_id, state.incarnation, merged)  # named by no header now
+        elif merged:  # a failover may still bring back the header that names them: the sweep's
+            log.warning("archive %s [%s, %s): not confirmed durable; the merged objects are left to the sweep",
+                        session_id, lo, k)  # fmt: skip
         return ArchiveResult(session_id, "archived", lo, k, seg.size - sum(m.size for m in merged))
 
     async def _count(self, entries: int, cold_bytes: int) -> None:
@@ -272,8 +278,11 @@ class Archiver:
             tier = await self._tier()
             entries = await tier.read(session_id, state.incarnation, state.cold, state.own_start, state.hot_start)
             status = await self.store.commit_restore(session_id, state, entries)
-            if status == "done":
-                await tier.drop(session_id, state.incarnation, state.cold)
+            if status in ("done", "unconfirmed"):
+                if status == "done":
+                    await tier.drop(session_id, state.incarnation, state.cold)
+                else:  # a failover may still bring back the header that names them: the sweep's
+                    log.warning("restore %s: not confirmed durable; the objects are left to the sweep", session_id)
                 return ArchiveResult(session_id, "restored", state.own_start, state.hot_start)
         return ArchiveResult(session_id, "moved")
 

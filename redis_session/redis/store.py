@@ -491,9 +491,10 @@ class RedisSessionStore(StoreRules):
             return await self._router.call(run)
         return await self._send(b"".join([pack(c) for c in commands]), len(commands), retry=True)
 
-    async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any], *, durable: bool = False) -> Any:
         script = _SCRIPTS[name]
-        return await self._eval_packed(script, 1 + len(keys) + len(args), bulks([len(keys), *keys, *args]), keys[0])
+        body = bulks([len(keys), *keys, *args])
+        return await self._eval_packed(script, 1 + len(keys) + len(args), body, keys[0], durable=durable)
 
     async def _eval_packed(
         self, script: _Script, count: int, body: bytes, route: str | bytes, durable: bool = False
@@ -521,15 +522,9 @@ class RedisSessionStore(StoreRules):
         return await self._cluster_send(route, packed, count, soft_tail=soft_tail)
 
     def _check_durable(self, session_id: str, entries: builtins.list[Entry], acks: Any) -> builtins.list[Entry]:
-        if acks is None:
-            return entries
         if isinstance(acks, ResponseError):  # e.g. WAITAOF on a server without AOF
             raise DurabilityError(session_id, entries, self.durability, self.wait_timeout_ms, str(acks))
-        if isinstance(acks, builtins.list):  # WAITAOF: [local fsynced, replicas fsynced]
-            ok = int(acks[0]) >= 1
-        else:
-            ok = int(acks) >= 1
-        if not ok:
+        if not _confirmed(acks):
             raise DurabilityError(session_id, entries, self.durability, self.wait_timeout_ms)
         return entries
 
@@ -1777,8 +1772,9 @@ class RedisSessionStore(StoreRules):
         ]  # fmt: skip
         args = ["archive", state.incarnation, state.cold_raw, new, state.hot_start, segment.hi, segment_name(segment)]
         with _io():
-            res = await self._eval("archive", keys, args)
-        return self._archive_reply(session_id, res)
+            res = await self._eval("archive", keys, args, durable=True)
+            acks = self._last_acks  # taken before any other await: other tasks share the store
+        return self._archive_reply(session_id, res, acks)
 
     async def commit_restore(self, session_id: str, state: ColdState, entries: builtins.list[Entry]) -> str:
         validate_session_id(session_id)
@@ -1797,16 +1793,19 @@ class RedisSessionStore(StoreRules):
                         ("PEXPIRE", staging, _STAGING_TTL_MS),
                     )
                 keys = [self.keys.hdr(session_id), self.keys.log(session_id), staging]
-                res = await self._eval("archive", keys, args)
+                res = await self._eval("archive", keys, args, durable=True)
+                acks = self._last_acks  # taken before any other await: other tasks share the store
             finally:
                 await self._raw("DEL", staging)
-        return self._archive_reply(session_id, res)
+        return self._archive_reply(session_id, res, acks)
 
     @staticmethod
-    def _archive_reply(session_id: str, res: Any) -> str:
+    def _archive_reply(session_id: str, res: Any, acks: Any = None) -> str:
         code = int(res[0])
         if code == 0:
-            return "done"
+            # the objects the commit replaced may go only once it is as durable as the store's
+            # writes: a failover (or a restart) that lost it brings back a header naming them
+            return "done" if _confirmed(acks) else "unconfirmed"
         if code == 3:
             raise SessionNotFoundError(session_id)
         if code == 8:
@@ -1833,6 +1832,17 @@ class RedisSessionStore(StoreRules):
                     "XADD", self.keys.feed(self.keys.feed_shard(sid)), "MAXLEN", "~", str(self.feed_maxlen),
                     "*", "s", sid, "ev", event,
                 )  # fmt: skip
+
+
+def _confirmed(acks: Any) -> bool:
+    """Whether a durability wait's reply (None: none was sent) confirms the write before it."""
+    if acks is None:
+        return True
+    if isinstance(acks, ResponseError):
+        return False
+    if isinstance(acks, builtins.list):  # WAITAOF: [local fsynced, replicas fsynced]
+        return int(acks[0]) >= 1
+    return int(acks) >= 1
 
 
 def _stream_fields(e: Entry) -> builtins.list[bytes]:

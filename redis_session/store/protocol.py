@@ -268,7 +268,9 @@ class ArchivableStore(SessionStore, Protocol):
     `commit_archive` and `commit_restore` are each one atomic step, guarded by the incarnation
     and the ``cold`` field read in `cold_state` (compare-and-set); they return "done", or
     "moved" when another archiver or a restore changed the cold list meanwhile (nothing done),
-    and raise `SessionNotFoundError` / `SessionReplacedError` for a session gone or replaced."""
+    or "unconfirmed" when it was done but the store's durability wait fell short (the objects
+    it replaced are left to the sweep: a failover may bring back the header naming them), and
+    raise `SessionNotFoundError` / `SessionReplacedError` for a session gone or replaced."""
 
     cold: ColdTier | None
 

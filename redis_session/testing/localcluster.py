@@ -221,7 +221,7 @@ def start_cluster(
         cluster = LocalCluster(
             masters=ms, replicas=rs, base_dir=base, _tmp=tmp, node_args=node_args, appendonly=appendonly
         )
-        _wait_known(started)
+        _wait_known(started, ms[0].port)
         for j, replica in enumerate(rs):
             master = ms[j % masters]
             master_id = command(master.port, "CLUSTER", "MYID").strip()
@@ -246,9 +246,12 @@ def start_cluster(
         raise
 
 
-def _wait_known(nodes: list[ServerProcess], timeout: float = 15.0) -> None:
+def _wait_known(nodes: list[ServerProcess], seed: int, timeout: float = 15.0) -> None:
+    """Until every node knows every other. A node whose handshake with the seed timed out (within
+    the node timeout, on a loaded machine) forgets it and never retries: it is sent MEET again."""
     deadline = time.monotonic() + timeout
     want = len(nodes)
+    next_meet = time.monotonic() + 2.0
     while True:
         counts = []
         for n in nodes:
@@ -260,6 +263,11 @@ def _wait_known(nodes: list[ServerProcess], timeout: float = 15.0) -> None:
             return
         if time.monotonic() > deadline:
             raise EmbeddedServerError(f"cluster nodes did not meet: known={counts}")
+        if time.monotonic() >= next_meet:
+            next_meet = time.monotonic() + 2.0
+            for n, known in zip(nodes, counts, strict=False):
+                if known < want and n.port != seed:
+                    command(n.port, "CLUSTER", "MEET", "127.0.0.1", str(seed))
         time.sleep(0.05)
 
 
