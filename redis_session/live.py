@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import SessionNotFoundError, SessionReplacedError
 from .model import Entry
-from .projection.chunks import Delta, DeltaGap
+from .projection.chunks import Delta, DeltaGap, LiveRecord
 from .store import SessionStore
 from .streaming import tail_deltas
 
@@ -97,10 +97,45 @@ def follow_deltas(
     ...     if isinstance(item, Delta):
     ...         print(item.text, end="")
     """
-    return _resume(
+    return cast(AsyncGenerator[Entry | Delta | DeltaGap, None], _resume(
         store, session_id, start, deltas=True, live_after=live_after, on_retry=on_retry,
         min_backoff=min_backoff, max_backoff=max_backoff, incarnation=incarnation,
+    ))  # fmt: skip
+
+
+def follow_live(
+    store: SessionStore,
+    session_id: str,
+    start: int,
+    *,
+    live_after: str,
+    incarnation: str,
+    on_retry: RetryHook | None = None,
+) -> AsyncGenerator[Entry | LiveRecord, None]:
+    """`follow` plus the live stream's raw records after `live_after` (`store.tail_live`), for a
+    reader that decides itself what it is owed of them (`streaming.LiveReader`: the gateway's
+    shared tails); resumed across drops after the last entry and the last record delivered."""
+    return cast(
+        AsyncGenerator[Entry | LiveRecord, None],
+        _resume(store, session_id, start, deltas=False, records=True, live_after=live_after, on_retry=on_retry,
+                min_backoff=0.05, max_backoff=5.0, incarnation=incarnation),
     )  # fmt: skip
+
+
+def _open(
+    store: SessionStore,
+    session_id: str,
+    nxt: int,
+    deltas: bool,
+    records: bool,
+    incarnation: str,
+    live_after: str | None,
+) -> AsyncIterator[Entry | Delta | DeltaGap | LiveRecord]:
+    if deltas:
+        return tail_deltas(store, session_id, nxt, incarnation=incarnation, live_after=live_after)
+    if records:
+        return store.tail_live(session_id, nxt, live_after=live_after or "0-0", incarnation=incarnation)
+    return store.tail(session_id, nxt, incarnation=incarnation)
 
 
 async def _resume(
@@ -109,13 +144,14 @@ async def _resume(
     start: int,
     *,
     deltas: bool,
+    records: bool = False,
     live_after: str | None,
     on_retry: RetryHook | None,
     min_backoff: float,
     max_backoff: float,
     incarnation: str | None,
-) -> AsyncGenerator[Entry | Delta | DeltaGap, None]:
-    """The one reconnecting reader behind `follow` and `follow_deltas`: entries from `start`
+) -> AsyncGenerator[Entry | Delta | DeltaGap | LiveRecord, None]:
+    """The one reconnecting reader behind `follow`, `follow_deltas` and `follow_live`: entries from `start`
     exactly once and in order (a gap, never expected, is filled by a read), and with `deltas` the
     live deltas after `live_after`; a drop waits (backoff with jitter) and resumes after the last
     item delivered; a replaced id raises, a deleted one ends it."""
@@ -129,16 +165,11 @@ async def _resume(
                 if head is None:
                     raise SessionNotFoundError(session_id)
                 incarnation = head.header.incarnation
-            if deltas:
-                tail: AsyncIterator[Entry | Delta | DeltaGap] = tail_deltas(
-                    store, session_id, nxt, incarnation=incarnation, live_after=live_after
-                )
-            else:
-                tail = store.tail(session_id, nxt, incarnation=incarnation)
+            tail = _open(store, session_id, nxt, deltas, records, incarnation, live_after)
             async with _closing(tail) as items:
                 async for item in items:
-                    if isinstance(item, (Delta, DeltaGap)):
-                        live_after = item.cursor or live_after
+                    if isinstance(item, (Delta, DeltaGap, LiveRecord)):
+                        live_after = (item.id if isinstance(item, LiveRecord) else item.cursor) or live_after
                         yield item
                         continue
                     if item.n < nxt:

@@ -292,6 +292,10 @@ class AnswerStream:
             raise
         finally:
             self._sending = False
+        self._went_live(upto, ids)
+
+    def _went_live(self, upto: int, ids: Sequence[str]) -> None:
+        """The deltas before `upto` are on the live stream, the last of them at `ids[-1]`."""
         self._live = upto
         if ids and ids[-1]:
             self._live_id = ids[-1]
@@ -336,9 +340,7 @@ class AnswerStream:
                     self.session_id, self.answer, first, self._deltas[first:upto],
                     incarnation=self._incarnation or "", expire_ms=self._expiry(),
                 )  # fmt: skip
-                self._live = upto
-                if ids and ids[-1]:
-                    self._live_id = ids[-1]
+                self._went_live(upto, ids)
         except StoreUnavailableError as e:
             log.warning("live deltas of %r (answer %s) not sent yet: %s", self.session_id, self.answer, e)
             self._live_unsure = True
@@ -346,7 +348,6 @@ class AnswerStream:
         except (AnswerError, SessionNotFoundError) as e:
             self._break(e)
             return
-        self._wrote_at = anyio.current_time()
 
     def _expiry(self) -> int | None:
         """The live expiry, pushed forward with the records at most once a second."""

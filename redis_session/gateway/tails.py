@@ -2,7 +2,7 @@
 
 A thousand viewers of fifty sessions cost fifty XREAD BLOCK connections, not a thousand: each
 `_Hub` follows one (session id, incarnation) — with `live.follow` (a dropped connection retried
-and resumed without gap), or for ``?deltas=1`` streams with `store.tail_live` (entries and the
+and resumed without gap), or for ``?deltas=1`` streams with `live.follow_live` (entries and the
 live stream's records, resumed after the last of each) — and hands every entry, its JSON encoded
 once, and every live record to its subscribers. What a reader is owed of the live records is
 decided by each reader (`streaming.LiveReader`), as for a reader of its own.
@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
-from collections.abc import Hashable, Iterator
+from collections.abc import AsyncGenerator, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -34,7 +33,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import SessionError, SessionNotFoundError, SessionReplacedError
-from ..live import RETRYABLE, follow
+from ..live import follow, follow_live
 from ..model import Entry
 from ..projection.chunks import LiveRecord
 from ..store import SessionStore
@@ -162,8 +161,7 @@ class Tails:
         hub = self._hubs.get(key)
         if hub is None:
             hub = self._hubs[key] = _Hub(key, nxt, cursor or "0-0")
-            run = self._run_live(hub) if cursor is not None else self._run(hub)
-            hub.task = asyncio.get_running_loop().create_task(run)
+            hub.task = asyncio.get_running_loop().create_task(self._run(hub))
         send, receive = anyio.create_memory_object_stream[Item](self.QUEUE)
         sub = Subscriber(send, receive)
         hub.subscribers.add(sub)
@@ -178,18 +176,30 @@ class Tails:
                 stop(hub.task)
 
     async def _run(self, hub: _Hub) -> None:
-        session_id, incarnation, _ = hub.key
+        """Follow the hub's session (`live.follow`, or `live.follow_live` for a ``?deltas=1``
+        hub: entries and the live stream's records) and hand out what comes; a dropped
+        connection is retried and resumed after the last entry and record handed out."""
+        session_id, incarnation, live = hub.key
 
         def on_retry(exc: BaseException, wait: float, at: int) -> None:
             log.warning("tail of %r dropped (%s); resuming at n=%d in %.2fs", session_id, exc, at, wait)
 
         end: Item = END
         try:
-            tail = follow(self.store, session_id, hub.next, on_retry=on_retry, incarnation=incarnation)
-            async with contextlib.aclosing(tail) as entries:
-                async for e in entries:
-                    hub.next = e.n + 1
-                    item = (e, _json.encode(e))
+            tail: AsyncGenerator[Entry | LiveRecord, None] = (
+                follow_live(self.store, session_id, hub.next, live_after=hub.cursor, incarnation=incarnation,
+                            on_retry=on_retry)
+                if live
+                else follow(self.store, session_id, hub.next, on_retry=on_retry, incarnation=incarnation)
+            )  # fmt: skip
+            async with contextlib.aclosing(tail) as got:
+                async for e in got:
+                    if isinstance(e, LiveRecord):
+                        hub.cursor = e.id
+                        item: Item = e
+                    else:
+                        hub.next = e.n + 1
+                        item = (e, _json.encode(e))
                     for sub in list(hub.subscribers):
                         self._hand(hub, sub, item, self.QUEUE_BYTES)
         except SessionReplacedError:
@@ -202,48 +212,6 @@ class Tails:
         except Exception as exc:  # never leave subscribers waiting on a dead hub
             log.exception("tail of %r failed", session_id)
             end = SessionError(f"the live tail failed: {type(exc).__name__}")
-        self._finish(hub, end)
-
-    async def _run_live(self, hub: _Hub) -> None:
-        """A ``?deltas=1`` hub: `store.tail_live` from (next, cursor); a dropped connection waits
-        (backoff with jitter) and resumes after the last entry and the last record handed out."""
-        session_id, incarnation, _ = hub.key
-        end: Item = END
-        delay, dropped = 0.05, False
-        while True:
-            try:
-                tail = self.store.tail_live(session_id, hub.next, live_after=hub.cursor, incarnation=incarnation)
-                async for got in tail:
-                    if isinstance(got, LiveRecord):
-                        hub.cursor = got.id
-                        item: Item = got
-                    else:
-                        hub.next = got.n + 1
-                        item = (got, _json.encode(got))
-                    for sub in list(hub.subscribers):
-                        self._hand(hub, sub, item, self.QUEUE_BYTES)
-                    delay = 0.05
-                break  # deleted
-            except SessionReplacedError:
-                end = REPLACED
-                break
-            except SessionNotFoundError:
-                break  # gone (at the start, or while the connection was down)
-            except RETRYABLE as exc:
-                wait = delay * (0.5 + random.random())
-                if not dropped or delay >= 1:
-                    log.warning("live tail of %r dropped (%s); resuming in %.2fs", session_id, exc, wait)
-                dropped = True
-                await anyio.sleep(wait)
-                delay = min(delay * 2, 5.0)
-            except SessionError as exc:
-                log.exception("live tail of %r failed", session_id)
-                end = exc
-                break
-            except Exception as exc:  # never leave subscribers waiting on a dead hub
-                log.exception("live tail of %r failed", session_id)
-                end = SessionError(f"the live tail failed: {type(exc).__name__}")
-                break
         self._finish(hub, end)
 
     def _finish(self, hub: _Hub, end: Item) -> None:
