@@ -98,6 +98,33 @@ def validate_new_session_id(session_id: object) -> str:
     return sid
 
 
+_ESCAPED = re.compile(r"[{}%\s\x00-\x1f\x7f]")
+
+
+def escape_key(key: str) -> str:
+    """A foreign key (a nanobot key, a ChatLuna conversation, a dsh or tutorial id) as the text of
+    a session id: each character ids forbid (braces, whitespace, control characters), each
+    invisible format character (Unicode category Cf, refused in new ids) and each ``%`` replaced
+    by its UTF-8 bytes as ``%XX`` (``"tg:{1} a"`` → ``"tg:%7B1%7D%20a"``). Injective;
+    `unescape_key` reverses it. The result may still be no valid id (too long, a lone surrogate):
+    callers decide (hash it, or refuse)."""
+
+    def esc(c: str) -> str:
+        return "".join(f"%{b:02X}" for b in c.encode("utf-8"))
+
+    mapped = _ESCAPED.sub(lambda m: esc(m.group()), key)
+    if mapped.isascii():
+        return mapped
+    return "".join(esc(c) if unicodedata.category(c) == "Cf" else c for c in mapped)
+
+
+def unescape_key(session_id: str) -> str:
+    """The key `escape_key` escaped to `session_id` (text without ``%`` is its own key)."""
+    from urllib.parse import unquote
+
+    return unquote(session_id, errors="strict") if "%" in session_id else session_id
+
+
 # A replacing import builds its session under a staging id (`importers.common.staging_id`):
 # "<target id[:160]>.import-<16 hex>.<hex>". Such a session is never listed and expires by itself
 # (a crashed import leaks nothing); the swap makes it the target's, listed and lasting.

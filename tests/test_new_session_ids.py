@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from redis_session import InvalidSessionIdError, MemorySessionStore, SessionHeader, Sessions
-from redis_session.importers import ImportFormatError, import_path
+from redis_session.importers import ImportFormatError, import_path, session_id_to_key
 from redis_session.keys import validate_new_session_id, validate_session_id
+from redis_session.projection.nanobot import id_to_key as nanobot_id_to_key
+from redis_session.projection.nanobot import key_to_id as nanobot_key_to_id
 from redis_session.store import rules
 
 pytestmark = pytest.mark.anyio
@@ -89,18 +91,40 @@ async def test_an_existing_one_stays_readable_writable_and_deletable(
 
 async def test_an_import_under_such_an_id_is_refused_and_writes_nothing(any_store: Any, tmp_path: Path) -> None:
     rows = [
-        {"_type": "metadata", "key": "telegram:\u200b42", "created_at": "2026-01-01T00:00:00", "metadata": {}},
+        {"_type": "metadata", "key": "telegram:42", "created_at": "2026-01-01T00:00:00", "metadata": {}},
         {"role": "user", "content": "hi", "timestamp": "2026-01-01T00:00:01"},
     ]
-    nanobot = tmp_path / "n.jsonl"
-    nanobot.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    with pytest.raises(ImportFormatError, match="U\\+200B"):
-        await import_path(any_store, nanobot)  # the file's own key
     clean = tmp_path / "c.jsonl"
-    rows[0]["key"] = "telegram:42"
     clean.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     with pytest.raises(ImportFormatError, match="U\\+2066"):
         await import_path(any_store, clean, session_id="x\u2066y")  # an id given for it
     assert (await any_store.list()).items == []
     [done] = await import_path(any_store, clean)  # the file itself was fine
     assert done.session_id == "telegram:42"
+
+
+@pytest.mark.parametrize("c", FORMAT_CHARS)
+async def test_a_foreign_key_with_a_format_character_is_escaped_not_refused(
+    any_store: Any, tmp_path: Path, c: str
+) -> None:
+    """A nanobot key (a chat title, a channel name) may hold a zero-width joiner or a bidi mark:
+    the file imports under the key's escaped id (the character as %XX, visible), the mapping
+    reverses to the key, and nanobot's own key mapping finds the same session."""
+    key = f"telegram:{c}42"
+    rows = [
+        {"_type": "metadata", "key": key, "created_at": "2026-01-01T00:00:00", "metadata": {}},
+        {"role": "user", "content": "hi", "timestamp": "2026-01-01T00:00:01"},
+    ]
+    path = tmp_path / "n.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    [done] = await import_path(any_store, path)
+    escaped = "".join(f"%{b:02X}" for b in c.encode("utf-8"))
+    assert done.session_id == f"telegram:{escaped}42"
+    assert all(unicodedata.category(ch) != "Cf" for ch in done.session_id)
+    assert session_id_to_key(done.session_id) == key
+    assert nanobot_key_to_id(key) == done.session_id
+    assert nanobot_id_to_key(done.session_id) == key
+    [entry] = await any_store.read(done.session_id)
+    assert entry.data["content"] == "hi"
+    # two keys that differ only by the invisible character name two sessions
+    assert nanobot_key_to_id("telegram:42") != done.session_id

@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import unquote
 
 import msgspec
 
 from ..errors import ImportFormatError, InvalidSessionIdError, SessionError
-from ..keys import is_staging_id, validate_new_session_id, validate_session_id
+from ..keys import escape_key, is_staging_id, unescape_key, validate_new_session_id, validate_session_id
 from ..model import NewEntry, SessionHeader
 
 Format = Literal["auto", "redis-session", "nanobot", "dsh", "tutorial"]
@@ -363,28 +362,24 @@ def seconds_or_ms(value: Any, what: str) -> int:
 
 # --------------------------------------------------------------------------- ids
 
-_FORBIDDEN = re.compile(r"[{}%\s\x00-\x1f\x7f]")
-
 
 def key_to_session_id(key: str) -> str:
     """The session id a foreign key (a nanobot key, a dsh or tutorial id) is imported under.
 
-    A key that is a valid session id and holds no ``%`` is its own id. Any other key has each
-    character our ids forbid (braces, whitespace, control characters) and each ``%`` replaced by
-    its UTF-8 bytes as ``%XX`` (percent-encoding): ``"tg:{1} a"`` → ``"tg:%7B1%7D%20a"``. The
-    mapping is injective and `session_id_to_key` reverses it; the header's ``origin`` keeps the
-    original key as well. Raises `InvalidSessionIdError` when even the mapped id is not valid
-    (empty, longer than 256 characters, a lone surrogate).
+    A key that is a valid session id and holds no ``%`` or format character is its own id. Any
+    other key has each character our ids forbid (braces, whitespace, control characters), each
+    invisible format character (Unicode Cf) and each ``%`` replaced by its UTF-8 bytes as ``%XX``
+    (`redis_session.keys.escape_key`: ``"tg:{1} a"`` → ``"tg:%7B1%7D%20a"``). The mapping is
+    injective and `session_id_to_key` reverses it; the header's ``origin`` keeps the original key
+    as well. Raises `InvalidSessionIdError` when even the mapped id is not valid (empty, longer
+    than 256 characters, a lone surrogate).
     """
-    if _FORBIDDEN.search(key) is None:
-        return validate_session_id(key)
-    mapped = _FORBIDDEN.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8")), key)
-    return validate_session_id(mapped)
+    return validate_session_id(escape_key(key))
 
 
 def session_id_to_key(session_id: str) -> str:
     """The key `key_to_session_id` mapped to `session_id` (ids without ``%`` are their own key)."""
-    return unquote(session_id, errors="strict") if "%" in session_id else session_id
+    return unescape_key(session_id)
 
 
 def checked_id(path: Path, line: int | None, value: Any) -> str:

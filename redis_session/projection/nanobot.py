@@ -25,7 +25,6 @@ Memory watermark; ``last_consolidated`` in older nanobot), ``metadata``, ``provi
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import msgspec
 
 from ..errors import InvalidEntryError, InvalidSessionIdError
-from ..keys import validate_session_id
+from ..keys import escape_key, unescape_key, validate_session_id
 from ..model import CUT, Entry, SessionHead
 
 FORMAT = "nanobot"
@@ -46,9 +45,6 @@ METADATA = "nanobot/metadata"  # the legacy drop-in's whole-metadata mark
 MARK_TYPES = (COMMAND, RECORD, STATE, METADATA)
 MESSAGE_TYPES = frozenset({MESSAGE, COMMAND, RECORD})
 
-# every character a session id may not hold (`redis_session.keys`: braces, whitespace, controls)
-# and "%" itself: the importers' percent mapping, character for character
-_FORBIDDEN = re.compile(r"[{}%\s\x00-\x1f\x7f]")
 _HASHED = "nanobot~"
 
 
@@ -74,15 +70,15 @@ def clone(value: Any) -> Any:
 
 def key_to_id(key: str) -> str:
     """The session id a nanobot key lives under: the key itself when it is a valid id without
-    ``%``, else each forbidden character and ``%`` as its UTF-8 bytes in ``%XX``
-    (``discord:guild 42`` → ``discord:guild%2042``); `id_to_key` reverses it. A key whose
-    escaped form is longer than an id may be is stored under ``nanobot~<sha256>`` (the key
-    itself stays in the header's ``origin``)."""
+    ``%``, else each forbidden character, invisible format character and ``%`` as its UTF-8 bytes
+    in ``%XX`` (`redis_session.keys.escape_key`: ``discord:guild 42`` → ``discord:guild%2042``);
+    `id_to_key` reverses it. A key whose escaped form is longer than an id may be is stored under
+    ``nanobot~<sha256>`` (the key itself stays in the header's ``origin``)."""
     import hashlib
 
     if not isinstance(key, str):
         raise TypeError(f"a nanobot key is a str, got {type(key).__name__}")
-    mapped = _FORBIDDEN.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), key)
+    mapped = escape_key(key)
     if mapped and not mapped.startswith(_HASHED):
         try:
             return validate_session_id(mapped)
@@ -93,11 +89,9 @@ def key_to_id(key: str) -> str:
 
 def id_to_key(session_id: str) -> str | None:
     """The key `key_to_id` mapped to `session_id` (None for a hashed id: read ``origin.key``)."""
-    from urllib.parse import unquote
-
     if session_id.startswith(_HASHED):
         return None
-    return unquote(session_id, errors="strict") if "%" in session_id else session_id
+    return unescape_key(session_id)
 
 
 def listed_key(session_id: str, stored: str, mapping: Callable[[str], str] = key_to_id) -> str | None:

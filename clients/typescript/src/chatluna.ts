@@ -773,9 +773,12 @@ function writeKey(id: string, incarnation: string | undefined, expectedN: number
 
 // --------------------------------------------------------------------------- conversations
 
-/** The session id a conversation key is stored under: characters ids forbid, and `%`, as %XX. */
+/**
+ * The session id a conversation key is stored under: characters ids forbid, invisible format
+ * characters (Unicode Cf, refused in new ids) and `%`, as %XX (the Python `escape_key`).
+ */
 function keySessionId(key: string): string {
-  const mapped = key.replace(/[{}%\s\u0000-\u001f\u007f]/gu, (c) =>
+  const mapped = key.replace(/[{}%\s\u0000-\u001f\u007f\u0085\p{Cf}]/gu, (c) =>
     [...Buffer.from(c, 'utf8')].map((b) => `%${b.toString(16).toUpperCase().padStart(2, '0')}`).join(''),
   )
   return `chatluna/conversation/${mapped}`

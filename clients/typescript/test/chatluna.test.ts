@@ -265,6 +265,19 @@ describe('ChatLuna ctx.sessions service (seed 000)', () => {
     assert.equal(await sessions.conversations.get(key), undefined)
   })
 
+  it('conversation keys with invisible format characters or C1 controls are escaped, not refused', async () => {
+    // a channel title may hold a zero-width joiner, a bidi mark or a soft hyphen: new ids refuse
+    // them (two ids would look the same), so the key's session id holds them as %XX
+    for (const c of ['\u200d', '\u202e', '\u00ad', '\ufeff', '\u0085']) {
+      const key = `telegram:${c}${uid('k')}`
+      const plain = key.replace(c, '')
+      const s = await sessions.open(uid('cl/conv'))
+      await sessions.conversations.set(key, s.id, null)
+      assert.equal(await sessions.conversations.get(key), s.id)
+      assert.equal(await sessions.conversations.get(plain), undefined) // another key, another session
+    }
+  })
+
   it('releaseIfEphemeral deletes an ephemeral session and keeps any other', async () => {
     const temp = await sessions.create(uid('cl/temp'), { ephemeral: true })
     const kept = await sessions.create(uid('cl/kept'))
