@@ -66,8 +66,8 @@ from .model import (
     encode_batch,
     kind_of,
 )
+from .projection import Message, ProjectionState, check_surface, history, openai_messages
 from .projection.chunks import Delta, DeltaGap, LiveRecord, open_answers
-from .projection.fold import Message, ProjectionState, check_surface, history, openai_messages
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff

@@ -330,11 +330,11 @@ def show_cmd(
             state, _ = await load_messages(store, session)
             msgs = state.messages()
             if fmt == "openai":
-                from ..projection.fold import to_openai
+                from ..projection.render import to_openai
 
                 return head, to_openai(msgs)
             if fmt == "anthropic":
-                from ..projection.fold import to_anthropic
+                from ..projection.render import to_anthropic
 
                 return head, to_anthropic(msgs)
             return head, msgspec.to_builtins(msgs)
