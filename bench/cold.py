@@ -4,7 +4,7 @@
 
 1. Redis memory of S sessions x 200 entries with 95 % archived (all but the last 10 entries in a
    local-folder cold tier) vs the same sessions all hot: the sum of MEMORY USAGE over each side's
-   keys. Goal <= 10 %. The issue asks for 10 000 sessions; the default is 2 000 on this shared
+   keys. Goal <= 10 % at 10 000 sessions; the default is 2 000 on this shared
    2-core machine (``--sessions 10000`` runs the full size; the ratio does not depend on S).
 2. Archive throughput: sessions/s of one archiver (one process, sequential: read, compress,
    upload with fsync, read back and verify, script).

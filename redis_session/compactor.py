@@ -90,7 +90,10 @@ from .errors import (
 from .feed import FeedRow, FeedWorker, as_map, as_str, default_consumer, feed_client_of, validate_group
 from .keys import validate_session_id
 from .model import CUT, NewEntry, SessionHead
-from .projection.fold import Message, ProjectionState, estimate_tokens, history, to_openai
+from .projection.budget import estimate_tokens, history
+from .projection.fold import ProjectionState
+from .projection.messages import Message
+from .projection.render import to_openai
 from .projector import status as _feed_status
 from .redis.store import RedisSessionStore
 from .redis.wire import RAW

@@ -68,6 +68,16 @@ def legacy_incarnation(created_at: int) -> str:
     return f"legacy-{created_at}"
 
 
+MAX_TTL = float(2**53 // 1000)
+"""The longest ttl in seconds (its milliseconds stay an exact integer: ~285 000 years)."""
+
+
+def ttl_ms(ttl: float) -> int:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
+        raise ValueError(f"ttl must be a positive number of seconds up to {MAX_TTL:.0f}, got {ttl!r}")
+    return max(1, round(ttl * 1000))
+
+
 class SessionHead(Struct, frozen=True, kw_only=True):
     """A header plus where the log stands: `n` entries, the last `cut` at `last_cut`."""
 

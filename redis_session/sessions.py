@@ -31,7 +31,6 @@ import builtins
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
@@ -45,15 +44,16 @@ from .errors import (
     LeaseLostError,
     SessionAlreadyExistsError,
     SessionConflictError,
-    SessionError,
     SessionForkError,
     SessionNotFoundError,
     SessionReplacedError,
     StoreUnavailableError,
 )
 from .keys import MAX_ID_LENGTH, validate_new_session_id, validate_session_id
+from .lease import DEFAULT_LEASE_TTL, SessionLease
 from .model import (
     CUT,
+    MAX_TTL,
     Entry,
     NewEntry,
     NewEntryLike,
@@ -65,13 +65,14 @@ from .model import (
     create_key_digest,
     encode_batch,
     kind_of,
+    ttl_ms,
 )
+from .projection import Message, ProjectionState, check_surface, history, openai_messages
 from .projection.chunks import Delta, DeltaGap, LiveRecord, open_answers
-from .projection.fold import Message, ProjectionState, check_surface, history, openai_messages
 from .projection.invariants import Problem, check_invariants, interrupted_turn_closers
 from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
-from .snapshots import READ_PAGE, SnapshotCache, load_state, read_entries, read_range
+from .snapshots import SnapshotCache, fold_into, load_projection, read_range
 from .store import MemorySessionStore, SessionStore
 from .streaming import (
     DEFAULT_FLUSH_INTERVAL,
@@ -88,8 +89,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Entries per store read when folding or reading a long log (the Redis store caps one read at 100k).
-DEFAULT_LEASE_TTL = 30.0
 DEFAULT_EPHEMERAL_TTL = 3600.0
 BRANCH_EVENT = "session-branch"
 #: An open streamed answer with nothing new on its live stream for this long has a dead writer.
@@ -103,16 +102,6 @@ def _check_int(value: object, what: str, *, minimum: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
     return value
-
-
-MAX_TTL = float(2**53 // 1000)
-"""The longest ttl in seconds (its milliseconds stay an exact integer: ~285 000 years)."""
-
-
-def _ttl_ms(ttl: float) -> int:
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
-        raise ValueError(f"ttl must be a positive number of seconds up to {MAX_TTL:.0f}, got {ttl!r}")
-    return max(1, round(ttl * 1000))
 
 
 def _new_session_id() -> str:
@@ -136,36 +125,6 @@ def _default_branch_id(parent: str) -> str:
 
 def _is_user_message(e: Entry) -> bool:
     return e.type == "user/message" or (e.type == "message" and e.data.get("role") == "user")
-
-
-async def _fold_into(
-    store: SessionStore, session_id: str, state: ProjectionState, stop: int, incarnation: str | None = None
-) -> None:
-    """Fold entries [state.n, stop) into `state`, page by page (never holding the whole log)."""
-    while state.n < stop:
-        lo = state.n
-        hi = min(stop, lo + READ_PAGE)
-        batch = await read_entries(store, session_id, lo, hi, incarnation)
-        if len(batch) != hi - lo:
-            raise SessionError(
-                f"session {session_id!r}: the log holds {len(batch)} entries in [{lo}, {hi}), "
-                f"expected {hi - lo}; run `redis-session doctor {session_id}`"
-            )
-        state.extend(batch)
-
-
-async def load_projection(
-    store: SessionStore, head: SessionHead, cache: SnapshotCache | None = None
-) -> ProjectionState:
-    """The projection state of `head`'s session at ``head.n``, reading as little as it can: the
-    projector's snapshot plus the entries after it, else a rebuild from the last cut or a branch's
-    parent snapshot, else a full fold (`redis_session.snapshots`). Never anything but what a fold
-    from scratch gives."""
-    try:
-        return await load_state(store, head, cache=cache, chunk=READ_PAGE)
-    except ValueError as e:
-        sid = head.header.id
-        raise SessionError(f"session {sid!r} cannot be folded: {e}; run `redis-session doctor {sid}`") from e
 
 
 class _TaskLock:
@@ -192,99 +151,6 @@ class _TaskLock:
         if self._depth == 0:
             self._owner = None
             self._lock.release()
-
-
-# --------------------------------------------------------------------------- lease
-
-
-class SessionLease:
-    """The writer lease of one session, held by one `Session` handle (``async with s.lease():``).
-
-    Entering acquires the store's lease with a fresh token (`LeaseHeldError` at once when another
-    holder has it); a background task renews it every ttl/3 while the block runs; leaving stops the
-    renewal and releases it (also on error or cancellation).
-
-    **Fencing.** While a handle holds a lease, each of its writes first checks, locally and without
-    a round trip, that the lease is still *valid*: the last renewal succeeded and was sent less
-    than ``0.9 * ttl`` ago (the server's expiry runs from when it received the renewal, so this is
-    a safe under-estimate with a 10% margin for latency). A write after that raises
-    `LeaseLostError` and writes nothing. A renewal the server refuses (the lease expired and another
-    token took it) invalidates the lease at once. The store's append script does not check the
-    token, so a write whose check passed just before expiry may still land after it: the real
-    fence is ``expected_n`` — a new holder works from the head it read, so a late write of the old
-    holder either lands before that read (and the new holder sees it) or makes the new holder's
-    next write conflict. Entries can never interleave silently.
-    """
-
-    def __init__(self, session: Session, ttl: float) -> None:
-        self.session = session
-        self.ttl = float(ttl)
-        self.ttl_ms = _ttl_ms(ttl)
-        self.token = uuid.uuid4().hex
-        self._valid_until = 0.0
-        self._lost = False
-        self._tg: Any = None
-
-    @property
-    def held(self) -> bool:
-        """Whether the lease is (as far as this process can tell) still ours."""
-        return not self._lost and anyio.current_time() < self._valid_until
-
-    def check(self) -> None:
-        """Raise `LeaseLostError` unless `held`."""
-        if not self.held:
-            why = "was taken over" if self._lost else "expired (renewals failed)"
-            raise LeaseLostError(f"the lease on session {self.session.id!r} {why}; nothing was written")
-
-    async def _acquire(self) -> bool:
-        sent = anyio.current_time()
-        ok = await self.session._store.acquire_lease(self.session.id, self.token, self.ttl_ms)
-        if ok:
-            self._valid_until = sent + self.ttl * 0.9
-        return ok
-
-    async def _renew(self) -> None:
-        while True:
-            await anyio.sleep(self.ttl / 3)
-            try:
-                ok = await self._acquire()
-            except Exception as e:  # the server is unreachable: keep trying while the lease lasts
-                log.warning("renewing the lease on %r failed: %s", self.session.id, e)
-                if not self.held:
-                    return
-                continue
-            if not ok:
-                self._lost = True
-                log.warning("the lease on %r was taken over by another holder", self.session.id)
-                return
-
-    async def __aenter__(self) -> SessionLease:
-        if self.session._lease is not None:
-            raise RuntimeError(f"this handle already holds the lease on {self.session.id!r}")
-        if not await self._acquire():
-            raise LeaseHeldError(f"session {self.session.id!r}: another holder owns the lease")
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._renew)
-        self.session._lease = self
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        # The body's own exception propagates untouched: the renewal task group is closed as if
-        # the body ended normally (it never raises itself), so nothing is wrapped in a group.
-        self.session._lease = None
-        self._tg.cancel_scope.cancel()
-        try:
-            await self._tg.__aexit__(None, None, None)
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.session._store.release_lease(self.session.id, self.token)
-                except Exception as e:  # it expires on its own
-                    log.warning("releasing the lease on %r failed: %s", self.session.id, e)
-            self._lost = True
 
 
 # --------------------------------------------------------------------------- Session
@@ -630,7 +496,7 @@ class Session:
                 if head.n < self._n:
                     self._state = None  # never expected within one incarnation: reload lazily
                 elif self._state is not None and head.n > self._n:
-                    await _fold_into(self._store, self.id, self._state, head.n, self._header.incarnation or None)
+                    await fold_into(self._store, self.id, self._state, head.n, self._header.incarnation or None)
             except BaseException:
                 self._state = None
                 raise
@@ -728,7 +594,7 @@ class Session:
                 if self.lease_held:
                     return await self._repair_now(records, opened, stale_ms)
                 token = uuid.uuid4().hex
-                if not await self._store.acquire_lease(self.id, token, _ttl_ms(lease_ttl)):
+                if not await self._store.acquire_lease(self.id, token, ttl_ms(lease_ttl)):
                     raise LeaseHeldError(f"session {self.id!r} has a live writer (its lease is held): not repairing")
                 try:
                     return await self._repair_now(records, opened, stale_ms)
@@ -872,7 +738,7 @@ class Sessions:
             created_at=created_at or 0,
             create_key=None if idempotency_key is None else create_key_digest(idempotency_key),
         )
-        head = await self.store.create(header, entries, ttl_ms=None if ttl is None else _ttl_ms(ttl))
+        head = await self.store.create(header, entries, ttl_ms=None if ttl is None else ttl_ms(ttl))
         return Session(self, head)
 
     async def branch(
@@ -1072,11 +938,12 @@ async def connect(
 
 __all__ = [
     "BRANCH_EVENT",
+    "MAX_TTL",  # re-exported: it lives in `redis_session.model`
     "DoctorReport",  # re-exported: the doctor lives in `redis_session.doctor`
     "LeaseLostError",
     "Session",
-    "SessionLease",
+    "SessionLease",  # re-exported: it lives in `redis_session.lease`
     "Sessions",
     "doctor",
-    "load_projection",
+    "load_projection",  # re-exported: it lives in `redis_session.snapshots`
 ]

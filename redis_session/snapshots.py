@@ -7,7 +7,9 @@ never correctness.
 
 Public to the layers above (the projector and the service), documented where defined:
 
-- `load_messages`, `load_state`, `SnapshotCache`: what readers call;
+- `load_messages`, `load_state`, `SnapshotCache`: what readers call; `load_projection` (the
+  service's `load_state`: a log that does not fold is a `SessionError`) and `fold_into` (a loaded
+  state caught up with [state.n, stop), a short read a `SessionError`), what `Session` calls;
 - `read_entries` (one `store.read`, of an incarnation when named), `fold_range` (fold a log range
   onto a state, page by page), `fold_from_cut` (rebuild from a cut: reads ``[before, target)``
   only), `rebuild` (a state without a snapshot of its own: last cut, parent snapshot, else from
@@ -58,6 +60,36 @@ async def read_range(
             break  # the session is shorter than asked: the caller sees what there is
         lo = hi
     return out
+
+
+async def fold_into(
+    store: SessionStore, session_id: str, state: ProjectionState, stop: int, incarnation: str | None = None
+) -> None:
+    """Fold entries [state.n, stop) into `state`, page by page (never holding the whole log)."""
+    while state.n < stop:
+        lo = state.n
+        hi = min(stop, lo + READ_PAGE)
+        batch = await read_entries(store, session_id, lo, hi, incarnation)
+        if len(batch) != hi - lo:
+            raise SessionError(
+                f"session {session_id!r}: the log holds {len(batch)} entries in [{lo}, {hi}), "
+                f"expected {hi - lo}; run `redis-session doctor {session_id}`"
+            )
+        state.extend(batch)
+
+
+async def load_projection(
+    store: SessionStore, head: SessionHead, cache: SnapshotCache | None = None
+) -> ProjectionState:
+    """The projection state of `head`'s session at ``head.n``, reading as little as it can: the
+    projector's snapshot plus the entries after it, else a rebuild from the last cut or a branch's
+    parent snapshot, else a full fold (`load_state`, its ValueError as a `SessionError` naming the
+    doctor). Never anything but what a fold from scratch gives."""
+    try:
+        return await load_state(store, head, cache=cache, chunk=READ_PAGE)
+    except ValueError as e:
+        sid = head.header.id
+        raise SessionError(f"session {sid!r} cannot be folded: {e}; run `redis-session doctor {sid}`") from e
 
 
 async def _read_chunks(

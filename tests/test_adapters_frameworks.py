@@ -536,7 +536,8 @@ def test_close_of_a_from_url_session_used_on_several_loops(redis_url: str, prefi
 
 
 # =========================================================================== lost replies, races, lives
-# (the outside review of the OpenAI Agents and LangChain adapters: each test is one of its findings)
+# (the OpenAI Agents and LangChain adapters when a write's reply is lost, two pods or two threads write
+# one session at once, or a compaction races another pod)
 
 
 class _LosesReplies:

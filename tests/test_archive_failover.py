@@ -1,4 +1,4 @@
-"""The archiver through Redis Cluster failovers (issue 26's last scenario), on a private local
+"""The archiver through Redis Cluster failovers (docs/design.md §9), on a private local
 cluster (3 masters + 3 replicas, node timeout 1 s) and the local-folder cold tier.
 
 Writers append with ``durability="replica"`` and retry with their idempotency key; archivers run

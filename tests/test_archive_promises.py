@@ -1,5 +1,5 @@
-"""The cold tier's promises an outside review broke (/work/attack/cold/repro_*), one regression
-test each: objects namespaced by the store prefix, the URL recorded by every archiving path, a
+"""The cold tier's promises (docs/design.md §9) where it once failed them, one regression test
+each: objects namespaced by the store prefix, the URL recorded by every archiving path, a
 sweep that never takes a pending upload whatever the graces, few merged segments under ``keep``,
 segments deleted with a purged parent and with a replaced life, counters for one-pass runs."""
 

@@ -1,4 +1,4 @@
-"""ChatLuna's ctx.sessions rules (seed 000) on the Python side: a branch inherits the parent's
+"""ChatLuna's ctx.sessions rules on the Python side (docs/design.md §5): a branch inherits the parent's
 title and origin unless given, a create keeps a given createdAt (store, Sessions and the HTTP
 gateway), and a strict vocabulary checks ChatLuna's marks with every field its doc lists."""
 

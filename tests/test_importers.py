@@ -1013,7 +1013,7 @@ async def test_replace_while_the_id_gets_another_life_leaves_that_life_alone(
     assert [h.id for h in (await store.list()).items] == ["long"]
 
 
-# --------------------------------------------------------------------------- seeds (outside review)
+# ------------------------------------------------------------- odd input: lone surrogates, torn lines, dot ids
 
 
 @pytest.mark.parametrize("content", ["\\ud800", "a\\ud800b", "\\udbff", "\\udc00", "x\\ud800\\u0041"])

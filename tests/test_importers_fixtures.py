@@ -1,5 +1,5 @@
-"""Imports of files the seed systems wrote themselves (tests/fixtures/seed, a copy of
-../shared/fixtures), compared with what each system answered for them; exports back to each
+"""Imports of files the seed systems wrote themselves (tests/fixtures/seed), compared with what
+each system answered for them; exports back to each
 format; and the bad files a migrating user meets (BOM, UTF-16, torn lines, empty folders, keys
 that are no session id, naive timestamps, zstd)."""
 

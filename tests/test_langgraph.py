@@ -402,7 +402,8 @@ async def test_prune_computed_on_one_life_never_lands_in_another(lg_store: Any) 
     assert got == [new_ids[-1]]
 
 
-# =========================================================================== attacks (findings 5-9)
+# =========================================================================== edges: big metadata, deleted and
+# expiring branched threads, connections from_conn_string opens, a lost reply
 
 
 def _cp(tag: str, step: int = 0) -> tuple[Any, dict[str, Any], dict[str, Any]]:

@@ -581,8 +581,8 @@ def test_a_value_nested_too_deep_is_a_typed_error_and_nothing_is_written(
 def test_one_session_that_cannot_be_folded_never_hides_the_others_from_the_listing(
     backend: Backend, manager: SessionManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The review's failure (a fold raising OverflowError for one session broke the listing for
-    all), put back with the old msgpack-only copy: every session is still listed."""
+    """A fold raising OverflowError for one session once broke the listing for all: with that
+    fold put back (the old msgpack-only copy), every session is still listed."""
     import msgspec
 
     from redis_session.projection import nanobot as nanobot_log

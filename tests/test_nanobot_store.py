@@ -860,7 +860,7 @@ def test_the_importer_and_the_store_map_keys_alike(key: str) -> None:
     assert key_to_session_id(key) == key_to_id(key)
 
 
-# --------------------------------------------------------------------------- the outside review
+# ---------------------------------------------------- big integers, unfoldable sessions, timestamps, keys
 
 
 BIG = 2**64  # a 20-digit id of some channel API: JSON and nanobot's own files hold it
@@ -890,9 +890,9 @@ def test_an_integer_past_64_bits_saves_loads_lists_and_exports_as_nanobot_keeps_
 def test_one_session_that_cannot_be_folded_never_hides_the_others_from_the_listing(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The failure the review found (a fold that raised OverflowError for one session broke
-    `list_sessions` for all): the fold is put back to its old msgpack-only copy; the listing
-    still shows every session, the unreadable one from its header."""
+    """A fold that raised OverflowError for one session once broke `list_sessions` for all: with
+    that fold put back (its old msgpack-only copy), the listing still shows every session, the
+    unreadable one from its header."""
     import msgspec
 
     from redis_session.projection import nanobot as nanobot_log

@@ -405,7 +405,7 @@ def test_the_quick_start_puts_redis_session_on_path() -> None:
 
 def test_a_failing_block_is_named_by_its_readme_line(tmp_path: Path) -> None:
     """The harness itself: blocks share one namespace in order, and a failure's traceback and the
-    block's name carry its README line (the lead re-runs this test after merging others' edits)."""
+    block's name carry its README line, so a block an edit broke is found by its line."""
     text = "intro\n\n```python\nx = 41\n```\n\ntext\n\n```python\ny = x + 1\nraise ValueError(y)\n```\n"
     first, second = readme_blocks(text)
     assert (first.line, second.line) == (4, 10) and second.where == "README.md:10 (```python)"

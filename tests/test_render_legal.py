@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from redis_session.model import Entry, Surface, SurfaceReplace
 from redis_session.projection import Message, openai_messages, project, to_anthropic, to_openai
-from redis_session.projection import fold as projection
+from redis_session.projection import render as projection
 
 # --------------------------------------------------------------------------- what providers accept
 

@@ -1,4 +1,4 @@
-"""`import --on-exists replace`: the staging copy and the swap (outside review, seeds 3-5).
+"""`import --on-exists replace`: the staging copy and the swap.
 
 A replace builds the new session under a staging id and swaps it in. The staging copy is never
 listed and expires by itself (a killed import leaks nothing); the swap makes it lasting. Replacing

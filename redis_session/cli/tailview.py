@@ -105,7 +105,7 @@ def entry_summary(e: Entry) -> str:
         role = d.get("role", "?")
         return f"{role}: {text}".rstrip()
     if e.type == "assistant/message" and d.get("tool_calls"):
-        from ..projection.fold import assistant_blocks
+        from ..projection.messages import assistant_blocks
 
         return content_text(list(assistant_blocks(d)))
     if e.type in ("user/message", "assistant/message", "context/message", "steering/message"):
@@ -268,7 +268,7 @@ class TailRenderer:
         self.console.print(grid)
 
     def _render_message(self, e: Entry, streamed: str | None) -> None:
-        from ..projection.fold import cut_messages, derive_message
+        from ..projection.messages import cut_messages, derive_message
 
         if e.type == "cut":
             before = e.data.get("before")

@@ -13,8 +13,7 @@ from msgspec import Meta, Struct
 from starlette.requests import Request
 
 from ..errors import InvalidEntryError
-from ..model import NewEntry
-from ..sessions import MAX_TTL
+from ..model import MAX_TTL, NewEntry
 from .common import _BadRequest
 
 DEFAULT_MAX_BODY = 16 << 20

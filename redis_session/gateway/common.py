@@ -17,7 +17,7 @@ from starlette.types import Scope
 
 from ..keys import validate_session_id
 from ..model import SessionHead, SessionHeader
-from ..projection.fold import Message
+from ..projection.messages import Message
 
 log = logging.getLogger("redis_session.gateway")
 

@@ -11,7 +11,7 @@ from starlette.responses import Response
 from ..errors import SessionNotFoundError
 from ..keys import id_from_index_member, index_member, validate_session_id
 from ..model import SessionHeader
-from ..projection.fold import to_anthropic, to_openai
+from ..projection.render import to_anthropic, to_openai
 from .auth import principal
 from .common import (
     _JSON,

@@ -47,8 +47,8 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from ..errors import ImportFormatError
 from ..model import Entry, NewEntry, SessionHead, SessionHeader, Surface, SurfaceReplace
 from ..projection.chunks import CHUNK, pack_chunks, row_times, unpack_row
-from ..projection.fold import Message
 from ..projection.invariants import interrupted_turn_closers
+from ..projection.messages import Message
 from .common import Bad, Line, ParsedSession, Source, convert, json_object, number_ms
 
 FORMAT = "dsh"

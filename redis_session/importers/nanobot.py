@@ -42,7 +42,8 @@ from msgspec import Struct, field
 from ..errors import ImportFormatError
 from ..model import CUT, Entry, NewEntry, OpenAIToolCall, SessionHead, SessionHeader
 from ..projection import nanobot as nanobot_log
-from ..projection.fold import openai_messages, project
+from ..projection.fold import project
+from ..projection.render import openai_messages
 from .common import Bad, ParsedSession, Source, convert, iso_ms, json_object, ms_iso, session_id_to_key
 
 FORMAT = "nanobot"

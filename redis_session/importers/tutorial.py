@@ -1,4 +1,4 @@
-"""The tutorial harness's logs (seed 002's ``session.ts``; and the mini-dsh variant).
+"""The tutorial harness's logs (its ``session.ts``; and the mini-dsh variant).
 
 The harness's ``save()`` writes ``JSON.stringify({type:"session/meta", id})`` then one
 ``JSON.stringify(event)`` per line, each event ``{type, seq, ts, ...payload}`` (``ts`` is

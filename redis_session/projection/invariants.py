@@ -13,7 +13,8 @@ from msgspec import Struct
 
 from ..errors import InvalidEntryError
 from ..model import CUT, MESSAGE_TYPES, Entry, NewEntry, Surface, lossless_json
-from .fold import ProjectionState, assistant_blocks
+from .fold import ProjectionState
+from .messages import assistant_blocks
 from .request import HEADER, HEADER_DELTA, apply_header_delta, canonical_header
 
 

@@ -24,7 +24,8 @@ from msgspec import Struct
 
 from ..errors import InvalidEntryError
 from ..model import Entry, NewEntry
-from .fold import Message, project
+from .fold import project
+from .messages import Message
 
 HEADER = "request/header"
 HEADER_DELTA = "request/header-delta"
