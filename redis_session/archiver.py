@@ -234,9 +234,14 @@ class Archiver:
         seg, data = tier.encode(session_id, state.incarnation, entries)
         await self.hook("before_upload")
         await self.store.begin_upload(session_id, seg)  # before the object exists: never swept
-        await tier.upload(session_id, state.incarnation, seg, data, entries)
-        await self.hook("after_upload")
         name = segment_name(seg)
+        try:
+            await tier.upload(session_id, state.incarnation, seg, data, entries)
+        except SegmentMissingError:
+            if await self.store.pending_upload(session_id, name) is None:
+                return ArchiveResult(session_id, "slow", lo, k)  # a sweep released it and took the object
+            raise
+        await self.hook("after_upload")
         if 0 < self.grace_ms < (time.monotonic() - t0) * 2000 and await self.store.release_upload(session_id, name):
             return ArchiveResult(session_id, "slow", lo, k)  # given up: the sweep takes the object
         try:

@@ -177,3 +177,37 @@ async def test_a_sweep_racing_merges_and_deletes_never_fails_on_a_vanished_objec
     assert sweeps
     for sid in sids[3:]:
         assert [e.data["content"] for e in await redis_store.read(sid)] == [f"m{i}" for i in range(60)]
+
+
+async def test_the_doctor_finds_nothing_wrong_with_a_session_written_and_archived_while_it_looks(
+    redis_store: RedisSessionStore, tmp_path: Path
+) -> None:
+    """Appends past the n the doctor read first, and archives moving entries out of the stream
+    while it walks it, are no ``stream-ahead`` / ``stream-gap`` / ``segment-missing``."""
+    from redis_session.doctor import doctor
+
+    await redis_store.create(SessionHeader(id="busy"), [um(i) for i in range(20)])
+    archiver = Archiver(redis_store, ColdTier(str(tmp_path / "cold")), merge_below=50)
+    reports: list[Any] = []
+    done = anyio.Event()
+
+    async def write() -> None:
+        n = 20
+        for _ in range(300):
+            await redis_store.put("busy", n, [um(n)])
+            n += 1
+            if n % 10 == 0:
+                await archiver.archive("busy", policy=Policy(keep=2))
+        done.set()
+
+    async def check() -> None:
+        while not done.is_set():
+            reports.append(await doctor(redis_store, "busy"))
+
+    with anyio.fail_after(300):  # a hang guard
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write)
+            tg.start_soon(check)
+    assert len(reports) > 10
+    assert [r.problems for r in reports if not r.ok] == []
+    assert (await doctor(redis_store, "busy")).ok

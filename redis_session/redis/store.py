@@ -1574,15 +1574,24 @@ class RedisSessionStore(StoreRules):
     async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
         """Doctor's storage checks: the session's own stream walked raw (`redis.doctor`)."""
         validate_session_id(session_id)
+        hdr = self.keys.hdr(session_id)
+
+        async def header_n() -> int | None:
+            return _i(await self._raw("HGET", hdr, "n"))
+
         with _io():
-            cold_raw, inc_raw, born_raw = await self._raw(
-                "HMGET", self.keys.hdr(session_id), "cold", "incarnation", "created_at"
-            )
-            cold = None
-            if cold_raw is not None:
-                inc = self._check_incarnation(session_id, None, inc_raw, born_raw)
-                cold = ColdCheck(session_id, inc, cold_raw, await self.cold_tier())
-            return await stream_problems(self._raw, self.keys.log(session_id), n, at, cold)
+            for _attempt in range(5):
+                cold_raw, inc_raw, born_raw = await self._raw("HMGET", hdr, "cold", "incarnation", "created_at")
+                cold = None
+                if cold_raw is not None:
+                    inc = self._check_incarnation(session_id, None, inc_raw, born_raw)
+                    cold = ColdCheck(session_id, inc, cold_raw, await self.cold_tier())
+                check = await stream_problems(self._raw, self.keys.log(session_id), n, at, cold, header_n)
+                # an archive (or a restore) that moved entries between the header's cold field
+                # and the walk of the stream is no gap: look again
+                if not check.problems or await self._raw("HGET", hdr, "cold") == cold_raw:
+                    return check
+            return check
 
     # ------------------------------------------------------------------ cold tier (archive.lua)
 
