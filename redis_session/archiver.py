@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from urllib.parse import unquote
 import anyio
 import zstandard
 
-from .cold.objects import ObjectStore, open_objects
+from .cold.objects import ObjectMissing, ObjectStore, open_objects
 from .cold.segments import ColdSegment, ColdTier, segment_name
 from .errors import SegmentMissingError, SessionError, SessionNotFoundError, SessionReplacedError
 from .feed import FeedWorker, default_consumer, feed_client_of, validate_group
@@ -157,6 +158,7 @@ class Archiver:
         if self.tier is None:
             raise ValueError("no cold tier: pass one, or run `redis-session archive --to URL` once")
         if isinstance(self.store, RedisSessionStore) and not self._recorded:
+            await claim_tier(self.store, self.tier)  # never another store's folder
             await self.store.record_cold_url(self.tier)  # every process of the prefix finds it
             self._recorded = True
         if self.store.cold is None:
@@ -232,9 +234,14 @@ class Archiver:
         seg, data = tier.encode(session_id, state.incarnation, entries)
         await self.hook("before_upload")
         await self.store.begin_upload(session_id, seg)  # before the object exists: never swept
-        await tier.upload(session_id, state.incarnation, seg, data, entries)
-        await self.hook("after_upload")
         name = segment_name(seg)
+        try:
+            await tier.upload(session_id, state.incarnation, seg, data, entries)
+        except SegmentMissingError:
+            if await self.store.pending_upload(session_id, name) is None:
+                return ArchiveResult(session_id, "slow", lo, k)  # a sweep released it and took the object
+            raise
+        await self.hook("after_upload")
         if 0 < self.grace_ms < (time.monotonic() - t0) * 2000 and await self.store.release_upload(session_id, name):
             return ArchiveResult(session_id, "slow", lo, k)  # given up: the sweep takes the object
         try:
@@ -276,7 +283,15 @@ class Archiver:
             if not state.cold:
                 return ArchiveResult(session_id, "nothing")
             tier = await self._tier()
-            entries = await tier.read(session_id, state.incarnation, state.cold, state.own_start, state.hot_start)
+            try:
+                entries = await tier.read(session_id, state.incarnation, state.cold, state.own_start, state.hot_start)
+            except SegmentMissingError:
+                # an archiver merged (or another restore took) a segment since `state` was read:
+                # a loss only if the header still names it
+                now = await self.store.cold_state(session_id)
+                if now is not None and now.incarnation == state.incarnation and now.cold_raw == state.cold_raw:
+                    raise
+                continue
             status = await self.store.commit_restore(session_id, state, entries)
             if status in ("done", "unconfirmed"):
                 if status == "done":
@@ -307,6 +322,8 @@ class Archiver:
         """Delete the objects no header names (a deleted session's, another life's, an archive
         that crashed before its script) once older than the grace; safe to re-run. The keys gone."""
         tier = await self._tier()
+        if isinstance(self.store, RedisSessionStore):
+            await claim_tier(self.store, tier)  # checked on every pass: it deletes what no header names
         now = now_ms() if now is None else now
         removed: builtins.list[str] = []
         named: dict[tuple[str, str], set[str]] = {}  # (session dir, incarnation dir) -> keys in use
@@ -375,12 +392,48 @@ def _valid(sid: str) -> bool:
     return True
 
 
+STORE_ID_OBJECT = "store-id"
+
+
+async def store_id(store: RedisSessionStore) -> str:
+    """This store's random id (``{prefix}:cold:store``: this server and prefix), made once."""
+    mine = secrets.token_hex(8)
+    for _ in range(3):
+        if await store._raw("SET", store.keys.cold_store, mine, "NX"):
+            return mine
+        got = await store._raw("GET", store.keys.cold_store)
+        if got is not None:
+            return got.decode() if isinstance(got, bytes) else str(got)
+    return mine
+
+
+async def claim_tier(store: RedisSessionStore, tier: ColdTier) -> None:
+    """Claim `tier`'s folder for this store: its ``<prefix>/store-id`` object is written with the
+    store's id when absent, and a folder holding another store's id is refused (`ValueError`):
+    two Redis servers (or databases) archiving to one URL under one prefix would each sweep the
+    other's segments away as "named by no header"."""
+    mine = await store_id(store)
+    key = f"{tier.prefix}/{STORE_ID_OBJECT}"
+    try:
+        theirs = (await tier.objects.get(key)).decode("utf-8", "replace").strip()
+    except ObjectMissing:
+        await tier.objects.put(key, mine.encode())
+        return
+    if theirs != mine:
+        raise ValueError(
+            f"{tier.url}: the objects under {tier.prefix}/ belong to another store (store id {theirs}; this one "
+            f"is {mine}): two Redis servers or databases must not share a cold folder under one prefix; give "
+            "this store its own URL"
+        )
+
+
 async def set_cold_url(store: RedisSessionStore, url: str, *, replace: bool = False) -> ColdTier:
     """Record where this prefix's cold segments live (every store on the prefix finds it).
 
     Another URL already recorded is refused (`ValueError`) unless `replace`: the segments
     already archived stay where they are, and readers would look for them in the new place."""
     tier = ColdTier(open_objects(url), prefix=store.prefix)  # a bad URL fails here, before anything is recorded
+    await claim_tier(store, tier)
     await store.record_cold_url(tier, replace=replace)
     store.cold = tier
     return tier
@@ -578,5 +631,7 @@ class ArchiveWorker(FeedWorker):
         self.metrics.outcomes.labels(res.status).inc()
         if res.status == "archived":  # the group's counters: Archiver.archive adds to them
             self.metrics.entries.inc(res.hi - res.lo)
-            self.metrics.cold_bytes.inc(res.bytes)
+            # net bytes: a merge can compress better than the segments it replaces (a counter
+            # never goes down; the group's HINCRBY counter keeps the exact net)
+            self.metrics.cold_bytes.inc(max(res.bytes, 0))
         return res

@@ -49,6 +49,24 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     `read`. Raises `SessionNotFoundError` for a missing session.
     """
     validate_session_id(session_id)
+    report, seen = await _doctor_once(store, session_id)
+    for _attempt in range(4):
+        # a session written while it was checked (an append past the n read first) is looked at
+        # again: a problem is one of a session that stood still while it was checked
+        if report.ok or seen is None or await _head_or_none(store, session_id) == seen:
+            break
+        report, seen = await _doctor_once(store, session_id)
+    return report
+
+
+async def _head_or_none(store: SessionStore, session_id: str) -> SessionHead | None:
+    try:
+        return await store.head(session_id)
+    except (ValueError, TypeError, msgspec.DecodeError):
+        return None
+
+
+async def _doctor_once(store: SessionStore, session_id: str) -> tuple[DoctorReport, SessionHead | None]:
     problems: builtins.list[Problem] = []
 
     def add(n: int | None, code: str, message: str) -> None:
@@ -58,7 +76,7 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
         head = await store.head(session_id)
     except (ValueError, TypeError, msgspec.DecodeError) as e:
         add(None, "header", f"the header does not parse: {e}")
-        return DoctorReport(session_id, -1, problems)
+        return DoctorReport(session_id, -1, problems), None
     if head is None:
         raise SessionNotFoundError(session_id)
     n, at = head.n, head.header.at or 0
@@ -93,7 +111,7 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     for child in (await store.links(session_id))[1]:
         add(None, "stale-link", f"branch {child!r} is linked but does not exist: `redis-session doctor --repair`")
     problems.sort(key=lambda p: -1 if p.n is None else p.n)
-    return DoctorReport(session_id, n, problems)
+    return DoctorReport(session_id, n, problems), head
 
 
 def _segment_reported(problems: Sequence[Problem]) -> bool:

@@ -209,6 +209,13 @@ class Keys:
         """STRING: the object store URL of this prefix's cold segments (`redis-session archive`)."""
         return f"{self.prefix}:cold:url"
 
+    @property
+    def cold_store(self) -> str:
+        """STRING: a random id of this store (this server and prefix), made at its first archive;
+        its cold tier's ``<prefix>/store-id`` object holds it, so two stores never share (and a
+        sweep of one never takes) one folder's objects."""
+        return f"{self.prefix}:cold:store"
+
     def archiver_stats(self, group: str) -> str:
         return f"{self.prefix}:archiver:{group}:stats"
 

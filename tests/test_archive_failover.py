@@ -440,3 +440,66 @@ async def test_a_restore_the_replica_never_got_loses_nothing_on_failover(
         await check_session(reader, sid, ms)
     finally:
         await reader.aclose()
+
+
+def _segments(folder: str) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*.jsonl.zst"))
+
+
+async def test_a_delete_the_replica_never_got_keeps_the_segments_for_the_promoted_replica(
+    own_cluster: LocalCluster, cold_store: tuple[RedisSessionStore, str]
+) -> None:
+    """A delete is a write like any other: until a replica has it, a failover can bring the
+    session back, header and all, so its segment objects may not go yet (the sweep takes them
+    once no header names them)."""
+    store, folder = cold_store
+    (sid,), _ = victim_ids(store, own_cluster, 1, 0)
+    slot = _slot(store.keys.hdr(sid))
+    ms = [f"e{i}" for i in range(30)]
+    await store.create(SessionHeader(id=sid), [mark(m) for m in ms])
+    assert (await Archiver(store).archive(sid, upto=20)).status == "archived"
+    archived = _segments(folder)
+    assert archived
+    master = own_cluster.master_of_slot(slot)
+    with replica_cut_off(own_cluster, master):
+        assert await store.delete(sid) is True  # on the master alone
+        assert _segments(folder) == archived  # not confirmed durable: left to the sweep
+        master.kill()
+    await anyio.to_thread.run_sync(wait_failed_over, own_cluster, slot, master)
+    reader = fresh(own_cluster, store.prefix, folder)
+    try:
+        await check_session(reader, sid, ms)  # the promoted replica's session reads whole
+        await anyio.to_thread.run_sync(restart_as_replica, own_cluster, master)
+        assert await retrying(lambda: reader.delete(sid)) is True  # confirmed now: the objects go
+        assert _segments(folder) == []
+    finally:
+        await reader.aclose()
+
+
+async def test_a_purge_the_replica_never_got_keeps_the_parents_segments(
+    own_cluster: LocalCluster, cold_store: tuple[RedisSessionStore, str]
+) -> None:
+    """Deleting the last branch of a deleted, archived parent purges the parent and its
+    segments; a failover that loses that purge brings the branch back, and it must still read
+    its inherited (archived) prefix."""
+    store, folder = cold_store
+    (parent, child), _ = victim_ids(store, own_cluster, 2, 0)
+    slot = _slot(store.keys.hdr(parent))
+    ms = [f"e{i}" for i in range(30)]
+    await store.create(SessionHeader(id=parent), [mark(m) for m in ms])
+    assert (await Archiver(store).archive(parent, upto=20)).status == "archived"
+    await store.create(SessionHeader(id=child, parent=parent, at=25))
+    assert await store.delete(parent) is True  # hidden: its branch still reads it
+    archived = _segments(folder)
+    assert archived
+    master = own_cluster.master_of_slot(slot)
+    with replica_cut_off(own_cluster, master):
+        assert await store.delete(child) is True  # the parent is purged on the master alone
+        assert _segments(folder) == archived
+        master.kill()
+    await anyio.to_thread.run_sync(wait_failed_over, own_cluster, slot, master)
+    reader = fresh(own_cluster, store.prefix, folder)
+    try:
+        await check_session(reader, child, ms[:25])
+    finally:
+        await reader.aclose()

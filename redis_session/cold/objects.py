@@ -85,7 +85,8 @@ class LocalFolder:
         # more than the read)
         try:
             return self._path(key).read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            # a folder where the object should be is no object either (never "Redis is down")
             raise ObjectMissing(key) from None
 
     async def delete(self, key: str) -> None:
@@ -114,7 +115,10 @@ class LocalFolder:
                 p = Path(dirpath) / name
                 key = p.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
-                    st = p.stat()
+                    try:
+                        st = p.stat()
+                    except FileNotFoundError:
+                        continue  # deleted while listed (a merge, a restore, another sweep)
                     out.append(ObjectInfo(key, st.st_size, int(st.st_mtime * 1000)))
         return sorted(out)
 

@@ -25,10 +25,19 @@ PAGE = 10_000
 
 
 async def stream_problems(
-    raw: Callable[..., Awaitable[Any]], key: str, n: int, at: int, cold: ColdCheck | None = None
+    raw: Callable[..., Awaitable[Any]],
+    key: str,
+    n: int,
+    at: int,
+    cold: ColdCheck | None = None,
+    header_n: Callable[[], Awaitable[int | None]] | None = None,
 ) -> StorageCheck:
     """Walk the session's own stream (`key`, read with the store's `raw` command call): IDs,
-    contiguity against the header, decoding; and, with `cold`, the archived segments before it."""
+    contiguity against the header, decoding; and, with `cold`, the archived segments before it.
+
+    `n` is the header's as read before the walk. Entries appended while the doctor walks are no
+    ``stream-ahead``: with `header_n` (the header's n now), a log ahead of `n` is asked again
+    after the walk, and entries past `n` the header has since counted are left out."""
     problems: list[Problem] = []
     ids: list[int] = []
     own: list[Entry] = []
@@ -57,7 +66,14 @@ async def stream_problems(
     if ids and ids[0] < hot:
         where = f"the branch point at={at}" if hot == at else f"the archived range's end {hot}"
         problems.append(Problem(ids[0], "stream-order", f"the stream holds n={ids[0]}, below {where}"))
-    problems.extend(sequence_problems([k for k in ids if k >= hot], hot, n))
+    found = sequence_problems([k for k in ids if k >= hot], hot, n)
+    ahead = [p for p in found if p.code == "stream-ahead"]
+    if ahead and header_n is not None and not [p for p in found if p.code in ("stream-gap", "stream-order")]:
+        now = await header_n()
+        if now is not None and now > max(ids):  # appended meanwhile: the session at n is whole
+            found = [p for p in found if p.code != "stream-ahead"]
+            own = [e for e in own if e.n < n]
+    problems.extend(found)
     return StorageCheck(problems, own)
 
 

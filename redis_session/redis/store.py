@@ -26,6 +26,7 @@ import builtins
 import contextlib
 import heapq
 import itertools
+import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from importlib import resources
@@ -138,6 +139,8 @@ class _Script:
         source = self.source.encode()
         self.source_bulk = b"$%d\r\n%b\r\n" % (len(source), source)
 
+
+log = logging.getLogger(__name__)
 
 _SCRIPTS = {
     name: _Script(name)
@@ -1571,15 +1574,24 @@ class RedisSessionStore(StoreRules):
     async def storage_problems(self, session_id: str, n: int, at: int) -> StorageCheck:
         """Doctor's storage checks: the session's own stream walked raw (`redis.doctor`)."""
         validate_session_id(session_id)
+        hdr = self.keys.hdr(session_id)
+
+        async def header_n() -> int | None:
+            return _i(await self._raw("HGET", hdr, "n"))
+
         with _io():
-            cold_raw, inc_raw, born_raw = await self._raw(
-                "HMGET", self.keys.hdr(session_id), "cold", "incarnation", "created_at"
-            )
-            cold = None
-            if cold_raw is not None:
-                inc = self._check_incarnation(session_id, None, inc_raw, born_raw)
-                cold = ColdCheck(session_id, inc, cold_raw, await self.cold_tier())
-            return await stream_problems(self._raw, self.keys.log(session_id), n, at, cold)
+            for _attempt in range(5):
+                cold_raw, inc_raw, born_raw = await self._raw("HMGET", hdr, "cold", "incarnation", "created_at")
+                cold = None
+                if cold_raw is not None:
+                    inc = self._check_incarnation(session_id, None, inc_raw, born_raw)
+                    cold = ColdCheck(session_id, inc, cold_raw, await self.cold_tier())
+                check = await stream_problems(self._raw, self.keys.log(session_id), n, at, cold, header_n)
+                # an archive (or a restore) that moved entries between the header's cold field
+                # and the walk of the stream is no gap: look again
+                if not check.problems or await self._raw("HGET", hdr, "cold") == cold_raw:
+                    return check
+            return check
 
     # ------------------------------------------------------------------ cold tier (archive.lua)
 
@@ -1684,8 +1696,31 @@ class RedisSessionStore(StoreRules):
         """Delete a deleted (or purged) session's segments; what fails here is left to `Archiver.sweep`."""
         with contextlib.suppress(Exception):
             tier = await self.cold_tier()
-            if tier is not None:
+            if tier is not None and await self._durable_fence(session_id):
                 await tier.drop(session_id, incarnation, decode_cold(cold_raw))
+
+    async def _durable_fence(self, session_id: str) -> bool:
+        """Whether every write before this call is as durable as the store's writes (a replica
+        or the AOF has it): what a delete, a purge or a swap removed may then go from the object
+        store too. Unconfirmed, a failover (or a restart) could bring back a header naming the
+        segments: they are left to `Archiver.sweep`, which keeps what a header names.
+
+        Two replicated writes that cancel out (a member added to and removed from the session's
+        ``coldpending`` set: the same slot, so the same node) and the durability wait, in one
+        round trip: the replication stream is ordered, so a replica that acknowledged them has
+        everything written before."""
+        if not self._durable:
+            return True
+        key = self.keys.cold_pending(session_id)
+        packed = pack(("ZADD", key, 0, "~fence")) + pack(("ZREM", key, "~fence")) + self._durable
+        try:
+            replies = await self._send_write(key, packed, 3, soft_tail=True)
+        except Exception:
+            return False
+        if _confirmed(replies[2]):
+            return True
+        log.warning("session %s: not confirmed durable; its segment objects are left to the sweep", session_id)
+        return False
 
     async def cold_state(self, session_id: str) -> ColdState | None:
         validate_session_id(session_id)
@@ -1753,7 +1788,7 @@ class RedisSessionStore(StoreRules):
         if born_raw is not None and (_s(inc_raw) or legacy_incarnation(int(born_raw))) == incarnation:
             raise ValueError(f"session {session_id!r}: the life {incarnation!r} is still there")
         tier = await self.cold_tier()
-        if tier is None:
+        if tier is None or not await self._durable_fence(session_id):
             return 0
         keys = [info.key async for info in tier.objects.list(tier.life_dir(session_id, incarnation))]
         for key in keys:
