@@ -211,3 +211,16 @@ async def test_the_doctor_finds_nothing_wrong_with_a_session_written_and_archive
     assert len(reports) > 10
     assert [r.problems for r in reports if not r.ok] == []
     assert (await doctor(redis_store, "busy")).ok
+
+
+async def test_the_clis_default_folders_of_two_stores_are_two_folders(
+    two_stores: tuple[RedisSessionStore, RedisSessionStore, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redis_session.cli.workers import _cold_tier
+
+    monkeypatch.setenv("REDIS_SESSION_HOME", str(tmp_path / "home"))
+    a, b, _ = two_stores
+    ta, tb = await _cold_tier(a, None), await _cold_tier(b, None)
+    assert ta.url != tb.url
+    assert all(t.url.startswith((tmp_path / "home" / "cold").as_uri()) for t in (ta, tb))
+    assert (await _cold_tier(a, None)).url == ta.url  # recorded: found again

@@ -148,15 +148,16 @@ def _duration_ms(text: str) -> int:
 
 async def _cold_tier(store: Any, to: str | None) -> Any:
     """The prefix's cold tier: `to` (recorded for every store of the prefix), else the one
-    recorded, else a local folder in the user data dir (recorded)."""
-    from ..archiver import set_cold_url
+    recorded, else a local folder of this store's own in the user data dir (recorded): two
+    servers (or databases) never share one by default."""
+    from ..archiver import set_cold_url, store_id
 
     if to is None and await store.cold_tier() is not None:
         return store.cold
     if to is None:
         from ..redis.embedded import default_data_dir
 
-        to = str(default_data_dir() / "cold")
+        to = str(default_data_dir() / "cold" / await store_id(store))
     return await set_cold_url(store, to)
 
 
@@ -171,7 +172,7 @@ def archive_cmd(
             "--to",
             envvar="REDIS_SESSION_COLD",
             help="Object store URL (file:///path or a path, s3://, gs://, az://); recorded for the prefix. "
-            "Default: the one recorded, else <data dir>/cold.",
+            "Default: the one recorded, else <data dir>/cold/<store id>.",
         ),
     ] = None,
     idle: Annotated[
