@@ -51,6 +51,7 @@ from ..errors import (
     AnswerOrderError,
     InvalidEntryError,
     SessionNotFoundError,
+    SessionReplacedError,
 )
 from ..model import NewEntry, legacy_incarnation
 from ..projection.chunks import TOOL_CALL, Delta, assemble, new_answer_id, replay
@@ -232,16 +233,30 @@ def _expected(cond: Preconditions, req: EndIn) -> int | None:
     return cond.expected if cond.expected is not None else req.expected_n
 
 
-async def _logged_chunks(gw: Gateway, sid: str, answer: str) -> tuple[list[Any], int, str | None]:
+async def _logged_chunks(
+    gw: Gateway, sid: str, answer: str, pinned: str | None
+) -> tuple[list[Any], int, str | None, bool]:
     """The answer's deltas in the log, assembled by index (its rows' ``seq``), the count of the
-    contiguous run from 0, and its life."""
-    states = await gw.store.answer_states(sid, [answer])
-    st = states.get(answer)
-    if st is None:
-        raise AnswerNotFoundError(sid, answer)
+    contiguous run from 0, its life, and whether it has ended (a retried end: the script answers
+    the entry the first one wrote).
+
+    The refusals come in the script's order (``lua/answer.lua``): no session, another life than
+    the one pinned, no such answer, an answer of another life (its state outlives a delete of the
+    id), and only then what the log lacks: an answer begun in an earlier life of the id is
+    `SessionReplacedError`, never `incomplete` because the new life's log does not hold its rows."""
     head = await gw.store.head(sid)
     if head is None:
         raise SessionNotFoundError(sid)
+    cur = head.header.incarnation or legacy_incarnation(head.header.created_at)
+    if pinned and pinned != cur:
+        raise SessionReplacedError(sid, f"answer {answer!r} belongs to another life of the id")
+    st = (await gw.store.answer_states(sid, [answer])).get(answer)
+    if st is None:
+        raise AnswerNotFoundError(sid, answer)
+    if st.incarnation != cur:
+        raise SessionReplacedError(sid, f"answer {answer!r} belongs to another life of the id")
+    if st.ended is not None:
+        return [], st.logged, st.incarnation, True
     rows = await gw.store.read(sid, st.n, head.n, incarnation=st.incarnation) if st.n < head.n else []
     by_seq: dict[int, list[Any]] = {}
     for e in rows:
@@ -250,7 +265,7 @@ async def _logged_chunks(gw: Gateway, sid: str, answer: str) -> tuple[list[Any],
     chunks: list[Any] = []
     while len(chunks) in by_seq:
         chunks.extend(by_seq[len(chunks)])
-    return chunks, st.logged, st.incarnation
+    return chunks, st.logged, st.incarnation, False
 
 
 async def end(gw: Gateway, request: Request, sid: str) -> Response:
@@ -261,9 +276,9 @@ async def end(gw: Gateway, request: Request, sid: str) -> Response:
         raise Unprocessable("begin_id is a live stream id (<ms>-<seq>), as the begin answered", "$.begin_id")
     expected = _expected(cond, req)
     try:
-        chunks, logged, inc = await _logged_chunks(gw, sid, answer)
+        chunks, logged, inc, over = await _logged_chunks(gw, sid, answer, cond.incarnation)
         count = logged if req.deltas is None else req.deltas
-        if len(chunks) != logged or count != logged:
+        if not over and (len(chunks) != logged or count != logged):
             raise AnswerIncompleteError(sid, answer, min(len(chunks), logged), count)
         content = req.content if req.content is not None else assemble(chunks)
         closing: NewEntry
