@@ -49,6 +49,7 @@ import msgspec
 from .errors import (
     AnswerAliveError,
     AnswerError,
+    AnswerTooLargeError,
     DurabilityError,
     InvalidEntryError,
     SessionConflictError,
@@ -56,7 +57,7 @@ from .errors import (
     SessionReplacedError,
     StoreUnavailableError,
 )
-from .model import Entry, NewEntry, now_ms
+from .model import Entry, NewEntry, encode_entry, now_ms
 from .projection.chunks import (
     CHUNK,
     INTERRUPTED,
@@ -68,10 +69,12 @@ from .projection.chunks import (
     Delta,
     DeltaGap,
     LiveRecord,
+    answer_budget,
     answers_to_skip,
     assemble,
     chunk_row,
     delta_chunk,
+    delta_cost,
     new_answer_id,
     open_answers,
     replay,
@@ -146,6 +149,7 @@ class AnswerStream:
         self._position, self._advance, self._incarnation = position, advance, incarnation
         self._meta = dict(meta or {})
         self._deltas: list[Delta] = []  # every delta, in order (index = position)
+        self._cost = 0  # their content cost (`delta_cost`): within `answer_budget`
         self._flushed = 0  # deltas [0, _flushed) are in the log
         self._live = 0  # deltas [0, _live) are on the live stream
         self._row: tuple[int, int] | None = None  # a row sent but not acknowledged: resent as it is
@@ -209,16 +213,19 @@ class AnswerStream:
             raise self._failed
         if self._closed or not self._tasks:
             raise RuntimeError("this answer stream is not open (use `async with s.stream(...)`)")
-        chunk = delta_chunk(kind, text, call_id, name)  # validates the kind
-        # refused here, to the caller, before anything is queued: a delta no row could carry
-        # (a lone surrogate, or one over the entry limit) would otherwise fail in the background
+        delta_chunk(kind, text, call_id, name)  # validates the kind
+        # refused here, to the caller, before anything is queued: a delta no row could carry (a
+        # lone surrogate) would otherwise fail in the background, and one that takes the answer
+        # over what its closing message can hold (the protocol's size rule, `answer_budget`)
+        # would be refused with its row: the writer learns it now and can end with what it has
         try:
-            size = len(msgspec.json.encode(chunk))
+            cost = delta_cost(kind, text, call_id, name)
         except UnicodeEncodeError as e:
             raise InvalidEntryError(f"a delta must be valid UTF-8 text: {e.reason}") from None
-        limit = self.store.max_entry_bytes
-        if size > limit:
-            raise InvalidEntryError(f"a delta of {size} bytes; an entry's limit is {limit}")
+        budget = answer_budget(self.store.max_entry_bytes)
+        if self._cost + cost > budget:
+            raise AnswerTooLargeError(self.session_id, self.answer, self._cost + cost, budget, len(self._deltas))
+        self._cost += cost
         index = len(self._deltas)
         self._deltas.append(Delta(answer=self.answer, index=index, kind=kind, text=text, call_id=call_id, name=name))
         self._send_wake.set()
@@ -548,6 +555,17 @@ class AnswerStream:
     async def _commit(self) -> None:
         message = answer_message(self.answer, self.turn, self.step, self.content(), self.usage, self._meta)
         try:
+            encode_entry(message, self.store.vocabulary, max_entry_bytes=self.store.max_entry_bytes)
+        except InvalidEntryError:
+            # its content fits (the size rule), so `usage` or `meta` make it too big: the answer
+            # is not left open (nothing could close it but a repair), it ends interrupted, with
+            # every delta in its rows, and the block is told
+            try:
+                await self._interrupt("error")
+            except Exception:
+                log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
+            raise
+        try:
             try:
                 ended, unconfirmed = await self._end("committed", message, self._expected())
             except SessionConflictError as e:
@@ -581,8 +599,9 @@ class AnswerStream:
 
     async def _interrupt(self, reason: str) -> None:
         mark = interrupted_mark(
-            self.answer, self.turn, self.step, reason, len(self._deltas), self.content(), self._meta
-        )
+            self.answer, self.turn, self.step, reason, len(self._deltas), self.content(), self._meta,
+            max_bytes=self.store.max_entry_bytes,
+        )  # fmt: skip
         ended, _ = await self._end("interrupted", mark, None)
         self.interrupted = await self._closing_entry(ended.n)
 
@@ -616,17 +635,36 @@ def interrupted_mark(
     deltas: int,
     content: Sequence[Any],
     meta: dict[str, Any] | None = None,
+    *,
+    max_bytes: int | None = None,
 ) -> NewEntry:
     """The ``assistant/interrupted`` mark that closes an answer cut short: `reason` (cancelled,
     error, crashed), how many deltas it had and the content they make (the chunk rows before it
-    hold every delta)."""
+    hold every delta). With `max_bytes` (the store's entry limit) the mark always fits: when
+    the content (or `meta`) would not, it goes without (``"truncated": true``; the rows still
+    replay the answer), so an answer can always be closed."""
     data: dict[str, Any] = {}
     if turn is not None:
         data["turn"] = turn
     if step is not None:
         data["step"] = step
     data.update({"answer": answer, "reason": reason, "deltas": deltas, "content": list(content)})
-    return NewEntry(INTERRUPTED, data, {**(meta or {}), "answer": answer})
+    mark = NewEntry(INTERRUPTED, data, {**(meta or {}), "answer": answer})
+    if max_bytes is None or _entry_size(mark) <= max_bytes:
+        return mark
+    data = {**data, "content": [], "truncated": True}
+    mark = NewEntry(INTERRUPTED, data, mark.meta)
+    if _entry_size(mark) <= max_bytes:
+        return mark
+    return NewEntry(INTERRUPTED, data, {"answer": answer})
+
+
+def _entry_size(e: NewEntry) -> int:
+    """The size the store measures (`model.EncodedEntry.size`), or more when it is not JSON."""
+    try:
+        return len(e.type) + len(msgspec.json.encode(e.data)) + len(msgspec.json.encode(e.meta))
+    except (TypeError, UnicodeEncodeError, OverflowError):
+        return 1 << 62
 
 
 async def close_dead_answers(
@@ -661,8 +699,13 @@ async def close_dead_answers(
             continue  # its state expired: the protocol cannot close it (the turn closers still do)
         rest = [d for d in live if d.index >= have]
         rest = [d for i, d in enumerate(rest) if d.index == have + i]  # contiguous from the log's end
+        while rest and _entry_size(chunk_row([d.chunk() for d in rest], turn=turn, step=step, answer=answer,
+                                             seq=have)) > store.max_entry_bytes:  # fmt: skip
+            rest = rest[: len(rest) // 2]  # the row that closes it must fit: what fits of the rest
         chunks.extend(d.chunk() for d in rest)
-        mark = interrupted_mark(answer, turn, step, "crashed", len(chunks), assemble(chunks))
+        mark = interrupted_mark(
+            answer, turn, step, "crashed", len(chunks), assemble(chunks), max_bytes=store.max_entry_bytes
+        )
         try:
             ended = await store.answer_end(
                 session_id, answer, deltas=have + len(rest), reason="interrupted", closing=mark,

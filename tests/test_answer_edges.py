@@ -19,6 +19,8 @@ from redis_session import (
     SessionReplacedError,
 )
 
+from redis_session.projection.chunks import replay
+
 from support import running_gateway
 
 pytestmark = pytest.mark.anyio
@@ -32,7 +34,7 @@ def _batch(first: int, texts: str | list[str]) -> dict[str, Any]:
     return {"first_index": first, "deltas": [{"text": t} for t in texts]}
 
 
-def _deltas(answer: str, first: int, texts: str) -> list[Delta]:
+def _deltas(answer: str, first: int, texts: str | list[str]) -> list[Delta]:
     return [Delta(answer=answer, index=first + i, kind="text", text=t) for i, t in enumerate(texts)]
 
 
@@ -108,3 +110,133 @@ async def test_every_op_of_an_earlier_lifes_answer_is_replaced_first(store: Any)
             pytest.fail(f"call {i} was not refused")
     assert await store.read("lv") == []
     assert [r for r in await store.read_live("lv") if r.answer == "a1"] == []
+
+
+# --------------------------------------------------------------------------- the size rule
+
+
+def _budget(store: Any) -> int:
+    from redis_session.projection.chunks import answer_budget
+
+    return answer_budget(store.max_entry_bytes)
+
+
+async def test_a_python_answer_that_would_outgrow_its_message_is_refused_at_the_delta_and_ends(store: Any) -> None:
+    from redis_session import AnswerTooLargeError, InvalidEntryError, Sessions
+
+    await store.create(SessionHeader(id="big"))
+    s = await Sessions(store).open("big")
+    piece = "x" * (100 << 10)
+    async with s.stream(turn=1, step=1) as w:
+        with pytest.raises(AnswerTooLargeError) as got:
+            for _ in range(20):  # 2 MiB: far over an entry
+                await w.delta(piece)
+        e = got.value
+        assert isinstance(e, InvalidEntryError)  # bad input: a typed error, nothing of it queued
+        assert e.limit == _budget(store) and e.size > e.limit and e.logged == w.count == e.limit // len(piece)
+        with pytest.raises(AnswerTooLargeError):
+            await w.delta(piece)
+        await w.delta("!")  # what still fits is taken
+    text = piece * e.logged + "!"
+    assert w.message is not None and w.message.data["content"] == [{"type": "text", "text": text}]
+    entries = await store.read("big")
+    assert entries[-1].type == "assistant/message"
+    assert "".join(c["text"] for c in replay(entries)[w.answer]) == text
+    live = await store.read_live("big")
+    assert [r.index for r in live if r.is_delta] == list(range(e.logged + 1))
+    assert live[-1].kind == "end" and live[-1].n == w.message.n
+
+
+async def test_an_uncaught_too_large_delta_ends_the_answer_interrupted(store: Any) -> None:
+    from redis_session import AnswerTooLargeError, Sessions
+
+    await store.create(SessionHeader(id="big2"))
+    s = await Sessions(store).open("big2")
+    with pytest.raises(AnswerTooLargeError):
+        async with s.stream(turn=1, step=1) as w:
+            while True:
+                await w.reasoning("r" * (300 << 10))
+    assert w.interrupted is not None and w.interrupted.data["reason"] == "error"
+    assert w.interrupted.data["deltas"] == 3 and not w.interrupted.data.get("truncated")
+    assert w.interrupted.data["content"] == [{"type": "reasoning", "text": "r" * (900 << 10)}]
+    assert (await store.read_live("big2"))[-1].kind == "end"
+
+
+async def test_a_closing_message_whose_meta_is_too_big_ends_interrupted_not_stuck() -> None:
+    from redis_session import InvalidEntryError, MemorySessionStore, Sessions
+
+    store = MemorySessionStore(max_entry_bytes=64 << 10)
+    await store.create(SessionHeader(id="meta"))
+    s = await Sessions(store).open("meta")
+    with pytest.raises(InvalidEntryError):
+        async with s.stream(turn=1, step=1, meta={"blob": "m" * (60 << 10)}) as w:
+            await w.delta("a" * (40 << 10))
+    assert w.message is None and w.interrupted is not None
+    assert w.interrupted.data["truncated"] is True and w.interrupted.data["content"] == []
+    assert w.interrupted.meta is not None and w.interrupted.meta["answer"] == w.answer  # the rows hold the answer
+    entries = await store.read("meta")
+    assert "".join(c["text"] for c in replay(entries)[w.answer]) == "a" * (40 << 10)
+    assert await Sessions(store).repair("meta", stale_after=0) is not None  # nothing left open
+    assert [e.type for e in await store.read("meta")].count("assistant/interrupted") == 1
+
+
+async def test_http_a_batch_over_the_answers_budget_is_413_and_the_answer_still_ends(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    await redis_store.create(SessionHeader(id="hbig"))
+    r = await client.post(path("hbig", "answers"), json={"turn": 1, "step": 1})
+    a = r.json()["answer"]
+    url = path("hbig", f"answers/{a}/deltas")
+    piece = "y" * (200 << 10)
+    sent = 0
+    while True:
+        r = await client.post(url, json=_batch(sent, [piece] * 2))
+        if r.status_code != 201:
+            break
+        sent += 2
+    body = r.json()
+    assert r.status_code == 413 and body["error"] == "answer_too_large", r.text
+    assert body["limit"] == _budget(redis_store) and body["size"] > body["limit"]
+    assert body["next_index"] == sent == 4 and body["answer"] == a
+    before = await redis_store.read("hbig")
+    live_before = await redis_store.read_live("hbig")
+    assert len(before) == 2 and [x.index for x in live_before if x.is_delta] == [0, 1, 2, 3]  # nothing of it
+    r = await client.post(url, json=_batch(sent, ["tail"]))  # what fits still goes
+    assert r.status_code == 201, r.text
+    r = await client.post(path("hbig", f"answers/{a}/end"), json={"reason": "committed", "deltas": 5})
+    assert r.status_code == 201, r.text
+    msg = (await redis_store.read("hbig"))[-1]
+    assert msg.type == "assistant/message" and msg.data["content"] == [{"type": "text", "text": piece * 4 + "tail"}]
+    assert (await redis_store.read_live("hbig"))[-1].kind == "end"
+
+
+async def test_http_an_interrupted_end_always_fits(client: httpx.AsyncClient, redis_store: RedisSessionStore) -> None:
+    await redis_store.create(SessionHeader(id="hcut"))
+    a = (await client.post(path("hcut", "answers"), json={})).json()["answer"]
+    assert (await client.post(path("hcut", f"answers/{a}/deltas"), json=_batch(0, "ab"))).status_code == 201
+    huge = [{"type": "text", "text": "z" * (1 << 20)}]
+    end = path("hcut", f"answers/{a}/end")
+    r = await client.post(end, json={"reason": "committed", "content": huge})  # the caller's own content
+    assert r.status_code == 413 and r.json()["error"] == "entry_too_large", r.text
+    r = await client.post(end, json={"reason": "interrupted", "content": huge})
+    assert r.status_code == 201, r.text
+    mark = (await redis_store.read("hcut"))[-1]
+    assert mark.type == "assistant/interrupted" and mark.data["truncated"] is True and mark.data["deltas"] == 2
+
+
+async def test_repair_closes_an_answer_whose_live_deltas_outgrow_an_entry() -> None:
+    # a writer that died with more on the live stream than one row holds: repair closes it with
+    # what fits, never stuck on an entry it cannot write
+    from redis_session import MemorySessionStore, Sessions
+
+    store = MemorySessionStore(max_entry_bytes=64 << 10)
+    await store.create(SessionHeader(id="dead"))
+    begun = await store.answer_begin("dead", "a1", turn=1, step=1, ttl_ms=60_000)
+    await store.answer_live("dead", "a1", 0, _deltas("a1", 0, ["q" * (20 << 10)] * 5), incarnation=begun.incarnation)  # type: ignore[arg-type]
+    await Sessions(store).repair("dead", stale_after=0)
+    entries = await store.read("dead")
+    mark = [e for e in entries if e.type == "assistant/interrupted"]
+    assert len(mark) == 1 and mark[0].data["reason"] == "crashed"
+    rows = replay(entries)["a1"]
+    assert 0 < len(rows) < 5 and mark[0].data["deltas"] == len(rows)
+    assert (await store.read_live("dead"))[-1].kind == "end"

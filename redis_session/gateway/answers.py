@@ -16,15 +16,22 @@ answer between requests).
     409 ``out_of_order`` with ``expected_index`` otherwise (never reordered, holes never
     accepted). A retry of a batch that landed is a no-op that still leaves its deltas on the
     live stream exactly once (two copies at once too); the same index with other deltas is 422
-    ``batch_mismatch``. 201 ``{n, next_index, entries: []}``. An empty batch (``deltas: []``) is
-    the writer's heartbeat: nothing is written, the answer's lease is refreshed (`repair` leaves an
-    answer alone while its writer wrote or beat within ``stale_after``, 30 s); 200.
+    ``batch_mismatch``. A batch that would take the answer's content over what its closing
+    message can hold (the entry limit less 16 KiB, `projection.chunks.answer_budget`) is 413
+    ``answer_too_large`` with ``size``, ``limit`` and ``next_index``: nothing of it is written,
+    and the answer can still end with the deltas it has. 201 ``{n, next_index, entries: []}``.
+    An empty batch (``deltas: []``) is the writer's heartbeat: nothing is written, the answer's
+    lease is refreshed (`repair` leaves an answer alone while its writer wrote or beat within
+    ``stale_after``, 30 s); 200.
 ``POST /sessions/{id}/answers/{answer}/end`` ``{reason, deltas?, content?, usage?, meta?, cause?}``
     closes it: ``committed`` appends the ``assistant/message`` (content assembled by index from
     the answer's chunk rows, unless given), ``interrupted`` the ``assistant/interrupted`` mark;
     `deltas` is how many the writer sent (default: as many as the log holds): 409 ``incomplete``
     with the ``missing`` range while the log lacks any. ``If-Match`` (or ``expected_n``) as on
     ``/entries`` (412, nothing written). A retried end answers the entry the first one wrote.
+    An interrupted mark always fits the entry limit (its content left out, ``truncated``, when
+    it would not: the rows hold every delta); a committed message over it (a given `content`,
+    `usage` or `meta` too big) is 413 ``entry_too_large`` and the answer stays open.
 
 Every op after the begin is checked against the life the answer began in, with or without the
 ``X-Session-Incarnation`` header: an answer of a deleted session never writes into the one that
@@ -49,6 +56,7 @@ from ..errors import (
     AnswerIncompleteError,
     AnswerNotFoundError,
     AnswerOrderError,
+    AnswerTooLargeError,
     InvalidEntryError,
     SessionNotFoundError,
     SessionReplacedError,
@@ -133,6 +141,9 @@ def _refused(e: AnswerError) -> Response:
     if isinstance(e, AnswerNotFoundError):
         body["error"] = "answer_not_found"
         return _JSON(body, status_code=404)
+    if isinstance(e, AnswerTooLargeError):
+        body.update(error="answer_too_large", size=e.size, limit=e.limit, next_index=e.logged)
+        return _JSON(body, status_code=413)
     if isinstance(e, AnswerBatchMismatchError):
         body.update(error="batch_mismatch", first_index=e.first)
         return _JSON(body, status_code=422)
@@ -195,6 +206,8 @@ async def deltas(gw: Gateway, request: Request, sid: str) -> Response:
             sid, answer, req.first_index, batch, turn=req.turn, step=req.step,
             incarnation=cond.incarnation, ttl_ms=LIVE_TTL_MS,
         )  # fmt: skip
+    except AnswerTooLargeError as e:
+        return _refused(e)
     except InvalidEntryError as e:
         raise entry_error(e, "") from None
     except AnswerError as e:
@@ -285,11 +298,15 @@ async def end(gw: Gateway, request: Request, sid: str) -> Response:
         if req.reason == "committed":
             closing = answer_message(answer, req.turn, req.step, content, req.usage, req.meta)
         else:
-            closing = interrupted_mark(answer, req.turn, req.step, req.cause, count, content, req.meta)
+            closing = interrupted_mark(
+                answer, req.turn, req.step, req.cause, count, content, req.meta, max_bytes=gw.store.max_entry_bytes
+            )
         ended = await gw.store.answer_end(
             sid, answer, deltas=count, reason=req.reason, closing=closing, expected=expected,
             turn=req.turn, step=req.step, incarnation=cond.incarnation or inc, grace_ms=GRACE_MS,
         )  # fmt: skip
+    except AnswerTooLargeError as e:
+        return _refused(e)
     except InvalidEntryError as e:
         raise entry_error(e, "") from None
     except AnswerError as e:

@@ -85,8 +85,10 @@ from ..projection.chunks import (
     AnswerState,
     Delta,
     LiveRecord,
+    answer_budget,
     answer_refusal,
     chunk_row,
+    deltas_cost,
     live_draft,
 )
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, ColdState, StorageCheck
@@ -1300,7 +1302,8 @@ class RedisSessionStore(StoreRules):
     ) -> AnswerAck:
         data = self._row_data(answer, first, deltas, turn, step) if log else b""
         args: builtins.list[Any] = ["deltas", answer, incarnation or "", ttl_ms, self.live_maxlen]
-        args += [first, len(deltas), data, len(deltas) if live else 0]
+        cost = deltas_cost(deltas) if data else 0  # the answer's size rule (lua/answer.lua)
+        args += [first, len(deltas), data, cost, answer_budget(self.max_entry_bytes), len(deltas) if live else 0]
         if live:
             for i, d in enumerate(deltas):
                 f = LiveRecord(
@@ -1422,6 +1425,7 @@ class RedisSessionStore(StoreRules):
         args += [deltas, reason, "" if expected is None else expected, rest_first, len(rest), data]
         args += [b"", b"", b""] if enc is None else [enc.type, enc.data_raw, enc.meta_raw or b""]
         args += ["" if stale_ms is None else stale_ms, self.feed_maxlen, session_id]
+        args += [deltas_cost(rest), "" if stale_ms is not None else answer_budget(self.max_entry_bytes)]
         res, acks = await self._answer(session_id, answer, args, durable=bool(self._durable))
         code = int(res[0])
         if code == 0:

@@ -2,12 +2,13 @@
  * An answer belongs to the life of the id it began in: once the session is deleted and created
  * again, every write of the old writer is `SessionReplacedError` (409 `session_replaced`), checked
  * before anything else the request gets wrong — never `AnswerIncompleteError` because the new
- * life's log does not hold the old answer's rows.
+ * life's log does not hold the old answer's rows. And an answer that would outgrow what its message
+ * can hold is refused at the batch (`AnswerTooLargeError`), so it can still end with what it has.
  */
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 
-import { AnswerIncompleteError, SessionClient, SessionReplacedError } from '../src/index.js'
+import { AnswerIncompleteError, AnswerTooLargeError, InvalidEntryError, SessionClient, SessionReplacedError } from '../src/index.js'
 import { ADMIN, skip, uid, URL } from './env.js'
 import { openTurn as openTurnOf } from './turns.js'
 
@@ -36,5 +37,30 @@ describe('an answer of an earlier life', { skip }, () => {
     assert.deepEqual(await client.read(id), [])
     w2.delta('new')
     assert.equal((await w2.end()).entries[0]?.type, 'assistant/message')
+  })
+})
+
+describe('an answer too large for its message', { skip }, () => {
+  it('is refused at the batch that would outgrow it, and ends with what landed', async () => {
+    const id = uid('ts/big')
+    await openTurnOf(client, id)
+    const piece = 'y'.repeat(200 * 1024)
+    const w = await client.stream(id, { turn: 1, step: 1, intervalMs: 10_000 })
+    for (let i = 0; i < 4; i++) w.delta(piece)
+    await w.flush() // 800 KiB: it fits
+    w.delta(piece)
+    w.delta(piece)
+    const err = await w.flush().then(
+      () => assert.fail('the batch over the budget landed'),
+      (e: unknown) => e,
+    )
+    assert.ok(err instanceof AnswerTooLargeError && !(err instanceof InvalidEntryError), `${String(err)}`)
+    assert.equal(err.status, 413)
+    assert.equal(err.nextIndex, 4)
+    assert.ok(err.size > err.limit && err.limit > 1000 * 1024, `${err.size} ${err.limit}`)
+    assert.throws(() => w.delta('more'), AnswerTooLargeError)
+    const done = await w.end({ expectedN: 'writer' })
+    assert.equal(done.entries[0]?.type, 'assistant/message')
+    assert.deepEqual(done.entries[0]?.data.content, [{ type: 'text', text: piece.repeat(4) }])
   })
 })
