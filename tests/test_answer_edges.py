@@ -18,7 +18,6 @@ from redis_session import (
     SessionHeader,
     SessionReplacedError,
 )
-
 from redis_session.projection.chunks import replay
 
 from support import running_gateway
