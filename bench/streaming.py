@@ -282,7 +282,7 @@ def run_way(url: str, way: str, sessions: int, deltas: int, rate: float, procs: 
     anyio.run(drop_prefix, url, prefix)
     total = sum(p["deltas"] for p in parts)
     lat = [x for p in parts for x in p["latencies"]]
-    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:4]
+    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:10]
     return {
         "way": way,
         "deltas": total,

@@ -11,6 +11,9 @@
 --                         none, once ended), r (the end's reason), sz (its logged deltas' content
 --                         cost: the bytes they add to the closing message, at most)
 -- KEYS[10]   feed   optional change-feed shard (standalone servers only)
+-- (and, named from KEYS[8] as the states are: {prefix}:{id}:live:+open  HASH  answer -> "<begin's
+--  live id> <life>" of every answer begun and not ended, so an end finds the open begins its trim
+--  must keep without scanning the live stream; "+" is in no answer id; it expires with the states)
 --
 -- ARGV[1] op          "begin" | "deltas" | "beat" | "end"
 -- ARGV[2] answer      the answer id
@@ -70,9 +73,12 @@ if sttl and tonumber(sttl) < ttl then ttl = tonumber(sttl) end
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+local open = live .. ':+open'
+
 local function expire(ms)
   call('PEXPIRE', state, ms)
   call('PEXPIRE', live, ms)
+  call('PEXPIRE', open, ms)
 end
 
 -- a log write restarts an ephemeral session's clock (as append.lua does)
@@ -114,6 +120,7 @@ if op == 'begin' then
   f[#f + 1] = 'inc'; f[#f + 1] = cur
   local bid = call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
   call('DEL', state)  -- a state of another life under this id (a keyed begin) is not this one
+  call('HSET', open, answer, bid .. ' ' .. cur)
   call('HSET', state, 'inc', cur, 'n', fmt('%d', at), 'ln', fmt('%d', at), 'live', 0, 'log', 0,
     't', fmt('%d', now), 'bid', bid, 'tu', ARGV[6], 'st', ARGV[7])
   expire(ttl)
@@ -199,8 +206,8 @@ if op == 'deltas' then
     call('HSET', state, 'live', live_next, 't', fmt('%d', now))
   end
   -- live records push the expiries forward (a log-only row leaves that to the writer's live
-  -- sends and heartbeats: one script call stays small)
-  if nrec > 0 then expire(ttl) end
+  -- sends and heartbeats, but for the open answers' index, which those sends do not name)
+  if nrec > 0 then expire(ttl) else call('PEXPIRE', open, ttl) end
   return {0, log_next, live_next, row_n}
 end
 
@@ -253,22 +260,26 @@ if op == 'end' then
   call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
   call('HSET', state, 'log', fmt('%d', logged), 'e', fmt('%d', closing), 'r', reason, 't', fmt('%d', now))
   -- records older than the grace go (a reader away longer is told it missed them: a gap), but
-  -- never from the begin of an answer still open on: the trim stops at the oldest such begin (its
-  -- state, in the session's hash slot, has no end), so one answer's end never cuts another
-  local cutoff = fmt('%d-0', now - ttl)
+  -- never from the begin of an answer still open on: the trim stops at the oldest such begin (the
+  -- open answers' index names them; one counts while its state, in the session's hash slot, has
+  -- this life and no end), so one answer's end never cuts another
+  call('HDEL', open, answer)
+  local cut_ms, cut_seq = now - ttl, 0
   local base = string.sub(state, 1, #state - #answer)
-  for _, r in ipairs(call('XRANGE', live, '-', '(' .. cutoff)) do
-    local fl = r[2]
-    local kind, who = nil, nil
-    for i = 1, #fl, 2 do
-      if fl[i] == 'k' then kind = fl[i + 1] elseif fl[i] == 'a' then who = fl[i + 1] end
-    end
-    if kind == 'b' and who and who ~= answer then
-      local o = call('HMGET', base .. who, 'inc', 'e')
-      if o[1] == cur and not o[2] then cutoff = r[1]; break end
+  local others = call('HGETALL', open)
+  for i = 1, #others, 2 do
+    local who, v = others[i], others[i + 1]
+    local bid, life = string.match(v, '^(%S+) (%S+)$')
+    local o = call('HMGET', base .. who, 'inc', 'e')
+    if life ~= cur or o[1] ~= cur or o[2] then
+      call('HDEL', open, who)  -- another life's, ended, or gone with its expiry
+    else
+      local ms, seq = string.match(bid, '^(%d+)-(%d+)$')
+      ms, seq = tonumber(ms), tonumber(seq)
+      if ms and (ms < cut_ms or (ms == cut_ms and seq < cut_seq)) then cut_ms, cut_seq = ms, seq end
     end
   end
-  call('XTRIM', live, 'MINID', cutoff)
+  call('XTRIM', live, 'MINID', fmt('%d-%d', cut_ms, cut_seq))
   expire(ttl)
   return {0, closing, now}
 end

@@ -49,6 +49,8 @@ import msgspec
 from .errors import (
     AnswerAliveError,
     AnswerError,
+    AnswerIncompleteError,
+    AnswerOrderError,
     AnswerTooLargeError,
     DurabilityError,
     InvalidEntryError,
@@ -83,7 +85,7 @@ from .store.memory import SessionStore
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FLUSH_INTERVAL = 0.25
+DEFAULT_FLUSH_INTERVAL = 1.0
 DEFAULT_MAX_CHUNKS = 64
 DEFAULT_LIVE_TTL = 60.0
 DEFAULT_GRACE = 30.0
@@ -153,6 +155,7 @@ class AnswerStream:
         self._flushed = 0  # deltas [0, _flushed) are in the log
         self._live = 0  # deltas [0, _live) are on the live stream
         self._row: tuple[int, int] | None = None  # a row sent but not acknowledged: resent as it is
+        self._rewound = False  # the log lost rows that had landed (a failover): the handle's n is off
         self._send_wake = anyio.Event()
         self._have_chunks = anyio.Event()
         self._full = anyio.Event()
@@ -402,6 +405,10 @@ class AnswerStream:
             log.warning("chunks of %r (answer %s) not flushed yet: %s", self.session_id, self.answer, e)
             await anyio.sleep(min(self.flush_interval, 0.2))
             return
+        except AnswerOrderError as e:
+            if not self._rewind(e.expected, lo):
+                self._break(e)
+            return
         except (AnswerError, SessionNotFoundError) as e:
             self._break(e)
             return
@@ -418,6 +425,23 @@ class AnswerStream:
             row = chunk_row([d.chunk() for d in self._deltas[lo:hi]], turn=self.turn, step=self.step,
                             answer=self.answer, seq=lo)  # fmt: skip
             await self._advance([Entry(n=ack.row_n, time=now_ms(), type=CHUNK, data=row.data)])
+
+    def _rewind(self, expected: int, lo: int) -> bool:
+        """The server's next logged index is `expected`, not `lo`, this writer's: a failover lost
+        rows whose replies had come (the promoted replica never got them: replication is
+        asynchronous), so they are sent again from there (the deltas are all here). Whether it
+        could."""
+        if not 0 <= expected <= len(self._deltas) or expected == lo:
+            return False
+        log.warning(
+            "answer %s of %r: the log holds deltas [0, %d), not [0, %d) (rows lost in a failover): resending",
+            self.answer, self.session_id, expected, lo,
+        )  # fmt: skip
+        self._flushed = expected
+        self._row = None
+        self._rewound = True
+        self._have_chunks.set()
+        return True
 
     async def _beat_loop(self) -> None:
         """Tell the server this writer is alive while it has nothing to send (a quiet writer is
@@ -512,6 +536,23 @@ class AnswerStream:
         its durability wait failed."""
         if self._row is not None:  # a row whose outcome is unknown: settle it first (same bounds)
             await _retrying(self._flush_strict)
+        try:
+            return await self._end_once(reason, closing, expected)
+        except (AnswerOrderError, AnswerIncompleteError) as e:
+            # the log lacks rows that had landed (a failover lost them): send them again, in
+            # rows of `max_chunks` as the flushes do, then end with the rest
+            logged = e.expected if isinstance(e, AnswerOrderError) else e.logged
+            if logged >= self._flushed or not self._rewind(logged, self._flushed):
+                raise
+            while len(self._deltas) - self._flushed > self.max_chunks:
+                await _retrying(self._flush_strict)
+            if isinstance(expected, int):
+                expected = "answer"  # the handle counted the lost rows: only "nobody else wrote" holds
+            return await self._end_once(reason, closing, expected)
+
+    async def _end_once(
+        self, reason: str, closing: NewEntry | None, expected: int | str | None
+    ) -> tuple[AnswerEnded, bool]:
         rest = self._deltas[self._flushed :]
         unconfirmed = False
 
@@ -534,7 +575,7 @@ class AnswerStream:
     def _expected(self) -> int | str:
         """The close's fence: the handle's n (it moved past the answer's own rows), else
         ``"answer"`` (nobody else wrote since the answer's own last row)."""
-        return self._position() if self._advance is not None else "answer"
+        return self._position() if self._advance is not None and not self._rewound else "answer"
 
     async def _flush_strict(self) -> None:
         await self._flush()

@@ -239,3 +239,55 @@ async def test_repair_closes_an_answer_whose_live_deltas_outgrow_an_entry() -> N
     rows = replay(entries)["a1"]
     assert 0 < len(rows) < 5 and mark[0].data["deltas"] == len(rows)
     assert (await store.read_live("dead"))[-1].kind == "end"
+
+
+# --------------------------------------------------------------------------- rows lost in a failover
+
+
+@pytest.mark.parametrize("found_by", ["a later row", "the end"])
+async def test_rows_a_failover_lost_are_sent_again_never_twice(
+    redis_store: RedisSessionStore, redis_url: str, found_by: str
+) -> None:
+    # replication is asynchronous: a promoted replica may lack the last row whose reply came
+    # back (its WAIT timed out: DurabilityError, "landed"). Emulated on one server: the row,
+    # the header's n and the answer's state go back as the replica has them; the writer resends
+    import redis.asyncio as aioredis
+
+    from redis_session import Sessions
+    from redis_session.projection.chunks import deltas_cost
+
+    from support import wait_for
+
+    await redis_store.create(SessionHeader(id="lost"))
+    s = await Sessions(redis_store).open("lost")
+    sent = [f"t{i} " for i in range(16 if found_by == "a later row" else 8)]
+    raw = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        async with s.stream(turn=1, step=1, flush_interval=0.02, max_chunks=4) as w:
+            for t in sent[:8]:
+                await w.delta(t)
+
+            async def logged() -> int:
+                st = (await redis_store.answer_states("lost", [w.answer]))[w.answer]
+                return st.logged
+
+            await wait_for(lambda: w._flushed == 8, within=30)
+            assert await logged() == 8 and s.n == 2  # two rows, the handle past them
+            state = f"{redis_store.keys.live('lost')}:{w.answer}"
+            log_key = redis_store.keys.log("lost")
+            [(_, first_row)] = await raw.xrange(log_key, "0-1", "0-1")
+            await raw.delete(log_key)  # the replica's stream: the first row only, its last id 0-1
+            await raw.xadd(log_key, first_row, id="0-1")
+            await raw.hset(redis_store.keys.hdr("lost"), "n", 1)
+            cost = deltas_cost(_deltas(w.answer, 0, sent[:4]))
+            await raw.hset(state, mapping={"log": 4, "ln": 1, "sz": cost, "rn": 0})
+            for t in sent[8:]:
+                await w.delta(t)
+    finally:
+        await raw.aclose()
+    assert w.message is not None
+    entries = await redis_store.read("lost")
+    assert "".join(c["text"] for c in replay(entries)[w.answer]) == "".join(sent)  # once each, in order
+    assert [e.type for e in entries].count("assistant/message") == 1
+    assert entries[-1].data["content"] == [{"type": "text", "text": "".join(sent)}]
+    assert (await redis_store.read_live("lost"))[-1].kind == "end"

@@ -78,6 +78,7 @@ from ..model import (
     now_ms,
 )
 from ..projection.chunks import (
+    CHUNK,
     TEXT,
     AnswerAck,
     AnswerBegun,
@@ -244,6 +245,15 @@ def _xread_by_key(resp: Any, *keys: str) -> builtins.list[builtins.list[Any]]:
             if name == key:
                 out[i] = builtins.list(rows)
     return out
+
+
+def _own_rows(batch: Sequence[Entry], records: Sequence[LiveRecord], life: str | None, own: set[str]) -> bool:
+    """Whether `batch` holds only chunk rows of answers begun in `life` (noted in `own` from the
+    begin records among `records`, or earlier ones): those need no header check."""
+    for r in records:
+        if r.kind == "begin" and r.incarnation == life:
+            own.add(r.answer)
+    return all(e.type == CHUNK and e.data.get("answer") in own for e in batch)
 
 
 def _live_records(rows: Any) -> builtins.list[LiveRecord]:
@@ -1491,16 +1501,20 @@ class RedisSessionStore(StoreRules):
             nxt = at
         key, live_key, hdr_key = self.keys.log(session_id), self.keys.live(session_id), self.keys.hdr(session_id)
         last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
+        own: set[str] = set()  # answers whose begin record names this life
         while True:
             xread = ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, live_key)
             with _io():
                 resp = await self._raw(*xread, last_id, live_after)
             log_rows, live_rows = _xread_by_key(resp, key, live_key)
+            records = _live_records(live_rows) if live_rows else []
+            batch = rows_to_entries(log_rows) if log_rows else []
             deleted = None
-            if log_rows or not live_rows:
+            if not _own_rows(batch, records, inc, own) or not (log_rows or live_rows):
                 # Entries, or an idle wake-up: is it still this session? (A delta needs no such
                 # round trip: after a re-creation the live stream starts with a begin record of
-                # the new incarnation, which `tail_deltas` refuses.)
+                # the new incarnation, which `tail_deltas` refuses; nor do the chunk rows of an
+                # answer begun in this life: answer.lua writes them only into the life they began in.)
                 with _io():
                     deleted, inc_raw, born_raw = await self._raw(
                         "HMGET", hdr_key, "deleted", "incarnation", "created_at"
@@ -1509,11 +1523,10 @@ class RedisSessionStore(StoreRules):
                     return
                 self._check_incarnation(session_id, inc, inc_raw, born_raw)
             if live_rows:  # first: an answer's deltas are all on the live stream before its message lands
-                for r in _live_records(live_rows):
+                for r in records:
                     yield r
                 live_after = _s(live_rows[-1][0]) or live_after
             if log_rows:
-                batch = rows_to_entries(log_rows)
                 batch = await self._cold_gap(session_id, nxt, batch, inc)  # archived behind us
                 if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
                     raise SessionError(
