@@ -360,9 +360,10 @@ class AnswerStream:
             return
 
     def _expiry(self) -> int | None:
-        """The live expiry, pushed forward with the records at most once a second."""
+        """The live expiry, pushed forward with the records at most once a tenth of it (10 s at
+        most): two PEXPIREs per answer and second were a quarter of a slow answer's commands."""
         now = anyio.current_time()
-        if now - self._expired_at < 1.0:
+        if now - self._expired_at < min(10.0, max(1.0, self.live_ttl_ms / 10_000)):
             return None
         self._expired_at = now
         return self.live_ttl_ms
