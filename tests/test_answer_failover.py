@@ -60,7 +60,9 @@ async def _one_round(cluster: LocalCluster, store: RedisSessionStore, sid: str) 
         [("turn/start", {"turn": 1}), ("user/message", {"content": "hi"}), ("step/start", {"turn": 1, "step": 1})],
     )
     s = await Sessions(store).open(sid)
-    victim = cluster.master_of_slot(_slot(store.keys.hdr(sid)))
+    slot = _slot(store.keys.hdr(sid))
+    victim = cluster.master_of_slot(slot)
+    killed_mid_answer: list[bool] = []
     sent = [f"d{i} " for i in range(DELTAS)]
     got: list[Delta | DeltaGap] = []
     logged_some = anyio.Event()
@@ -88,6 +90,7 @@ async def _one_round(cluster: LocalCluster, store: RedisSessionStore, sid: str) 
     async def killer() -> None:
         await logged_some.wait()
         await anyio.sleep(0.3)
+        killed_mid_answer.append(not w._closed and w.count < DELTAS)
         victim.kill()
         await anyio.sleep(3.0)  # the replica takes over meanwhile; then the pod comes back
         await anyio.to_thread.run_sync(cluster.restart, victim)
@@ -99,6 +102,8 @@ async def _one_round(cluster: LocalCluster, store: RedisSessionStore, sid: str) 
             await anyio.sleep(0.2)  # the reader is following
             await writer()
     cluster.wait_ok()
+    assert killed_mid_answer == [True]
+    assert cluster.master_of_slot(slot).port != victim.port  # the replica took over
 
     assert w.message is not None, "no closing message"
     entries = await store.read(sid)
