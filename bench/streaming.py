@@ -15,11 +15,15 @@ ways, one after the other on the same server, with the same deltas:
           the message; readers are `live.follow` (the memory baseline: one entry per delta).
 
 Reported per way: Redis server CPU per delta (INFO commandstats usec of every command, the
-readers' included, after CONFIG RESETSTAT, ÷ deltas), memory per delta once every answer is
-committed (MEMORY USAGE of every key of the run; for `stream` also after the live stream's
-grace expiry), delivery latency to the reader (p50/p99, from just before the writer hands the
-delta over to the moment the reader has it), and completeness (every delta delivered once and in
-order to its reader; the log's replay equals what was sent). The sessions are split over
+readers' included, after CONFIG RESETSTAT, ÷ deltas; commands inside a script are counted in
+its own usec and again on their own, so a way with scripts is overstated: the server process's
+CPU, INFO cpu, is the other figure), memory per delta once every answer is committed (MEMORY
+USAGE of every key of the run; for `stream` also after the live stream's grace expiry; and
+"compact": each key as a DUMP + RESTORE copy, without the up to 4 KiB a stream's last node
+holds preallocated, a cost per stream, not per delta), delivery latency to the reader
+(p50/p99, from just before the writer hands the delta over to the moment the reader has it),
+and completeness (every delta delivered once and in order to its reader; the log's replay
+equals what was sent). The sessions are split over
 `--procs` processes (writers and readers of a session in the same process, one clock).
 """
 
@@ -224,6 +228,21 @@ def _worker(args: tuple[str, str, str, list[str], int, float, float]) -> dict[st
 # --------------------------------------------------------------------------- server figures
 
 
+async def _warm(url: str) -> None:
+    """Load the scripts (a tiny answer, then its session deleted): the first EVAL of each
+    compiles it, a cost per server, not per delta, which would land on whichever way runs first."""
+    prefix = unique_prefix()
+    store = RedisSessionStore.from_url(url, prefix=prefix)
+    try:
+        s = await Sessions(store).open("warm")
+        async with s.stream(turn=1, step=1) as w:
+            await w.delta("x")
+        await store.delete("warm")
+    finally:
+        await store.aclose()
+        await drop_prefix(url, prefix)
+
+
 async def _reset(url: str) -> float:
     r = aioredis.Redis.from_url(url)
     await r.config_resetstat()
@@ -250,23 +269,37 @@ async def _cpu_usec(url: str) -> tuple[float, dict[str, tuple[float, int]]]:
     return sum(u for u, _ in per.values()), per
 
 
-async def _memory(url: str, prefix: str) -> int:
+async def _memory(url: str, prefix: str) -> tuple[int, int]:
+    """MEMORY USAGE of every key of the run, as it is and compacted: a stream's last listpack
+    node is allocated whole when it is created (up to stream-node-max-bytes, 4 KiB by default,
+    shrunk only once the node is full), so each stream carries up to 4 KiB that depends on
+    neither its entries nor its deltas; the compacted figure measures each key as a copy of it
+    (DUMP + RESTORE builds its nodes to fit, as a restart would) and so the cost per delta."""
     r = aioredis.Redis.from_url(url)
-    total = 0
+    total = compact = 0
+    tmp = f"{prefix}:~copy"
     try:
         async for k in r.scan_iter(match=f"{prefix}:*", count=1000):
-            if b":feed:" in k or b":sessions:" in k:
+            if b":feed:" in k or b":sessions:" in k or k == tmp.encode():
                 continue  # cross-session index and change feed: the same for every way
-            total += int(await r.memory_usage(k, samples=0) or 0)
+            used = int(await r.memory_usage(k, samples=0) or 0)
+            total += used
+            dumped = await r.dump(k)
+            if dumped is None:
+                continue
+            await r.restore(tmp, 0, dumped, replace=True)
+            compact += int(await r.memory_usage(tmp, samples=0) or 0)
+            await r.delete(tmp)
     finally:
         await r.aclose()
-    return total
+    return total, compact
 
 
 def run_way(url: str, way: str, sessions: int, deltas: int, rate: float, procs: int, flush: float) -> dict[str, Any]:
     prefix = unique_prefix()
     sids = [f"{way}-{i}" for i in range(sessions)]
     shares = [sids[i::procs] for i in range(procs)]
+    anyio.run(_warm, url)
     cpu0 = anyio.run(_reset, url)
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(procs) as pool:
@@ -274,15 +307,16 @@ def run_way(url: str, way: str, sessions: int, deltas: int, rate: float, procs: 
     usec, per = anyio.run(_cpu_usec, url)
     process_us = per.pop("_process")[0] - cpu0 * 1e6
     usec = sum(u for u, _ in per.values())
-    memory = anyio.run(_memory, url, prefix)
+    memory, _ = anyio.run(_memory, url, prefix)
     memory_later = None
     if way == "stream":
         time.sleep(GRACE + 1.0)
-        memory_later = anyio.run(_memory, url, prefix)
+        memory_later, _ = anyio.run(_memory, url, prefix)
+    _, compact = anyio.run(_memory, url, prefix)
     anyio.run(drop_prefix, url, prefix)
     total = sum(p["deltas"] for p in parts)
     lat = [x for p in parts for x in p["latencies"]]
-    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:4]
+    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:10]
     return {
         "way": way,
         "deltas": total,
@@ -291,6 +325,7 @@ def run_way(url: str, way: str, sessions: int, deltas: int, rate: float, procs: 
         "top": ", ".join(f"{k} {u / total:.1f} ({c / total:.2f} calls)" for k, (u, c) in top),
         "mem_b": memory / total,
         "mem_later_b": None if memory_later is None else memory_later / total,
+        "mem_compact_b": compact / total,
         "p50": percentile(lat, 50) * 1000,
         "p99": percentile(lat, 99) * 1000,
         "complete": all(p["complete"] for p in parts) and all(p["log_ok"] for p in parts),
@@ -323,12 +358,14 @@ def main() -> None:
                     r["way"], f"{r['rate']:.0f}", f"{r['cpu_us']:.2f}", f"{r['cpu_us'] / base['cpu_us']:.2f}x",
                     f"{r['proc_us']:.2f}", f"{r['proc_us'] / base['proc_us']:.2f}x", mem,
                     "" if entry is None else f"{(r['mem_later_b'] or r['mem_b']) / entry['mem_b']:.2f}",
+                    f"{r['mem_compact_b']:.1f}",
+                    "" if entry is None else f"{r['mem_compact_b'] / entry['mem_compact_b']:.2f}",
                     f"{r['p50']:.2f}", f"{r['p99']:.2f}", f"{r['p50'] / base['p50']:.2f}x",
                     "yes" if r["complete"] else "NO",
                 ])  # fmt: skip
             print_table(
                 ["way", "deltas/s", "cmdstat us/delta", "vs raw", "process us/delta", "vs raw", "mem B/delta",
-                 "vs entries", "p50 ms", "p99 ms", "p50 vs raw", "complete"],
+                 "vs entries", "compact B/delta", "vs entries", "p50 ms", "p99 ms", "p50 vs raw", "complete"],
                 rows,
             )  # fmt: skip
             for r in results:

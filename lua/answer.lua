@@ -8,8 +8,12 @@
 --                         n after its own last row: "nobody else wrote since"), live / log (the
 --                         next delta index on the live stream / in the log), t (server ms of its
 --                         last write or beat), bid (its begin's live id), tu / st (its begin's turn / step), e (the closing n, -1 for
---                         none, once ended), r (the end's reason)
+--                         none, once ended), r (the end's reason), sz (its logged deltas' content
+--                         cost: the bytes they add to the closing message, at most)
 -- KEYS[10]   feed   optional change-feed shard (standalone servers only)
+-- (and, named from KEYS[8] as the states are: {prefix}:{id}:live:+open  HASH  answer -> "<begin's
+--  live id> <life>" of every answer begun and not ended, so an end finds the open begins its trim
+--  must keep without scanning the live stream; "+" is in no answer id; it expires with the states)
 --
 -- ARGV[1] op          "begin" | "deltas" | "beat" | "end"
 -- ARGV[2] answer      the answer id
@@ -22,7 +26,10 @@
 -- begin  ARGV[6] turn ("" none), ARGV[7] step, ARGV[8] n ("" = the log's n now)
 --        -> {0, n, bid, inc} new | {1, n, bid, inc} this answer already began (a retry)
 -- deltas ARGV[6] first index, ARGV[7] count, ARGV[8] row data ("" = no log row: live only),
---        ARGV[9] number of live records (0 = log only), then per record: its field count, fields.
+--        ARGV[9] the row's content cost (projection.chunks.deltas_cost), ARGV[10] the answer's
+--        budget ("" = none): a row that would take the answer's cost over it is refused, so its
+--        closing message always fits the entry limit, ARGV[11] number of live records (0 = log
+--        only), then per record: its field count, fields.
 --        The log row must start at the answer's next logged index, the live records at (or
 --        before: a retry) its next live index; whatever landed already is skipped, so a retried
 --        or concurrent copy lands nowhere twice.
@@ -34,7 +41,8 @@
 --        own last row | "<n>"), ARGV[9] row first, ARGV[10] row count, ARGV[11] row data (""
 --        none), ARGV[12] closing type ("" = no entry), ARGV[13] closing data, ARGV[14] closing
 --        meta (""), ARGV[15] stale_ms ("" = any; else refused while the writer wrote or beat
---        less than stale_ms ago: repair), ARGV[16] feed_maxlen, ARGV[17] session id
+--        less than stale_ms ago: repair), ARGV[16] feed_maxlen, ARGV[17] session id, ARGV[18]
+--        the row's content cost, ARGV[19] the budget ("" = none: a repair closes what went live)
 --        -> {0, closing_n (-1 none), now} | {1, closing_n, reason} ended already (a retry)
 --
 -- Refusals (nothing written):
@@ -46,6 +54,9 @@
 --   {14, first} a row at `first` landed with other deltas than this one (a key reused)
 --   {6, last_id} the stream is ahead of the header (corrupt)
 --   {15} begin: this answer began with another turn / step (an idempotency key reused)
+--   {16, cost, budget, logged} the row would take the answer's content cost over its budget
+-- The checks come in one order for every op: the session, the life the caller pinned, the answer,
+-- the answer's own life, its end, then the batch (index, digest, size), the count, the fence.
 local call, fmt = redis.call, string.format
 local op, answer, want_inc = ARGV[1], ARGV[2], ARGV[3]
 local ttl = tonumber(ARGV[4])
@@ -62,9 +73,12 @@ if sttl and tonumber(sttl) < ttl then ttl = tonumber(sttl) end
 local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+local open = live .. ':+open'
+
 local function expire(ms)
   call('PEXPIRE', state, ms)
   call('PEXPIRE', live, ms)
+  call('PEXPIRE', open, ms)
 end
 
 -- a log write restarts an ephemeral session's clock (as append.lua does)
@@ -106,13 +120,14 @@ if op == 'begin' then
   f[#f + 1] = 'inc'; f[#f + 1] = cur
   local bid = call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
   call('DEL', state)  -- a state of another life under this id (a keyed begin) is not this one
+  call('HSET', open, answer, bid .. ' ' .. cur)
   call('HSET', state, 'inc', cur, 'n', fmt('%d', at), 'ln', fmt('%d', at), 'live', 0, 'log', 0,
     't', fmt('%d', now), 'bid', bid, 'tu', ARGV[6], 'st', ARGV[7])
   expire(ttl)
   return {0, at, bid, cur}
 end
 
-local s = call('HMGET', state, 'inc', 'live', 'log', 'e', 'ln', 't', 'r', 'rn')
+local s = call('HMGET', state, 'inc', 'live', 'log', 'e', 'ln', 't', 'r', 'rn', 'sz')
 if not s[1] then return {9} end
 if s[1] ~= cur then return {8} end
 if s[4] and op ~= 'end' then return {10, tonumber(s[4])} end
@@ -137,10 +152,22 @@ local function row_rule(first, count, data)
   return true, nil
 end
 
+-- the answer's content cost once a row of `cost` lands: {cost after, refusal}
+local function size_rule(write, cost, budget)
+  local sz = tonumber(s[9] or '0')
+  if not write then return sz, nil end
+  sz = sz + tonumber(cost)
+  if budget ~= '' and sz > tonumber(budget) then return sz, {16, sz, tonumber(budget), log_next} end
+  return sz, nil
+end
+
 if op == 'deltas' then
   local first, count, data = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
-  local nrec = tonumber(ARGV[9])
+  local nrec = tonumber(ARGV[11])
   local write_row, refused = row_rule(first, count, data)
+  if refused then return refused end
+  local sz
+  sz, refused = size_rule(write_row, ARGV[9], ARGV[10])
   if refused then return refused end
   if nrec > 0 and first > live_next then return {11, live_next} end
   local row_n = -1
@@ -155,7 +182,7 @@ if op == 'deltas' then
   end
   local sent = 0
   if nrec > 0 then
-    local p = 10
+    local p = 12
     for i = 0, nrec - 1 do
       local nf = tonumber(ARGV[p])
       if first + i >= live_next then
@@ -174,13 +201,13 @@ if op == 'deltas' then
   end
   if write_row then
     call('HSET', state, 'live', live_next, 'log', log_next, 'ln', fmt('%d', ln), 't', fmt('%d', now),
-      'rn', fmt('%d', row_n), 'd' .. first, redis.sha1hex(data))
+      'rn', fmt('%d', row_n), 'd' .. first, redis.sha1hex(data), 'sz', fmt('%d', sz))
   else
     call('HSET', state, 'live', live_next, 't', fmt('%d', now))
   end
   -- live records push the expiries forward (a log-only row leaves that to the writer's live
-  -- sends and heartbeats: one script call stays small)
-  if nrec > 0 then expire(ttl) end
+  -- sends and heartbeats, but for the open answers' index, which those sends do not name)
+  if nrec > 0 then expire(ttl) else call('PEXPIRE', open, ttl) end
   return {0, log_next, live_next, row_n}
 end
 
@@ -191,6 +218,9 @@ if op == 'end' then
   local first, count, data = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
   local ctype, cdata, cmeta = ARGV[12], ARGV[13], ARGV[14]
   local write_row, refused = row_rule(first, count, data)
+  if refused then return refused end
+  local sz
+  sz, refused = size_rule(write_row, ARGV[18], ARGV[19])
   if refused then return refused end
   local logged = log_next
   if write_row then logged = first + count end
@@ -208,7 +238,7 @@ if op == 'end' then
   if write_row then
     local err = add_entry(n, 'assistant/chunk', data, '')
     if err then return err end
-    call('HSET', state, 'd' .. first, redis.sha1hex(data))
+    call('HSET', state, 'd' .. first, redis.sha1hex(data), 'sz', fmt('%d', sz))
   end
   local closing = -1
   if ctype ~= '' then
@@ -230,22 +260,26 @@ if op == 'end' then
   call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
   call('HSET', state, 'log', fmt('%d', logged), 'e', fmt('%d', closing), 'r', reason, 't', fmt('%d', now))
   -- records older than the grace go (a reader away longer is told it missed them: a gap), but
-  -- never from the begin of an answer still open on: the trim stops at the oldest such begin (its
-  -- state, in the session's hash slot, has no end), so one answer's end never cuts another
-  local cutoff = fmt('%d-0', now - ttl)
+  -- never from the begin of an answer still open on: the trim stops at the oldest such begin (the
+  -- open answers' index names them; one counts while its state, in the session's hash slot, has
+  -- this life and no end), so one answer's end never cuts another
+  call('HDEL', open, answer)
+  local cut_ms, cut_seq = now - ttl, 0
   local base = string.sub(state, 1, #state - #answer)
-  for _, r in ipairs(call('XRANGE', live, '-', '(' .. cutoff)) do
-    local fl = r[2]
-    local kind, who = nil, nil
-    for i = 1, #fl, 2 do
-      if fl[i] == 'k' then kind = fl[i + 1] elseif fl[i] == 'a' then who = fl[i + 1] end
-    end
-    if kind == 'b' and who and who ~= answer then
-      local o = call('HMGET', base .. who, 'inc', 'e')
-      if o[1] == cur and not o[2] then cutoff = r[1]; break end
+  local others = call('HGETALL', open)
+  for i = 1, #others, 2 do
+    local who, v = others[i], others[i + 1]
+    local bid, life = string.match(v, '^(%S+) (%S+)$')
+    local o = call('HMGET', base .. who, 'inc', 'e')
+    if life ~= cur or o[1] ~= cur or o[2] then
+      call('HDEL', open, who)  -- another life's, ended, or gone with its expiry
+    else
+      local ms, seq = string.match(bid, '^(%d+)-(%d+)$')
+      ms, seq = tonumber(ms), tonumber(seq)
+      if ms and (ms < cut_ms or (ms == cut_ms and seq < cut_seq)) then cut_ms, cut_seq = ms, seq end
     end
   end
-  call('XTRIM', live, 'MINID', cutoff)
+  call('XTRIM', live, 'MINID', fmt('%d-%d', cut_ms, cut_seq))
   expire(ttl)
   return {0, closing, now}
 end

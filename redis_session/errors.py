@@ -217,6 +217,27 @@ class AnswerIncompleteError(AnswerError):
         self.missing = (logged, max(logged, deltas))
 
 
+class AnswerTooLargeError(AnswerError, InvalidEntryError):
+    """A delta batch would make the answer's content (what its closing message holds) `size`
+    bytes, over `limit` (the entry limit less room for the message's other fields): refused,
+    nothing of it written. The answer stays open with deltas [0, `logged`): end it with what it
+    has (its message fits), or interrupt it."""
+
+    def __init__(self, session_id: str, answer: str, size: int, limit: int, logged: int) -> None:
+        SessionError.__init__(
+            self,
+            f"session {session_id!r}, answer {answer!r}: its content would be {size} bytes, over the "
+            f"{limit} an answer may hold (its message must fit the entry limit); end it with its "
+            f"{logged} deltas",
+        )
+        self.session_id = session_id
+        self.answer = answer
+        self.index = None
+        self.size = size
+        self.limit = limit
+        self.logged = logged
+
+
 class AnswerAliveError(AnswerError):
     """`repair` would close an answer whose writer wrote or beat less than `stale_after` ago."""
 

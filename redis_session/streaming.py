@@ -49,6 +49,9 @@ import msgspec
 from .errors import (
     AnswerAliveError,
     AnswerError,
+    AnswerIncompleteError,
+    AnswerOrderError,
+    AnswerTooLargeError,
     DurabilityError,
     InvalidEntryError,
     SessionConflictError,
@@ -56,7 +59,7 @@ from .errors import (
     SessionReplacedError,
     StoreUnavailableError,
 )
-from .model import Entry, NewEntry, now_ms
+from .model import Entry, NewEntry, encode_entry, now_ms
 from .projection.chunks import (
     CHUNK,
     INTERRUPTED,
@@ -68,10 +71,12 @@ from .projection.chunks import (
     Delta,
     DeltaGap,
     LiveRecord,
+    answer_budget,
     answers_to_skip,
     assemble,
     chunk_row,
     delta_chunk,
+    delta_cost,
     new_answer_id,
     open_answers,
     replay,
@@ -80,7 +85,7 @@ from .store.memory import SessionStore
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FLUSH_INTERVAL = 0.25
+DEFAULT_FLUSH_INTERVAL = 1.0
 DEFAULT_MAX_CHUNKS = 64
 DEFAULT_LIVE_TTL = 60.0
 DEFAULT_GRACE = 30.0
@@ -146,9 +151,11 @@ class AnswerStream:
         self._position, self._advance, self._incarnation = position, advance, incarnation
         self._meta = dict(meta or {})
         self._deltas: list[Delta] = []  # every delta, in order (index = position)
+        self._cost = 0  # their content cost (`delta_cost`): within `answer_budget`
         self._flushed = 0  # deltas [0, _flushed) are in the log
         self._live = 0  # deltas [0, _live) are on the live stream
         self._row: tuple[int, int] | None = None  # a row sent but not acknowledged: resent as it is
+        self._rewound = False  # the log lost rows that had landed (a failover): the handle's n is off
         self._send_wake = anyio.Event()
         self._have_chunks = anyio.Event()
         self._full = anyio.Event()
@@ -209,16 +216,19 @@ class AnswerStream:
             raise self._failed
         if self._closed or not self._tasks:
             raise RuntimeError("this answer stream is not open (use `async with s.stream(...)`)")
-        chunk = delta_chunk(kind, text, call_id, name)  # validates the kind
-        # refused here, to the caller, before anything is queued: a delta no row could carry
-        # (a lone surrogate, or one over the entry limit) would otherwise fail in the background
+        delta_chunk(kind, text, call_id, name)  # validates the kind
+        # refused here, to the caller, before anything is queued: a delta no row could carry (a
+        # lone surrogate) would otherwise fail in the background, and one that takes the answer
+        # over what its closing message can hold (the protocol's size rule, `answer_budget`)
+        # would be refused with its row: the writer learns it now and can end with what it has
         try:
-            size = len(msgspec.json.encode(chunk))
+            cost = delta_cost(kind, text, call_id, name)
         except UnicodeEncodeError as e:
             raise InvalidEntryError(f"a delta must be valid UTF-8 text: {e.reason}") from None
-        limit = self.store.max_entry_bytes
-        if size > limit:
-            raise InvalidEntryError(f"a delta of {size} bytes; an entry's limit is {limit}")
+        budget = answer_budget(self.store.max_entry_bytes)
+        if self._cost + cost > budget:
+            raise AnswerTooLargeError(self.session_id, self.answer, self._cost + cost, budget, len(self._deltas))
+        self._cost += cost
         index = len(self._deltas)
         self._deltas.append(Delta(answer=self.answer, index=index, kind=kind, text=text, call_id=call_id, name=name))
         self._send_wake.set()
@@ -350,9 +360,10 @@ class AnswerStream:
             return
 
     def _expiry(self) -> int | None:
-        """The live expiry, pushed forward with the records at most once a second."""
+        """The live expiry, pushed forward with the records at most once a tenth of it (10 s at
+        most): two PEXPIREs per answer and second were a quarter of a slow answer's commands."""
         now = anyio.current_time()
-        if now - self._expired_at < 1.0:
+        if now - self._expired_at < min(10.0, max(1.0, self.live_ttl_ms / 10_000)):
             return None
         self._expired_at = now
         return self.live_ttl_ms
@@ -395,6 +406,10 @@ class AnswerStream:
             log.warning("chunks of %r (answer %s) not flushed yet: %s", self.session_id, self.answer, e)
             await anyio.sleep(min(self.flush_interval, 0.2))
             return
+        except AnswerOrderError as e:
+            if not self._rewind(e.expected, lo):
+                self._break(e)
+            return
         except (AnswerError, SessionNotFoundError) as e:
             self._break(e)
             return
@@ -411,6 +426,23 @@ class AnswerStream:
             row = chunk_row([d.chunk() for d in self._deltas[lo:hi]], turn=self.turn, step=self.step,
                             answer=self.answer, seq=lo)  # fmt: skip
             await self._advance([Entry(n=ack.row_n, time=now_ms(), type=CHUNK, data=row.data)])
+
+    def _rewind(self, expected: int, lo: int) -> bool:
+        """The server's next logged index is `expected`, not `lo`, this writer's: a failover lost
+        rows whose replies had come (the promoted replica never got them: replication is
+        asynchronous), so they are sent again from there (the deltas are all here). Whether it
+        could."""
+        if not 0 <= expected <= len(self._deltas) or expected == lo:
+            return False
+        log.warning(
+            "answer %s of %r: the log holds deltas [0, %d), not [0, %d) (rows lost in a failover): resending",
+            self.answer, self.session_id, expected, lo,
+        )  # fmt: skip
+        self._flushed = expected
+        self._row = None
+        self._rewound = True
+        self._have_chunks.set()
+        return True
 
     async def _beat_loop(self) -> None:
         """Tell the server this writer is alive while it has nothing to send (a quiet writer is
@@ -505,6 +537,23 @@ class AnswerStream:
         its durability wait failed."""
         if self._row is not None:  # a row whose outcome is unknown: settle it first (same bounds)
             await _retrying(self._flush_strict)
+        try:
+            return await self._end_once(reason, closing, expected)
+        except (AnswerOrderError, AnswerIncompleteError) as e:
+            # the log lacks rows that had landed (a failover lost them): send them again, in
+            # rows of `max_chunks` as the flushes do, then end with the rest
+            logged = e.expected if isinstance(e, AnswerOrderError) else e.logged
+            if logged >= self._flushed or not self._rewind(logged, self._flushed):
+                raise
+            while len(self._deltas) - self._flushed > self.max_chunks:
+                await _retrying(self._flush_strict)
+            if isinstance(expected, int):
+                expected = "answer"  # the handle counted the lost rows: only "nobody else wrote" holds
+            return await self._end_once(reason, closing, expected)
+
+    async def _end_once(
+        self, reason: str, closing: NewEntry | None, expected: int | str | None
+    ) -> tuple[AnswerEnded, bool]:
         rest = self._deltas[self._flushed :]
         unconfirmed = False
 
@@ -527,7 +576,7 @@ class AnswerStream:
     def _expected(self) -> int | str:
         """The close's fence: the handle's n (it moved past the answer's own rows), else
         ``"answer"`` (nobody else wrote since the answer's own last row)."""
-        return self._position() if self._advance is not None else "answer"
+        return self._position() if self._advance is not None and not self._rewound else "answer"
 
     async def _flush_strict(self) -> None:
         await self._flush()
@@ -547,6 +596,17 @@ class AnswerStream:
 
     async def _commit(self) -> None:
         message = answer_message(self.answer, self.turn, self.step, self.content(), self.usage, self._meta)
+        try:
+            encode_entry(message, self.store.vocabulary, max_entry_bytes=self.store.max_entry_bytes)
+        except InvalidEntryError:
+            # its content fits (the size rule), so `usage` or `meta` make it too big: the answer
+            # is not left open (nothing could close it but a repair), it ends interrupted, with
+            # every delta in its rows, and the block is told
+            try:
+                await self._interrupt("error")
+            except Exception:
+                log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
+            raise
         try:
             try:
                 ended, unconfirmed = await self._end("committed", message, self._expected())
@@ -581,8 +641,9 @@ class AnswerStream:
 
     async def _interrupt(self, reason: str) -> None:
         mark = interrupted_mark(
-            self.answer, self.turn, self.step, reason, len(self._deltas), self.content(), self._meta
-        )
+            self.answer, self.turn, self.step, reason, len(self._deltas), self.content(), self._meta,
+            max_bytes=self.store.max_entry_bytes,
+        )  # fmt: skip
         ended, _ = await self._end("interrupted", mark, None)
         self.interrupted = await self._closing_entry(ended.n)
 
@@ -616,17 +677,36 @@ def interrupted_mark(
     deltas: int,
     content: Sequence[Any],
     meta: dict[str, Any] | None = None,
+    *,
+    max_bytes: int | None = None,
 ) -> NewEntry:
     """The ``assistant/interrupted`` mark that closes an answer cut short: `reason` (cancelled,
     error, crashed), how many deltas it had and the content they make (the chunk rows before it
-    hold every delta)."""
+    hold every delta). With `max_bytes` (the store's entry limit) the mark always fits: when
+    the content (or `meta`) would not, it goes without (``"truncated": true``; the rows still
+    replay the answer), so an answer can always be closed."""
     data: dict[str, Any] = {}
     if turn is not None:
         data["turn"] = turn
     if step is not None:
         data["step"] = step
     data.update({"answer": answer, "reason": reason, "deltas": deltas, "content": list(content)})
-    return NewEntry(INTERRUPTED, data, {**(meta or {}), "answer": answer})
+    mark = NewEntry(INTERRUPTED, data, {**(meta or {}), "answer": answer})
+    if max_bytes is None or _entry_size(mark) <= max_bytes:
+        return mark
+    data = {**data, "content": [], "truncated": True}
+    mark = NewEntry(INTERRUPTED, data, mark.meta)
+    if _entry_size(mark) <= max_bytes:
+        return mark
+    return NewEntry(INTERRUPTED, data, {"answer": answer})
+
+
+def _entry_size(e: NewEntry) -> int:
+    """The size the store measures (`model.EncodedEntry.size`), or more when it is not JSON."""
+    try:
+        return len(e.type) + len(msgspec.json.encode(e.data)) + len(msgspec.json.encode(e.meta))
+    except (TypeError, UnicodeEncodeError, OverflowError):
+        return 1 << 62
 
 
 async def close_dead_answers(
@@ -661,8 +741,13 @@ async def close_dead_answers(
             continue  # its state expired: the protocol cannot close it (the turn closers still do)
         rest = [d for d in live if d.index >= have]
         rest = [d for i, d in enumerate(rest) if d.index == have + i]  # contiguous from the log's end
+        while rest and _entry_size(chunk_row([d.chunk() for d in rest], turn=turn, step=step, answer=answer,
+                                             seq=have)) > store.max_entry_bytes:  # fmt: skip
+            rest = rest[: len(rest) // 2]  # the row that closes it must fit: what fits of the rest
         chunks.extend(d.chunk() for d in rest)
-        mark = interrupted_mark(answer, turn, step, "crashed", len(chunks), assemble(chunks))
+        mark = interrupted_mark(
+            answer, turn, step, "crashed", len(chunks), assemble(chunks), max_bytes=store.max_entry_bytes
+        )
         try:
             ended = await store.answer_end(
                 session_id, answer, deltas=have + len(rest), reason="interrupted", closing=mark,

@@ -507,8 +507,8 @@ async def test_a_chunk_row_the_store_refuses_closes_the_answer_interrupted() -> 
         async with s.stream(turn=1, step=1, flush_interval=0.05) as w:
             await w.delta("a" * 100)
             await anyio.sleep(0.2)  # that row lands
-            for _ in range(3):
-                await w.delta("b" * 900)  # each fits; the row of all three is refused
+            for _ in range(50):  # the answer fits its message (the size rule); their row does not
+                await w.reasoning("b" * 10)
             with anyio.fail_after(5):
                 while True:
                     await w.delta("")  # raises once the refused row is known

@@ -16,15 +16,22 @@ answer between requests).
     409 ``out_of_order`` with ``expected_index`` otherwise (never reordered, holes never
     accepted). A retry of a batch that landed is a no-op that still leaves its deltas on the
     live stream exactly once (two copies at once too); the same index with other deltas is 422
-    ``batch_mismatch``. 201 ``{n, next_index, entries: []}``. An empty batch (``deltas: []``) is
-    the writer's heartbeat: nothing is written, the answer's lease is refreshed (`repair` leaves an
-    answer alone while its writer wrote or beat within ``stale_after``, 30 s); 200.
+    ``batch_mismatch``. A batch that would take the answer's content over what its closing
+    message can hold (the entry limit less 16 KiB, `projection.chunks.answer_budget`) is 413
+    ``answer_too_large`` with ``size``, ``limit`` and ``next_index``: nothing of it is written,
+    and the answer can still end with the deltas it has. 201 ``{n, next_index, entries: []}``.
+    An empty batch (``deltas: []``) is the writer's heartbeat: nothing is written, the answer's
+    lease is refreshed (`repair` leaves an answer alone while its writer wrote or beat within
+    ``stale_after``, 30 s); 200.
 ``POST /sessions/{id}/answers/{answer}/end`` ``{reason, deltas?, content?, usage?, meta?, cause?}``
     closes it: ``committed`` appends the ``assistant/message`` (content assembled by index from
     the answer's chunk rows, unless given), ``interrupted`` the ``assistant/interrupted`` mark;
     `deltas` is how many the writer sent (default: as many as the log holds): 409 ``incomplete``
     with the ``missing`` range while the log lacks any. ``If-Match`` (or ``expected_n``) as on
     ``/entries`` (412, nothing written). A retried end answers the entry the first one wrote.
+    An interrupted mark always fits the entry limit (its content left out, ``truncated``, when
+    it would not: the rows hold every delta); a committed message over it (a given `content`,
+    `usage` or `meta` too big) is 413 ``entry_too_large`` and the answer stays open.
 
 Every op after the begin is checked against the life the answer began in, with or without the
 ``X-Session-Incarnation`` header: an answer of a deleted session never writes into the one that
@@ -49,8 +56,10 @@ from ..errors import (
     AnswerIncompleteError,
     AnswerNotFoundError,
     AnswerOrderError,
+    AnswerTooLargeError,
     InvalidEntryError,
     SessionNotFoundError,
+    SessionReplacedError,
 )
 from ..model import NewEntry, legacy_incarnation
 from ..projection.chunks import TOOL_CALL, Delta, assemble, new_answer_id, replay
@@ -132,6 +141,9 @@ def _refused(e: AnswerError) -> Response:
     if isinstance(e, AnswerNotFoundError):
         body["error"] = "answer_not_found"
         return _JSON(body, status_code=404)
+    if isinstance(e, AnswerTooLargeError):
+        body.update(error="answer_too_large", size=e.size, limit=e.limit, next_index=e.logged)
+        return _JSON(body, status_code=413)
     if isinstance(e, AnswerBatchMismatchError):
         body.update(error="batch_mismatch", first_index=e.first)
         return _JSON(body, status_code=422)
@@ -194,6 +206,8 @@ async def deltas(gw: Gateway, request: Request, sid: str) -> Response:
             sid, answer, req.first_index, batch, turn=req.turn, step=req.step,
             incarnation=cond.incarnation, ttl_ms=LIVE_TTL_MS,
         )  # fmt: skip
+    except AnswerTooLargeError as e:
+        return _refused(e)
     except InvalidEntryError as e:
         raise entry_error(e, "") from None
     except AnswerError as e:
@@ -232,16 +246,30 @@ def _expected(cond: Preconditions, req: EndIn) -> int | None:
     return cond.expected if cond.expected is not None else req.expected_n
 
 
-async def _logged_chunks(gw: Gateway, sid: str, answer: str) -> tuple[list[Any], int, str | None]:
+async def _logged_chunks(
+    gw: Gateway, sid: str, answer: str, pinned: str | None
+) -> tuple[list[Any], int, str | None, bool]:
     """The answer's deltas in the log, assembled by index (its rows' ``seq``), the count of the
-    contiguous run from 0, and its life."""
-    states = await gw.store.answer_states(sid, [answer])
-    st = states.get(answer)
-    if st is None:
-        raise AnswerNotFoundError(sid, answer)
+    contiguous run from 0, its life, and whether it has ended (a retried end: the script answers
+    the entry the first one wrote).
+
+    The refusals come in the script's order (``lua/answer.lua``): no session, another life than
+    the one pinned, no such answer, an answer of another life (its state outlives a delete of the
+    id), and only then what the log lacks: an answer begun in an earlier life of the id is
+    `SessionReplacedError`, never `incomplete` because the new life's log does not hold its rows."""
     head = await gw.store.head(sid)
     if head is None:
         raise SessionNotFoundError(sid)
+    cur = head.header.incarnation or legacy_incarnation(head.header.created_at)
+    if pinned and pinned != cur:
+        raise SessionReplacedError(sid, f"answer {answer!r} belongs to another life of the id")
+    st = (await gw.store.answer_states(sid, [answer])).get(answer)
+    if st is None:
+        raise AnswerNotFoundError(sid, answer)
+    if st.incarnation != cur:
+        raise SessionReplacedError(sid, f"answer {answer!r} belongs to another life of the id")
+    if st.ended is not None:
+        return [], st.logged, st.incarnation, True
     rows = await gw.store.read(sid, st.n, head.n, incarnation=st.incarnation) if st.n < head.n else []
     by_seq: dict[int, list[Any]] = {}
     for e in rows:
@@ -250,7 +278,7 @@ async def _logged_chunks(gw: Gateway, sid: str, answer: str) -> tuple[list[Any],
     chunks: list[Any] = []
     while len(chunks) in by_seq:
         chunks.extend(by_seq[len(chunks)])
-    return chunks, st.logged, st.incarnation
+    return chunks, st.logged, st.incarnation, False
 
 
 async def end(gw: Gateway, request: Request, sid: str) -> Response:
@@ -261,20 +289,24 @@ async def end(gw: Gateway, request: Request, sid: str) -> Response:
         raise Unprocessable("begin_id is a live stream id (<ms>-<seq>), as the begin answered", "$.begin_id")
     expected = _expected(cond, req)
     try:
-        chunks, logged, inc = await _logged_chunks(gw, sid, answer)
+        chunks, logged, inc, over = await _logged_chunks(gw, sid, answer, cond.incarnation)
         count = logged if req.deltas is None else req.deltas
-        if len(chunks) != logged or count != logged:
+        if not over and (len(chunks) != logged or count != logged):
             raise AnswerIncompleteError(sid, answer, min(len(chunks), logged), count)
         content = req.content if req.content is not None else assemble(chunks)
         closing: NewEntry
         if req.reason == "committed":
             closing = answer_message(answer, req.turn, req.step, content, req.usage, req.meta)
         else:
-            closing = interrupted_mark(answer, req.turn, req.step, req.cause, count, content, req.meta)
+            closing = interrupted_mark(
+                answer, req.turn, req.step, req.cause, count, content, req.meta, max_bytes=gw.store.max_entry_bytes
+            )
         ended = await gw.store.answer_end(
             sid, answer, deltas=count, reason=req.reason, closing=closing, expected=expected,
             turn=req.turn, step=req.step, incarnation=cond.incarnation or inc, grace_ms=GRACE_MS,
         )  # fmt: skip
+    except AnswerTooLargeError as e:
+        return _refused(e)
     except InvalidEntryError as e:
         raise entry_error(e, "") from None
     except AnswerError as e:

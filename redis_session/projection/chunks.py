@@ -35,6 +35,7 @@ from ..errors import (
     AnswerIncompleteError,
     AnswerNotFoundError,
     AnswerOrderError,
+    AnswerTooLargeError,
     IdempotencyKeyReusedError,
     SessionConflictError,
     SessionError,
@@ -253,9 +254,40 @@ def answer_refusal(
         return AnswerBatchMismatchError(session_id, answer, int(res[1]))
     if code == 15:
         return IdempotencyKeyReusedError(session_id, f"answer {answer}")
+    if code == 16:
+        return AnswerTooLargeError(session_id, answer, int(res[1]), int(res[2]), int(res[3]))
     if code == 6:
         return SessionError(f"session {session_id!r}: the stream is ahead of the header; run `redis-session doctor`")
     return SessionError(f"unexpected reply from answer.lua: {res!r}")
+
+
+ANSWER_RESERVE = 16 << 10
+"""Bytes of the entry limit kept for what a closing message holds besides its content (turn,
+step, usage, meta): an answer's content may fill the rest (`answer_budget`)."""
+_TOOL_CALL_COST = 64  # a tool-call block's own JSON: {"type":"tool-call","id":,"name":,"arguments":}
+_json = msgspec.json.Encoder()
+
+
+def answer_budget(max_entry_bytes: int) -> int:
+    """The most content bytes (`delta_cost` summed) one answer may hold: its closing message
+    (or interrupted mark) then always fits an entry of `max_entry_bytes`."""
+    return max_entry_bytes - min(ANSWER_RESERVE, max_entry_bytes // 4)
+
+
+def delta_cost(kind: str, text: str, call_id: str | None = None, name: str | None = None) -> int:
+    """What a delta adds, at most, to the JSON of its answer's assembled content (`assemble`):
+    its text as escaped in a JSON string, and for a tool call its call's id, name and block (so
+    the sum over an answer's deltas, plus `ANSWER_RESERVE`, bounds its closing entry).
+    `UnicodeEncodeError` for text that is not valid UTF-8 (a lone surrogate)."""
+    cost = len(_json.encode(text)) - 2
+    if kind == TOOL_CALL:
+        cost += len(_json.encode(call_id or "")) + len(_json.encode(name or "")) + _TOOL_CALL_COST
+    return cost
+
+
+def deltas_cost(deltas: Iterable[Delta]) -> int:
+    """`delta_cost` of a batch."""
+    return sum(delta_cost(d.kind, d.text, d.call_id, d.name) for d in deltas)
 
 
 def delta_chunk(kind: str, text: str, call_id: str | None = None, name: str | None = None) -> dict[str, Any]:
@@ -501,6 +533,7 @@ def live_draft(records: Sequence[LiveRecord], incarnation: str | None = None) ->
 
 
 __all__ = [
+    "ANSWER_RESERVE",
     "CHUNK",
     "DELTA_KINDS",
     "INTERRUPTED",
@@ -515,12 +548,15 @@ __all__ = [
     "DeltaGap",
     "LiveRecord",
     "PackedChunks",
+    "answer_budget",
     "answer_refusal",
     "answers_to_skip",
     "assemble",
     "assemble_deltas",
     "chunk_row",
     "delta_chunk",
+    "delta_cost",
+    "deltas_cost",
     "live_draft",
     "new_answer_id",
     "open_answers",

@@ -79,6 +79,7 @@ from ..model import (
     now_ms,
 )
 from ..projection.chunks import (
+    CHUNK,
     TEXT,
     AnswerAck,
     AnswerBegun,
@@ -86,8 +87,10 @@ from ..projection.chunks import (
     AnswerState,
     Delta,
     LiveRecord,
+    answer_budget,
     answer_refusal,
     chunk_row,
+    deltas_cost,
     live_draft,
 )
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, ColdState, StorageCheck
@@ -245,6 +248,15 @@ def _xread_by_key(resp: Any, *keys: str) -> builtins.list[builtins.list[Any]]:
             if name == key:
                 out[i] = builtins.list(rows)
     return out
+
+
+def _own_rows(batch: Sequence[Entry], records: Sequence[LiveRecord], life: str | None, own: set[str]) -> bool:
+    """Whether `batch` holds only chunk rows of answers begun in `life` (noted in `own` from the
+    begin records among `records`, or earlier ones): those need no header check."""
+    for r in records:
+        if r.kind == "begin" and r.incarnation == life:
+            own.add(r.answer)
+    return all(e.type == CHUNK and e.data.get("answer") in own for e in batch)
 
 
 def _live_records(rows: Any) -> builtins.list[LiveRecord]:
@@ -1303,7 +1315,8 @@ class RedisSessionStore(StoreRules):
     ) -> AnswerAck:
         data = self._row_data(answer, first, deltas, turn, step) if log else b""
         args: builtins.list[Any] = ["deltas", answer, incarnation or "", ttl_ms, self.live_maxlen]
-        args += [first, len(deltas), data, len(deltas) if live else 0]
+        cost = deltas_cost(deltas) if data else 0  # the answer's size rule (lua/answer.lua)
+        args += [first, len(deltas), data, cost, answer_budget(self.max_entry_bytes), len(deltas) if live else 0]
         if live:
             for i, d in enumerate(deltas):
                 f = LiveRecord(
@@ -1425,6 +1438,7 @@ class RedisSessionStore(StoreRules):
         args += [deltas, reason, "" if expected is None else expected, rest_first, len(rest), data]
         args += [b"", b"", b""] if enc is None else [enc.type, enc.data_raw, enc.meta_raw or b""]
         args += ["" if stale_ms is None else stale_ms, self.feed_maxlen, session_id]
+        args += [deltas_cost(rest), "" if stale_ms is not None else answer_budget(self.max_entry_bytes)]
         res, acks = await self._answer(session_id, answer, args, durable=bool(self._durable))
         code = int(res[0])
         if code == 0:
@@ -1490,16 +1504,20 @@ class RedisSessionStore(StoreRules):
             nxt = at
         key, live_key, hdr_key = self.keys.log(session_id), self.keys.live(session_id), self.keys.hdr(session_id)
         last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
+        own: set[str] = set()  # answers whose begin record names this life
         while True:
             xread = ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, live_key)
             with _io():
                 resp = await self._raw(*xread, last_id, live_after)
             log_rows, live_rows = _xread_by_key(resp, key, live_key)
+            records = _live_records(live_rows) if live_rows else []
+            batch = rows_to_entries(log_rows) if log_rows else []
             deleted = None
-            if log_rows or not live_rows:
+            if not _own_rows(batch, records, inc, own) or not (log_rows or live_rows):
                 # Entries, or an idle wake-up: is it still this session? (A delta needs no such
                 # round trip: after a re-creation the live stream starts with a begin record of
-                # the new incarnation, which `tail_deltas` refuses.)
+                # the new incarnation, which `tail_deltas` refuses; nor do the chunk rows of an
+                # answer begun in this life: answer.lua writes them only into the life they began in.)
                 with _io():
                     deleted, inc_raw, born_raw = await self._raw(
                         "HMGET", hdr_key, "deleted", "incarnation", "created_at"
@@ -1508,11 +1526,10 @@ class RedisSessionStore(StoreRules):
                     return
                 self._check_incarnation(session_id, inc, inc_raw, born_raw)
             if live_rows:  # first: an answer's deltas are all on the live stream before its message lands
-                for r in _live_records(live_rows):
+                for r in records:
                     yield r
                 live_after = _s(live_rows[-1][0]) or live_after
             if log_rows:
-                batch = rows_to_entries(log_rows)
                 batch = await self._cold_gap(session_id, nxt, batch, inc)  # archived behind us
                 if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
                     raise SessionError(

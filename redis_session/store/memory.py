@@ -50,8 +50,10 @@ from ..projection.chunks import (
     AnswerState,
     Delta,
     LiveRecord,
+    answer_budget,
     answer_refusal,
     chunk_row,
+    deltas_cost,
     live_draft,
 )
 from .protocol import IDEMPOTENCY_WINDOW, ColdState, StorageCheck
@@ -548,6 +550,20 @@ class MemorySessionStore(StoreRules):
             return False
         return True
 
+    def _size_rule(
+        self, session_id: str, answer: str, st: dict[str, Any], write: bool, rest: Sequence[Delta], budget: bool
+    ) -> int:
+        """The answer's content cost once the row lands (as answer.lua's size rule); raises the
+        refusal when it would pass the answer's budget."""
+        sz = int(st.get("sz", 0))
+        if not write:
+            return sz
+        sz += deltas_cost(rest)
+        limit = answer_budget(self.max_entry_bytes)
+        if budget and sz > limit:
+            raise answer_refusal(16, [16, sz, limit, st["log"]], session_id, answer)
+        return sz
+
     def _chunk_entry(
         self, answer: str, first: int, deltas: Sequence[Delta], turn: int | None, step: int | None
     ) -> EncodedEntry:
@@ -599,6 +615,7 @@ class MemorySessionStore(StoreRules):
             if st["e"] is not None:
                 raise answer_refusal(10, [10, st["e"]], session_id, answer)
             write_row = self._row_rule(session_id, answer, st, first, len(deltas), enc)
+            sz = self._size_rule(session_id, answer, st, write_row, deltas, True)
             if live and deltas and first > st["live"]:
                 raise answer_refusal(11, [11, st["live"]], session_id, answer, first)
             row_n = None
@@ -626,6 +643,7 @@ class MemorySessionStore(StoreRules):
                 assert enc is not None
                 st["rn"] = row_n
                 st[f"d{first}"] = hashlib.sha1(enc.data_raw).hexdigest()
+                st["sz"] = sz
             self._answer_expire(s, (session_id, answer), st, ttl)
             return AnswerAck(logged=st["log"], live=st["live"], row_n=row_n)
 
@@ -688,6 +706,7 @@ class MemorySessionStore(StoreRules):
             if st["e"] is not None:
                 return AnswerEnded(n=None if st["e"] < 0 else st["e"], reason=st["r"] or reason, retry=True)
             write_row = self._row_rule(session_id, answer, st, rest_first, len(rest), enc)
+            sz = self._size_rule(session_id, answer, st, write_row, rest, stale_ms is None)
             logged = rest_first + len(rest) if write_row else st["log"]
             if logged != deltas:
                 raise answer_refusal(12, [12, logged, deltas], session_id, answer)
@@ -703,6 +722,7 @@ class MemorySessionStore(StoreRules):
             if write_row:
                 assert enc is not None
                 st[f"d{rest_first}"] = hashlib.sha1(enc.data_raw).hexdigest()
+                st["sz"] = sz
             batch = [e for e in (enc if write_row else None, cenc) if e is not None]
             stored = self._append(s, batch, None) if batch else []
             closing_n = stored[-1].n if cenc is not None else -1

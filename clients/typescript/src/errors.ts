@@ -101,6 +101,24 @@ export class AnswerIncompleteError extends AnswerError {
   }
 }
 
+/** The batch would take the answer's content over what its closing message can hold (413
+ * `answer_too_large`): nothing of it was written. The answer stays open with the deltas before
+ * `nextIndex`: `end()` commits them (or `abort()`). */
+export class AnswerTooLargeError extends AnswerError {
+  /** the content bytes the answer would have had */
+  get size(): number {
+    return Number(this.body.size)
+  }
+  /** the most content bytes an answer may hold (the entry limit less 16 KiB) */
+  get limit(): number {
+    return Number(this.body.limit)
+  }
+  /** how many deltas the answer holds */
+  get nextIndex(): number {
+    return Number(this.body.next_index)
+  }
+}
+
 /** The answer has ended (committed, interrupted, or closed by `repair`). */
 export class AnswerClosedError extends AnswerError {}
 
@@ -132,6 +150,8 @@ export function errorFor(status: number, body: Record<string, unknown>, sessionI
       return new AnswerOrderError(message, status, code, body)
     case 'incomplete':
       return new AnswerIncompleteError(message, status, code, body)
+    case 'answer_too_large':
+      return new AnswerTooLargeError(message, status, code, body)
     case 'answer_ended':
       return new AnswerClosedError(message, status, code, body)
     case 'answer_not_found':

@@ -12,7 +12,10 @@
  * (`AnswerOrderError`), an end while any delta is missing too (`AnswerIncompleteError`), and every
  * write is checked against the life the answer began in (`SessionReplacedError`). `end()` sends the
  * rest and commits the `assistant/message`; `abort()` sends the rest and leaves the
- * `assistant/interrupted` mark.
+ * `assistant/interrupted` mark. A batch that would take the answer's content over what its message
+ * can hold (the entry limit less 16 KiB) is refused (`AnswerTooLargeError`, thrown by `flush()` and
+ * by every later `delta`): its deltas and those queued after it are dropped, and `end()` still
+ * commits the deltas that landed.
  *
  * A request whose answer is lost (the gateway unreachable, a connection cut before or while the
  * reply comes back, a 502/503/504) is sent again as it was, `retries` times: a batch carries its
@@ -26,7 +29,7 @@
  * `stale_after`, 30 s). The beats stop at `end()`/`abort()`, and never keep the process alive.
  */
 
-import { SessionError, UnavailableError } from './errors.js'
+import { AnswerTooLargeError, SessionError, UnavailableError } from './errors.js'
 import type { Json, JsonObject, Written } from './types.js'
 
 export type DeltaKind = 'text' | 'reasoning' | 'tool-call'
@@ -102,6 +105,7 @@ export class AnswerWriter {
   private beatTimer: ReturnType<typeof setTimeout> | undefined
   private inFlight: Promise<void> = Promise.resolve()
   private failure: unknown // the gateway refused: the answer cannot go on
+  private full: AnswerTooLargeError | undefined // the answer is full: no more deltas, but it can end
   private unsent: UnavailableError | undefined // the last send ran out of attempts: its deltas stay queued
   private unsentCount = 0 // how many deltas that batch had
   private closed = false
@@ -152,6 +156,7 @@ export class AnswerWriter {
     this.inFlight = this.inFlight.then(() => this.sendQueued())
     await this.inFlight
     if (this.failure !== undefined) throw this.failure
+    if (this.full !== undefined) throw this.full
     if (this.unsent !== undefined) throw this.unsent
   }
 
@@ -172,6 +177,7 @@ export class AnswerWriter {
     if (typeof d.text !== 'string') throw new TypeError('a delta is a string')
     if (this.closed) throw new Error('this answer is closed')
     if (this.failure !== undefined) throw this.failure
+    if (this.full !== undefined) throw this.full
     this.queue.push(d)
     if (this.timer === undefined) {
       this.timer = setTimeout(() => {
@@ -204,6 +210,12 @@ export class AnswerWriter {
         if (e instanceof UnavailableError) {
           this.unsent = e
           this.unsentCount = batch.length
+        } else if (e instanceof AnswerTooLargeError) {
+          // nothing of the batch landed, and nothing more fits: the answer ends with what it has
+          this.full = e
+          this.queue = []
+          this.unsent = undefined
+          this.unsentCount = 0
         } else this.failure = e
         return
       }
