@@ -417,8 +417,14 @@ async def claim_tier(store: RedisSessionStore, tier: ColdTier) -> None:
     try:
         theirs = (await tier.objects.get(key)).decode("utf-8", "replace").strip()
     except ObjectMissing:
-        await tier.objects.put(key, mine.encode())
-        return
+        # the first claim: written only if no other store's claim got there first (an object
+        # store without a conditional put gets a plain one, read back)
+        create = getattr(tier.objects, "create", None)
+        if create is not None:
+            await create(key, mine.encode())
+        else:
+            await tier.objects.put(key, mine.encode())
+        theirs = (await tier.objects.get(key)).decode("utf-8", "replace").strip()
     if theirs != mine:
         raise ValueError(
             f"{tier.url}: the objects under {tier.prefix}/ belong to another store (store id {theirs}; this one "

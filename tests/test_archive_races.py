@@ -224,3 +224,32 @@ async def test_the_clis_default_folders_of_two_stores_are_two_folders(
     assert ta.url != tb.url
     assert all(t.url.startswith((tmp_path / "home" / "cold").as_uri()) for t in (ta, tb))
     assert (await _cold_tier(a, None)).url == ta.url  # recorded: found again
+
+
+async def test_two_stores_claiming_a_new_folder_at_once_one_wins(redis_url: str, tmp_path: Path) -> None:
+    """Two deployments pointed at one new bucket, starting together: one store's claim is
+    written, the other is refused (never both "archived", one sweep then taking the other's)."""
+    for round_ in range(10):
+        prefix, folder = f"tc{time.monotonic_ns()}", str(tmp_path / f"new{round_}")
+        stores = [RedisSessionStore.from_url(u, prefix=prefix) for u in (redis_url, other_db(redis_url))]
+        outcomes: list[str] = []
+
+        async def archive(store: RedisSessionStore, folder: str = folder, outcomes: list[str] = outcomes) -> None:
+            try:
+                outcomes.append((await Archiver(store, ColdTier(folder)).archive("s")).status)
+            except ValueError as e:
+                assert "another store" in str(e)
+                outcomes.append("refused")
+
+        try:
+            for store in stores:
+                await store.create(SessionHeader(id="s"), [um(i) for i in range(10)])
+            async with anyio.create_task_group() as tg:
+                for store in stores:
+                    tg.start_soon(archive, store)
+        finally:
+            for store in stores:
+                await store.aclose()
+            await cleanup_prefix(redis_url, prefix)
+            await cleanup_prefix(other_db(redis_url), prefix)
+        assert sorted(outcomes) == ["archived", "refused"], outcomes

@@ -48,6 +48,10 @@ class ObjectStore(Protocol):
 
     def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]: ...
 
+    # Optional: ``async def create(key, data) -> bool`` writes `key` only if no object has that
+    # name, atomically (both stores here have it). The tier claims a folder for one store with it;
+    # without it the claim is a plain put read back (two stores claiming at once could both pass).
+
 
 def _check_key(key: str) -> str:
     parts = key.split("/")
@@ -79,6 +83,26 @@ class LocalFolder:
 
     async def put(self, key: str, data: bytes) -> None:
         await anyio.to_thread.run_sync(self._put, key, data)
+
+    def _create(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # atomic, and refused when the name exists
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+        return True
+
+    async def create(self, key: str, data: bytes) -> bool:
+        """Write `key` only if no object has that name (atomically); whether it was written."""
+        return await anyio.to_thread.run_sync(self._create, key, data)
 
     async def get(self, key: str) -> bytes:
         # a segment is a few KB to a few MB on a local disk: read in place (a thread hop costs
@@ -138,6 +162,16 @@ class CloudObjects:
 
     async def put(self, key: str, data: bytes) -> None:
         await self._ob.put_async(self._store, _check_key(key), data)
+
+    async def create(self, key: str, data: bytes) -> bool:
+        """Write `key` only if no object has that name (a conditional put); whether it was written."""
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        try:
+            await self._ob.put_async(self._store, _check_key(key), data, mode="create")
+        except (AlreadyExistsError, PreconditionError):
+            return False
+        return True
 
     async def get(self, key: str) -> bytes:
         from obstore.exceptions import NotFoundError
