@@ -130,9 +130,10 @@ def _open(
     records: bool,
     incarnation: str,
     live_after: str | None,
+    delivered: dict[str, int],
 ) -> AsyncIterator[Entry | Delta | DeltaGap | LiveRecord]:
     if deltas:
-        return tail_deltas(store, session_id, nxt, incarnation=incarnation, live_after=live_after)
+        return tail_deltas(store, session_id, nxt, incarnation=incarnation, live_after=live_after, delivered=delivered)
     if records:
         return store.tail_live(session_id, nxt, live_after=live_after or "0-0", incarnation=incarnation)
     return store.tail(session_id, nxt, incarnation=incarnation)
@@ -158,6 +159,7 @@ async def _resume(
     nxt = start
     delay = min_backoff
     dropped = False
+    delivered: dict[str, int] = {}  # answer -> next index owed, across connections
     while True:
         try:
             if incarnation is None:
@@ -165,7 +167,7 @@ async def _resume(
                 if head is None:
                     raise SessionNotFoundError(session_id)
                 incarnation = head.header.incarnation
-            tail = _open(store, session_id, nxt, deltas, records, incarnation, live_after)
+            tail = _open(store, session_id, nxt, deltas, records, incarnation, live_after, delivered)
             async with _closing(tail) as items:
                 async for item in items:
                     if isinstance(item, (Delta, DeltaGap, LiveRecord)):

@@ -772,6 +772,7 @@ async def tail_deltas(
     *,
     incarnation: str | None = None,
     live_after: str | None = None,
+    delivered: dict[str, int] | None = None,
 ) -> AsyncGenerator[Entry | Delta | DeltaGap, None]:
     """Entries from `start` as `SessionStore.tail` gives them, and the deltas of streamed
     answers as they are streamed (one connection; `live.follow_deltas` survives drops).
@@ -784,7 +785,11 @@ async def tail_deltas(
     answer from the log's chunk rows; a resume whose cursor the live stream no longer holds gets
     a `DeltaGap` with an empty `answer` first (records after it may be gone too: re-read the
     answers it was following from the log). Answers closed before `start` (their entries are
-    behind the reader) are not sent; a begin of another life raises `SessionReplacedError`."""
+    behind the reader) are not sent; a begin of another life raises `SessionReplacedError`.
+
+    `delivered` (answer -> the next index owed, kept up to date as deltas are given) carries
+    what a reader got over an earlier connection: a delta a failover lost from the live stream
+    and its writer sent again, under a later id than the reader's cursor, is not given twice."""
     records = await store.read_live(session_id)
     # the life, after the records: those were read from the stream of the life the header still
     # names, so a straggler of another life (an old writer's last live records land in whatever
@@ -794,7 +799,7 @@ async def tail_deltas(
         raise SessionNotFoundError(session_id)
     if incarnation is not None and head.header.incarnation != incarnation:
         raise SessionReplacedError(session_id)
-    reader = LiveReader(session_id, start, head.header.incarnation or None, live_after)
+    reader = LiveReader(session_id, start, head.header.incarnation or None, live_after, delivered)
     for given in reader.records(records):
         yield given
     async for got in store.tail_live(session_id, start, live_after=reader.cursor or "0-0", incarnation=incarnation):
@@ -817,12 +822,21 @@ class LiveReader:
     an empty-answer gap says so); `feed` takes each record as it lands; `cursor` is the id of the
     last record taken, where a tail resumes."""
 
-    def __init__(self, session_id: str, start: int, incarnation: str | None, live_after: str | None) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        start: int,
+        incarnation: str | None,
+        live_after: str | None,
+        expect: dict[str, int] | None = None,
+    ) -> None:
         self.session_id = session_id
         self.start = start
         self.incarnation = incarnation
         self.cursor = live_after  # None: nothing read yet (a fresh reader gets the answer so far)
-        self.expect: dict[str, int] = {}  # answer -> the next index the reader is owed
+        # answer -> the next index the reader is owed; shared with the reader's earlier
+        # connections, so a record a failover lost and its writer sent again is never given twice
+        self.expect: dict[str, int] = {} if expect is None else expect
         self.skip: set[str] | None = None  # answers it gets nothing more of
 
     def records(self, records: Sequence[LiveRecord]) -> list[Delta | DeltaGap]:

@@ -291,3 +291,70 @@ async def test_rows_a_failover_lost_are_sent_again_never_twice(
     assert [e.type for e in entries].count("assistant/message") == 1
     assert entries[-1].data["content"] == [{"type": "text", "text": "".join(sent)}]
     assert (await redis_store.read_live("lost"))[-1].kind == "end"
+
+
+async def test_a_delta_a_failover_lost_and_its_writer_sent_again_reaches_a_resumed_reader_once(
+    redis_url: str, prefix: str, redis_store: RedisSessionStore
+) -> None:
+    # a reader got delta 9; the failover lost its live record (asynchronous replication) and the
+    # writer sent it again, under an id later than the reader's cursor; the reader's connection
+    # dropped meanwhile: its resumed tail must not give 9 a second time
+    import anyio
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from redis_session import DeltaGap, Sessions
+    from redis_session.live import follow_deltas
+
+    name = f"reader-{prefix}"
+    reader_store = RedisSessionStore.from_url(
+        redis_url, prefix=prefix, client_options={"client_name": name, "retry": Retry(NoBackoff(), 0)}
+    )
+    raw = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    await redis_store.create(SessionHeader(id="fo"))
+    s = await Sessions(redis_store).open("fo")
+    sent = [f"d{i} " for i in range(14)]
+    got: list[Delta | DeltaGap] = []
+    have_ten = anyio.Event()
+    resumed: list[int] = []
+
+    async def read() -> None:
+        async for item in follow_deltas(
+            reader_store, "fo", 0, max_backoff=0.1, on_retry=lambda exc, wait, at: resumed.append(at)
+        ):
+            if isinstance(item, (Delta, DeltaGap)):
+                got.append(item)
+                if isinstance(item, Delta) and item.index == 9:
+                    have_ten.set()
+            elif item.type == "assistant/message":
+                return
+
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                async with s.stream(turn=1, step=1, flush_interval=5, max_chunks=100) as w:
+                    for t in sent[:10]:
+                        await w.delta(t)
+                    await have_ten.wait()
+                    live = redis_store.keys.live("fo")
+                    [(rid, fields)] = await raw.xrevrange(live, count=1)
+                    assert fields.get("i") == "9", fields
+                    await raw.xdel(live, rid)
+                    await raw.xadd(live, fields)  # sent again, under a later id
+                    with anyio.fail_after(10):
+                        while not resumed:  # the store retries a dropped read once by itself
+                            for c in await raw.client_list():
+                                if c.get("name") == name:
+                                    await raw.client_kill_filter(_id=c["id"])
+                            await anyio.sleep(0.02)
+                    for t in sent[10:]:
+                        await w.delta(t)
+    finally:
+        await raw.aclose()
+        await reader_store.aclose()
+    assert resumed, "the reader's tail never resumed"
+    indexes = [d.index for d in got if isinstance(d, Delta)]
+    assert indexes == list(range(len(sent))), indexes
+    assert not [g for g in got if isinstance(g, DeltaGap)]
