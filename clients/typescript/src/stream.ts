@@ -23,13 +23,26 @@
  * again. When the attempts run out the deltas stay queued (the next send, `flush()` or `end()` tries
  * them again) and `flush()`/`end()` throw `UnavailableError` — never a bare `TypeError` of fetch.
  *
+ * Replication is asynchronous: after a failover the promoted replica may lack the last batches
+ * whose replies came back. The gateway then refuses the next batch (`AnswerOrderError`, naming the
+ * index it expects) or the end (`AnswerIncompleteError`, naming the missing range); the writer keeps
+ * the batches it sent, so it sends the lost ones again, with their own bounds, and goes on: every
+ * delta lands once, in order (a reader that got a lost delta before the failover is not given it
+ * twice: `tail` keeps what it delivered per answer).
+ *
  * While the answer is open and nothing was sent for `heartbeatMs` (a model thinking, a long tool
  * call) the writer beats: an empty batch, which refreshes the answer's lease in the server, so
  * `repair` tells it from a writer that died (whose answer it closes once it is quiet for its
  * `stale_after`, 30 s). The beats stop at `end()`/`abort()`, and never keep the process alive.
  */
 
-import { AnswerTooLargeError, SessionError, UnavailableError } from './errors.js'
+import {
+  AnswerIncompleteError,
+  AnswerOrderError,
+  AnswerTooLargeError,
+  SessionError,
+  UnavailableError,
+} from './errors.js'
 import type { Json, JsonObject, Written } from './types.js'
 
 export type DeltaKind = 'text' | 'reasoning' | 'tool-call'
@@ -101,6 +114,8 @@ export class AnswerWriter {
   private readonly base: string
   private queue: DeltaIn[] = []
   private sent = 0 // deltas [0, sent) are in the log
+  private landed: Array<{ first: number; deltas: DeltaIn[] }> = [] // the batches sent, in order
+  private bounds: number[] = [] // sizes of the batches queued again after a failover lost them
   private timer: ReturnType<typeof setTimeout> | undefined
   private beatTimer: ReturnType<typeof setTimeout> | undefined
   private inFlight: Promise<void> = Promise.resolve()
@@ -196,7 +211,7 @@ export class AnswerWriter {
     while (this.queue.length > 0 && this.failure === undefined) {
       // a batch whose answer was lost goes again as it was (the same bounds: a copy of one that
       // landed is a no-op; a longer one would straddle it and be refused)
-      const batch = this.queue.slice(0, this.unsentCount || MAX_BATCH)
+      const batch = this.queue.slice(0, this.unsentCount || this.bounds[0] || MAX_BATCH)
       const body: Record<string, unknown> = { first_index: this.sent, deltas: batch }
       if (this.turn !== undefined) body.turn = this.turn
       if (this.step !== undefined) body.step = this.step
@@ -210,6 +225,8 @@ export class AnswerWriter {
         if (e instanceof UnavailableError) {
           this.unsent = e
           this.unsentCount = batch.length
+        } else if (e instanceof AnswerOrderError && this.rewind(e.expectedIndex)) {
+          continue // a failover lost batches that had landed: they go again first
         } else if (e instanceof AnswerTooLargeError) {
           // nothing of the batch landed, and nothing more fits: the answer ends with what it has
           this.full = e
@@ -221,10 +238,28 @@ export class AnswerWriter {
       }
       this.unsent = undefined
       this.unsentCount = 0
+      if (this.bounds.length > 0 && this.bounds[0] === batch.length) this.bounds.shift()
       this.queue = this.queue.slice(batch.length)
+      this.landed.push({ first: this.sent, deltas: batch })
       this.sent += batch.length
       this.armBeat()
     }
+  }
+
+  /** The log holds deltas [0, `next`) only, though batches after it had landed (a failover to a
+   * replica that lacked them): queue those batches again, in front, each with its own bounds.
+   * False when `next` is not where a batch of this writer began (not a loss it can repair). */
+  private rewind(next: number): boolean {
+    if (!(next < this.sent)) return false
+    const at = this.landed.findIndex((b) => b.first === next)
+    if (at < 0) return false
+    const lost = this.landed.splice(at)
+    this.queue = [...lost.flatMap((b) => b.deltas), ...this.queue]
+    this.bounds = [...lost.map((b) => b.deltas.length), ...this.bounds]
+    this.unsent = undefined
+    this.unsentCount = 0
+    this.sent = next
+    return true
   }
 
   private deltasPath(): string {
@@ -315,7 +350,21 @@ export class AnswerWriter {
     const expected = options.expectedN === 'writer' ? this.n : options.expectedN
     const ifMatch = expected !== undefined && expected !== null ? `"${expected}"` : undefined
     try {
-      this.closing = await this.send(`${this.base}/${encodeURIComponent(this.answer)}/end`, body, { 'if-match': ifMatch })
+      try {
+        this.closing = await this.send(`${this.base}/${encodeURIComponent(this.answer)}/end`, body, {
+          'if-match': ifMatch,
+        })
+      } catch (e) {
+        // a failover lost batches that had landed: send them again, then end once more
+        if (!(e instanceof AnswerIncompleteError) || !this.rewind(e.missing[0])) throw e
+        this.inFlight = this.inFlight.then(() => this.sendQueued())
+        await this.inFlight
+        if (this.failure !== undefined) throw this.failure
+        if (this.unsent !== undefined) throw this.unsent
+        this.closing = await this.send(`${this.base}/${encodeURIComponent(this.answer)}/end`, body, {
+          'if-match': ifMatch,
+        })
+      }
     } catch (e) {
       // still open: end or abort again (a lost end is a no-op to retry: it answers its entry)
       if (e instanceof SessionError && (e.code === 'conflict' || e instanceof UnavailableError)) {
