@@ -82,6 +82,7 @@ from .streaming import (
     DEFAULT_MAX_CHUNKS,
     AnswerStream,
     close_dead_answers,
+    forgotten_answer_marks,
     tail_deltas,
 )
 
@@ -622,9 +623,13 @@ class Session:
                 return []  # an answer is still streaming: its writer is alive
             await self.refresh()
             out = await self.read(before, self._n) if marks else []
-        closers = interrupted_turn_closers(await self.read())
+        entries = await self.read()
+        closers = interrupted_turn_closers(entries)
         if closers:
-            out.extend(await self._write(closers))
+            # answers the protocol can no longer close (their state expired with the live
+            # stream): their marks, from the log's rows, land with the closers in one batch
+            forgotten = await forgotten_answer_marks(self._store, self.id, entries, stale_ms=stale_ms)
+            out.extend(await self._write([*forgotten, *closers]))
         return out
 
     async def branch(

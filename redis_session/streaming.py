@@ -765,6 +765,48 @@ async def close_dead_answers(
     return out, alive
 
 
+async def forgotten_answer_marks(
+    store: SessionStore, session_id: str, entries: Sequence[Entry], *, stale_ms: int
+) -> list[NewEntry]:
+    """The ``assistant/interrupted`` marks (reason ``crashed``) for the answers of the open turn
+    that the protocol can no longer close: chunk rows in the log, no closing entry, and the server
+    no longer holds their state — their writer neither wrote nor beat for the live TTL (a beat
+    refreshes the state), so the state, the live stream and its last deltas are gone — and their
+    last row older than `stale_ms`. Each mark holds the content the rows make: a writer that died
+    and was repaired only later still leaves its partial answer to the projection, once."""
+    start = 0
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i].type == "turn/start":
+            start = i
+            break
+    rows: dict[str, list[Entry]] = {}
+    closed: set[str] = set()
+    for e in entries[start:]:
+        if e.type == CHUNK and isinstance(e.data, dict) and isinstance(e.data.get("answer"), str):
+            rows.setdefault(e.data["answer"], []).append(e)
+        elif e.type in ("assistant/message", INTERRUPTED) and isinstance(e.meta, dict):
+            answer = e.meta.get("answer")
+            if isinstance(answer, str):
+                closed.add(answer)
+    now = now_ms()
+    quiet = [a for a, got in rows.items() if a not in closed and now - got[-1].time >= stale_ms]
+    if not quiet:
+        return []
+    held = await store.answer_states(session_id, quiet)
+    marks: list[NewEntry] = []
+    for answer in quiet:
+        if answer in held:
+            continue  # the protocol still can: `close_dead_answers` decides
+        chunks = replay(rows[answer])[answer]
+        last = rows[answer][-1].data
+        turn, step = last.get("turn"), last.get("step")
+        marks.append(interrupted_mark(
+            answer, turn if isinstance(turn, int) else None, step if isinstance(step, int) else None,
+            "crashed", len(chunks), assemble(chunks), max_bytes=store.max_entry_bytes,
+        ))  # fmt: skip
+    return marks
+
+
 async def tail_deltas(
     store: SessionStore,
     session_id: str,

@@ -358,3 +358,57 @@ async def test_a_delta_a_failover_lost_and_its_writer_sent_again_reaches_a_resum
     indexes = [d.index for d in got if isinstance(d, Delta)]
     assert indexes == list(range(len(sent))), indexes
     assert not [g for g in got if isinstance(g, DeltaGap)]
+
+
+# --------------------------------------------------------------------------- repair after the live TTL
+
+
+async def test_repair_after_the_answers_state_expired_still_leaves_its_partial_answer(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore, redis_url: str
+) -> None:
+    # a writer that died and was repaired only after the live TTL: its state and live stream
+    # expired (emulated: deleted, as the expiry does), its rows are in the log. The repair
+    # closes the answer from them (the interrupted mark with their content, once) before the
+    # turn's closers, so the projection keeps the partial answer
+    import redis.asyncio as aioredis
+
+    from redis_session import Sessions
+
+    await redis_store.create(
+        SessionHeader(id="late"),
+        [("turn/start", {"turn": 1}), ("user/message", {"content": "hi"}), ("step/start", {"turn": 1, "step": 1})],
+    )
+    r = await client.post(path("late", "answers"), json={"turn": 1, "step": 1})
+    a = r.json()["answer"]
+    for first, texts in ((0, ["one ", "two "]), (2, ["three"])):
+        b = await client.post(path("late", f"answers/{a}/deltas"), json={**_batch(first, texts), "turn": 1, "step": 1})
+        assert b.status_code == 201, b.text
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        live = redis_store.keys.live("late")
+        await raw.delete(f"{live}:{a}", live, f"{live}:+open")
+    finally:
+        await raw.aclose()
+    assert await redis_store.answer_states("late", [a]) == {}
+    repaired = await Sessions(redis_store).repair("late", stale_after=0)
+    assert [e.type for e in repaired] == ["assistant/interrupted", "step/end", "turn/end"]
+    mark = repaired[0]
+    assert mark.data["reason"] == "crashed" and mark.data["answer"] == a and mark.data["deltas"] == 3
+    assert mark.data["content"] == [{"type": "text", "text": "one two three"}]
+    assert await Sessions(redis_store).repair("late", stale_after=0) == []  # once
+    # an answer quiet for less than stale_after is left to its writer: only the turn is closed
+    # when a second turn's answer is fresh (its rows just written)
+    s = await Sessions(redis_store).open("late")
+    await s.append_many([("turn/start", {"turn": 2}), ("step/start", {"turn": 2, "step": 1})])
+    r = await client.post(path("late", "answers"), json={"turn": 2, "step": 1})
+    a2 = r.json()["answer"]
+    b = await client.post(path("late", f"answers/{a2}/deltas"), json={"first_index": 0, "turn": 2, "step": 1,
+                                                                       "deltas": [{"text": "fresh"}]})  # fmt: skip
+    assert b.status_code == 201, b.text
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        await raw.delete(f"{live}:{a2}", live, f"{live}:+open")
+    finally:
+        await raw.aclose()
+    repaired = await Sessions(redis_store).repair("late", stale_after=600)
+    assert [e.type for e in repaired] == ["step/end", "turn/end"]
