@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -93,3 +94,102 @@ async def test_the_typescript_writer_sends_again_what_a_failover_lost(
     assert "".join(c["text"] for c in replay(entries)[answer]) == "".join(sent)  # once each, in order
     messages = [e for e in entries if e.type == "assistant/message"]
     assert len(messages) == 1 and messages[0].data["content"] == [{"type": "text", "text": "".join(sent)}]
+
+
+class _Proxy:
+    """A TCP proxy to the gateway whose open connections `cut` closes (a dropped SSE stream)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.streams: list[anyio.abc.SocketStream] = []
+        self.port = 0
+
+    async def serve(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+
+        async def pipe(a: anyio.abc.SocketStream, b: anyio.abc.SocketStream) -> None:
+            try:
+                async for chunk in a:
+                    await b.send(chunk)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+                pass
+            finally:
+                await b.aclose()
+
+        async def handle(down: anyio.abc.SocketStream) -> None:
+            up = await anyio.connect_tcp("127.0.0.1", self.target_port)
+            self.streams += [down, up]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pipe, down, up)
+                tg.start_soon(pipe, up, down)
+
+        task_status.started()
+        await listener.serve(handle)
+
+    async def cut(self) -> None:
+        streams, self.streams = self.streams, []
+        for s in streams:
+            await s.aclose()
+
+
+@pytest.mark.skipif(_node_missing() is not None, reason=_node_missing() or "")
+async def test_the_typescript_tail_never_gives_a_resent_delta_twice(
+    redis_store: RedisSessionStore, redis_url: str
+) -> None:
+    # the tail got delta 9; a failover lost its live record and the writer sent it again under a
+    # later id; the tail's connection dropped meanwhile: resumed, it must not give 9 again
+    from urllib.parse import urlsplit
+
+    from redis_session import Sessions
+
+    env = {**os.environ, "RS_TOKEN_ADMIN": ADMIN, "npm_config_audit": "false", "npm_config_fund": "false"}
+    sid = "tsfo-reader"
+    await redis_store.create(SessionHeader(id=sid))
+    s = await Sessions(redis_store).open(sid)
+    raw = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    got: list[str] = []
+    try:
+        with anyio.fail_after(300):
+            await _build(env)
+            async with (
+                running_gateway(redis_store, tokens=[Token.make(ADMIN, ["admin"], name="ts")]) as base,
+                anyio.create_task_group() as tg,
+            ):
+                proxy = _Proxy(urlsplit(base).port or 0)
+                await tg.start(proxy.serve)
+                env["REDIS_SESSION_URL"] = f"http://127.0.0.1:{proxy.port}"
+                child = await anyio.open_process(
+                    ["node", str(PACKAGE / "dist" / "test" / "reader-child.js"), sid], env=env
+                )
+                async with child:
+                    assert child.stdout is not None
+                    lines = TextReceiveStream(child.stdout)
+                    buf = ""
+
+                    async def until(pred: Any) -> None:
+                        nonlocal buf
+                        while not pred():
+                            buf += await lines.receive()
+                            *done, buf = buf.split("\n")
+                            got.extend(done)
+
+                    async with s.stream(turn=1, step=1, flush_interval=5, max_chunks=100) as w:
+                        for i in range(10):
+                            await w.delta(f"d{i} ")
+                        await until(lambda: '{"index":9}' in got)
+                        live = redis_store.keys.live(sid)
+                        [(rid, fields)] = await raw.xrevrange(live, count=1)
+                        assert fields.get("i") == "9", fields
+                        await raw.xdel(live, rid)
+                        await raw.xadd(live, fields)  # sent again, under a later id
+                        await proxy.cut()
+                        for i in range(10, 14):
+                            await w.delta(f"d{i} ")
+                    await until(lambda: "done" in got)
+                    assert await child.wait() == 0
+                tg.cancel_scope.cancel()
+    finally:
+        await raw.aclose()
+    deltas = [line for line in got if line.startswith("{")]
+    assert deltas == [f'{{"index":{i}}}' for i in range(14)], deltas

@@ -470,6 +470,10 @@ export class SessionClient {
     }
     let failures = 0
     let connected = false
+    // answer -> the next delta index owed, across reconnects: a delta a failover lost from the
+    // live stream and its writer sent again (under a later live id than this tail's cursor) is
+    // not given twice
+    const owed = new Map<string, number>()
     for (;;) {
       let response: Response
       // before any event names the life, a fresh tail starts with `?start=` (a bare n in
@@ -509,6 +513,8 @@ export class SessionClient {
             const d = JSON.parse(ev.data) as { answer: string; index: number; kind: DeltaKind; text: string; callId?: string; name?: string }
             cursor = m[3] ?? cursor
             failures = 0
+            if (d.index < (owed.get(d.answer) ?? 0)) continue
+            owed.set(d.answer, d.index + 1)
             yield new Delta(d.answer, d.index, d.kind, d.text, cursor ?? '', d.callId, d.name)
           } else if (ev.event === 'gap') {
             const g = JSON.parse(ev.data) as { answer: string; start: number; stop: number | null }
