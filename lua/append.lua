@@ -52,10 +52,10 @@
 --         {8}                               the session has another incarnation (it was replaced)
 --         {9}                               short layout only: the session is ephemeral (use the long one)
 
--- The hot path (an append of one entry) is kept to five redis.call()s: TIME, HMGET, XADD, HSET
--- and the feed XADD (trimmed on every 32nd n only: an approximate trim frees whole nodes, so
--- asking on each append costs time and frees nothing more); numbers are formatted once (an n
--- below 2^53 prints exactly with %d).
+-- The hot path (a plain append, the short layout) is kept to four redis.call()s: HMGET, the feed
+-- XADD (trimmed on every 32nd n only: an approximate trim frees whole nodes, so asking on each
+-- append costs time and frees nothing more), XADD and HSET; the long layout adds TIME. Numbers are
+-- formatted once (an n below 2^53 prints exactly with %d).
 local call, fmt = redis.call, string.format
 
 if #KEYS < 8 then
