@@ -133,10 +133,11 @@ def round_ratios(ours: Timer, base: Timer, groups: int = 5) -> list[float]:
     k = min(len(a), len(b))
     if k == 0:
         return []
-    size = max(1, k // groups)
+    groups = min(groups, k)
+    edges = [k * i // groups for i in range(groups + 1)]  # exactly `groups` groups, as even as can be
     out = []
-    for lo in range(0, k - size + 1, size):
-        ra, rb = statistics.mean(a[lo : lo + size]), statistics.mean(b[lo : lo + size])
+    for lo, hi in itertools.pairwise(edges):
+        ra, rb = statistics.mean(a[lo:hi]), statistics.mean(b[lo:hi])
         out.append(ra / rb if rb else 0.0)
     return out
 

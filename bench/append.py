@@ -1,26 +1,38 @@
 """The store's hot paths against the bare Redis commands they are built on.
 
-    python bench/append.py [--url URL] [--seconds N] [--no-freeze]
+    python bench/append.py [--url URL] [--seconds N] [--rounds R] [--no-freeze]
+    python bench/append.py --server-cpu [--url URL] [--rounds R]   # server CPU per call only
+    python bench/append.py --callgrind                              # server instructions per call
 
 On one server, in interleaved rounds (ours, baseline, ours, …) so that load drift hits both:
   (a) `put` of one ~300-byte `user/message` entry  vs  a raw XADD of the same bytes, same client;
   (b) `put` of a 100-entry batch                    vs  100 pipelined XADDs;
   (c) `read` of a 10 000-entry session into Entry   vs  redis-py's XRANGE (default parsing, bytes).
-Targets (ours / baseline ops/s): (a) >= 0.90, (b) >= 1.00, (c) >= 1.00, each in every fifth of the run.
+Targets (ours / baseline ops/s): (a) >= 0.90, (b) >= 1.00, (c) >= 1.00, each in every round: the
+run is cut into R rounds (default 5) and every round's ratio is printed, so a drift shows.
 
-Reference rows run in (a)'s rounds too: `put` with an idempotency key, and a bare Lua script
-(HGET n, compare, XADD, HSET n), the least any checked append costs on this server, so (a)'s ratio
-can be read against that floor.
+Reference rows run in (a)'s rounds too: `put` in append.lua's long layout (what a put with an
+idempotency key, meta, surface or a TTL sends), `put` with an idempotency key, and a bare Lua
+script (HGET n, compare, XADD, HSET n), the least any checked append costs on this server, so
+(a)'s ratio can be read against that floor.
 
 "server µs/call" is the server's CPU per op by INFO commandstats, read around each side's rounds:
 the `usec` of EVALSHA for a put or a script (the commands it calls included), of XADD for the raw
 side (per op: a 100-entry batch is one call, or 100 XADDs), of XRANGE for a read. This is what a
 user pays Redis for; the ops/s ratio is mostly the client's and the round trip's.
+
+--server-cpu runs only the single-entry sides, sequentially, R rounds of --ops calls each, and
+prints commandstats µs/call of every round (the sides take turns every 100 calls; the target:
+put within 1.3x of the bare script).
+--callgrind starts a private valkey-server under valgrind's callgrind and counts the server's
+instructions per call of each side (network handling included): deterministic, so the same on a
+busy machine. It needs valgrind (`apt-get install valgrind`) and says so when it is missing.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -59,6 +71,63 @@ return {0, n}"""
 Result = tuple[str, Timer, Timer, str]  # name, ours, baseline, target ("" for a reference row)
 
 
+Op = Callable[[], Awaitable[object]]
+
+
+async def single_sides(client: aioredis.Redis, prefix: str) -> tuple[dict[str, Op], list[RedisSessionStore]]:
+    """The single-entry sides, set up: name -> one call. The stores are the caller's to close."""
+    store = RedisSessionStore(client, prefix=prefix)
+    long = RedisSessionStore(client, prefix=prefix)
+    long._short_puts = False  # append.lua's long layout for every put (what it was before)
+    one = [NewEntry("user/message", DATA)]
+    counters = {"one": 0, "long": 0, "idem": 0, "bare": 0}
+    for sid in ("one", "one-long", "idem"):
+        await store.create(SessionHeader(id=sid))
+
+    async def put_one() -> None:
+        await store.put("one", counters["one"], one)
+        counters["one"] += 1
+
+    async def put_long() -> None:
+        await long.put("one-long", counters["long"], one)
+        counters["long"] += 1
+
+    async def put_idem() -> None:
+        n = counters["idem"]
+        await store.put("idem", n, one, idempotency_key=f"k{n}")
+        counters["idem"] += 1
+
+    raw_key = f"{prefix}:raw-one"
+
+    async def xadd_one() -> object:
+        return await client.execute_command(
+            "XADD", raw_key, "*", "type", "user/message", "time", "1700000000000", "data", DATA_RAW
+        )
+
+    bare_keys = (f"{prefix}:{{bare}}:hdr", f"{prefix}:{{bare}}:log")
+    await client.hset(bare_keys[0], "n", 0)
+    bare_sha = await client.script_load(BARE_LUA)
+
+    async def bare_lua() -> None:
+        n = counters["bare"]
+        await client.execute_command("EVALSHA", bare_sha, 2, *bare_keys, n, "user/message", "1", DATA_RAW)
+        counters["bare"] += 1
+
+    sides: dict[str, Op] = {
+        PUT: put_one,
+        XADD: xadd_one,
+        LONG: put_long,
+        IDEM: put_idem,
+        BARE: bare_lua,
+    }
+    return sides, [store, long]
+
+
+PUT, XADD, LONG = "(a) put 1 entry", "XADD", "(ref) put 1 entry, long layout"
+IDEM, BARE = "(ref) put 1 entry + idempotency key", "(ref) bare Lua append"
+COMMAND = {PUT: "evalsha", XADD: "xadd", LONG: "evalsha", IDEM: "evalsha", BARE: "evalsha"}
+
+
 async def run(url: str, seconds: float, freeze: bool) -> tuple[list[Result], ServerMeter]:
     prefix = unique_prefix()
     client = aioredis.Redis.from_url(url)  # the user's client: the store shares its pool
@@ -66,49 +135,13 @@ async def run(url: str, seconds: float, freeze: bool) -> tuple[list[Result], Ser
     plain = aioredis.Redis.from_url(url)  # a stock client with redis-py's default reply parsing
     results: list[Result] = []
     meter = ServerMeter(url, {})
+    stores: list[RedisSessionStore] = []
     try:
         # ------------------------------------------------------------ (a) one entry
-        await store.create(SessionHeader(id="one"))
-        n = 0
-        one = [NewEntry("user/message", DATA)]
-
-        async def put_one() -> None:
-            nonlocal n
-            await store.put("one", n, one)
-            n += 1
-
-        await store.create(SessionHeader(id="idem"))
-        ni = 0
-
-        async def put_idem() -> None:
-            nonlocal ni
-            await store.put("idem", ni, one, idempotency_key=f"k{ni}")
-            ni += 1
-
-        raw_key = f"{prefix}:raw-one"
-
-        async def xadd_one() -> object:
-            return await client.execute_command(
-                "XADD", raw_key, "*", "type", "user/message", "time", "1700000000000", "data", DATA_RAW
-            )
-
-        bare_keys = (f"{prefix}:{{bare}}:hdr", f"{prefix}:{{bare}}:log")
-        await client.hset(bare_keys[0], "n", 0)
-        bare_sha = await client.script_load(BARE_LUA)
-        nbare = 0
-
-        async def bare_lua() -> None:
-            nonlocal nbare
-            await client.execute_command("EVALSHA", bare_sha, 2, *bare_keys, nbare, "user/message", "1", DATA_RAW)
-            nbare += 1
-
-        ref_idem, ref = Timer("(ref) put 1 entry + idempotency key"), Timer("(ref) bare Lua append")
-        meter.commands.update({"(a) put 1 entry": "evalsha", "XADD": "xadd", ref_idem.name: "evalsha"})
-        meter.commands[ref.name] = "evalsha"
-        results += await _compare(
-            "(a) put 1 entry", "XADD", put_one, xadd_one, seconds, 1, freeze, meter,
-            refs=[(ref_idem, put_idem), (ref, bare_lua)],
-        )  # fmt: skip
+        sides, stores = await single_sides(client, prefix)
+        meter.commands.update(COMMAND)
+        refs = [(Timer(name), sides[name]) for name in (LONG, IDEM, BARE)]
+        results += await _compare(PUT, XADD, sides[PUT], sides[XADD], seconds, 1, freeze, meter, refs=refs)
 
         # ------------------------------------------------------------ (b) 100-entry batch
         await store.create(SessionHeader(id="batch"))
@@ -165,6 +198,8 @@ async def run(url: str, seconds: float, freeze: bool) -> tuple[list[Result], Ser
         )
     finally:
         await store.aclose()
+        for st in stores:
+            await st.aclose()
         await client.aclose()
         await plain.aclose()
         await meter.aclose()
@@ -196,10 +231,136 @@ async def _compare(
     return [(ours_name, a, b, target), *((t.name, t, b, "") for t, _ in refs)]
 
 
+async def server_cpu(url: str, rounds: int, ops: int) -> dict[str, list[float]]:
+    """INFO commandstats µs per call of each single-entry side, per round (sides in turn)."""
+    prefix = unique_prefix()
+    client = aioredis.Redis.from_url(url)
+    meter = aioredis.Redis.from_url(url)
+    stores: list[RedisSessionStore] = []
+    out: dict[str, list[float]] = {}
+    try:
+        sides, stores = await single_sides(client, prefix)
+        for op in sides.values():
+            for _ in range(20):
+                await op()
+        chunk = 100  # the sides take turns every 100 calls, so a change in load hits them alike
+        for _ in range(rounds):
+            usec = dict.fromkeys(sides, 0.0)
+            for _ in range(max(1, ops // chunk)):
+                for name, op in sides.items():
+                    before = (await meter.info("commandstats"))[f"cmdstat_{COMMAND[name]}"]["usec"]
+                    for _ in range(chunk):
+                        await op()
+                    usec[name] += (await meter.info("commandstats"))[f"cmdstat_{COMMAND[name]}"]["usec"] - before
+            for name in sides:
+                out.setdefault(name, []).append(usec[name] / (max(1, ops // chunk) * chunk))
+    finally:
+        for st in stores:
+            await st.aclose()
+        await client.aclose()
+        await meter.aclose()
+        await drop_prefix(url, prefix)
+    return out
+
+
+def print_server_cpu(us: dict[str, list[float]]) -> None:
+    print("server µs/call by INFO commandstats (EVALSHA includes the commands the script calls), per round:")
+    for name, per in us.items():
+        print(f"  {name:38s} " + "  ".join(f"{v:6.1f}" for v in per))
+    bare = us[BARE]
+    for name in (PUT, LONG, IDEM):
+        ratios = [a / b for a, b in zip(us[name], bare, strict=True)]
+        verdict = "" if name != PUT else ("  (target <= 1.30x: " + ("ok" if max(ratios) <= 1.3 else "MISS") + ")")
+        print(f"  {name} / bare script: " + "  ".join(f"{r:.2f}x" for r in ratios) + verdict)
+
+
+def callgrind(ops: int) -> dict[str, float] | None:
+    """Server instructions per call of each single-entry side, on a private valkey-server run
+    under callgrind (instrumentation on only around each side's calls). None without valgrind."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from redis_session.redis.embedded import free_port, ping, server_binary
+
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("--callgrind: valgrind is not installed (apt-get install valgrind); skipped")
+        return None
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="rs-callgrind-") as d:
+        cmd = [
+            "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={d}/callgrind.out",
+            server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", d, "--hz", "1",
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while not ping(port):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    print("--callgrind: valkey-server did not start under valgrind; skipped")
+                    return None
+                time.sleep(0.2)
+
+            def control(*args: str) -> str:
+                return subprocess.run(
+                    ["callgrind_control", *args, str(proc.pid)], capture_output=True, text=True, check=False
+                ).stdout
+
+            def instructions() -> int:  # every thread's count since the last zero
+                lines = [ln.split() for ln in control("-e").splitlines() if ln.strip().startswith("Th ")]
+                return sum(int(parts[2].replace(",", "")) for parts in lines if len(parts) > 2)
+
+            async def measure() -> dict[str, float]:
+                url = f"redis://127.0.0.1:{port}/0"
+                client = aioredis.Redis.from_url(url)
+                sides, stores = await single_sides(client, unique_prefix())
+                out: dict[str, float] = {}
+                try:
+                    for name, op in sides.items():
+                        for _ in range(20):
+                            await op()
+                        control("-i", "on")
+                        control("-z")
+                        for _ in range(ops):
+                            await op()
+                        out[name] = instructions() / ops
+                        control("-i", "off")
+                finally:
+                    for st in stores:
+                        await st.aclose()
+                    await client.aclose()
+                return out
+
+            return anyio.run(measure)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def print_callgrind(ir: dict[str, float]) -> None:
+    print("server instructions per call (callgrind on valkey-server, network handling included):")
+    for name, v in ir.items():
+        print(f"  {name:38s} {v / 1000:8.1f}k   {v / ir[BARE]:.2f}x the bare script   {v / ir[XADD]:.2f}x XADD")
+
+
 def main() -> None:
     p = bench_args(__doc__ or "")
     p.add_argument("--no-freeze", action="store_true", help="skip gc.freeze() after set-up")
+    p.add_argument("--rounds", type=int, default=5, help="rounds the run is cut into, each one's ratio printed")
+    p.add_argument("--server-cpu", action="store_true", help="only server CPU per call (commandstats), per round")
+    p.add_argument("--ops", type=int, default=2000, help="calls per side and round for --server-cpu")
+    p.add_argument("--callgrind", action="store_true", help="only server instructions per call (valgrind)")
     args = p.parse_args()
+    if args.callgrind:
+        ir = callgrind(min(args.ops, 500))
+        if ir is not None:
+            print_callgrind(ir)
+        return
+    if args.server_cpu:
+        with server(args.url) as url:
+            print_server_cpu(anyio.run(server_cpu, url, args.rounds, args.ops))
+        return
     with server(args.url) as url:
         results, meter = anyio.run(run, url, args.seconds, not args.no_freeze)
     rows = []
@@ -224,13 +385,12 @@ def main() -> None:
         "server µs/call: INFO commandstats usec per op (EVALSHA for a put or a script, XADD, XRANGE); "
         "server ratio: ours / baseline"
     )
-    print("ratio over the run, first to last fifth of its rounds (a drift within one run shows here):")
+    print(f"ratio in each of the run's {args.rounds} rounds, first to last (a drift within one run shows here):")
     for name, ours, base, target in results:
-        if target:
-            fifths = round_ratios(ours, base)
-            low = min(fifths, default=0.0)
-            verdict = "ok" if low >= float(target[2:]) else "MISS"
-            print(f"  {name}: " + "  ".join(f"{r:.2f}x" for r in fifths) + f"   (lowest {low:.2f}x {verdict})")
+        per_round = round_ratios(ours, base, args.rounds)
+        low = min(per_round, default=0.0)
+        verdict = f"   (lowest {low:.2f}x {'ok' if low >= float(target[2:]) else 'MISS'})" if target else ""
+        print(f"  {name:38s} " + "  ".join(f"{r:.2f}x" for r in per_round) + verdict)
     for name, ours, base, _ in results:
         if ours.items_per_op > 1:
             print(f"{name}: {ours.items_per_s:,.0f} entries/s vs {base.items_per_s:,.0f} entries/s")

@@ -30,6 +30,17 @@
 --                            bound (the layout is read off the number of ARGV: fewer arguments are
 --                            the cheapest server time an append can save)
 --
+-- The short layout (a plain append: no idempotency key, no meta, surface or bound; the client
+-- picks it, and the number of KEYS tells it apart):
+-- KEYS[1] hdr, KEYS[2] log, KEYS[3] feed (optional, standalone only)
+-- ARGV[1] expected_n ("" = any), ARGV[2] incarnation ("" = any), with a feed ARGV[3] session_id
+--         and ARGV[4] feed_maxlen; then 3 values per entry: type, time ("" = server time), data.
+-- It does what the long layout does for such a batch, in the fewest calls: the feed XADD comes
+-- first and its entry ID ("<ms>-<seq>", the server's clock) is the batch's time, instead of a
+-- TIME call; a batch that gives no hint (chunk rows only), or a server without the feed, asks
+-- TIME. An ephemeral session (a header with ttl_ms) answers {9}: its TTL refresh needs every key,
+-- so the client sends the batch again in the long layout (nothing was written).
+--
 -- Returns {0, first_n, now_ms}             written
 --         {1, first_n, count}               idempotent retry: that batch (count entries) already landed
 --         {2, actual_n}                     conflict: header n ~= expected_n
@@ -39,12 +50,71 @@
 --         {6, last_id}                      the stream is ahead of the header (corrupt; nothing written)
 --         {7}                               the idempotency key landed a different batch (nothing written)
 --         {8}                               the session has another incarnation (it was replaced)
+--         {9}                               short layout only: the session is ephemeral (use the long one)
 
--- The hot path (an append of one entry) is kept to five redis.call()s: TIME, HMGET, XADD, HSET
--- and the feed XADD (trimmed on every 32nd n only: an approximate trim frees whole nodes, so
--- asking on each append costs time and frees nothing more); numbers are formatted once (an n
--- below 2^53 prints exactly with %d).
+-- The hot path (a plain append, the short layout) is kept to four redis.call()s: HMGET, the feed
+-- XADD (trimmed on every 32nd n only: an approximate trim frees whole nodes, so asking on each
+-- append costs time and frees nothing more), XADD and HSET; the long layout adds TIME. Numbers are
+-- formatted once (an n below 2^53 prints exactly with %d).
 local call, fmt = redis.call, string.format
+
+if #KEYS < 8 then
+  -- the short layout (see above): HMGET, the feed XADD (else TIME), XADD, HSET
+  local hdr, log, feed = KEYS[1], KEYS[2], KEYS[3]
+  local h = call('HMGET', hdr, 'n', 'deleted', 'ttl_ms', 'incarnation')
+  local ns = h[1]
+  if not ns or h[2] then return {3} end
+  local inc = ARGV[2]
+  if inc ~= '' and inc ~= (h[4] or ('legacy-' .. (call('HGET', hdr, 'created_at') or '0'))) then return {8} end
+  local n = tonumber(ns)
+  if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= n then return {2, n} end
+  if h[3] then return {9} end
+  local base = feed and 5 or 3
+  local count = (#ARGV - base + 1) / 3
+  local new_n_s = fmt('%d', n + count)
+  local hint = false  -- a batch of chunk rows only changes no projection: no feed hint for it
+  for i = 0, count - 1 do
+    if ARGV[base + 3 * i] ~= 'assistant/chunk' then hint = true; break end
+  end
+  local now_s, fid
+  if feed and hint then
+    if (n + count) % 32 < count then
+      fid = call('XADD', feed, 'MAXLEN', '~', ARGV[4], '*', 's', ARGV[3], 'n', new_n_s)
+    else
+      fid = call('XADD', feed, '*', 's', ARGV[3], 'n', new_n_s)
+    end
+    now_s = string.sub(fid, 1, string.find(fid, '-', 1, true) - 1)
+  else
+    local t = call('TIME')
+    now_s = fmt('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+  end
+  local last_cut = nil
+  for i = 0, count - 1 do
+    local p = base + 3 * i
+    local typ, tm = ARGV[p], ARGV[p + 1]
+    if tm == '' then tm = now_s end
+    if i == 0 then
+      -- the consistency check, as below; the feed entry written first is taken back
+      local ok = redis.pcall('XADD', log, ns .. '-1', 'type', typ, 'time', tm, 'data', ARGV[p + 2])
+      if type(ok) == 'table' and ok.err then
+        if fid then call('XDEL', feed, fid) end
+        if not string.find(ok.err, 'equal or smaller', 1, true) then return ok end
+        local last = call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+        return {6, last and last[1] or ok.err}
+      end
+    else
+      call('XADD', log, fmt('%d-1', n + i), 'type', typ, 'time', tm, 'data', ARGV[p + 2])
+    end
+    if typ == 'cut' then last_cut = n + i end
+  end
+  if last_cut then
+    call('HSET', hdr, 'n', new_n_s, 'updated_at', now_s, 'last_cut', fmt('%d', last_cut))
+  else
+    call('HSET', hdr, 'n', new_n_s, 'updated_at', now_s)
+  end
+  return {0, n, now_s}
+end
+
 local hdr, log, idem = KEYS[1], KEYS[2], KEYS[3]
 local mode, expected = ARGV[1], ARGV[2]
 local idem_key, digest, window = '', '', 0

@@ -349,6 +349,11 @@ def _entry_args(batch: Sequence[EncodedEntry]) -> builtins.list[bytes]:
 _PUT_BODY = b"%b$6\r\nappend\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n%b$%d\r\n%b\r\n%b"
 
 
+# put's EVALSHA body in append.lua's short layout: numkeys and keys, expected_n, the expected
+# incarnation, the feed's session id and maxlen (with a feed), entries
+_SHORT_BODY = b"%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b"
+
+
 class _SessionWire(msgspec.Struct, frozen=True, gc=False):
     """One session's keys as the fast path sends them (bytes only: no reference cycles)."""
 
@@ -357,6 +362,11 @@ class _SessionWire(msgspec.Struct, frozen=True, gc=False):
     hdr: bytes
     log: bytes
     put_tail: bytes  # append's constant ARGV[5..8]: feed_maxlen, session id, ttl "", nhdr "0"
+    # append.lua's short layout (a plain put): numkeys, hdr, log, feed?; b"" for a session seen
+    # ephemeral (its TTL refresh needs the long layout)
+    short: bytes
+    short_tail: bytes  # the short layout's ARGV[3..4] (session id, feed_maxlen) with a feed, else b""
+    short_nargs: int  # how many bulks `short` and the short layout's fixed ARGV hold together
 
 
 class RedisSessionStore(StoreRules):
@@ -419,6 +429,8 @@ class RedisSessionStore(StoreRules):
         self._pool = None if isinstance(self.client, RedisCluster) else PooledWire(self.client)
         self._router = ClusterRouter(self.client, read_replies) if isinstance(self.client, RedisCluster) else None
         self._packed_keys: dict[str, _SessionWire] = {}  # caches keys, feed and feed_maxlen: fixed
+        # Plain puts in append.lua's short layout (False: always the long one; tests compare both)
+        self._short_puts = True
         self._last_acks: Any = None
         self._hints: dict[str, int] = {}  # cluster feed hints waiting for the background flush
         self._hint_task: Any = None
@@ -568,17 +580,29 @@ class RedisSessionStore(StoreRules):
         keys = self.keys.session_keys(session_id)
         if self.feed and not self.cluster:
             keys.append(self.keys.feed(self.keys.feed_shard(session_id)))
+        short = keys[:2] + keys[8:]  # hdr, log and the feed shard (standalone with a feed)
+        tail: builtins.list[str | int] = [session_id, self.feed_maxlen] if len(short) == 3 else []
         wire = _SessionWire(
             keys=bulks([len(keys), *keys]),
             nkeys=1 + len(keys),
             hdr=keys[0].encode(),
             log=keys[1].encode(),
             put_tail=bulks([self.feed_maxlen, session_id, b"", b"0"]),
+            short=bulks([len(short), *short]) if self._short_puts else b"",
+            short_tail=bulks(tail),
+            short_nargs=1 + len(short) + 2 + len(tail),
         )
         if len(self._packed_keys) >= 4096:  # a bound, not an LRU: hot sessions come right back
             self._packed_keys.clear()
         self._packed_keys[session_id] = wire
         return wire
+
+    def _long_puts(self, session_id: str) -> None:
+        """Send `session_id`'s plain puts in append.lua's long layout from now on (it is ephemeral:
+        each write restarts the TTL of every key)."""
+        k = self._keys_of(session_id)
+        if k.short:
+            self._packed_keys[session_id] = msgspec.structs.replace(k, short=b"")
 
     async def _hdr(self, session_id: str) -> _Hdr | None:
         raw = await self._raw("HGETALL", self.keys.hdr(session_id))
@@ -701,20 +725,28 @@ class RedisSessionStore(StoreRules):
             if idempotency_key is None
             else b"%d:%b:%b" % (IDEMPOTENCY_WINDOW, batch_digest(batch), idempotency_key.encode())
         )
-        count = b"%d" % len(batch)
         inc = b"" if incarnation is None else incarnation.encode()
+        script, durable = _SCRIPTS["append"], bool(self._durable)
         try:
             # The whole EVALSHA body in one format: keys and the per-session ARGV are cached.
             packed, stride = _pack_entries(batch)
-            body = _PUT_BODY % (
-                k.keys, len(expected), expected, len(idem), idem, len(count), count, k.put_tail,
-                len(inc), inc, packed,
-            )  # fmt: skip
-            res = await self._eval_packed(
-                _SCRIPTS["append"], k.nkeys + 9 + stride * len(batch), body, k.hdr, bool(self._durable)
-            )
-            acks = self._last_acks  # taken before any other await: other tasks share the store
+            res = None
+            if k.short and stride == 3 and batch and not idem:
+                # a plain put: append.lua's short layout (hdr, log, feed; no idempotency window)
+                body = _SHORT_BODY % (k.short, len(expected), expected, len(inc), inc, k.short_tail, packed)
+                res = await self._eval_packed(script, k.short_nargs + 3 * len(batch), body, k.hdr, durable)
+                if int(res[0]) == 9:  # ephemeral: its TTL refresh needs every key (nothing was written)
+                    self._long_puts(session_id)
+                    res = None
+            if res is None:  # the long layout: an idempotency key, meta, surface, bound, a TTL
+                count = b"%d" % len(batch)
+                body = _PUT_BODY % (
+                    k.keys, len(expected), expected, len(idem), idem, len(count), count, k.put_tail,
+                    len(inc), inc, packed,
+                )  # fmt: skip
+                res = await self._eval_packed(script, k.nkeys + 9 + stride * len(batch), body, k.hdr, durable)
             code = int(res[0])
+            acks = self._last_acks  # taken before any other await: other tasks share the store
             if code == 0:
                 first, now = int(res[1]), int(res[2])
                 if self.feed and self.cluster and any(enc.type != "assistant/chunk" for enc in batch):
@@ -819,6 +851,8 @@ class RedisSessionStore(StoreRules):
                 segments, ephemeral_parent = await self._create_link(header, member)
             argv = self._create_argv(header, segments, batch, ttl_ms)
             res, acks = await self._create_script(header, member, argv, batch, settle)
+            if ttl_ms is not None:
+                self._long_puts(sid)  # its puts restart every key's TTL: no redirect from the short layout
             now = int(res[2])
             await self._create_index(header, member, ephemeral_parent)
             if self.feed and self.cluster and batch:
