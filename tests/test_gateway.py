@@ -28,7 +28,7 @@ from redis_session.gateway import common as common_mod
 from redis_session.gateway import create_app, openapi, serve
 from redis_session.projection import project, to_anthropic, to_openai
 
-from support import cleanup_prefix, running_gateway
+from support import cleanup_prefix, running_gateway, wait_blocked_in_xread
 
 pytestmark = pytest.mark.anyio
 
@@ -100,10 +100,12 @@ async def write_marks(store: Any, sid: str, count: int, batch: int = 1, pause: f
 # --------------------------------------------------------------------------- SSE
 
 
-async def test_sse_delivers_every_entry_in_order_while_a_writer_appends(redis_store: RedisSessionStore) -> None:
+async def test_sse_delivers_every_entry_in_order_while_a_writer_appends(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
     await mk(redis_store, "live", 5)
     total = 5 + 300
-    with anyio.fail_after(20):
+    with anyio.fail_after(90):
         async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
             got: list[int] = []
 
@@ -112,14 +114,16 @@ async def test_sse_delivers_every_entry_in_order_while_a_writer_appends(redis_st
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read)
-                await anyio.sleep(0.05)
+                await wait_blocked_in_xread(redis_url, prefix)  # the stream is past its backlog, live
                 await write_marks(redis_store, "live", 300, batch=3, pause=0.001)
     assert got == list(range(total))
 
 
-async def test_sse_resumes_with_last_event_id_without_gap_or_repeat(redis_store: RedisSessionStore) -> None:
+async def test_sse_resumes_with_last_event_id_without_gap_or_repeat(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
     await mk(redis_store, "r", 10)
-    with anyio.fail_after(20):
+    with anyio.fail_after(90):
         async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
             first = await collect_entries(client, path("r", "events"), 6)  # hang up after n=6
             assert first == list(range(7))
@@ -138,18 +142,20 @@ async def test_sse_resumes_with_last_event_id_without_gap_or_repeat(redis_store:
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(late)
-                await anyio.sleep(0.2)
+                await wait_blocked_in_xread(redis_url, prefix)  # resumed at the end: waiting
                 await write_marks(redis_store, "r", 1)
             assert got == [30]
 
 
-async def test_fifty_concurrent_clients_all_get_everything(redis_store: RedisSessionStore) -> None:
+async def test_fifty_concurrent_clients_all_get_everything(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
     """One XREAD BLOCK connection per SSE client: 50 of them fit the pool with room to spare."""
     await mk(redis_store, "fan", 3)
     clients, total = 50, 3 + 120
     results: list[list[int]] = []
     limits = httpx.Limits(max_connections=clients + 10)
-    with anyio.fail_after(40):
+    with anyio.fail_after(120):
         async with (
             running_gateway(redis_store, heartbeat=1.0) as base,
             httpx.AsyncClient(base_url=base, limits=limits, timeout=30) as client,
@@ -161,7 +167,7 @@ async def test_fifty_concurrent_clients_all_get_everything(redis_store: RedisSes
             async with anyio.create_task_group() as tg:
                 for _ in range(clients):
                     tg.start_soon(one)
-                await anyio.sleep(0.3)  # most are connected and blocked in XREAD by now
+                await wait_blocked_in_xread(redis_url, prefix)  # their tail is live, blocked in XREAD
                 await write_marks(redis_store, "fan", 120, batch=2, pause=0.002)
     assert len(results) == clients
     assert all(r == list(range(total)) for r in results)
