@@ -88,13 +88,13 @@ async def test_session_settings_default_and_unknown_keys_like_the_sdk(Ev: Any) -
 
 
 async def test_ttl_makes_an_ephemeral_session(fstore: Any, Ev: Any) -> None:
-    s = Ev("eph", fstore, ttl=1)
+    s = Ev("eph", fstore, ttl=2)  # half of it is the room each step below has on a slow machine
     await s.add_items(_items("a"))
-    await let_pass(fstore, 0.6)
+    await let_pass(fstore, 1.0)
     await s.add_items(_items("b"))  # a write restarts the clock
-    await let_pass(fstore, 0.6)
+    await let_pass(fstore, 1.1)  # past a's expiry, a second before b's
     assert len(await s.get_items()) == 2
-    await let_pass(fstore, 1.3)
+    await let_pass(fstore, 2.1)
     assert await fstore.head("eph") is None
     assert await s.get_items() == []
     assert await Ev("eph", fstore).get_items() == []
@@ -449,10 +449,10 @@ def test_langchain_redis_accessors_ttl_and_long_prefixes(History: Any) -> None:
 async def test_langchain_ttl_expires_the_session(fstore: Any, History: Any) -> None:
     from langchain_core.messages import HumanMessage
 
-    h = History("lc-eph", fstore, ttl=1)
+    h = History("lc-eph", fstore, ttl=2)  # long enough to be read back on a slow machine
     await h.aadd_messages([HumanMessage("gone soon")])
     assert len(await h.aget_messages()) == 1
-    await let_pass(fstore, 1.4)
+    await let_pass(fstore, 2.2)
     assert await fstore.head("lc-eph") is None
     assert await h.aget_messages() == []
 
