@@ -189,7 +189,7 @@ async def test_branch_publishes_an_event_not_an_entry(
         await sub.subscribe(f"{prefix}:events")
         try:
             b = await sessions.branch("pub", 1, branch_id="pub-b")
-            with anyio.fail_after(5):
+            with anyio.fail_after(60):
                 while not got:
                     msg = await sub.get_message(ignore_subscribe_messages=True, timeout=1)
                     if msg is not None:

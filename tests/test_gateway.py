@@ -176,7 +176,7 @@ async def test_fifty_concurrent_clients_all_get_everything(
 async def test_sse_sends_the_draft_heartbeats_and_the_end(redis_store: RedisSessionStore) -> None:
     redis_store.block_ms = 200  # how soon an idle tail notices the deletion
     await mk(redis_store, "d", 1)
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         async with (
             running_gateway(redis_store, heartbeat=0.3) as base,
             httpx.AsyncClient(base_url=base) as client,
@@ -205,8 +205,9 @@ async def test_sse_sends_the_draft_heartbeats_and_the_end(redis_store: RedisSess
 
 
 async def test_server_shutdown_ends_open_streams_at_once(redis_store: RedisSessionStore) -> None:
+    redis_store.block_ms = 30_000  # the tail's XREAD blocks ~9 s (below the socket timeout)
     await mk(redis_store, "s", 1)
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         async with httpx.AsyncClient() as client, anyio.create_task_group() as tg:
             port = await tg.start(lambda task_status: serve(redis_store, "127.0.0.1", 0, task_status=task_status))
             async with client.stream("GET", f"http://127.0.0.1:{port}{path('s', 'events')}") as r:
@@ -215,7 +216,7 @@ async def test_server_shutdown_ends_open_streams_at_once(redis_store: RedisSessi
                 t0 = anyio.current_time()
                 tg.cancel_scope.cancel()
                 assert [x async for x in events if "id" in x] == []
-            assert anyio.current_time() - t0 < 2.5
+            assert anyio.current_time() - t0 < 5  # not after the block or a heartbeat (room for load)
         async with httpx.AsyncClient() as late:
             with pytest.raises(httpx.ConnectError):  # and the port is closed
                 await late.get(f"http://127.0.0.1:{port}/sessions")
@@ -230,7 +231,7 @@ async def test_a_busy_port_is_an_oserror(redis_store: RedisSessionStore) -> None
 
 async def test_stream_limit_answers_503(redis_store: RedisSessionStore) -> None:
     await mk(redis_store, "cap", 1)
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         async with (
             running_gateway(redis_store, max_streams=1) as base,
             httpx.AsyncClient(base_url=base) as client,
@@ -318,7 +319,7 @@ async def test_list_pages_and_branches(redis_store: RedisSessionStore) -> None:
 async def test_memory_store_works_too() -> None:
     store = MemorySessionStore()
     await mk(store, "m", 2)
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         async with running_gateway(store) as base, httpx.AsyncClient(base_url=base) as client:
             assert (await client.get(path("m"))).json()["n"] == 2
 
@@ -355,7 +356,7 @@ async def status_of(client: httpx.AsyncClient, url: str, **kw: Any) -> int:
 async def test_token_guards_every_route(redis_store: RedisSessionStore) -> None:
     await mk(redis_store, "sec", 1)
     token = "t0ken/with+chars"
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         async with running_gateway(redis_store, token=token) as base, httpx.AsyncClient(base_url=base) as client:
             for url in every_route("sec"):
                 r = await client.get(url)
@@ -376,7 +377,7 @@ async def test_token_guards_every_route(redis_store: RedisSessionStore) -> None:
 
 async def test_without_a_token_every_route_is_open(redis_store: RedisSessionStore) -> None:
     await mk(redis_store, "open", 1)
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base) as client:
             for url in every_route("open"):
                 assert await status_of(client, url) == 200, url
@@ -708,7 +709,7 @@ async def raw_http(base: str, request: bytes) -> tuple[int, bytes]:
     chunks: list[bytes] = []
     try:
         await stream.send(request)
-        with anyio.fail_after(20):
+        with anyio.fail_after(60):
             while True:
                 try:
                     chunks.append(await stream.receive())
@@ -1046,7 +1047,7 @@ async def test_sign_in_behind_a_tls_ingress_sets_a_secure_cookie_and_refuses_odd
                 f"POST /signin HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                 "Content-Length: 999999999999\r\n\r\n{".encode()
             )
-            with anyio.fail_after(10):  # answered at once, not after reading (or waiting for) the body
+            with anyio.fail_after(60):  # answered without the body, which never comes: not after it
                 reply = await stream.receive()
             assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
         finally:

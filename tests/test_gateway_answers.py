@@ -125,7 +125,7 @@ async def test_reasoning_tool_calls_and_sse_deltas(client: httpx.AsyncClient, re
     assert (await client.post(path("h2", f"answers/{answer}/deltas"), json=batch)).status_code == 201
     # a reader of SSE ?deltas=1 gets the answer so far as `event: delta`
     seen: list[dict[str, Any]] = []
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         async with client.stream("GET", path("h2", "events"), params={"deltas": "1", "start": "3"}) as r:
             async for ev in sse(r):
                 if ev.get("event") == "delta":

@@ -522,7 +522,7 @@ def test_sync_from_conn_string_closes_its_connections(redis_url: str, prefix: st
                 saver.put(_at("t"), *_cp("v"))
                 assert saver.get_tuple(_at("t")) is not None
                 assert ours() > 0
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # closing is asynchronous on the server's side
         while ours() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ours() == 0
@@ -554,7 +554,7 @@ async def test_async_from_conn_string_closes_its_connections(redis_url: str, pre
         async def closed() -> bool:
             return await ours() == 0
 
-        await wait_for(closed, within=5)
+        await wait_for(closed)
         with pytest.raises(SessionError, match="closed"):
             await saver.aget_tuple(_at("t"))
     finally:

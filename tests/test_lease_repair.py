@@ -183,7 +183,7 @@ async def _start(script: str, *args: str) -> subprocess.Popen[str]:
 
 async def _line(proc: subprocess.Popen[str]) -> str:
     assert proc.stdout is not None
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         return (await anyio.to_thread.run_sync(proc.stdout.readline)).strip()
 
 
@@ -194,7 +194,7 @@ async def _tell(proc: subprocess.Popen[str], text: str) -> None:
 
 
 async def _wait(proc: subprocess.Popen[str]) -> int:
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         return await anyio.to_thread.run_sync(proc.wait)
 
 

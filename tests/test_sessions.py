@@ -570,7 +570,7 @@ async def test_tail_starts_at_the_handle_n(store: Any) -> None:
             if len(got) == 2:
                 return
 
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(follow)
             await anyio.sleep(0.05)
