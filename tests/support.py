@@ -133,6 +133,21 @@ async def wait_blocked_in_xread(url: str, name: str, count: int = 1, *, within: 
     await wait_for(enough, within=within, interval=0.02)
 
 
+async def wait_subscribed(url: str, channel: str, *, within: float = 60.0) -> None:
+    """Wait until someone is subscribed to `channel` (PUBSUB NUMSUB): a store-wide event stream
+    is connected, so what is published now reaches it."""
+    r = aioredis.Redis.from_url(url)
+
+    async def subscribed() -> bool:
+        [(_, count)] = await r.pubsub_numsub(channel)
+        return int(count) > 0
+
+    try:
+        await wait_for(subscribed, within=within, interval=0.02)
+    finally:
+        await r.aclose()
+
+
 async def cleanup_prefix(url: str, prefix: str) -> None:
     """Delete every key under `prefix` (never a FLUSHDB: the server may be shared)."""
     r = aioredis.Redis.from_url(url)
