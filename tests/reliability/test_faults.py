@@ -46,6 +46,7 @@ from ._util import (
     occurrences,
     put_retrying,
 )
+from support import wait_blocked_in_xread
 
 pytestmark = pytest.mark.anyio
 
@@ -446,12 +447,14 @@ async def test_partition_of_an_open_tail(private_server: ServerProcess) -> None:
 
 async def test_server_death_ends_a_blocked_tail_with_an_error(tmp_path: Path) -> None:
     srv = start_server(tmp_path / "d", appendonly=False)
-    store = RedisSessionStore.from_url(srv.url, block_ms=300, client_options={"socket_timeout": 2})
+    store = RedisSessionStore.from_url(
+        srv.url, block_ms=300, client_options={"socket_timeout": 2, "client_name": "blocked-tail"}
+    )
     try:
         await store.create(SessionHeader(id="s"))
 
         async def kill_soon() -> None:
-            await anyio.sleep(0.3)
+            await wait_blocked_in_xread(srv.url, "blocked-tail")  # the tail is in its XREAD
             srv.kill()
 
         with anyio.fail_after(60):
