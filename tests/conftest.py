@@ -117,7 +117,9 @@ def prefix() -> str:
 
 @pytest.fixture
 async def redis_store(redis_url: str, prefix: str) -> AsyncIterator[RedisSessionStore]:
-    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    # its connections carry the test's prefix as their name: a test waits on the server's own word
+    # (support.wait_blocked_in_xread) instead of a sleep for "the tail is live now"
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix, client_options={"client_name": prefix})
     try:
         yield store
     finally:
@@ -140,7 +142,7 @@ async def store(request: pytest.FixtureRequest, redis_url: str, prefix: str) -> 
             await cs.aclose()
             await cleanup_cluster_prefix(url, prefix)
         return
-    s = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    s = RedisSessionStore.from_url(redis_url, prefix=prefix, client_options={"client_name": prefix})
     try:
         yield s
     finally:

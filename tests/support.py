@@ -75,9 +75,10 @@ async def let_pass(store: Any, seconds: float) -> None:
 
 
 async def wait_for(
-    condition: Callable[[], Awaitable[bool] | bool], *, within: float = 10.0, interval: float = 0.01
+    condition: Callable[[], Awaitable[bool] | bool], *, within: float = 60.0, interval: float = 0.01
 ) -> None:
-    """Poll `condition` (sync or async) until it is true; fail after `within` seconds."""
+    """Poll `condition` (sync or async) until it is true; fail after `within` seconds. The deadline
+    is a hang guard, not a measurement: generous, so a loaded machine never trips it."""
     deadline = time.monotonic() + within
     while True:
         got = condition()
@@ -88,6 +89,63 @@ async def wait_for(
         if time.monotonic() >= deadline:
             raise AssertionError(f"condition not met within {within} s")
         await anyio.sleep(interval)
+
+
+def wait_until(
+    condition: Callable[[], bool], *, within: float = 60.0, interval: float = 0.02, what: str = "condition"
+) -> None:
+    """`wait_for` from a thread or a synchronous test: poll `condition` until it is true."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} not met within {within} s")
+        time.sleep(interval)
+
+
+async def client_list(url: str) -> list[dict[str, str]]:
+    """CLIENT LIST of the server at `url`, one dict of fields per connection."""
+    r = aioredis.Redis.from_url(url)
+    try:
+        out = await r.execute_command("CLIENT", "LIST")
+    finally:
+        await r.aclose()
+    text = out.decode() if isinstance(out, bytes) else str(out)
+    return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in text.splitlines()]
+
+
+async def blocked_in_xread(url: str, name: str) -> list[int]:
+    """The ids of the connections named `name` that are blocked in XREAD right now (the server's
+    own word: ``cmd=xread`` with flag ``b``). The conftest's stores name theirs by the test's prefix."""
+    return [
+        int(c["id"])
+        for c in await client_list(url)
+        if c.get("name") == name and c.get("cmd") == "xread" and "b" in c.get("flags", "")
+    ]
+
+
+async def wait_blocked_in_xread(url: str, name: str, count: int = 1, *, within: float = 60.0) -> None:
+    """Wait until at least `count` connections named `name` are blocked in XREAD: a tail (an SSE
+    stream, a follower) is live and waiting for the next entry, so what is written now is new to it."""
+
+    async def enough() -> bool:
+        return len(await blocked_in_xread(url, name)) >= count
+
+    await wait_for(enough, within=within, interval=0.02)
+
+
+async def wait_subscribed(url: str, channel: str, *, within: float = 60.0) -> None:
+    """Wait until someone is subscribed to `channel` (PUBSUB NUMSUB): a store-wide event stream
+    is connected, so what is published now reaches it."""
+    r = aioredis.Redis.from_url(url)
+
+    async def subscribed() -> bool:
+        [(_, count)] = await r.pubsub_numsub(channel)
+        return int(count) > 0
+
+    try:
+        await wait_for(subscribed, within=within, interval=0.02)
+    finally:
+        await r.aclose()
 
 
 async def cleanup_prefix(url: str, prefix: str) -> None:

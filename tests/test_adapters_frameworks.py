@@ -19,7 +19,7 @@ import redis
 
 from redis_session import MemorySessionStore, RedisSessionStore
 
-from support import SkewClock, let_pass, require_extra
+from support import SkewClock, let_pass, require_extra, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -88,13 +88,13 @@ async def test_session_settings_default_and_unknown_keys_like_the_sdk(Ev: Any) -
 
 
 async def test_ttl_makes_an_ephemeral_session(fstore: Any, Ev: Any) -> None:
-    s = Ev("eph", fstore, ttl=1)
+    s = Ev("eph", fstore, ttl=2)  # half of it is the room each step below has on a slow machine
     await s.add_items(_items("a"))
-    await let_pass(fstore, 0.6)
+    await let_pass(fstore, 1.0)
     await s.add_items(_items("b"))  # a write restarts the clock
-    await let_pass(fstore, 0.6)
+    await let_pass(fstore, 1.1)  # past a's expiry, a second before b's
     assert len(await s.get_items()) == 2
-    await let_pass(fstore, 1.3)
+    await let_pass(fstore, 2.1)
     assert await fstore.head("eph") is None
     assert await s.get_items() == []
     assert await Ev("eph", fstore).get_items() == []
@@ -119,9 +119,9 @@ async def test_atomic_replacement_is_one_batch_seen_whole_by_a_concurrent_reader
             await asyncio.sleep(0)
 
     task = asyncio.create_task(reader())
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: bool(seen))  # the reader is reading
     assert await writer._atomic_replace_items(new) is True
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: seen[-1] == new)  # and reads the new history, however slow the machine
     done.set()
     await task
     assert seen and all(h in (old, new) for h in seen), [len(h) for h in seen if h not in (old, new)]
@@ -449,10 +449,10 @@ def test_langchain_redis_accessors_ttl_and_long_prefixes(History: Any) -> None:
 async def test_langchain_ttl_expires_the_session(fstore: Any, History: Any) -> None:
     from langchain_core.messages import HumanMessage
 
-    h = History("lc-eph", fstore, ttl=1)
+    h = History("lc-eph", fstore, ttl=2)  # long enough to be read back on a slow machine
     await h.aadd_messages([HumanMessage("gone soon")])
     assert len(await h.aget_messages()) == 1
-    await let_pass(fstore, 1.4)
+    await let_pass(fstore, 2.2)
     assert await fstore.head("lc-eph") is None
     assert await h.aget_messages() == []
 
@@ -762,10 +762,7 @@ async def test_two_concurrent_turns_keep_every_item_once_and_batches_whole(fstor
         await s.add_items([{"role": "assistant", "content": f"a{k}"}])
 
     tasks = [asyncio.create_task(turn(k)) for k in range(2)]
-    for _ in range(200):
-        if len(await fstore.read("turns")) == 5:
-            break
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: _has(fstore.read("turns"), 5))  # both turns' first batches landed
     gate.set()
     await asyncio.gather(*tasks)
     got = _texts_of(await Ev("turns", fstore).get_items())
@@ -827,3 +824,7 @@ def test_one_session_from_two_threads_at_once(redis_url: str, prefix: str, Ev: A
             assert got[got.index(f"{k}-{i}-a") + 1] == f"{k}-{i}-b"
             assert lc[lc.index(f"{k}-{i}-a") + 1] == f"{k}-{i}-b"
     _cleanup_sync(redis_url, prefix)
+
+
+async def _has(entries: Any, count: int) -> bool:
+    return len(await entries) == count

@@ -342,7 +342,7 @@ async def test_tail_of_a_wholly_archived_idle_session_yields_its_backlog(astore:
     before = await seeded(astore)
     await Archiver(astore).archive("s1")
     got: list[Any] = []
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         tail = astore.tail_live("s1", 3) if live else astore.tail("s1", 3)
         async for e in tail:
             got.append(e)

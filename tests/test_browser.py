@@ -19,7 +19,7 @@ import pytest
 
 from redis_session import RedisSessionStore, SessionHeader
 
-from support import running_gateway
+from support import running_gateway, wait_subscribed
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
@@ -224,7 +224,9 @@ async def test_viewer_shows_entries_as_they_are_appended(redis_store: RedisSessi
             assert rows == ["0", "1", "2", "5"]  # the three chunks share one row
 
 
-async def test_viewer_stays_live_header_cut_branches_and_list(redis_store: RedisSessionStore) -> None:
+async def test_viewer_stays_live_header_cut_branches_and_list(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
     """N, the last cut, the branch tree, the session list and the newest entry all follow
     a session a writer appends to, compacts and branches, each within a second."""
     from redis_session import Sessions
@@ -241,7 +243,7 @@ async def test_viewer_stays_live_header_cut_branches_and_list(redis_store: Redis
             await browser.open(f"{base}/#live-1")
             await browser.wait_for("document.getElementById('status').textContent === 'live'")
             await browser.wait_for("document.getElementById('n').textContent === '1'")
-            await anyio.sleep(0.5)  # the store-wide event stream is connected by now
+            await wait_subscribed(redis_url, f"{prefix}:events")  # the store-wide event stream is connected
 
             for turn in (1, 2, 3):
                 await s.append_many(

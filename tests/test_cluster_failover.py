@@ -19,6 +19,8 @@ from redis.exceptions import RedisError
 from redis_session import NewEntry, RedisSessionStore, SessionError, SessionHeader
 from redis_session.testing.localcluster import LocalCluster, start_cluster
 
+from support import wait_until
+
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
 
 
@@ -56,8 +58,15 @@ async def test_failover_keeps_every_acknowledged_append_exactly_once(own_cluster
     try:
         for sid in sids:
             await store.create(SessionHeader(id=sid))
-        victim = own_cluster.master_of_slot(_slot(store.keys.hdr(sids[0])))
-        stop_at = time.monotonic() + 8.0
+        slot = _slot(store.keys.hdr(sids[0]))
+        victim = own_cluster.master_of_slot(slot)
+        stop_at = time.monotonic() + 50.0  # moved up to 3 s after the restart, below
+
+        def promoted() -> bool:
+            try:
+                return own_cluster.master_of_slot(slot) is not victim
+            except Exception:  # no master serves the slot yet
+                return False
 
         async def writer(sid: str) -> None:
             i = 0
@@ -71,14 +80,16 @@ async def test_failover_keeps_every_acknowledged_append_exactly_once(own_cluster
                 i += 1
 
         async def killer() -> None:
-            await anyio.sleep(1.0)
+            nonlocal stop_at
+            await anyio.sleep(1.0)  # a pace: appends are flowing
             victim.kill()
-            # the orchestrator restarts the pod: the old master rejoins as the new master's replica,
-            # so the shard has a replica to WAIT for again
-            await anyio.sleep(3.0)
+            # once a replica took over, the orchestrator restarts the pod: the old master rejoins
+            # as the new master's replica, so the shard has a replica to WAIT for again
+            await anyio.to_thread.run_sync(lambda: wait_until(promoted, within=45, what="the failover"))
             await anyio.to_thread.run_sync(own_cluster.restart, victim)
+            stop_at = min(stop_at, time.monotonic() + 3.0)
 
-        with anyio.fail_after(60):
+        with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
                 for sid in sids:
                     tg.start_soon(writer, sid)

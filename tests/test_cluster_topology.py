@@ -25,6 +25,8 @@ from redis_session.projection.chunks import LiveRecord
 from redis_session.redis.embedded import ServerProcess
 from redis_session.testing.localcluster import LocalCluster, command, start_cluster
 
+from support import wait_for
+
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
 
 
@@ -119,13 +121,17 @@ async def test_writer_only_process_resumes_after_a_failover(two_replica_cluster:
         replicas = _replicas_of(cluster, victim)
         assert len(replicas) == 2
         times: dict[str, float] = {}
-        stop_at = time.monotonic() + 9.0
+        hard_stop = time.monotonic() + 50.0
+
+        def writing() -> bool:  # until 5 s after the promotion (a loaded machine promotes late)
+            promoted = times.get("promoted")
+            return time.monotonic() < (hard_stop if promoted is None else min(hard_stop, promoted + 5.0))
 
         async def write(sid: str) -> None:
             i = 0
-            while time.monotonic() < stop_at:
+            while writing():
                 marker, key = f"{sid}-{i}", f"k-{sid}-{i}"
-                while time.monotonic() < stop_at + 5:  # retry with the same key until acknowledged
+                while time.monotonic() < hard_stop:  # retry with the same key until acknowledged
                     try:
                         await writer.put(sid, None, [_mark(marker)], idempotency_key=key)
                     except (SessionError, RedisError, OSError):
@@ -141,7 +147,7 @@ async def test_writer_only_process_resumes_after_a_failover(two_replica_cluster:
             victim.kill()
             times["promoted"] = await anyio.to_thread.run_sync(_wait_promoted, replicas)
 
-        with anyio.fail_after(60):
+        with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
                 for sid in sids:
                     tg.start_soon(write, sid)
@@ -152,7 +158,9 @@ async def test_writer_only_process_resumes_after_a_failover(two_replica_cluster:
             assert after, f"{sid}: no append acknowledged after the failover"
             resumed = after[0] - times["promoted"]
             print(f"{sid}: failover {failover:.2f}s, first append {resumed:.2f}s after promotion")
-            assert resumed <= 2.0, f"{sid}: first append {resumed:.2f}s after promotion (failover {failover:.2f}s)"
+            # promptly (a writer that never reloads its topology would not resume at all), with room
+            # for a loaded machine
+            assert resumed <= 4.0, f"{sid}: first append {resumed:.2f}s after promotion (failover {failover:.2f}s)"
         for sid in sids:
             markers = [e.data["m"] for e in await checker.read(sid)]
             assert len(markers) == len(set(markers)), f"{sid}: duplicated entries"
@@ -175,7 +183,7 @@ async def test_writes_follow_a_completed_slot_migration(own_cluster: LocalCluste
 
         t0 = time.monotonic()
         [b] = await store.put("mig", 1, [_mark("b")])  # no read since the migration
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 5.0  # at once, not after a topology refresh (room for load)
         [c] = await store.put("mig", None, [_mark("c")])
         assert (b.n, c.n) == (1, 2)
         # the writes landed on the new owner, and redis-py's table (which reads use) agrees
@@ -215,7 +223,7 @@ async def test_writes_during_a_slot_migration(own_cluster: LocalCluster) -> None
         await store.set_draft("full", {"text": "draft 2"})
         [b] = await store.put("full", 1, [_mark("b")])
         assert b.n == 1
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 5.0  # at once (room for a loaded machine)
         assert _asking(target.port, "XLEN", store.keys.log("full")) == 2
         assert b"draft 2" in _asking(target.port, "GET", store.keys.draft("full"))
         # the source still owns the slot until the migration is finished: the table is unchanged
@@ -241,7 +249,7 @@ async def test_writes_during_a_slot_migration(own_cluster: LocalCluster) -> None
             finished = time.monotonic()
             await anyio.to_thread.run_sync(own_cluster.finish_migration, lean_slot, lean_target)
         assert done["entries"][0].n == 1
-        assert done["at"] - finished < 1.5
+        assert done["at"] - finished < 5.0  # soon after the slot settles (room for a loaded machine)
         assert _node(lean_target.port).xlen(store.keys.log("lean")) == 2
 
         await anyio.to_thread.run_sync(own_cluster.finish_migration, slot, target)
@@ -262,7 +270,7 @@ async def test_a_lost_reply_is_not_resent_and_the_next_put_works(own_cluster: Lo
                 tg.start_soon(store.put, "lost", None, [_mark(f"warm{i}")])
         owner = own_cluster.master_of_slot(_slot(store.keys.hdr("lost")))
         admin = _node(owner.port)
-        admin.execute_command("CLIENT", "PAUSE", "10000", "WRITE")
+        admin.execute_command("CLIENT", "PAUSE", "60000", "WRITE")  # until UNPAUSE below
         try:
             failure: dict[str, BaseException] = {}
 
@@ -274,15 +282,15 @@ async def test_a_lost_reply_is_not_resent_and_the_next_put_works(own_cluster: Lo
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(doomed)
-                with anyio.fail_after(5):
+                with anyio.fail_after(30):
                     while True:  # until the put's EVALSHA is held by the pause
                         if b"cmd=evalsha" in admin.execute_command("CLIENT", "LIST", "TYPE", "normal"):
                             break
                         await anyio.sleep(0.02)
                 # the script was sent and is held by the pause: drop every client connection
                 admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-                await anyio.sleep(0.3)
-                assert "e" in failure, "the put was resent after its connection was lost"
+                # the put fails with its connection; one resent instead would be held by the pause
+                await wait_for(lambda: "e" in failure, within=30)
             assert isinstance(failure["e"], StoreUnavailableError)
         finally:
             admin.execute_command("CLIENT", "UNPAUSE")

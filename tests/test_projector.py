@@ -113,7 +113,7 @@ async def assert_converged(store: RedisSessionStore, sids: list[str]) -> None:
 
 async def drain(store: RedisSessionStore, *workers: Projector) -> None:
     """Run the workers' batches until the feed is fully delivered and acked."""
-    with anyio.fail_after(20):
+    with anyio.fail_after(90):
         while True:
             for w in workers:
                 await w.run_once()
@@ -465,7 +465,7 @@ async def test_convergence_with_concurrent_writers_and_three_workers(redis_store
     all_ids = set(pool)
     workers = [Projector(s, consumer=f"w{i}", block_ms=100, claim_idle_ms=1_000, batch=16) for i in range(3)]
     writers = [_Writer(s, pool, seed) for seed in range(4)]
-    with anyio.fail_after(60):
+    with anyio.fail_after(120):
         async with anyio.create_task_group() as wg:
             for w in workers:
                 wg.start_soon(w.run)
@@ -477,7 +477,7 @@ async def test_convergence_with_concurrent_writers_and_three_workers(redis_store
             async def settled() -> bool:
                 return await quiescent(s) and not any(w.deferred for w in workers)
 
-            await wait_for(settled, 30, "feed lag 0 and nothing pending")
+            await wait_for(settled, 60, "feed lag 0 and nothing pending")
             for w in workers:
                 w.stop()
     all_ids.update(pool)
@@ -508,7 +508,7 @@ async def test_worker_killed_mid_batch_is_reclaimed(
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
             return paused.exists()
 
-        await wait_for(is_paused, 20, "the worker to pause mid-batch")
+        await wait_for(is_paused, 60, "the worker to pause mid-batch")
         # Two sessions folded and acked, the third half done, five delivered and untouched.
         st = await status(s)
         assert st["lag"] == 0 and st["pending"] == 12
@@ -525,10 +525,10 @@ async def test_worker_killed_mid_batch_is_reclaimed(
             proc.stderr.close()
 
     rescuer = Projector(s, consumer="rescuer", claim_idle_ms=300, block_ms=100)
-    with anyio.fail_after(30):
+    with anyio.fail_after(90):
         async with anyio.create_task_group() as tg:
             tg.start_soon(rescuer.run)
-            await wait_for(lambda: quiescent(s), 25, "the dead worker's entries to be reclaimed")
+            await wait_for(lambda: quiescent(s), 60, "the dead worker's entries to be reclaimed")
             rescuer.stop()
     assert rescuer.metrics.value("reclaimed_total") == 12
     await assert_converged(s, sids)
@@ -547,7 +547,7 @@ async def test_stop_during_a_batch_finishes_it(redis_store: RedisSessionStore) -
         await anyio.sleep(0.1)
 
     p = Projector(s, consumer="w", block_ms=5_000, on_session=hook)
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         await p.run()
     assert p.batches == 1
     assert await quiescent(s)
@@ -559,7 +559,7 @@ async def test_stop_during_a_batch_finishes_it(redis_store: RedisSessionStore) -
         tg.start_soon(p2.run)
         await wait_until(lambda: p2._idle_scope is not None)  # in its idle read
         p2.stop()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 15  # not the 30 s block (room for a loaded machine)
 
 
 async def test_sigterm_finishes_the_batch_in_hand(
@@ -575,7 +575,7 @@ async def test_sigterm_finishes_the_batch_in_hand(
         prefix,
         "term",
         10_000,
-        {"RS_TEST_PAUSE_AT": "2", "RS_TEST_PAUSE_FILE": str(paused), "RS_TEST_PAUSE_SECONDS": "0.5"},
+        {"RS_TEST_PAUSE_AT": "2", "RS_TEST_PAUSE_FILE": str(paused), "RS_TEST_PAUSE_SECONDS": "2"},
     )
     try:
 
@@ -583,9 +583,9 @@ async def test_sigterm_finishes_the_batch_in_hand(
             assert proc.poll() is None
             return paused.exists()
 
-        await wait_for(is_paused, 20, "the worker to pause mid-batch")
+        await wait_for(is_paused, 60, "the worker to pause mid-batch")
         proc.send_signal(signal.SIGTERM)
-        rc = await anyio.to_thread.run_sync(proc.wait, 15)
+        rc = await anyio.to_thread.run_sync(proc.wait, 60)
         err = proc.stderr.read() if proc.stderr else b""
         assert rc == 0, err
     finally:
@@ -611,7 +611,7 @@ async def test_metrics_and_status(
     p = Projector(s, consumer="metrics", metrics_port=port, metrics_addr="127.0.0.1", block_ms=100)
     async with anyio.create_task_group() as tg:
         tg.start_soon(p.run)
-        await wait_for(lambda: quiescent(s), 10, "the feed to drain")
+        await wait_for(lambda: quiescent(s), 60, "the feed to drain")
         await p.refresh_gauges()
         body = await anyio.to_thread.run_sync(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -17,6 +17,8 @@ from redis_session import RedisSessionStore, SessionHeader, SessionNotFoundError
 from redis_session.cli.tailview import chunk_text, follow, run_tail
 from redis_session.redis.embedded import start_server
 
+from support import blocked_in_xread, wait_blocked_in_xread, wait_for
+
 pytestmark = pytest.mark.anyio
 
 
@@ -57,7 +59,7 @@ CONVERSATION: list[tuple[str, dict[str, Any]]] = [
 async def test_renders_entries_with_chunks_inline(redis_store: RedisSessionStore) -> None:
     await redis_store.create(SessionHeader(id="c", title="arith"), CONVERSATION)
     out = console()
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         nxt = await run_tail(redis_store, "c", start=0, console=out, stop_after=len(CONVERSATION))
     assert nxt == len(CONVERSATION)
     text = out.export_text()
@@ -75,7 +77,7 @@ async def test_renders_entries_with_chunks_inline(redis_store: RedisSessionStore
 async def test_messages_mode_shows_the_conversation(redis_store: RedisSessionStore) -> None:
     await redis_store.create(SessionHeader(id="m"), CONVERSATION)
     out = console()
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         await run_tail(redis_store, "m", start=0, messages=True, console=out, stop_after=len(CONVERSATION))
     text = out.export_text()
     assert re.search(r"user what is 1\+1\?", text)
@@ -86,13 +88,13 @@ async def test_messages_mode_shows_the_conversation(redis_store: RedisSessionSto
     assert "turn/start" not in text and "test/mark" not in text
 
 
-async def test_follows_live_appends_from_the_end(redis_store: RedisSessionStore) -> None:
+async def test_follows_live_appends_from_the_end(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
     await redis_store.create(SessionHeader(id="live"), [("test/old", {"old": True})])
     out = console()
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: run_tail(redis_store, "live", console=out, stop_after=30))
-            await anyio.sleep(0.1)
+            await wait_blocked_in_xread(redis_url, prefix)  # the tail is at the end and waiting
             await write_marks(redis_store, "live", 30, pause=0.002)
     text = out.export_text()
     assert "from 1" in text and "test/old" not in text  # default: the end
@@ -112,7 +114,7 @@ async def test_resumes_after_killed_connections_without_gap_or_repeat(
     total, kills = 80, 0
     out = console()
     try:
-        with anyio.fail_after(20):
+        with anyio.fail_after(90):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(
                     lambda: run_tail(tail_store, "k", start=0, console=out, stop_after=total, max_backoff=0.2)
@@ -120,12 +122,11 @@ async def test_resumes_after_killed_connections_without_gap_or_repeat(
                 for i in range(total):
                     await redis_store.put("k", None, [("test/mark", {"i": i})])
                     if i % 20 == 10:
-                        await anyio.sleep(0.05)  # let the tail block in XREAD again
-                        for c in await raw_redis.client_list():
-                            if c.get("name") == name:
-                                await raw_redis.client_kill_filter(_id=c["id"])
-                                kills += 1
-                    await anyio.sleep(0.003)
+                        await wait_blocked_in_xread(redis_url, name)  # the tail caught up, in XREAD again
+                        for cid in await blocked_in_xread(redis_url, name):
+                            await raw_redis.client_kill_filter(_id=str(cid))
+                            kills += 1
+                    await anyio.sleep(0.003)  # a pace, not a synchronisation
     finally:
         await tail_store.aclose()
     text = out.export_text()
@@ -153,12 +154,12 @@ async def test_follow_survives_a_server_restart(tmp_path: Any) -> None:
                 if e.n == 9:
                     return
 
-        with anyio.fail_after(30):
+        with anyio.fail_after(90):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read)
                 await caught_up.wait()
                 await anyio.to_thread.run_sync(server.stop)
-                await anyio.sleep(0.5)  # the tail is retrying against a dead port now
+                await wait_for(lambda: bool(retries))  # the tail is retrying against a dead port now
                 server = await anyio.to_thread.run_sync(
                     lambda: start_server(tmp_path, port=server.port, appendonly=True, appendfsync="always")
                 )
@@ -170,14 +171,14 @@ async def test_follow_survives_a_server_restart(tmp_path: Any) -> None:
     assert retries and set(retries) == {5}
 
 
-async def test_ends_when_the_session_is_deleted(redis_store: RedisSessionStore) -> None:
+async def test_ends_when_the_session_is_deleted(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
     redis_store.block_ms = 100
     await redis_store.create(SessionHeader(id="gone"), [("test/mark", {"i": 0})])
     out = console()
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: run_tail(redis_store, "gone", start=0, console=out))
-            await anyio.sleep(0.2)
+            await wait_blocked_in_xread(redis_url, prefix)  # following, past the backlog
             await redis_store.delete("gone")
     assert "session gone was deleted" in out.export_text()
 
@@ -197,3 +198,37 @@ def test_chunk_shapes() -> None:
     assert chunk_text({"chunk": {"choices": [{"delta": {"reasoning_content": "f"}}]}}) == ("f", True)
     assert chunk_text({"chunk": {"type": "tool-call-delta", "id": "x"}}) is None
     assert chunk_text({"chunk": None}) is None
+
+
+async def test_a_change_to_block_ms_takes_effect_on_the_next_block(tmp_path: Any) -> None:
+    """`store.block_ms` set after the store was made is what the next XREAD blocks for: a tail on a
+    store made to block 50 s, told 100 ms, returns to the server again and again (its own
+    server's INFO commandstats counts the XREADs), not once in 50 s."""
+    server = await anyio.to_thread.run_sync(lambda: start_server(tmp_path, appendonly=False))
+    store = RedisSessionStore.from_url(server.url, prefix="t", block_ms=50_000, client_options={"socket_timeout": 60})
+    admin = aioredis.Redis.from_url(server.url)
+
+    async def xreads() -> int:
+        return int((await admin.info("commandstats")).get("cmdstat_xread", {}).get("calls", 0))
+
+    try:
+        await store.create(SessionHeader(id="b"))
+        store.block_ms = 100
+
+        async def read() -> None:
+            async for _ in store.tail("b", 0):
+                pass
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await wait_for(lambda: _at_least(xreads(), 5), within=40)  # 50 s blocks: one call
+                tg.cancel_scope.cancel()
+    finally:
+        await admin.aclose()
+        await store.aclose()
+        await anyio.to_thread.run_sync(server.stop)
+
+
+async def _at_least(value: Any, want: int) -> bool:
+    return int(await value) >= want

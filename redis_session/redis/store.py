@@ -434,10 +434,15 @@ class RedisSessionStore(StoreRules):
         self._last_acks: Any = None
         self._hints: dict[str, int] = {}  # cluster feed hints waiting for the background flush
         self._hint_task: Any = None
-        # A blocked XREAD must return before the socket timeout, or an idle tail on a healthy
-        # server would look like a dead one.
-        timeout = socket_timeout(client)
-        self._tail_block_ms = block_ms if timeout is None else max(100, min(block_ms, int(timeout * 1000) - 1000))
+        self._socket_timeout = socket_timeout(client)
+
+    @property
+    def _tail_block_ms(self) -> int:
+        """How long a tail's XREAD blocks: `block_ms` (read at each call, so a change to it takes
+        effect on the next block), below the socket timeout, or an idle tail on a healthy server
+        would look like a dead one."""
+        timeout = self._socket_timeout
+        return self.block_ms if timeout is None else max(100, min(self.block_ms, int(timeout * 1000) - 1000))
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "rs", cluster: bool = False, **kwargs: Any) -> RedisSessionStore:

@@ -46,6 +46,7 @@ from ._util import (
     occurrences,
     put_retrying,
 )
+from support import wait_blocked_in_xread
 
 pytestmark = pytest.mark.anyio
 
@@ -446,15 +447,17 @@ async def test_partition_of_an_open_tail(private_server: ServerProcess) -> None:
 
 async def test_server_death_ends_a_blocked_tail_with_an_error(tmp_path: Path) -> None:
     srv = start_server(tmp_path / "d", appendonly=False)
-    store = RedisSessionStore.from_url(srv.url, block_ms=300, client_options={"socket_timeout": 2})
+    store = RedisSessionStore.from_url(
+        srv.url, block_ms=300, client_options={"socket_timeout": 2, "client_name": "blocked-tail"}
+    )
     try:
         await store.create(SessionHeader(id="s"))
 
         async def kill_soon() -> None:
-            await anyio.sleep(0.3)
+            await wait_blocked_in_xread(srv.url, "blocked-tail")  # the tail is in its XREAD
             srv.kill()
 
-        with anyio.fail_after(10):
+        with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(kill_soon)
                 with pytest.raises(StoreUnavailableError):
@@ -477,7 +480,7 @@ async def test_idle_tail_survives_socket_timeout_shorter_than_block(private_serv
             await store.put("s", 0, [mark("late")])
 
         got: list[int] = []
-        with anyio.fail_after(20):
+        with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(append_later)
                 async for e in store.tail("s"):

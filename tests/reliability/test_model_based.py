@@ -246,7 +246,7 @@ class StoreMachine(RuleBasedStateMachine):
             import anyio
 
             out: list[Entry] = []
-            with anyio.fail_after(10):
+            with anyio.fail_after(60):
                 if n is not None and start >= n:
                     # nothing to read yet: just prove it opens (a missing session raises here)
                     with anyio.move_on_after(0.05):
