@@ -229,13 +229,17 @@ async def test_writes_during_a_slot_migration(own_cluster: LocalCluster) -> None
         # the source still owns the slot until the migration is finished: the table is unchanged
         assert store.client.nodes_manager.slots_cache[slot][0].port == source.port
 
-        # A session whose keys are split or missing mid-migration: the server answers TRYAGAIN to
-        # a multi-key script until the slot is settled; the append waits for that, then lands.
+        # A session whose keys are split mid-migration (its header already moved, its log not
+        # yet): the source answers TRYAGAIN to a multi-key script until every key is on one side;
+        # the append waits for that, then lands.
         lean_slot = _slot(store.keys.hdr("lean"))
         lean_source = own_cluster.master_of_slot(lean_slot)
         lean_target = _other_master(own_cluster, lean_source)
         await anyio.to_thread.run_sync(own_cluster.begin_migration, lean_slot, lean_target)
-        await anyio.to_thread.run_sync(own_cluster.move_keys, lean_slot, lean_source, lean_target)
+        moved = await anyio.to_thread.run_sync(
+            lambda: own_cluster.move_keys(lean_slot, lean_source, lean_target, [store.keys.hdr("lean")])
+        )
+        assert moved == 1
         done: dict[str, Any] = {}
 
         async def append() -> None:
@@ -247,6 +251,7 @@ async def test_writes_during_a_slot_migration(own_cluster: LocalCluster) -> None
             await anyio.sleep(1.0)
             assert "entries" not in done
             finished = time.monotonic()
+            await anyio.to_thread.run_sync(own_cluster.move_keys, lean_slot, lean_source, lean_target)
             await anyio.to_thread.run_sync(own_cluster.finish_migration, lean_slot, lean_target)
         assert done["entries"][0].n == 1
         assert done["at"] - finished < 5.0  # soon after the slot settles (room for a loaded machine)
