@@ -1,4 +1,4 @@
-"""A streamed answer through a Redis Cluster failover (issue 22, scenario 1 on the local cluster):
+"""A streamed answer through a Redis Cluster failover (a master killed mid-answer on the local cluster):
 3 masters + 3 replicas (node timeout 1 s), ``durability="replica"``. The master of the session's
 slot is SIGKILLed mid-answer and restarted 3 s later (it rejoins as its successor's replica).
 The writer goes on throughout; afterwards the log holds every delta once and in order (no row
