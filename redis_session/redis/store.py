@@ -27,8 +27,7 @@ import contextlib
 import heapq
 import itertools
 import logging
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, cast
@@ -38,22 +37,15 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
-    AuthenticationError,
-    NoPermissionError,
     NoScriptError,
-    RedisClusterException,
     ResponseError,
 )
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..cold.segments import ColdSegment, ColdTier, cold_end, decode_cold, encode_cold, hot_start, segment_name
+from ..cold.segments import ColdTier, hot_start
 from ..errors import (
-    AccessDeniedError,
     DurabilityError,
     IdempotencyKeyReusedError,
     InvalidEntryError,
-    SegmentMissingError,
     SessionAlreadyExistsError,
     SessionConflictError,
     SessionError,
@@ -93,10 +85,18 @@ from ..projection.chunks import (
     deltas_cost,
     live_draft,
 )
-from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, ColdState, StorageCheck
+from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
 from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
 from .cluster import ClusterRouter
+from .coldtier import ColdTierOps
 from .doctor import ColdCheck, stream_problems
+from .replies import IO_ERRORS as _IO_ERRORS
+from .replies import as_int as _i
+from .replies import as_str as _s
+from .replies import confirmed as _confirmed
+from .replies import io_guard as _io
+from .replies import typed_reply_error as _typed
+from .replies import unavailable as _unavailable
 from .rows import _decode_entries, _splice_rows, rows_to_entries
 from .wire import (
     EVAL,
@@ -151,48 +151,8 @@ _SCRIPTS = {
 }
 
 
-# A restore's staging stream expires by itself this long after its last write (a dead restorer's).
-_STAGING_TTL_MS = 3_600_000
-
 # An unlink that leaves a hidden or ephemeral parent with at most this many links checks them.
 _REPAIR_ON_UNLINK = 64
-
-# RedisClusterException: redis-py's "Redis Cluster cannot be connected" when no node answers.
-_IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException)
-
-
-def _unavailable(e: BaseException) -> StoreUnavailableError:
-    if isinstance(e, AuthenticationError):
-        return StoreUnavailableError(f"Redis refused the credentials: {e}")
-    return StoreUnavailableError(f"Redis is unreachable: {e}")
-
-
-def _typed(error: ResponseError) -> Exception:
-    """An ACL refusal as `AccessDeniedError` (nothing was written); other replies as they are."""
-    text = str(error)
-    if isinstance(error, NoPermissionError) or text.startswith(("NOPERM", "ACL failure")) or "NOPERM" in text[:80]:
-        return AccessDeniedError(f"the Redis user may not do this: {text}")
-    return error
-
-
-@contextlib.contextmanager
-def _io() -> Iterator[None]:
-    """Map the client's connection failures to one typed error."""
-    try:
-        yield
-    except _IO_ERRORS as e:
-        raise _unavailable(e) from e
-
-
-def _s(b: bytes | str | None) -> str | None:
-    if b is None:
-        return None
-    return b.decode() if isinstance(b, bytes) else b
-
-
-def _i(b: bytes | str | None) -> int | None:
-    return None if b is None else int(b)
-
 
 # --------------------------------------------------------------------------- RESP (see wire.py)
 
@@ -369,7 +329,7 @@ class _SessionWire(msgspec.Struct, frozen=True, gc=False):
     short_nargs: int  # how many bulks `short` and the short layout's fixed ARGV hold together
 
 
-class RedisSessionStore(StoreRules):
+class RedisSessionStore(ColdTierOps, StoreRules):
     """Sessions on Redis Streams (see the README for the key layout).
 
     Build it with `RedisSessionStore.from_url("redis://localhost:6379/0")` or around an existing
@@ -1649,269 +1609,6 @@ class RedisSessionStore(StoreRules):
                     return check
             return check
 
-    # ------------------------------------------------------------------ cold tier (archive.lua)
-
-    async def cold_tier(self) -> ColdTier | None:
-        """The cold tier: the one given, else the object store recorded under ``{prefix}:cold:url``."""
-        if self.cold is None:
-            with _io():
-                url = _s(await self._raw("GET", self.keys.cold_url))
-            if url:
-                self.cold = ColdTier(url, prefix=self.prefix)
-        return self.cold
-
-    async def _tier_for(self, session_id: str, segments: Sequence[ColdSegment]) -> ColdTier:
-        tier = await self.cold_tier()
-        if tier is None:
-            seg = segments[0]
-            raise SegmentMissingError(
-                session_id,
-                seg.lo,
-                seg.hi,
-                "?",
-                f"no cold tier: set one (RedisSessionStore(cold=…) or {self.keys.cold_url})",
-            )
-        return tier
-
-    async def _with_cold(
-        self,
-        session_id: str,
-        inc: str,
-        cold_raw: bytes | None,
-        lo: int,
-        stop: int | None,
-        n: int,
-        own: builtins.list[Entry],
-        incarnation: str | None,
-    ) -> builtins.list[Entry]:
-        """`own` (the hot stream's part of a read from `lo`) with the archived entries before it."""
-        if cold_raw is None or min(n if stop is None else stop, n, hot_start(cold_raw)) <= lo:
-            return own  # the range is all hot (a tail read): nothing decoded
-        segments = decode_cold(cold_raw)
-        hi = min(n if stop is None else stop, n, cold_end(segments, lo))
-        tier = await self._tier_for(session_id, segments)
-        try:
-            cold = await tier.read(session_id, inc, segments, lo, hi)
-        except SegmentMissingError:
-            # a restore or a delete removes objects after its script: if the header moved on, so
-            # does this read (it raises for a deleted session); else the object is really gone
-            with _io():
-                now = await self._raw("HGET", self.keys.hdr(session_id), "cold")
-            if now == cold_raw:
-                raise
-            fresh = await self.read(session_id, lo, stop, incarnation=incarnation or inc)
-            return [e for e in fresh if e.n < hi] + own
-        return cold + own
-
-    async def _own_range(self, session_id: str, lo: int, hi: int, _depth: int = 0) -> builtins.list[Entry]:
-        """Entries [lo, hi) of one session's own log (an ancestor a branch reads): its hot
-        stream, and its archived segments where the range starts below them."""
-        if hi <= lo:
-            return []
-        hdr_key = self.keys.hdr(session_id)
-        for _attempt in range(3):
-            (cold_raw, inc_raw, born_raw), rows, after = await self._pipeline(
-                ("HMGET", hdr_key, "cold", "incarnation", "created_at"),
-                ("XRANGE", self.keys.log(session_id), f"{lo}-1", f"{hi - 1}-1"),
-                ("HGET", hdr_key, "cold"),
-            )
-            if after == cold_raw:
-                break
-        else:
-            raise StoreUnavailableError(f"session {session_id!r} was archived or restored during every read attempt")
-        own = rows_to_entries(rows)
-        if cold_raw is None:
-            return own
-        inc = self._check_incarnation(session_id, None, inc_raw, born_raw)
-        segments = decode_cold(cold_raw)
-        top = min(hi, cold_end(segments, lo))
-        if top <= lo:
-            return own
-        tier = await self._tier_for(session_id, segments)
-        try:
-            return await tier.read(session_id, inc, segments, lo, top) + own
-        except SegmentMissingError:
-            # a merge or a restore deletes the objects it replaced after its script: if the
-            # header moved on, so does this read
-            with _io():
-                now = await self._raw("HGET", hdr_key, "cold")
-            if now == cold_raw or _depth > 3:
-                raise
-            return await self._own_range(session_id, lo, hi, _depth + 1)
-
-    async def _cold_gap(self, session_id: str, nxt: int, batch: builtins.list[Entry], inc: str) -> builtins.list[Entry]:
-        """A tail's `batch` read from the hot stream, with the entries [nxt, first) before it
-        that were archived behind the tail (or before its start). Unchanged when there is no
-        such gap or the cold tier does not hold it all (the tail's sequence check reports it)."""
-        if batch[0].n <= nxt:
-            return batch
-        got = await self.read(session_id, nxt, batch[0].n, incarnation=inc)
-        return got + batch if len(got) == batch[0].n - nxt and got[0].n == nxt else batch
-
-    async def _drop_cold(self, session_id: str, incarnation: str, cold_raw: bytes) -> None:
-        """Delete a deleted (or purged) session's segments; what fails here is left to `Archiver.sweep`."""
-        with contextlib.suppress(Exception):
-            tier = await self.cold_tier()
-            if tier is not None and await self._durable_fence(session_id):
-                await tier.drop(session_id, incarnation, decode_cold(cold_raw))
-
-    async def _durable_fence(self, session_id: str) -> bool:
-        """Whether every write before this call is as durable as the store's writes (a replica
-        or the AOF has it): what a delete, a purge or a swap removed may then go from the object
-        store too. Unconfirmed, a failover (or a restart) could bring back a header naming the
-        segments: they are left to `Archiver.sweep`, which keeps what a header names.
-
-        Two replicated writes that cancel out (a member added to and removed from the session's
-        ``coldpending`` set: the same slot, so the same node) and the durability wait, in one
-        round trip: the replication stream is ordered, so a replica that acknowledged them has
-        everything written before."""
-        if not self._durable:
-            return True
-        key = self.keys.cold_pending(session_id)
-        packed = pack(("ZADD", key, 0, "~fence")) + pack(("ZREM", key, "~fence")) + self._durable
-        try:
-            replies = await self._send_write(key, packed, 3, soft_tail=True)
-        except Exception:
-            return False
-        if _confirmed(replies[2]):
-            return True
-        log.warning("session %s: not confirmed durable; its segment objects are left to the sweep", session_id)
-        return False
-
-    async def cold_state(self, session_id: str) -> ColdState | None:
-        validate_session_id(session_id)
-        with _io():
-            h = await self._raw(
-                "HMGET", self.keys.hdr(session_id), "n", "deleted", "at", "incarnation", "created_at", "cold",
-                "updated_at", "last_cut", "ttl_ms",
-            )  # fmt: skip
-        n_raw, deleted, at_raw, inc_raw, born_raw, cold_raw, upd, last_cut, ttl = h
-        if n_raw is None:
-            return None
-        return ColdState(
-            incarnation=self._check_incarnation(session_id, None, inc_raw, born_raw),
-            n=int(n_raw),
-            own_start=int(at_raw or 0),
-            cold=decode_cold(cold_raw),
-            cold_raw=bytes(cold_raw or b""),
-            updated_at=int(upd or 0),
-            last_cut=_i(last_cut),
-            ephemeral=ttl is not None,
-            deleted=deleted is not None,
-        )
-
-    async def begin_upload(self, session_id: str, segment: ColdSegment) -> None:
-        validate_session_id(session_id)
-        key = self.keys.cold_pending(session_id)
-        with _io():  # kept a day past the last upload: a dead archiver's records go by themselves
-            await self._pipeline(("ZADD", key, now_ms(), segment_name(segment)), ("PEXPIRE", key, 86_400_000))
-
-    async def pending_upload(self, session_id: str, name: str) -> int | None:
-        validate_session_id(session_id)
-        with _io():
-            got = await self._raw("ZSCORE", self.keys.cold_pending(session_id), name)
-        return None if got is None else int(float(got))
-
-    async def release_upload(self, session_id: str, name: str) -> bool:
-        validate_session_id(session_id)
-        with _io():
-            return int(await self._raw("ZREM", self.keys.cold_pending(session_id), name)) == 1
-
-    async def record_cold_url(self, tier: ColdTier, *, replace: bool = False) -> None:
-        """Record `tier` as where this prefix's segments live (``{prefix}:cold:url``), the one
-        check every archiving path passes through: another URL already recorded is refused
-        (`ValueError`) unless `replace` (readers would look for the archived segments there)."""
-        tier.bind(self.prefix)
-        with _io():
-            if not replace and not await self._raw("SET", self.keys.cold_url, tier.url, "NX"):
-                old = _s(await self._raw("GET", self.keys.cold_url))
-                if old is not None and old != tier.url:
-                    raise ValueError(
-                        f"this prefix's cold segments live in {old}; archiving to {tier.url} would leave readers "
-                        "looking for them there (copy the objects over, then record it with replace=True)"
-                    )
-            elif replace:
-                await self._raw("SET", self.keys.cold_url, tier.url)
-
-    async def drop_life_segments(self, session_id: str, incarnation: str) -> int:
-        """Delete every segment object of one life of `session_id` that is over (deleted, purged
-        or replaced by `swap_session`: call it after the swap with the replaced incarnation).
-        Refused (`ValueError`) while that life is still the id's, live or hidden; the number of
-        objects deleted. What fails here is left to `Archiver.sweep`."""
-        validate_session_id(session_id)
-        with _io():
-            inc_raw, born_raw = await self._raw("HMGET", self.keys.hdr(session_id), "incarnation", "created_at")
-        if born_raw is not None and (_s(inc_raw) or legacy_incarnation(int(born_raw))) == incarnation:
-            raise ValueError(f"session {session_id!r}: the life {incarnation!r} is still there")
-        tier = await self.cold_tier()
-        if tier is None or not await self._durable_fence(session_id):
-            return 0
-        keys = [info.key async for info in tier.objects.list(tier.life_dir(session_id, incarnation))]
-        for key in keys:
-            await tier.objects.delete(key)
-        return len(keys)
-
-    async def commit_archive(self, session_id: str, state: ColdState, segment: ColdSegment) -> str:
-        validate_session_id(session_id)
-        kept = [s for s in state.cold if s.hi <= segment.lo]  # a merge replaces those after
-        if cold_end(kept, state.own_start) != segment.lo or segment.hi <= state.hot_start:
-            raise ValueError(f"segment [{segment.lo}, {segment.hi}) does not end the archived range at the hot log")
-        new = encode_cold([*kept, segment])
-        keys = [
-            self.keys.hdr(session_id), self.keys.log(session_id), self.keys.restore(session_id),
-            self.keys.cold_pending(session_id),
-        ]  # fmt: skip
-        args = ["archive", state.incarnation, state.cold_raw, new, state.hot_start, segment.hi, segment_name(segment)]
-        with _io():
-            res = await self._eval("archive", keys, args, durable=True)
-            acks = self._last_acks  # taken before any other await: other tasks share the store
-        return self._archive_reply(session_id, res, acks)
-
-    async def commit_restore(self, session_id: str, state: ColdState, entries: builtins.list[Entry]) -> str:
-        validate_session_id(session_id)
-        if not state.cold:
-            return "done"
-        # a staging stream of this restore only (two restores at once never mix their rows); it
-        # expires by itself if this process dies before its script
-        staging = f"{self.keys.restore(session_id)}:{secrets.token_hex(6)}"
-        args = ["restore", state.incarnation, state.cold_raw, state.hot_start, state.own_start]
-        with _io():
-            try:
-                for i in range(0, len(entries), 500):
-                    chunk = entries[i : i + 500]
-                    await self._pipeline(
-                        *[("XADD", staging, f"{e.n}-1", *_stream_fields(e)) for e in chunk],
-                        ("PEXPIRE", staging, _STAGING_TTL_MS),
-                    )
-                keys = [self.keys.hdr(session_id), self.keys.log(session_id), staging]
-                res = await self._eval("archive", keys, args, durable=True)
-                acks = self._last_acks  # taken before any other await: other tasks share the store
-            finally:
-                await self._raw("DEL", staging)
-        return self._archive_reply(session_id, res, acks)
-
-    @staticmethod
-    def _archive_reply(session_id: str, res: Any, acks: Any = None) -> str:
-        code = int(res[0])
-        if code == 0:
-            # the objects the commit replaced may go only once it is as durable as the store's
-            # writes: a failover (or a restart) that lost it brings back a header naming them
-            return "done" if _confirmed(acks) else "unconfirmed"
-        if code == 3:
-            raise SessionNotFoundError(session_id)
-        if code == 8:
-            raise SessionReplacedError(session_id, "archived while the session was replaced")
-        if code == 9:
-            return "moved"
-        if code == 11:
-            return "expired"
-        if code == 2:
-            raise SessionError(f"session {session_id!r}: the archived range is beyond n={int(res[1])}")
-        raise SessionError(
-            f"session {session_id!r}: the hot stream does not hold the range to move (at {_s(res[1])!r}); "
-            "run `redis-session doctor`"
-        )
-
     async def publish(self, event: str, payload: dict[str, Any]) -> None:
         """Publish `event` on ``{prefix}:events`` and, for the projector, on the change feed."""
         body = _json.encode({"event": event, **payload})
@@ -1923,27 +1620,6 @@ class RedisSessionStore(StoreRules):
                     "XADD", self.keys.feed(self.keys.feed_shard(sid)), "MAXLEN", "~", str(self.feed_maxlen),
                     "*", "s", sid, "ev", event,
                 )  # fmt: skip
-
-
-def _confirmed(acks: Any) -> bool:
-    """Whether a durability wait's reply (None: none was sent) confirms the write before it."""
-    if acks is None:
-        return True
-    if isinstance(acks, ResponseError):
-        return False
-    if isinstance(acks, builtins.list):  # WAITAOF: [local fsynced, replicas fsynced]
-        return int(acks[0]) >= 1
-    return int(acks) >= 1
-
-
-def _stream_fields(e: Entry) -> builtins.list[bytes]:
-    """An entry's stream fields as append.lua writes them (type, time, data, meta?, surface?)."""
-    f = [b"type", e.type.encode(), b"time", b"%d" % e.time, b"data", _json.encode(e.data)]
-    if e.meta is not None:
-        f += [b"meta", _json.encode(e.meta)]
-    if e.surface is not None:
-        f += [b"surface", _json.encode(e.surface)]
-    return f
 
 
 def _as_dict(raw: Any) -> dict[bytes, bytes]:

@@ -1,0 +1,78 @@
+"""Raw replies of the store's Redis connections, typed: connection failures as
+`StoreUnavailableError`, ACL refusals as `AccessDeniedError`, bulk strings as text or ints,
+a durability wait's reply as confirmed or not, and an entry as the stream fields append.lua
+writes. Shared by the store (`store.py`) and its cold-tier half (`coldtier.py`)."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ..errors import AccessDeniedError, StoreUnavailableError
+from ..model import Entry
+
+_json = msgspec.json.Encoder()
+
+# RedisClusterException: redis-py's "Redis Cluster cannot be connected" when no node answers.
+IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException)
+
+
+def unavailable(e: BaseException) -> StoreUnavailableError:
+    if isinstance(e, AuthenticationError):
+        return StoreUnavailableError(f"Redis refused the credentials: {e}")
+    return StoreUnavailableError(f"Redis is unreachable: {e}")
+
+
+def typed_reply_error(error: ResponseError) -> Exception:
+    """An ACL refusal as `AccessDeniedError` (nothing was written); other replies as they are."""
+    text = str(error)
+    if isinstance(error, NoPermissionError) or text.startswith(("NOPERM", "ACL failure")) or "NOPERM" in text[:80]:
+        return AccessDeniedError(f"the Redis user may not do this: {text}")
+    return error
+
+
+@contextlib.contextmanager
+def io_guard() -> Iterator[None]:
+    """Map the client's connection failures to one typed error."""
+    try:
+        yield
+    except IO_ERRORS as e:
+        raise unavailable(e) from e
+
+
+def as_str(b: bytes | str | None) -> str | None:
+    if b is None:
+        return None
+    return b.decode() if isinstance(b, bytes) else b
+
+
+def as_int(b: bytes | str | None) -> int | None:
+    return None if b is None else int(b)
+
+
+def confirmed(acks: Any) -> bool:
+    """Whether a durability wait's reply (None: none was sent) confirms the write before it."""
+    if acks is None:
+        return True
+    if isinstance(acks, ResponseError):
+        return False
+    if isinstance(acks, builtins.list):  # WAITAOF: [local fsynced, replicas fsynced]
+        return int(acks[0]) >= 1
+    return int(acks) >= 1
+
+
+def stream_fields(e: Entry) -> builtins.list[bytes]:
+    """An entry's stream fields as append.lua writes them (type, time, data, meta?, surface?)."""
+    f = [b"type", e.type.encode(), b"time", b"%d" % e.time, b"data", _json.encode(e.data)]
+    if e.meta is not None:
+        f += [b"meta", _json.encode(e.meta)]
+    if e.surface is not None:
+        f += [b"surface", _json.encode(e.surface)]
+    return f
