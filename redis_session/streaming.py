@@ -81,6 +81,7 @@ from .projection.chunks import (
     open_answers,
     replay,
 )
+from .shield import finish_then_cancel
 from .store.memory import SessionStore
 
 log = logging.getLogger(__name__)
@@ -467,6 +468,18 @@ class AnswerStream:
     # ------------------------------------------------------------------ open and close
 
     async def __aenter__(self) -> AnswerStream:
+        # The begin runs to its end even if this task is cancelled meanwhile (once sent it may
+        # land); cancelled with the answer begun, it is closed at once as interrupted, so no
+        # begun answer is left open for a repair to find long after its turn ended.
+        try:
+            await finish_then_cancel(self._begin())
+        except asyncio.CancelledError as e:
+            if self.begin_id is not None:
+                await finish_then_cancel(self._close(type(e), e))
+            raise
+        return self
+
+    async def _begin(self) -> None:
         begun = await _retrying(
             lambda: self.store.answer_begin(
                 self.session_id, self.answer, n=self._position(), ttl_ms=self.live_ttl_ms, **self._common()
@@ -484,53 +497,56 @@ class AnswerStream:
             loop.create_task(self._flush_loop()),
             loop.create_task(self._beat_loop()),
         ]
-        return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        # Stop the loops, letting a write in flight finish (a write is never cut short: its
-        # outcome would be unknown), even while this task is being cancelled.
+        # The close runs to its end even while this task is being cancelled (a write is never
+        # cut short: its outcome would be unknown, and the handle must move past what landed).
+        await finish_then_cancel(self._close(exc_type, exc))
+
+    async def _close(self, exc_type: type[BaseException] | None, exc: BaseException | None) -> None:
+        """Stop the loops, letting a write in flight finish, then close the answer: committed on
+        a clean exit, interrupted on an error or a cancellation."""
         self._closed = True
         self._send_wake.set()
         self._have_chunks.set()
         self._full.set()
-        with anyio.CancelScope(shield=True):
-            self._tasks[2].cancel()  # the heartbeat has nothing in flight worth waiting for
-            for result in await asyncio.gather(*self._tasks, return_exceptions=True):
-                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
-                    log.warning("answer %s of %r: a background write failed: %r", self.answer, self.session_id, result)
-            await self._settle()  # (the send loop reads it; this only if it ended early)
-            if self._broken is not None:
-                if exc_type is None:
-                    raise self._broken
-                return
-            if self._failed is not None:
-                # close it interrupted with what the log holds (the refused row never lands),
-                # then tell the block
-                self._row = None
-                del self._deltas[self._flushed :]
-                self._live = min(self._live, self._flushed)
-                try:
-                    await self._interrupt("error")
-                except Exception:
-                    log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
-                if exc_type is None:
-                    raise self._failed
-                return
-            # every delta is live before the entry that closes the answer lands
-            for _ in range(3):
-                await self._send_pending()
-                if self._live >= len(self._deltas) or self._broken is not None:
-                    break
+        self._tasks[2].cancel()  # the heartbeat has nothing in flight worth waiting for
+        for result in await asyncio.gather(*self._tasks, return_exceptions=True):
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                log.warning("answer %s of %r: a background write failed: %r", self.answer, self.session_id, result)
+        await self._settle()  # (the send loop reads it; this only if it ended early)
+        if self._broken is not None:
             if exc_type is None:
-                await self._commit()
-            else:
-                reason = "cancelled" if exc is not None and _is_cancel(exc) else "error"
-                try:
-                    await self._interrupt(reason)
-                except Exception:
-                    log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
+                raise self._broken
+            return
+        if self._failed is not None:
+            # close it interrupted with what the log holds (the refused row never lands),
+            # then tell the block
+            self._row = None
+            del self._deltas[self._flushed :]
+            self._live = min(self._live, self._flushed)
+            try:
+                await self._interrupt("error")
+            except Exception:
+                log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
+            if exc_type is None:
+                raise self._failed
+            return
+        # every delta is live before the entry that closes the answer lands
+        for _ in range(3):
+            await self._send_pending()
+            if self._live >= len(self._deltas) or self._broken is not None:
+                break
+        if exc_type is None:
+            await self._commit()
+        else:
+            reason = "cancelled" if exc is not None and _is_cancel(exc) else "error"
+            try:
+                await self._interrupt(reason)
+            except Exception:
+                log.exception("closing the interrupted answer %s of %r failed", self.answer, self.session_id)
 
     async def _end(self, reason: str, closing: NewEntry | None, expected: int | str | None) -> tuple[AnswerEnded, bool]:
         """The end op (retried on a lost reply: an end that landed answers as a retry); whether

@@ -67,13 +67,14 @@ import contextlib
 import copy
 import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 
 from ..errors import InvalidEntryError
 from ..model import CUT, Entry, NewEntry, lossless_json
+from ..shield import finish_then_cancel
 from ._log import SessionLog, resolve_store
 from ._loops import LoopStores
 
@@ -120,23 +121,6 @@ class _CallLock:
                 yield
             finally:
                 self._thread.release()
-
-
-async def _await_mutation(awaitable: Awaitable[T]) -> T:
-    """Run a write to its end even if the caller is cancelled meanwhile; then raise the
-    cancellation (the SDK's own sessions do the same)."""
-    task = asyncio.ensure_future(awaitable)
-    cancelled: asyncio.CancelledError | None = None
-    while not task.done():
-        try:
-            await asyncio.wait({task})
-        except asyncio.CancelledError as e:
-            cancelled = cancelled or e
-    if cancelled is not None:
-        if not task.cancelled():
-            task.exception()  # retrieved: the cancellation is what the caller gets
-        raise cancelled
-    return task.result()
 
 
 def _default_settings() -> Any:
@@ -368,7 +352,7 @@ class RedisEventSession:
 
         async with self._lock():
             self._check_open()
-            await _await_mutation(self._log.write(build, fresh=True))
+            await finish_then_cancel(self._log.write(build, fresh=True))
             self._seen = None
         return cast("TResponseInputItem", copy.deepcopy(popped[0])) if popped else None
 
@@ -383,7 +367,7 @@ class RedisEventSession:
 
         async with self._lock():
             self._check_open()
-            await _await_mutation(self._log.write(build, fresh=True))
+            await finish_then_cancel(self._log.write(build, fresh=True))
             self._seen = None
 
     async def _atomic_replace_items(self, items: list[TResponseInputItem]) -> bool:
@@ -408,7 +392,7 @@ class RedisEventSession:
 
         async with self._lock():
             self._check_open()
-            await _await_mutation(self._log.write(build, fresh=True))
+            await finish_then_cancel(self._log.write(build, fresh=True))
             self._seen = None
         return True
 
