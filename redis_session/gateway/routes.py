@@ -171,8 +171,25 @@ def split_list(text: str | None) -> list[str]:
 
 
 _ABSOLUTE = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://")
-_HOST_VALUE = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]*)(?::[0-9]{1,5})?")
+_HOST_VALUE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|[A-Za-z0-9._-]*)(?::(?P<port>[0-9]{1,5}))?")
 """A ``Host`` value: a DNS name or IPv4 address, or an IPv6 one in brackets, and a port."""
+
+
+def _host_problem(host: str) -> str | None:
+    """Why `host` is no ``Host`` value (None when it is one): a name or IPv4 address, or an IPv6
+    address in brackets, with an optional port of 1-5 digits no larger than 65535."""
+    m = _HOST_VALUE.fullmatch(host)
+    if m is None:
+        return "is not a host name or address with an optional port"
+    if m.group("port") is not None and int(m.group("port")) > 65535:
+        return "names a port above 65535"
+    v6 = m.group("v6")
+    if v6 is not None:
+        try:
+            ipaddress.IPv6Address(v6)
+        except ValueError:
+            return "holds no IPv6 address within its brackets"
+    return None
 
 
 def _request_target(scope: Scope) -> bytes:
@@ -197,8 +214,9 @@ def _ambiguity(scope: Scope, hosts: list[str], origins: list[str]) -> str | None
     if len(origins) > 1:
         return f"the request has {len(origins)} Origin headers; at most one is allowed"
     host = hosts[0].strip() if hosts else ""
-    if not _HOST_VALUE.fullmatch(host):
-        return f"the Host header {host[:80]!r} is not a host name or address with an optional port"
+    problem = _host_problem(host)
+    if problem is not None:
+        return f"the Host header {host[:80]!r} {problem}"
     target = _request_target(scope)
     if _ABSOLUTE.match(target):
         try:
