@@ -3,6 +3,7 @@ clients, auth on every route, and bad input answered as JSON 4xx, never a 500.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,7 +30,7 @@ from redis_session.gateway import common as common_mod
 from redis_session.gateway import create_app, openapi, serve
 from redis_session.projection import project, to_anthropic, to_openai
 
-from support import cleanup_prefix, running_gateway, wait_blocked_in_xread
+from support import cleanup_prefix, running_gateway, wait_blocked_in_xread, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -1027,6 +1029,86 @@ def test_workers_share_the_port_and_stop_on_sigterm(redis_url: str, prefix: str)
         anyio.run(cleanup_prefix, redis_url, prefix)
     assert proc.returncode == 0, stderr
     assert "2 worker processes" in stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The live (not zombie) child processes of `pid`, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid and stat[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers in /proc")
+@pytest.mark.parametrize("to", ["parent", "group"])
+def test_workers_stop_cleanly_on_ctrl_c(redis_url: str, prefix: str, to: str) -> None:
+    """Ctrl-C on `--workers 2` (SIGINT to the parent, or to the whole foreground process group as
+    a terminal sends it) printed a KeyboardInterrupt traceback from each worker, or hung: the
+    workers took SIGINT themselves as well as the parent's copy. Workers ignore SIGINT; the parent
+    asks them to stop with SIGTERM (a graceful stop) and waits: exit 0, no traceback."""
+    port = _free_port()
+    cmd = _gateway_cmd("--url", redis_url, "--prefix", prefix, "--port", str(port), "--workers", "2", env={})
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env(), start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the gateway did not start"
+                time.sleep(0.05)
+        for _ in range(10):  # both workers are up and serving (each new connection: either one)
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as fresh:
+                assert fresh.get("/readyz").status_code == 200
+        assert httpx.post(f"http://127.0.0.1:{port}/sessions", json={"id": "cc"}, timeout=10).status_code == 201
+        opened: list[int] = []
+
+        def follow() -> None:  # an open live tail, as a viewer holds one
+            with contextlib.suppress(httpx.HTTPError):
+                with httpx.stream("GET", f"http://127.0.0.1:{port}/sessions/cc/events", timeout=60) as r:
+                    opened.append(r.status_code)
+                    for _ in r.iter_lines():
+                        pass
+
+        followers = [threading.Thread(target=follow, daemon=True) for _ in range(6)]
+        for t in followers:
+            t.start()
+        wait_until(lambda: len(opened) == len(followers), within=60)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        for pid in workers:  # a worker is not stopped by a SIGINT of its own: the parent decides
+            os.kill(pid, signal.SIGINT)
+        for _ in range(10):
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as fresh:
+                assert fresh.get("/healthz").status_code == 200
+        assert sorted(_children(proc.pid)) == sorted(workers) and proc.poll() is None
+        if to == "parent":
+            proc.send_signal(signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)  # a hang guard: the stop itself takes < 4 s
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        anyio.run(cleanup_prefix, redis_url, prefix)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    for t in followers:  # every stream was ended by the stop
+        t.join(timeout=30)
+        assert not t.is_alive()
+    with pytest.raises(httpx.TransportError):  # no worker is left serving
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
 
 
 async def test_sign_in_sets_an_httponly_cookie_that_authenticates(redis_store: RedisSessionStore) -> None:
