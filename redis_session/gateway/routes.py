@@ -16,8 +16,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..errors import SessionNotFoundError, SessionReplacedError
+from ..model import legacy_incarnation
 from . import answers, reads, writes
 from .auth import principal
+from .body import pinned_incarnation
 from .common import PROBE_PATHS, _error, _session_path, route_key
 from .context import Gateway
 from .wire import TARGET
@@ -54,7 +57,7 @@ async def sessions(gw: Gateway, request: Request) -> Response:
 
 
 async def session(gw: Gateway, request: Request) -> Response:
-    """``/sessions/{id}[/{sub}]``, by the table above."""
+    """``/sessions/{id}[/{sub}]``, by the table above; every one through `_pinned`."""
     sid, path = _session_path(request.scope)
     sub, _ = route_key(path)
     method = "GET" if request.method == "HEAD" else request.method
@@ -68,7 +71,38 @@ async def session(gw: Gateway, request: Request) -> Response:
     who = principal(request.scope)
     who.check_session(sid)
     who.require(scope)
-    return await handler(gw, request, sid)
+    return await _pinned(gw, request, sid, method, sub, handler)
+
+
+async def _pinned(gw: Gateway, request: Request, sid: str, method: str, sub: str | None, handler: Handler) -> Response:
+    """The one place a request pinned to a life of the id (`pinned_incarnation`: the
+    ``X-Session-Incarnation`` header, ``If-Match: "<n>;<incarnation>"`` or ``?incarnation=``) is
+    held to it: 404 when the id names no session, 409 ``session_replaced`` when it names another
+    life — on every route, before the handler runs (an SSE stream before it opens).
+
+    That check alone would leave a window (the id deleted and created again right after it), so
+    the handlers close it: every write passes the pin to the store, which checks it in the same
+    script as the write (append, draft, branch/fork link, repair's writes, answers, delete); a
+    read is checked once more after it was read (a life never comes back, so the same life
+    before and after is the life that was read: else 409, and nothing of the read is sent); a
+    live stream rechecks after every read (``event: replaced``)."""
+    pin = pinned_incarnation(request)
+    if pin is None:
+        return await handler(gw, request, sid)
+    await _check_life(gw, sid, pin)
+    response = await handler(gw, request, sid)
+    if method == "GET" and sub != "events" and response.status_code < 300:
+        await _check_life(gw, sid, pin)
+    return response
+
+
+async def _check_life(gw: Gateway, sid: str, pin: str) -> None:
+    head = await gw.store.head(sid)
+    if head is None:
+        raise SessionNotFoundError(sid)
+    current = head.header.incarnation or legacy_incarnation(head.header.created_at)
+    if current != pin:
+        raise SessionReplacedError(sid, f"it is incarnation {current} now, not {pin}")
 
 
 # --------------------------------------------------------------------------- hosts and origins
