@@ -485,6 +485,11 @@ async def test_openapi_describes_every_route(redis_store: RedisSessionStore) -> 
             assert {"200", "201", "204"} & set(op["responses"]), (p, m)
     assert "security" not in doc and "security" in openapi(auth=True)
     assert doc["paths"]["/healthz"]["get"]["security"] == []  # probes need no token
+    for p, item in doc["paths"].items():  # every session route takes the pin to a life (409 once gone)
+        for m, op in item.items():
+            if p.startswith("/sessions/{session_id}"):
+                assert {"X-Session-Incarnation", "incarnation"} <= {x["name"] for x in op["parameters"]}, (p, m)
+                assert "409" in op["responses"], (p, m)
     refs = {m for m in json.dumps(doc).split('"') if m.startswith("#/components/schemas/")}
     assert {r.rsplit("/", 1)[1] for r in refs} <= set(doc["components"]["schemas"])
 
