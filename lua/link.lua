@@ -7,12 +7,22 @@
 --            has branches (they read its entries); unlink.lua restores its TTL after the last one
 -- ARGV[1] at    the branch point (0 <= at <= parent n)
 -- ARGV[2] the child's kids member ("<inverted created_at>:<child id>")
+-- ARGV[3] the parent's incarnation the branch was decided on ("" or absent = any): a parent
+--         deleted and created again since is refused here, atomically with the link (once
+--         linked, a delete only hides the parent, so its id cannot take another life meanwhile)
 --
 -- Returns {0, added (1|0), parent_at or "", segments or "", delegation_depth, ttl_ms or ""}   linked
 --         {3}                       parent not found (or deleted)
 --         {4, n}                    at is beyond the parent's n
-local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'at', 'segments', 'delegation_depth', 'ttl_ms')
+--         {8, incarnation}          the parent is another incarnation than ARGV[3]: not linked
+local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'at', 'segments', 'delegation_depth', 'ttl_ms',
+  'incarnation', 'created_at')
 if not h[1] or h[2] then return {3} end
+local inc = ARGV[3]
+if inc and inc ~= '' then
+  local cur = h[7] or ('legacy-' .. (h[8] or '0'))
+  if inc ~= cur then return {8, cur} end
+end
 if tonumber(ARGV[1]) > tonumber(h[1]) then return {4, tonumber(h[1])} end
 local added = redis.call('ZADD', KEYS[2], 0, ARGV[2])
 if h[6] then

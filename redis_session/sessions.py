@@ -553,8 +553,11 @@ class Session:
         return await self._store.get_draft(self.id)
 
     async def set_draft(self, draft: Mapping[str, Any] | None) -> None:
-        """Publish (or with None, clear) the streaming draft; `commit` clears it."""
-        await self._store.set_draft(self.id, None if draft is None else dict(draft))
+        """Publish (or with None, clear) the streaming draft; `commit` clears it. Only into this
+        handle's life of the id (`SessionReplacedError` once it is another)."""
+        await self._store.set_draft(
+            self.id, None if draft is None else dict(draft), incarnation=self._header.incarnation or None
+        )
 
     # ------------------------------------------------------------------ lease, repair, branches
 
@@ -641,14 +644,17 @@ class Session:
         title: str | None = None,
         origin: Any = None,
     ) -> Session:
-        """`Sessions.branch` of this session."""
+        """`Sessions.branch` of this session, from this handle's life of the id."""
         return await self._sessions.branch(
-            self.id, at, branch_id=branch_id, delegation_depth=delegation_depth, title=title, origin=origin
-        )
+            self.id, at, branch_id=branch_id, delegation_depth=delegation_depth, title=title, origin=origin,
+            incarnation=self._header.incarnation or None,
+        )  # fmt: skip
 
     async def fork(self, boundary: int | None = None, *, fork_id: str | None = None) -> Session:
-        """`Sessions.fork` of this session."""
-        return await self._sessions.fork(self.id, boundary, fork_id=fork_id)
+        """`Sessions.fork` of this session, from this handle's life of the id."""
+        return await self._sessions.fork(
+            self.id, boundary, fork_id=fork_id, incarnation=self._header.incarnation or None
+        )
 
 
 # --------------------------------------------------------------------------- Sessions
@@ -756,6 +762,7 @@ class Sessions:
         title: str | None = None,
         origin: Any = None,
         idempotency_key: str | None = None,
+        incarnation: str | None = None,
     ) -> Session:
         """A new session holding entries [0, at) of `session_id` (0 ≤ at ≤ its n), then its own.
 
@@ -766,6 +773,11 @@ class Sessions:
         (an `InvalidSessionIdError` asks for an explicit `branch_id` when that would be too long).
         Publishes ``session-branch {parent, session, at}`` (pub/sub and change feed, never a log entry).
         `idempotency_key` is recorded with the creation, as for `create`.
+
+        The branch is of the parent's life it read (the header its defaults come from), or of
+        `incarnation` when given: a parent deleted and created again before, or between the read
+        and the link (checked in the store's link step, atomically), raises `SessionReplacedError`
+        and nothing is created.
         """
         validate_session_id(session_id)
         if branch_id is not None:
@@ -774,6 +786,9 @@ class Sessions:
         parent = await self.store.head(session_id)
         if parent is None:
             raise SessionNotFoundError(session_id)
+        life = parent.header.incarnation or None
+        if incarnation is not None and life != incarnation:
+            raise SessionReplacedError(session_id, f"it is incarnation {life} now, not {incarnation}: not branched")
         if at > parent.n:
             raise InvalidEntryError(f"branch point at={at} is beyond the parent's n={parent.n}")
         if branch_id == session_id:
@@ -793,7 +808,7 @@ class Sessions:
                 create_key=None if idempotency_key is None else create_key_digest(idempotency_key),
             )
             try:
-                head = await self.store.create(header)
+                head = await self.store.create(header, parent_incarnation=life)
                 break
             except SessionAlreadyExistsError:
                 if branch_id is not None or attempt == 2:
@@ -811,6 +826,7 @@ class Sessions:
         *,
         fork_id: str | None = None,
         idempotency_key: str | None = None,
+        incarnation: str | None = None,
     ) -> Session:
         """dsh fork: a child holding the source's entries [0, boundary] (inclusive), where the
         boundary entry must be a ``turn/end`` (default: the last entry; an empty source gives an
@@ -819,12 +835,17 @@ class Sessions:
         Raises `SessionForkError` with `code` SESSION_NOT_FOUND, SESSION_ALREADY_EXISTS (checked
         before the boundary), INVALID_BOUNDARY (explicit boundary on an empty source, a negative,
         non-integer or bool boundary, or one ≥ n) or OPEN_TURN (the boundary is not a turn/end).
-        No child is created on any error.
+        No child is created on any error. The fork is of the source's life it read (or of
+        `incarnation`, when given): one deleted and created again before the child is linked
+        raises `SessionReplacedError`.
         """
         validate_session_id(session_id)
         head = await self.store.head(session_id)
         if head is None:
             raise SessionForkError(f"session {session_id!r} not found", "SESSION_NOT_FOUND")
+        life = head.header.incarnation or None
+        if incarnation is not None and life != incarnation:
+            raise SessionReplacedError(session_id, f"it is incarnation {life} now, not {incarnation}: not forked")
         if fork_id is not None and await self.store.head(validate_new_session_id(fork_id)) is not None:
             raise SessionForkError(f"session {fork_id!r} already exists", "SESSION_ALREADY_EXISTS")
         n = head.n
@@ -842,14 +863,18 @@ class Sessions:
                 raise SessionForkError(f"invalid fork boundary {boundary} (last seq: {last})", "INVALID_BOUNDARY")
             at, check = boundary + 1, boundary
         if check is not None:
-            got = await self.store.read(session_id, check, check + 1)
+            got = await self.store.read(session_id, check, check + 1, incarnation=life)
             kind = got[0].type if got else "nothing"
             if kind != "turn/end":
                 raise SessionForkError(await self._fork_hint(session_id, check, kind), "OPEN_TURN")
         try:
-            return await self.branch(session_id, at, branch_id=fork_id, idempotency_key=idempotency_key)
+            return await self.branch(
+                session_id, at, branch_id=fork_id, idempotency_key=idempotency_key, incarnation=life
+            )
         except SessionAlreadyExistsError as e:
             raise SessionForkError(str(e), "SESSION_ALREADY_EXISTS") from e
+        except SessionReplacedError:  # deleted and created again under us: not the source it read
+            raise
         except SessionNotFoundError as e:  # deleted under us
             raise SessionForkError(str(e), "SESSION_NOT_FOUND") from e
 
@@ -895,9 +920,13 @@ class Sessions:
         """The header and n of a session without loading its log (None when absent)."""
         return await self.store.head(session_id)
 
-    async def delete(self, session_id: str) -> bool:
-        """Delete a session (its live branches keep reading their prefix). False when absent."""
-        return await self.store.delete(session_id)
+    async def delete(self, session_id: str, *, incarnation: str | None = None) -> bool:
+        """Delete a session (its live branches keep reading their prefix). False when absent.
+        With `incarnation`, only that life of the id (`SessionReplacedError` otherwise, checked
+        atomically: nothing is deleted)."""
+        if incarnation is None:
+            return await self.store.delete(session_id)
+        return await self.store.delete(session_id, incarnation=incarnation)
 
     def define(self, type: str, schema: Any = None) -> None:
         """Register an entry type's schema (a msgspec Struct, TypedDict, dataclass … or None for
@@ -915,17 +944,34 @@ class Sessions:
         return (await load_projection(self.store, head, self.snapshot_cache)).messages()
 
     async def repair(
-        self, session_id: str, *, lease_ttl: float = DEFAULT_LEASE_TTL, stale_after: float = DEFAULT_STALE_ANSWER
+        self,
+        session_id: str,
+        *,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        stale_after: float = DEFAULT_STALE_ANSWER,
+        incarnation: str | None = None,
     ) -> builtins.list[Entry]:
         """Repair what a crashed writer left: stale child links (a branch cut short between its two
         steps; see `SessionStore.repair_links`; a deleted session kept only by them is purged),
-        then an open turn (see `Session.repair`). Returns the entries appended."""
+        then an open turn (see `Session.repair`). Returns the entries appended.
+
+        With `incarnation`, only that life of the id: another one raises `SessionReplacedError`
+        before anything is done, and once the repair began every write of it is pinned to the
+        life it read (checked by the store with the write)."""
+        if incarnation is not None:
+            before = await self.store.head(session_id)
+            if before is not None and (before.header.incarnation or None) != incarnation:
+                raise SessionReplacedError(
+                    session_id, f"it is incarnation {before.header.incarnation} now: not repaired"
+                )
         removed = await self.store.repair_links(session_id)
         head = await self.store.head(session_id)
         if head is None:
             if removed:
                 return []
             raise SessionNotFoundError(session_id)
+        if incarnation is not None and (head.header.incarnation or None) != incarnation:
+            raise SessionReplacedError(session_id, f"it is incarnation {head.header.incarnation} now: not repaired")
         return await Session(self, head).repair(lease_ttl=lease_ttl, stale_after=stale_after)
 
     async def doctor(self, session_id: str) -> DoctorReport:

@@ -47,9 +47,7 @@ def _store(url: str, prefix: str, pause_after: str) -> _PausingStore:
     return store
 
 
-async def test_cancelled_during_its_begin_the_answer_is_closed_interrupted_at_once(
-    redis_url: str, prefix: str
-) -> None:
+async def test_cancelled_during_its_begin_the_answer_is_closed_interrupted_at_once(redis_url: str, prefix: str) -> None:
     store = _store(redis_url, prefix, "begin")
     async with Sessions(store) as sessions:
         s = await sessions.open("c-begin")
@@ -109,9 +107,7 @@ async def test_cancelled_during_its_close_the_handle_is_past_the_message(redis_u
         assert after.n == len(log)
 
 
-async def test_an_anyio_cancel_scope_around_the_block_does_not_cut_its_close_short(
-    redis_url: str, prefix: str
-) -> None:
+async def test_an_anyio_cancel_scope_around_the_block_does_not_cut_its_close_short(redis_url: str, prefix: str) -> None:
     # an anyio scope re-delivers its cancellation at every await: the close still runs to its end
     store = _store(redis_url, prefix, "end")
     async with Sessions(store) as sessions:

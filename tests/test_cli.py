@@ -62,6 +62,26 @@ def test_main_module_is_the_console_script() -> None:
         assert cmd in r.stdout
 
 
+@pytest.mark.parametrize("args", [("-h",), ("--help",), ("gateway", "--help"), ("tail", "-h"), ("server", "-h")])
+def test_piped_help_is_plain_click_text(args: tuple[str, ...]) -> None:
+    """``redis-session -h | cat`` printed rich's help: ANSI escapes (with a colour terminal's
+    TERM), boxes, and every line padded with spaces to 80 columns, wrapped there. Piped, help is
+    click's plain text: no escape, no box drawing, no trailing padding, long lines whole."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "NO_COLOR", "FORCE_COLOR", "TERM")}
+    env["TERM"] = "xterm-256color"  # what a user's terminal sets; the pipe is what matters
+    line = " ".join([sys.executable, "-m", "redis_session.cli", *args]) + " | cat"
+    r = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    assert text.startswith("Usage: "), text[:200]
+    assert "\x1b" not in text and not any(c in text for c in "╭╮╰╯│─"), text[:400]
+    assert not [ln for ln in text.splitlines() if ln != ln.rstrip()], "lines padded with spaces"
+    assert "Options:" in text and "-h, --help" in text
+    if args == ("gateway", "--help"):  # a long option help stays on its line, not wrapped at 80
+        allowed = next(ln for ln in text.splitlines() if ln.lstrip().startswith("--allowed-host"))
+        assert len(allowed) > 100 and "$REDIS_SESSION_ALLOWED_HOSTS" in allowed, allowed
+
+
 async def test_ls_show_doctor_branch(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
     await seed(redis_store)
     r = cli("ls", url=redis_url, prefix=prefix)

@@ -3,6 +3,7 @@ clients, auth on every route, and bad input answered as JSON 4xx, never a 500.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,7 +30,7 @@ from redis_session.gateway import common as common_mod
 from redis_session.gateway import create_app, openapi, serve
 from redis_session.projection import project, to_anthropic, to_openai
 
-from support import cleanup_prefix, running_gateway, wait_blocked_in_xread
+from support import cleanup_prefix, running_gateway, wait_blocked_in_xread, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -483,6 +485,11 @@ async def test_openapi_describes_every_route(redis_store: RedisSessionStore) -> 
             assert {"200", "201", "204"} & set(op["responses"]), (p, m)
     assert "security" not in doc and "security" in openapi(auth=True)
     assert doc["paths"]["/healthz"]["get"]["security"] == []  # probes need no token
+    for p, item in doc["paths"].items():  # every session route takes the pin to a life (409 once gone)
+        for m, op in item.items():
+            if p.startswith("/sessions/{session_id}"):
+                assert {"X-Session-Incarnation", "incarnation"} <= {x["name"] for x in op["parameters"]}, (p, m)
+                assert "409" in op["responses"], (p, m)
     refs = {m for m in json.dumps(doc).split('"') if m.startswith("#/components/schemas/")}
     assert {r.rsplit("/", 1)[1] for r in refs} <= set(doc["components"]["schemas"])
 
@@ -776,6 +783,39 @@ async def test_an_ambiguous_host_reaches_no_route(redis_store: RedisSessionStore
     assert [e.data["content"] for e in await redis_store.read("victim")] == ["m0", "pwned"]
 
 
+@pytest.mark.parametrize("http", PARSERS)
+async def test_a_malformed_host_port_is_a_400(redis_store: RedisSessionStore, http: str) -> None:
+    """``Host: 127.0.0.1:99999`` passed the host check (1-5 digits) and reached the routes, where
+    anything that takes the port (urllib's ``.port``) fails: a port above 65535, an IPv6 literal
+    that is none, an empty port or one of non-digits is refused before any route, on every route
+    (the probes too), with the gateway's JSON 400 — and nothing is written."""
+    await mk(redis_store, "hp", 1)
+    entry = json.dumps(um_entry("through")).encode()
+    bad = [
+        "127.0.0.1:99999", "127.0.0.1:65536", "localhost:100000", "[::1]:99999", "[::1]:65536",
+        "127.0.0.1:", "[::1]:", "127.0.0.1:8o", "127.0.0.1:-1", "127.0.0.1:+80", "[::1]x", "[::1",
+        "[:::::]", "[1.2.3.4]", "[::1]:80:80", "127.0.0.1:80:80",
+    ]  # fmt: skip
+    async with running_gateway(redis_store, http=http) as base:
+        for host in bad:
+            for method, target in [("POST", "/sessions/hp/entries"), ("GET", "/sessions/hp"), ("GET", "/healthz")]:
+                body = entry if method == "POST" else b""
+                request = (
+                    f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                ).encode() + body
+                status, answer = await raw_http(base, request)
+                assert status == 400, (host, target, status, answer[:200])
+                if answer:  # h11 refuses some itself (its own plain 400); ours is JSON
+                    got = json.loads(answer)
+                    assert got["error"] == "bad_request" and "Host" in got["message"], (host, got)
+        for host in ["127.0.0.1:65535", "127.0.0.1:1", "[::1]:8765", "localhost"]:  # still served
+            request = f"GET /sessions/hp HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+            status, answer = await raw_http(base, request)
+            assert status == 200, (host, status, answer[:200])
+    assert [e.data["content"] for e in await redis_store.read("hp")] == ["m0"]
+
+
 async def test_allowed_hosts_are_configurable(redis_store: RedisSessionStore) -> None:
     await mk(redis_store, "h", 1)
     async with (
@@ -994,6 +1034,86 @@ def test_workers_share_the_port_and_stop_on_sigterm(redis_url: str, prefix: str)
         anyio.run(cleanup_prefix, redis_url, prefix)
     assert proc.returncode == 0, stderr
     assert "2 worker processes" in stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The live (not zombie) child processes of `pid`, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid and stat[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers in /proc")
+@pytest.mark.parametrize("to", ["parent", "group"])
+def test_workers_stop_cleanly_on_ctrl_c(redis_url: str, prefix: str, to: str) -> None:
+    """Ctrl-C on `--workers 2` (SIGINT to the parent, or to the whole foreground process group as
+    a terminal sends it) printed a KeyboardInterrupt traceback from each worker, or hung: the
+    workers took SIGINT themselves as well as the parent's copy. Workers ignore SIGINT; the parent
+    asks them to stop with SIGTERM (a graceful stop) and waits: exit 0, no traceback."""
+    port = _free_port()
+    cmd = _gateway_cmd("--url", redis_url, "--prefix", prefix, "--port", str(port), "--workers", "2", env={})
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env(), start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the gateway did not start"
+                time.sleep(0.05)
+        for _ in range(10):  # both workers are up and serving (each new connection: either one)
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as fresh:
+                assert fresh.get("/readyz").status_code == 200
+        assert httpx.post(f"http://127.0.0.1:{port}/sessions", json={"id": "cc"}, timeout=10).status_code == 201
+        opened: list[int] = []
+
+        def follow() -> None:  # an open live tail, as a viewer holds one
+            with contextlib.suppress(httpx.HTTPError):
+                with httpx.stream("GET", f"http://127.0.0.1:{port}/sessions/cc/events", timeout=60) as r:
+                    opened.append(r.status_code)
+                    for _ in r.iter_lines():
+                        pass
+
+        followers = [threading.Thread(target=follow, daemon=True) for _ in range(6)]
+        for t in followers:
+            t.start()
+        wait_until(lambda: len(opened) == len(followers), within=60)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        for pid in workers:  # a worker is not stopped by a SIGINT of its own: the parent decides
+            os.kill(pid, signal.SIGINT)
+        for _ in range(10):
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as fresh:
+                assert fresh.get("/healthz").status_code == 200
+        assert sorted(_children(proc.pid)) == sorted(workers) and proc.poll() is None
+        if to == "parent":
+            proc.send_signal(signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)  # a hang guard: the stop itself takes < 4 s
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        anyio.run(cleanup_prefix, redis_url, prefix)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    for t in followers:  # every stream was ended by the stop
+        t.join(timeout=30)
+        assert not t.is_alive()
+    with pytest.raises(httpx.TransportError):  # no worker is left serving
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
 
 
 async def test_sign_in_sets_an_httponly_cookie_that_authenticates(redis_store: RedisSessionStore) -> None:

@@ -617,3 +617,67 @@ async def test_a_client_that_hangs_up_mid_body_writes_nothing_and_is_no_server_e
     assert start["status"] == 400, sent
     head = await redis_store.head("hang")
     assert head is not None and head.n == 0
+
+
+# --------------------------------------------------------------------------- huge and negative integers
+
+BAD_INTS = [10**30, 2**63, 2**64, 2**53, -1, -(2**63)]
+
+
+async def test_huge_and_negative_integers_are_refused_with_their_path(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    """An expected n, a start, a branch point, a boundary … of 10**30, 2**63, -1: every integer a
+    body or a query carries is refused as the gateway refuses any invalid value (422 naming the
+    JSON path in a body, 400 in a query or header), never a 500, and nothing is written. A live
+    stream id beyond 64 bits (Last-Event-ID of a deltas stream, an end's begin_id) was sent on to
+    Redis: an SSE stream that failed server-side (``event: error``), a begin_id accepted."""
+    end = {"type": "turn/end", "data": {"turn": 1, "reason": {"kind": "completed"}}}
+    r = await client.post("/sessions", json={"id": "big", "entries": [um("a"), end]})
+    inc = r.json()["header"]["incarnation"]
+    answer = (await client.post(path("big", "answers"), json={})).json()["answer"]
+    before = await snapshot(redis_store, "big")
+    a = f"answers/{answer}"
+    for v in BAD_INTS:
+        bodies: list[tuple[str, str, Any, str]] = [
+            ("POST", "entries", {"type": "m", "data": {}, "time": v}, "$.time"),
+            ("POST", "entries", {"entries": [um("x"), {"type": "m", "data": {}, "time": v}]}, "$.entries[1].time"),
+            ("POST", "branch", {"at": v}, "$.at"),
+            ("POST", "branch", {"at": 0, "delegation_depth": v}, "$.delegation_depth"),
+            ("POST", "fork", {"boundary": v}, "$.boundary"),
+            ("POST", f"{a}/deltas", {"first_index": v, "deltas": [{"text": "x"}]}, "$.first_index"),
+            ("POST", f"{a}/end", {"reason": "committed", "expected_n": v}, "$.expected_n"),
+            ("POST", f"{a}/end", {"reason": "committed", "deltas": v}, "$.deltas"),
+        ]
+        if abs(v) > 2**53:  # within ±(2^53-1) a turn, a draft or a data field is any integer
+            bodies += [
+                ("PUT", "draft", {"n": v}, "$.n"),
+                ("POST", "answers", {"turn": v}, "$.turn"),
+                ("POST", "entries", {"type": "m", "data": {"deep": [{"x": v}]}}, "$.data.deep[0].x"),
+            ]
+        for method, sub, body, where in bodies:
+            r = await client.request(method, path("big", sub), json=body)
+            assert r.status_code == 422 and r.json().get("path") == where, (v, sub, body, r.status_code, r.text)
+        for sub in ("", "?delegation_depth", "?created_at"):
+            field = sub.lstrip("?") or "created_at"
+            r = await client.post("/sessions", json={"id": "big-new", field: v})
+            assert r.status_code == 422 and r.json()["path"] == f"$.{field}", (v, field, r.text)
+        for q in ("start", "stop", "limit"):
+            r = await client.get(path("big", "entries"), params={q: str(v)})
+            assert r.status_code == 400 and r.json()["error"] == "bad_request", (v, q, r.text)
+        for q, sub in (("start", "events"), ("last", "messages"), ("limit", "")):
+            r = await client.get(path("big", sub) if sub else "/sessions", params={q: str(v)})
+            assert r.status_code == 400 and r.json()["error"] == "bad_request", (v, q, r.text)
+        r = await client.post(path("big", "entries"), json=um("x"), headers={"If-Match": f'"{v}"'})
+        assert r.status_code == 400, (v, r.text)
+    for live in ("18446744073709551616-0", "0-18446744073709551616", "99999999999999999999-99999999999999999999"):
+        async with client.stream(
+            "GET", path("big", "events"), params={"deltas": "1"}, headers={"Last-Event-ID": f"{inc}:1/{live}"}
+        ) as r:
+            assert r.status_code == 400, (live, r.status_code, (await r.aread())[:300])
+            assert json.loads(await r.aread())["error"] == "bad_request"
+        r = await client.post(path("big", f"{a}/end"), json={"reason": "committed", "begin_id": live})
+        assert r.status_code == 422 and r.json()["path"] == "$.begin_id", (live, r.text)
+    assert await snapshot(redis_store, "big") == before
+    assert await redis_store.head("big-new") is None
+    assert (await redis_store.list(parent="big")).items == []

@@ -22,8 +22,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-# -h as well as --help, on every command (click passes it down to the subcommands' contexts)
-_CONTEXT = {"help_option_names": ["-h", "--help"]}
+# -h as well as --help, on every command (click passes it down to the subcommands' contexts).
+# Help on a terminal is rich's; piped (``redis-session -h | cat``, a script grepping it) it is
+# click's plain text: no ANSI escapes, no box drawing, no padding to the width, never wrapped.
+_PLAIN_HELP = not sys.stdout.isatty()
+_CONTEXT: dict[str, Any] = {"help_option_names": ["-h", "--help"]}
+if _PLAIN_HELP:
+    _CONTEXT.update(terminal_width=100_000, max_content_width=100_000)
+_MARKUP: Any = None if _PLAIN_HELP else "rich"
 app = typer.Typer(
     name="redis-session",
     help="A distributed event store for AI-agent sessions on Redis Streams.",
@@ -31,11 +37,13 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings=_CONTEXT,
+    rich_markup_mode=_MARKUP,
 )
 server_app = typer.Typer(
     help="The embedded server alone (one per user; --dir for another data folder).",
     no_args_is_help=True,
     context_settings=_CONTEXT,
+    rich_markup_mode=_MARKUP,
 )
 app.add_typer(server_app, name="server")
 

@@ -77,6 +77,7 @@ from .body import (
 )
 from .common import _JSON, _BadRequest, _session_path, route_key
 from .context import Gateway
+from .sse import is_stream_id
 from .writes import _tags
 
 MAX_DELTAS = 4096
@@ -285,7 +286,7 @@ async def end(gw: Gateway, request: Request, sid: str) -> Response:
     answer = _answer_of(request)
     cond = preconditions(request)
     req = convert(decode_json(await read_body(request, gw.max_body)), EndIn)
-    if req.begin_id is not None and not _LIVE_ID.fullmatch(req.begin_id):
+    if req.begin_id is not None and not (_LIVE_ID.fullmatch(req.begin_id) and is_stream_id(req.begin_id)):
         raise Unprocessable("begin_id is a live stream id (<ms>-<seq>), as the begin answered", "$.begin_id")
     expected = _expected(cond, req)
     try:

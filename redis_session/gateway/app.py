@@ -440,43 +440,54 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_workers(count: int, work: Callable[[], None]) -> int:
     """Run `work` in `count` forked processes (each its own event loop, store connections and
-    streams, all accepting on the socket `work` serves), until they end; SIGTERM and SIGINT are
-    passed on to them. Returns the first non-zero exit status, else 0. Call before any event
-    loop or connection exists in this process (it forks)."""
+    streams, all accepting on the socket `work` serves), until they end. Returns the first
+    non-zero exit status, else 0. Call before any event loop or connection exists in this
+    process (it forks).
+
+    Ctrl-C signals the whole foreground process group: a worker that took SIGINT itself (and
+    the copy passed on after it) was cancelled mid-stream and printed tracebacks. So the workers
+    ignore SIGINT, and SIGINT or SIGTERM to this process is passed on to each as SIGTERM
+    (`serve`'s graceful stop: open streams end at once); it then waits for them all."""
     import os
 
     pids: list[int] = []
-    for _ in range(count):
-        pid = os.fork()
-        if pid == 0:  # the worker
-            code = 0
-            try:
-                work()
-            except KeyboardInterrupt:
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-            except BaseException:
-                log.exception("gateway worker failed")
-                code = 1
-            os._exit(code)
-        pids.append(pid)
+    stopping = False
 
     def forward(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+                os.kill(pid, signal.SIGTERM)
 
+    # before the first fork: a Ctrl-C while the workers start is a stop too, never a traceback
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     status = 0
     try:
-        for pid in pids:
-            while True:
+        for _ in range(count):
+            if stopping:
+                break
+            pid = os.fork()
+            if pid == 0:  # the worker: SIGTERM is `serve`'s (graceful), SIGINT is the parent's
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                code = 0
                 try:
-                    _, raw = os.waitpid(pid, 0)
-                    break
-                except InterruptedError:
-                    continue
+                    work()
+                except KeyboardInterrupt:
+                    code = 0
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else 1
+                except BaseException:
+                    log.exception("gateway worker failed")
+                    code = 1
+                os._exit(code)
+            pids.append(pid)
+            if stopping:  # the signal came between the fork and the append
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        for pid in pids:
+            _, raw = os.waitpid(pid, 0)  # retried across the signals' handlers (PEP 475)
             code = os.waitstatus_to_exitcode(raw)
             if code and not status:
                 status = code if code > 0 else 128 - code

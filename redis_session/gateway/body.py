@@ -288,7 +288,19 @@ def preconditions(request: Request) -> Preconditions:
         if not 1 <= len(pinned) <= 64 or (incarnation is not None and pinned != incarnation):
             raise _BadRequest("X-Session-Incarnation is 1-64 characters and agrees with If-Match")
         incarnation = pinned
+    query = request.query_params.get("incarnation")
+    if query is not None and query != "":
+        if not 1 <= len(query) <= 64 or (incarnation is not None and query != incarnation):
+            raise _BadRequest("?incarnation= is 1-64 characters and agrees with X-Session-Incarnation and If-Match")
+        incarnation = query
     key = request.headers.get("idempotency-key")
     if key is not None and not 1 <= len(key) <= 256:
         raise _BadRequest("Idempotency-Key is 1-256 characters")
     return Preconditions(expected, incarnation, key)
+
+
+def pinned_incarnation(request: Request) -> str | None:
+    """The life of the id a request is pinned to: ``X-Session-Incarnation``, the incarnation of
+    ``If-Match: "<n>;<incarnation>"`` or ``?incarnation=`` (EventSource cannot set headers); 400
+    when they disagree. None: not pinned."""
+    return preconditions(request).incarnation

@@ -74,7 +74,10 @@ def _unprocessable(e: Exception) -> Response:
 
 def _fork(e: Exception) -> Response:
     assert isinstance(e, SessionForkError)
-    return _JSON({"error": e.code.lower(), "message": str(e), "code": e.code}, status_code=_FORK_STATUS[e.code])
+    body: dict[str, Any] = {"error": e.code.lower(), "message": str(e), "code": e.code}
+    if e.code == "INVALID_BOUNDARY":  # only the fork route raises it: the body's boundary
+        body["path"] = "$.boundary"
+    return _JSON(body, status_code=_FORK_STATUS[e.code])
 
 
 def _unavailable(e: Exception) -> Response:

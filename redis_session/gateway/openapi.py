@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -270,6 +271,7 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
     for path, ops in _write_paths(sid, ref, error, ok, common).items():
         doc["paths"].setdefault(path, {}).update(ops)
     doc["components"]["schemas"].update(_write_schemas(ref))
+    _pin_every_session_route(doc, error)
     if auth:
         doc["components"]["securitySchemes"] = {
             "bearer": {"type": "http", "scheme": "bearer"},
@@ -277,6 +279,39 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
         }
         doc["security"] = [{"bearer": []}, {"query": []}]
     return doc
+
+
+PIN = (
+    "Pins the life of the id (`header.incarnation`): once it was deleted and created again, 409 "
+    "`session_replaced` and nothing is read or written (an event stream: before it opens)."
+)
+
+
+def _pin_every_session_route(doc: dict[str, Any], error: Callable[[str], dict[str, Any]]) -> None:
+    """Every ``/sessions/{session_id}…`` operation takes the pin (`routes._pinned`): the
+    ``X-Session-Incarnation`` header (or If-Match's incarnation) or ``?incarnation=``; 409."""
+    header: dict[str, Any] = {
+        "name": "X-Session-Incarnation",
+        "in": "header",
+        "description": PIN,
+        "schema": {"type": "string"},
+    }
+    query: dict[str, Any] = {"name": "incarnation", "in": "query", "description": PIN, "schema": {"type": "string"}}
+    for path, item in doc["paths"].items():
+        if not path.startswith("/sessions/{session_id}"):
+            continue
+        for op in item.values():
+            params = op.setdefault("parameters", [])
+            names = {(p["name"].lower(), p["in"]) for p in params}
+            for extra in (header, query):
+                if (str(extra["name"]).lower(), extra["in"]) not in names:
+                    params.append(extra)
+            responses = op["responses"]
+            if "409" not in responses:
+                responses["409"] = error("The id was deleted and created again (pinned incarnation)")
+            elif not re.search(r"session_replaced|pinned incarnation", responses["409"]["description"]):
+                described = responses["409"]["description"]
+                responses["409"] = {**responses["409"], "description": f"{described}; or `session_replaced`: {PIN}"}
 
 
 def _write_paths(

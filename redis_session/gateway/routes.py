@@ -16,8 +16,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..errors import SessionNotFoundError, SessionReplacedError
+from ..model import legacy_incarnation
 from . import answers, reads, writes
 from .auth import principal
+from .body import pinned_incarnation
 from .common import PROBE_PATHS, _error, _session_path, route_key
 from .context import Gateway
 from .wire import TARGET
@@ -41,6 +44,13 @@ SESSION_ROUTES: dict[tuple[str | None, str], tuple[str, Handler]] = {
     ("answers/{answer}/end", "POST"): ("write", answers.end),
 }
 METHODS = sorted({m for _, m in SESSION_ROUTES} | {"HEAD"})
+SCRIPT_CHECKED = frozenset({
+    (None, "DELETE"), ("entries", "POST"), ("draft", "PUT"), ("answers", "POST"),
+    ("answers/{answer}/deltas", "POST"), ("answers/{answer}/end", "POST"),
+})  # fmt: skip
+"""The routes whose one store script checks the pin with the write, in the order `_pinned` would
+(no session: 404, then another life: 409): no check of their own first (a round trip saved on
+every pinned append and delta batch; the script's check is the atomic one anyway)."""
 
 
 async def sessions(gw: Gateway, request: Request) -> Response:
@@ -54,7 +64,7 @@ async def sessions(gw: Gateway, request: Request) -> Response:
 
 
 async def session(gw: Gateway, request: Request) -> Response:
-    """``/sessions/{id}[/{sub}]``, by the table above."""
+    """``/sessions/{id}[/{sub}]``, by the table above; every one through `_pinned`."""
     sid, path = _session_path(request.scope)
     sub, _ = route_key(path)
     method = "GET" if request.method == "HEAD" else request.method
@@ -68,7 +78,40 @@ async def session(gw: Gateway, request: Request) -> Response:
     who = principal(request.scope)
     who.check_session(sid)
     who.require(scope)
-    return await handler(gw, request, sid)
+    return await _pinned(gw, request, sid, method, sub, handler)
+
+
+async def _pinned(gw: Gateway, request: Request, sid: str, method: str, sub: str | None, handler: Handler) -> Response:
+    """The one place a request pinned to a life of the id (`pinned_incarnation`: the
+    ``X-Session-Incarnation`` header, ``If-Match: "<n>;<incarnation>"`` or ``?incarnation=``) is
+    held to it: 404 when the id names no session, 409 ``session_replaced`` when it names another
+    life — on every route, before the handler runs (an SSE stream before it opens).
+
+    That check alone would leave a window (the id deleted and created again right after it), so
+    the handlers close it: every write passes the pin to the store, which checks it in the same
+    script as the write (append, draft, branch/fork link, repair's writes, answers, delete: for
+    those in `SCRIPT_CHECKED` that check is the only one); a read is checked once more after it
+    was read (a life never comes back, so the same life before and after is the life that was
+    read: else 409, and nothing of the read is sent); a live stream rechecks after every read
+    (``event: replaced``)."""
+    pin = pinned_incarnation(request)
+    if pin is None:
+        return await handler(gw, request, sid)
+    if (sub, method) not in SCRIPT_CHECKED:
+        await _check_life(gw, sid, pin)
+    response = await handler(gw, request, sid)
+    if method == "GET" and sub != "events" and response.status_code < 300:
+        await _check_life(gw, sid, pin)
+    return response
+
+
+async def _check_life(gw: Gateway, sid: str, pin: str) -> None:
+    head = await gw.store.head(sid)
+    if head is None:
+        raise SessionNotFoundError(sid)
+    current = head.header.incarnation or legacy_incarnation(head.header.created_at)
+    if current != pin:
+        raise SessionReplacedError(sid, f"it is incarnation {current} now, not {pin}")
 
 
 # --------------------------------------------------------------------------- hosts and origins
@@ -171,8 +214,25 @@ def split_list(text: str | None) -> list[str]:
 
 
 _ABSOLUTE = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://")
-_HOST_VALUE = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]*)(?::[0-9]{1,5})?")
+_HOST_VALUE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|[A-Za-z0-9._-]*)(?::(?P<port>[0-9]{1,5}))?")
 """A ``Host`` value: a DNS name or IPv4 address, or an IPv6 one in brackets, and a port."""
+
+
+def _host_problem(host: str) -> str | None:
+    """Why `host` is no ``Host`` value (None when it is one): a name or IPv4 address, or an IPv6
+    address in brackets, with an optional port of 1-5 digits no larger than 65535."""
+    m = _HOST_VALUE.fullmatch(host)
+    if m is None:
+        return "is not a host name or address with an optional port"
+    if m.group("port") is not None and int(m.group("port")) > 65535:
+        return "names a port above 65535"
+    v6 = m.group("v6")
+    if v6 is not None:
+        try:
+            ipaddress.IPv6Address(v6)
+        except ValueError:
+            return "holds no IPv6 address within its brackets"
+    return None
 
 
 def _request_target(scope: Scope) -> bytes:
@@ -197,8 +257,9 @@ def _ambiguity(scope: Scope, hosts: list[str], origins: list[str]) -> str | None
     if len(origins) > 1:
         return f"the request has {len(origins)} Origin headers; at most one is allowed"
     host = hosts[0].strip() if hosts else ""
-    if not _HOST_VALUE.fullmatch(host):
-        return f"the Host header {host[:80]!r} is not a host name or address with an optional port"
+    problem = _host_problem(host)
+    if problem is not None:
+        return f"the Host header {host[:80]!r} {problem}"
     target = _request_target(scope)
     if _ABSOLUTE.match(target):
         try:

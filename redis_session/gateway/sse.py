@@ -170,10 +170,21 @@ class Resume(msgspec.Struct, frozen=True):
     live_after: str | None
 
 
+MAX_STREAM_PART = 2**64 - 1
+"""Each half of a Redis stream id (``<ms>-<seq>``) is an unsigned 64-bit number."""
+
+
+def is_stream_id(value: str) -> bool:
+    """Whether `value` is ``<ms>-<seq>`` with both halves within 64 bits (what XREAD accepts:
+    a larger one was sent to Redis and failed the live tail server-side)."""
+    ms, sep, seq = value.partition("-")
+    return bool(sep) and all(p.isdigit() and p.isascii() and int(p) <= MAX_STREAM_PART for p in (ms, seq))
+
+
 def parse_resume(last_id: str) -> Resume | None:
     """``<incarnation>:<n>[/<live id>]`` (or a plain ``<n>[/<live id>]``); None if malformed."""
     m = _RESUME.fullmatch(last_id.strip())
-    if m is None:
+    if m is None or (m.group(3) is not None and not is_stream_id(m.group(3))):
         return None
     return Resume(m.group(1), int(m.group(2)) + 1, m.group(3))
 

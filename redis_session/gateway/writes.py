@@ -209,7 +209,10 @@ async def branch(gw: Gateway, request: Request, sid: str) -> Response:
             title=req.title,
             origin=req.origin,
             idempotency_key=cond.idempotency_key,
+            incarnation=cond.incarnation,
         )
+    except InvalidEntryError as e:  # the branch point is beyond the parent's n
+        raise Unprocessable(str(e), "$.at") from None
     except SessionAlreadyExistsError:
         assert child is not None
         return _created(await _replayed_branch(gw, cond, child, sid, req.at))
@@ -233,7 +236,9 @@ async def fork(gw: Gateway, request: Request, sid: str) -> Response:
     if child is not None:
         who.check_new_id(validate_session_id(child))
     try:
-        s = await gw.sessions.fork(sid, req.boundary, fork_id=child, idempotency_key=cond.idempotency_key)
+        s = await gw.sessions.fork(
+            sid, req.boundary, fork_id=child, idempotency_key=cond.idempotency_key, incarnation=cond.incarnation
+        )
     except SessionForkError as e:
         if e.code != "SESSION_ALREADY_EXISTS" or child is None:
             raise
@@ -249,18 +254,20 @@ async def fork(gw: Gateway, request: Request, sid: str) -> Response:
 
 
 async def delete(gw: Gateway, request: Request, sid: str) -> Response:
-    """204, or 404. With If-Match / X-Session-Incarnation, the head is checked first (a guard
-    against deleting what the client did not see, not an atomic compare-and-delete)."""
+    """204, or 404. With X-Session-Incarnation (or ``If-Match: "<n>;<incarnation>"``) only that
+    life of the id is deleted (checked in the delete script: 409 ``session_replaced``, nothing
+    deleted); an If-Match n is checked against the head first (a guard against deleting what the
+    client did not see, not an atomic compare-and-delete of the n)."""
     cond = preconditions(request)
-    if cond.expected is not None or cond.incarnation is not None:
+    if cond.expected is not None:
         head = await gw.store.head(sid)
         if head is None:
             raise SessionNotFoundError(sid)
         if cond.incarnation is not None and head.header.incarnation != cond.incarnation:
             raise SessionReplacedError(sid)
-        if cond.expected is not None and head.n != cond.expected:
+        if head.n != cond.expected:
             raise SessionConflictError(sid, cond.expected, head.n)
-    if not await gw.sessions.delete(sid):
+    if not await gw.sessions.delete(sid, incarnation=cond.incarnation):
         raise SessionNotFoundError(sid)
     return Response(status_code=204)
 
@@ -278,8 +285,8 @@ async def put_draft(gw: Gateway, request: Request, sid: str) -> Response:
         raise Unprocessable("the body is the draft: a JSON object, or null to clear it", "$")
     body = decode_json(raw)
     draft = None if body is None else convert(body, dict[str, Any])
-    try:
-        await gw.store.set_draft(sid, draft)
+    try:  # the pinned life is checked in the draft script, with the write
+        await gw.store.set_draft(sid, draft, incarnation=preconditions(request).incarnation)
     except InvalidEntryError as e:
         raise entry_error(e, "$") from None
     return Response(status_code=204)
@@ -287,8 +294,9 @@ async def put_draft(gw: Gateway, request: Request, sid: str) -> Response:
 
 async def repair(gw: Gateway, request: Request, sid: str) -> Response:
     """Close a turn a crashed writer left open (`Sessions.repair`); 409 while a live writer holds
-    the lease. Safe to retry: a repaired session has nothing left to close."""
-    entries = await gw.sessions.repair(sid)
+    the lease. Safe to retry: a repaired session has nothing left to close. Pinned to a life
+    (X-Session-Incarnation), every write of the repair is checked against it by the store."""
+    entries = await gw.sessions.repair(sid, incarnation=preconditions(request).incarnation)
     head = await gw.store.head(sid)
     n = entries[-1].n + 1 if entries else (head.n if head is not None else 0)
     return _written(entries, n, head.header.incarnation if head is not None else None, status=200)

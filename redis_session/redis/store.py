@@ -799,7 +799,12 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         raise SessionError(f"unexpected reply from append.lua: {res!r}")
 
     async def create(
-        self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
+        self,
+        header: SessionHeader,
+        entries: Sequence[NewEntryLike] = (),
+        *,
+        ttl_ms: int | None = None,
+        parent_incarnation: str | None = None,
     ) -> SessionHead:
         batch = self._create_batch(header, entries, ttl_ms)
         first_n = header.at or 0
@@ -813,13 +818,13 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         with _io():
             if header.parent is not None:
                 settle = True
-                segments, ephemeral_parent = await self._create_link(header, member)
+                segments, ephemeral_parent = await self._create_link(header, member, parent_incarnation)
             argv = self._create_argv(header, segments, batch, ttl_ms)
             res, acks = await self._create_script(header, member, argv, batch, settle)
             if ttl_ms is not None:
                 self._long_puts(sid)  # its puts restart every key's TTL: no redirect from the short layout
             now = int(res[2])
-            await self._create_index(header, member, ephemeral_parent)
+            await self._create_index(header, member, ephemeral_parent, parent_incarnation)
             if self.feed and self.cluster and batch:
                 self._feed_cluster(sid, first_n + len(batch))
             self._check_durable(sid, [enc.stored(first_n + i, now) for i, enc in enumerate(batch)], acks)
@@ -830,9 +835,13 @@ class RedisSessionStore(ColdTierOps, StoreRules):
                 last_cut = first_n + i
         return SessionHead(header=header, n=n, updated_at=now, last_cut=last_cut)
 
-    async def _create_link(self, header: SessionHeader, member: str) -> tuple[builtins.list[Segment], bool]:
+    async def _create_link(
+        self, header: SessionHeader, member: str, parent_incarnation: str | None = None
+    ) -> tuple[builtins.list[Segment], bool]:
         """A branch's first step: link `member` in its parent's kids (settled, shielded, if that
-        is stopped); the child's lineage and whether the parent is ephemeral."""
+        is stopped), only into the parent's life `parent_incarnation` when given (checked in
+        link.lua: `SessionReplacedError`, nothing linked); the child's lineage and whether the
+        parent is ephemeral."""
         assert header.parent is not None and header.at is not None
         sid = header.id
         # The id first, as the memory store and dsh do: a taken id wins over a bad parent.
@@ -841,12 +850,16 @@ class RedisSessionStore(ColdTierOps, StoreRules):
             raise SessionAlreadyExistsError(sid)
         p = header.parent
         try:
-            res = await self._link(p, header.at, member)
+            res = await self._link(p, header.at, member, parent_incarnation)
         except BaseException:
             await self._settle_branch(p, header, member, created=False, shielded=True)
             raise
         if int(res[0]) == 3:
             raise SessionNotFoundError(header.parent)
+        if int(res[0]) == 8:
+            raise SessionReplacedError(
+                header.parent, f"the parent is incarnation {_s(res[1])} now, not {parent_incarnation}: not branched"
+            )
         if int(res[0]) == 4:
             raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={int(res[1])}")
         ephemeral_parent = len(res) > 5 and bool(res[5])
@@ -910,27 +923,39 @@ class RedisSessionStore(ColdTierOps, StoreRules):
             if live:
                 raise SessionAlreadyExistsError.held_by_branches(sid, [id_from_index_member(m) for m in live])
 
-    async def _create_index(self, header: SessionHeader, member: str, ephemeral_parent: bool) -> None:
+    async def _create_index(
+        self, header: SessionHeader, member: str, ephemeral_parent: bool, parent_incarnation: str | None = None
+    ) -> None:
         """The created session gets its index entry; a branch also keeps (or gets back) its link."""
         if header.parent is None:
             if not is_staging_id(header.id):  # a replacing import's staging copy is never listed
                 await self._raw("ZADD", self.keys.sessions(header.id), "0", member)
         else:
             with anyio.CancelScope(shield=True):  # the child landed: it gets listed and linked
-                await self._settle_branch(header.parent, header, member, created=True)
+                await self._settle_branch(
+                    header.parent, header, member, created=True, parent_incarnation=parent_incarnation
+                )
             if ephemeral_parent:
                 await self.repair_links(header.parent)  # its TTL waits for its branches: none stale
 
-    async def _link(self, parent: str, at: int, member: str) -> Any:
-        """link.lua: check the parent and the branch point, record `member` in its kids."""
+    async def _link(self, parent: str, at: int, member: str, parent_incarnation: str | None = None) -> Any:
+        """link.lua: check the parent (its life, when given) and the branch point, record
+        `member` in its kids."""
         k = self.keys
         return await self._eval(
             "link", [k.hdr(parent), k.kids(parent), k.log(parent), k.idem(parent), k.proj(parent), k.draft(parent)],
-            [at, member],
+            [at, member, parent_incarnation or ""],
         )  # fmt: skip
 
     async def _settle_branch(
-        self, parent: str, header: SessionHeader, member: str, *, created: bool | None, shielded: bool = False
+        self,
+        parent: str,
+        header: SessionHeader,
+        member: str,
+        *,
+        created: bool | None,
+        shielded: bool = False,
+        parent_incarnation: str | None = None,
     ) -> None:
         """After a branch's create: a child that exists gets its index entry and keeps (or gets
         back) its link; otherwise the link goes. `created` None: unknown (a lost reply).
@@ -941,7 +966,9 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         if shielded:  # a clean-up: cancellation must not stop it, and the original error matters more
             with anyio.CancelScope(shield=True):
                 try:
-                    await self._settle_branch(parent, header, member, created=created)
+                    await self._settle_branch(
+                        parent, header, member, created=created, parent_incarnation=parent_incarnation
+                    )
                 except Exception:
                     pass  # what is left is a stale link: repaired by the parent's next delete or repair
             return
@@ -955,7 +982,9 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         _, linked = await self._pipeline(
             ("ZADD", self.keys.sessions(sid), "0", member), ("ZSCORE", self.keys.kids(parent), member)
         )
-        if linked is None and int((await self._link(parent, header.at or 0, member))[0]) != 0:
+        # linked again only into the life it was made from: a parent whose link a repair took for
+        # stale may have been deleted and created again meanwhile
+        if linked is None and int((await self._link(parent, header.at or 0, member, parent_incarnation))[0]) != 0:
             with anyio.CancelScope(shield=True):
                 await self.delete(sid)
             raise SessionNotFoundError(parent)
@@ -1211,12 +1240,18 @@ class RedisSessionStore(ColdTierOps, StoreRules):
                 return streamed
         return None if raw is None else _draft_decoder.decode(raw)
 
-    async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None:
+    async def set_draft(self, session_id: str, draft: dict[str, Any] | None, *, incarnation: str | None = None) -> None:
         validate_session_id(session_id)
         raw = self._draft_bytes(draft) or b""
         with _io():
-            ok = await self._eval("draft", [self.keys.hdr(session_id), self.keys.draft(session_id)], [raw])
-        if int(ok) != 1:
+            ok = int(
+                await self._eval(
+                    "draft", [self.keys.hdr(session_id), self.keys.draft(session_id)], [raw, incarnation or ""]
+                )
+            )
+        if ok == 2:
+            raise SessionReplacedError(session_id, "this draft was meant for the session before")
+        if ok != 1:
             raise SessionNotFoundError(session_id)
 
     # ------------------------------------------------------------------ live stream (§8.2)

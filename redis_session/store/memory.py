@@ -295,7 +295,12 @@ class MemorySessionStore(StoreRules):
         return stored
 
     async def create(
-        self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
+        self,
+        header: SessionHeader,
+        entries: Sequence[NewEntryLike] = (),
+        *,
+        ttl_ms: int | None = None,
+        parent_incarnation: str | None = None,
     ) -> SessionHead:
         batch = self._create_batch(header, entries, ttl_ms)
         async with self._lock:
@@ -310,6 +315,8 @@ class MemorySessionStore(StoreRules):
                 parent = self._get(header.parent)
                 if parent is None:
                     raise SessionNotFoundError(header.parent)
+                if parent_incarnation is not None and parent.header.incarnation != parent_incarnation:
+                    raise SessionReplacedError(header.parent, "the parent is another incarnation now: not branched")
                 assert header.at is not None
                 if header.at > parent.n:
                     raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={parent.n}")
@@ -798,12 +805,14 @@ class MemorySessionStore(StoreRules):
             if not fresh:
                 await changed.wait()
 
-    async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None:
+    async def set_draft(self, session_id: str, draft: dict[str, Any] | None, *, incarnation: str | None = None) -> None:
         validate_session_id(session_id)
         raw = self._draft_bytes(draft)
         s = self._get(session_id)
         if s is None:
             raise SessionNotFoundError(session_id)
+        if incarnation is not None and incarnation != s.header.incarnation:
+            raise SessionReplacedError(session_id, "this draft was meant for the session before")
         s.draft = None if raw is None else msgspec.json.decode(raw)
         self._touch(s)
 

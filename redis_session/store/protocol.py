@@ -57,8 +57,17 @@ class SessionStore(Protocol):
         ...
 
     async def create(
-        self, header: SessionHeader, entries: Sequence[NewEntryLike] = (), *, ttl_ms: int | None = None
-    ) -> SessionHead: ...
+        self,
+        header: SessionHeader,
+        entries: Sequence[NewEntryLike] = (),
+        *,
+        ttl_ms: int | None = None,
+        parent_incarnation: str | None = None,
+    ) -> SessionHead:
+        """Create `header.id` (a branch when `header.parent` is set); with `parent_incarnation`,
+        only from that life of the parent (else `SessionReplacedError`, checked atomically with
+        the branch's link: nothing is created)."""
+        ...
 
     async def list(
         self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
@@ -93,7 +102,10 @@ class SessionStore(Protocol):
         `set_draft` left; with ``live=False`` only the latter."""
         ...
 
-    async def set_draft(self, session_id: str, draft: dict[str, Any] | None) -> None: ...
+    async def set_draft(self, session_id: str, draft: dict[str, Any] | None, *, incarnation: str | None = None) -> None:
+        """Set (None: clear) the legacy draft; with `incarnation`, only in that life of the id
+        (else `SessionReplacedError`, checked atomically: nothing is written)."""
+        ...
 
     async def live_add(
         self,

@@ -62,6 +62,24 @@ export interface BranchOptions {
   origin?: Json
   delegationDepth?: number
   idempotencyKey?: string
+  /** only branch this life of the parent (`header.incarnation`); else `SessionReplacedError` */
+  incarnation?: string
+}
+
+export interface ForkOptions {
+  /** the boundary entry, a `turn/end` (default: the last entry) */
+  boundary?: number
+  /** the child's id (default `<parent>:branch:<hex>`) */
+  id?: string
+  idempotencyKey?: string
+  /** only fork this life of the source (`header.incarnation`); else `SessionReplacedError` */
+  incarnation?: string
+}
+
+/** `incarnation`: only this life of the id (`header.incarnation`); another one (the id deleted
+ * and created again) is `SessionReplacedError` (409), and nothing is read or written. */
+export interface LifeOptions {
+  incarnation?: string
 }
 
 export interface TailOptions {
@@ -309,27 +327,38 @@ export class SessionClient {
     if (options.delegationDepth !== undefined) body.delegation_depth = options.delegationDepth
     return this.json<SessionHead>('POST', this.path(id, 'branch'), {
       body,
-      headers: { 'content-type': 'application/json', 'idempotency-key': options.idempotencyKey },
+      headers: {
+        'content-type': 'application/json',
+        'idempotency-key': options.idempotencyKey,
+        'x-session-incarnation': options.incarnation,
+      },
       sessionId: id,
     })
   }
 
   /** dsh fork: a child holding [0, boundary], the boundary a `turn/end` (default: the last entry). */
-  async fork(id: string, options: { boundary?: number; id?: string; idempotencyKey?: string } = {}): Promise<SessionHead> {
+  async fork(id: string, options: ForkOptions = {}): Promise<SessionHead> {
     this.newId(options.id)
     const body: Record<string, unknown> = {}
     if (options.boundary !== undefined) body.boundary = options.boundary
     if (options.id !== undefined) body.id = options.id
     return this.json<SessionHead>('POST', this.path(id, 'fork'), {
       body,
-      headers: { 'content-type': 'application/json', 'idempotency-key': options.idempotencyKey },
+      headers: {
+        'content-type': 'application/json',
+        'idempotency-key': options.idempotencyKey,
+        'x-session-incarnation': options.incarnation,
+      },
       sessionId: id,
     })
   }
 
   /** Close a turn a crashed writer left open; the entries appended ([] when nothing was open). */
-  async repair(id: string): Promise<Written> {
-    return this.json<Written>('POST', this.path(id, 'repair'), { sessionId: id })
+  async repair(id: string, options: LifeOptions = {}): Promise<Written> {
+    return this.json<Written>('POST', this.path(id, 'repair'), {
+      headers: { 'x-session-incarnation': options.incarnation },
+      sessionId: id,
+    })
   }
 
   // ------------------------------------------------------------------ writes
@@ -349,15 +378,16 @@ export class SessionClient {
     })
   }
 
-  async draft(id: string): Promise<JsonObject | null> {
-    return (await this.json<{ draft: JsonObject | null }>('GET', this.path(id, 'draft'), { sessionId: id })).draft
+  async draft(id: string, options: LifeOptions = {}): Promise<JsonObject | null> {
+    const headers = { 'x-session-incarnation': options.incarnation }
+    return (await this.json<{ draft: JsonObject | null }>('GET', this.path(id, 'draft'), { headers, sessionId: id })).draft
   }
 
   /** Publish the streaming draft other readers see (null clears it). */
-  async setDraft(id: string, draft: JsonObject | null): Promise<void> {
+  async setDraft(id: string, draft: JsonObject | null, options: LifeOptions = {}): Promise<void> {
     await this.request('PUT', this.path(id, 'draft'), {
       body: draft,
-      headers: { 'content-type': 'application/json' },
+      headers: { 'content-type': 'application/json', 'x-session-incarnation': options.incarnation },
       sessionId: id,
     })
   }

@@ -64,3 +64,36 @@ describe('an answer too large for its message', { skip }, () => {
     assert.deepEqual(done.entries[0]?.data.content, [{ type: 'text', text: piece.repeat(4) }])
   })
 })
+
+describe('calls pinned to a life of the id', { skip }, () => {
+  it('branch, fork, repair and the draft refuse a life that is gone, and change nothing', async () => {
+    const id = uid('ts/pin')
+    const first = await client.create({ id, entries: [{ type: 'turn/end', data: { turn: 1, reason: { kind: 'completed' } } }] })
+    const old = first.header.incarnation
+    assert.ok(await client.delete(id))
+    const now = await client.create({ id, title: 'new life' }) // the id's next life: an empty log
+    const refused = async (what: string, call: Promise<unknown>): Promise<void> => {
+      const e = await call.then(
+        () => assert.fail(`${what} pinned to the old life succeeded`),
+        (err: unknown) => err,
+      )
+      assert.ok(e instanceof SessionReplacedError, `${what}: ${String(e)}`)
+      assert.equal((e as SessionReplacedError).status, 409)
+    }
+    await refused('branch', client.branch(id, 0, { id: `${id}-b`, incarnation: old }))
+    await refused('fork', client.fork(id, { id: `${id}-f`, incarnation: old }))
+    await refused('repair', client.repair(id, { incarnation: old }))
+    await refused('setDraft', client.setDraft(id, { text: 'old' }, { incarnation: old }))
+    await refused('draft', client.draft(id, { incarnation: old }))
+    assert.equal(await client.head(`${id}-b`), undefined)
+    assert.equal(await client.head(`${id}-f`), undefined)
+    assert.equal(await client.draft(id), null)
+    // the current life: as without a pin
+    const inc = now.header.incarnation
+    await client.setDraft(id, { text: 'new' }, { incarnation: inc })
+    assert.deepEqual(await client.draft(id, { incarnation: inc }), { text: 'new' })
+    assert.equal((await client.branch(id, 0, { id: `${id}-b2`, incarnation: inc })).header.parent, id)
+    assert.equal((await client.fork(id, { id: `${id}-f2`, incarnation: inc })).header.parent, id)
+    assert.deepEqual((await client.repair(id, { incarnation: inc })).entries, [])
+  })
+})
