@@ -22,7 +22,7 @@ from test_gateway import path, sse
 from redis_session import Delta, MemorySessionStore, RedisSessionStore, SessionHeader, Sessions, pack_chunks, project
 from redis_session.live import follow_deltas
 from redis_session.model import NewEntry
-from redis_session.projection.chunks import CHUNK, INTERRUPTED, replay, row_times, unpack_row
+from redis_session.projection.chunks import CHUNK, INTERRUPTED, LiveRecord, replay, row_times, unpack_row
 
 from support import running_gateway
 
@@ -46,6 +46,11 @@ async def _stream(s: Any, words: list[str], pause: float = 0.002, **opts: Any) -
             await w.delta(word)
             await anyio.sleep(pause)
     return w
+
+
+def _raw_records(rows: Any) -> list[LiveRecord]:
+    """A live stream's rows as a plain client reads them (bytes field maps), as records."""
+    return [LiveRecord.from_fields(rid.decode(), {k.decode(): v.decode() for k, v in f.items()}) for rid, f in rows]
 
 
 def _texts(items: list[Any]) -> list[str]:
@@ -535,16 +540,16 @@ async def test_a_delta_is_written_to_the_server_by_delta_itself(redis_store: Red
             deadline = time.monotonic() + 10
             got: list[Any] = []
             while time.monotonic() < deadline:
-                got = [f for _, f in probe.xrange(live) if f.get(b"i") == b"0"]
+                got = [r for r in _raw_records(probe.xrange(live)) if r.is_delta and r.index == 0]
                 if got:
                     break
                 time.sleep(0.01)  # noqa: ASYNC251 (the point: the loop is held)
-            assert got and got[0][b"t"] == b"first "
+            assert got and got[0].text == "first "
             for word in WORDS:  # back to back: most queue behind the send in flight
                 await w.delta(word)
-        records = [f for _, f in probe.xrange(live) if b"i" in f and f.get(b"k") is None]
+        records = [r for r in _raw_records(probe.xrange(live)) if r.is_delta]
     finally:
         probe.close()
-    assert [int(f[b"i"]) for f in records] == list(range(len(WORDS) + 1))
-    assert b"".join(f[b"t"] for f in records).decode() == "first " + "".join(WORDS)
+    assert [r.index for r in records] == list(range(len(WORDS) + 1))
+    assert "".join(r.text for r in records) == "first " + "".join(WORDS)
     assert w.message is not None and w.message.data["content"] == [{"type": "text", "text": "first " + "".join(WORDS)}]
