@@ -529,9 +529,9 @@ def open_answers(records: Sequence[LiveRecord]) -> dict[str, tuple[LiveRecord | 
             continue
         elif r.kind == "begin":
             out[r.answer] = (r, out.get(r.answer, (None, []))[1])
-        elif r.is_delta:
+        elif r.is_delta and r.index is not None:  # (a record with no index is no delta: skipped)
             got = out.setdefault(r.answer, (None, []))[1]
-            if r.index is None or not got or (got[-1].index < r.index):  # each index once, in order
+            if not got or got[-1].index < r.index:  # each index once, in order
                 got.append(r.delta())
     return out
 
