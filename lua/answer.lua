@@ -29,7 +29,9 @@
 --        ARGV[9] the row's content cost (projection.chunks.deltas_cost), ARGV[10] the answer's
 --        budget ("" = none): a row that would take the answer's cost over it is refused, so its
 --        closing message always fits the entry limit, ARGV[11] number of live records (0 = log
---        only), then per record: its field count, fields.
+--        only), then per record: its field count, fields (the script adds 'l' <life>); or 0, the
+--        kind code ('t' | 'r'), "<answer> <index>", the text: a text or reasoning delta, written
+--        as one field <code> -> "<answer> <index> <life> <text>" (a life with a space: as fields)
 --        The log row must start at the answer's next logged index, the live records at (or
 --        before: a retry) its next live index; whatever landed already is skipped, so a retried
 --        or concurrent copy lands nowhere twice.
@@ -183,15 +185,36 @@ if op == 'deltas' then
   local sent = 0
   if nrec > 0 then
     local p = 12
+    local one = not string.find(cur, ' ', 1, true)  -- a life with a space never goes in one field
     for i = 0, nrec - 1 do
       local nf = tonumber(ARGV[p])
-      if first + i >= live_next then
-        local f = {unpack(ARGV, p + 1, p + nf)}
-        f[#f + 1] = 'l'; f[#f + 1] = cur  -- every record names the answer's life
-        call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
-        sent = sent + 1
+      if nf == 0 then
+        -- a text or reasoning delta: its kind code, "<answer> <index>", its text; one field
+        -- "<answer> <index> <life> <text>" (projection.chunks.compact_value)
+        if first + i >= live_next then
+          local code, head, text = ARGV[p + 1], ARGV[p + 2], ARGV[p + 3]
+          if one then
+            call('XADD', live, 'MAXLEN', '~', maxlen, '*', code, head .. ' ' .. cur .. ' ' .. text)
+          else
+            local a, at = string.match(head, '^(%S+) (%d+)$')
+            if code == 't' then
+              call('XADD', live, 'MAXLEN', '~', maxlen, '*', 'a', a, 'i', at, 't', text, 'l', cur)
+            else
+              call('XADD', live, 'MAXLEN', '~', maxlen, '*', 'a', a, 'k', code, 'i', at, 't', text, 'l', cur)
+            end
+          end
+          sent = sent + 1
+        end
+        p = p + 4
+      else
+        if first + i >= live_next then
+          local f = {unpack(ARGV, p + 1, p + nf)}
+          f[#f + 1] = 'l'; f[#f + 1] = cur  -- every record names the answer's life
+          call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
+          sent = sent + 1
+        end
+        p = p + 1 + nf
       end
-      p = p + 1 + nf
     end
     if first + nrec > live_next then live_next = first + nrec end
   end

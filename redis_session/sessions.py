@@ -519,7 +519,8 @@ class Session:
         """``async with s.stream(turn=1, step=1) as w: await w.delta("Hel")`` — stream one
         assistant answer (see `redis_session.streaming`): each delta reaches tailing readers at
         once on the session's live stream and lands in the log packed into ``assistant/chunk``
-        rows (every `flush_interval` s or `max_chunks` deltas); a clean exit appends the
+        rows (every `flush_interval` s or `max_chunks` deltas; a row of fewer than half of
+        `max_chunks`, 32 at most, waits for more up to 4 × `flush_interval`); a clean exit appends the
         ``assistant/message`` (refused with `SessionConflictError` when anyone else wrote since
         this handle's n and the answer's own rows), an error or a cancellation an
         ``assistant/interrupted`` mark. Every write goes through the store's answer protocol

@@ -21,8 +21,9 @@ Each delta goes two ways:
   never waits for a task's next turn, and one send is in flight at a time (order holds); after
   a lost reply the task reads what landed before it sends the rest (each delta once);
 - **durable**: buffered and appended as packed ``assistant/chunk`` rows every `flush_interval`
-  seconds or `max_chunks` deltas, whichever comes first; a row that failed is retried with the
-  same bounds, so it lands once.
+  seconds or `max_chunks` deltas, whichever comes first — but a row of fewer than half of
+  `max_chunks` (32 at most) waits for more, up to 4 × `flush_interval` (a row costs the log
+  ~120 B besides its deltas); a row that failed is retried with the same bounds, so it lands once.
 
 While the answer is open its writer beats every `heartbeat` seconds when it has nothing to send,
 so `Sessions.repair` can tell a quiet writer (a slow model, a long tool call) from a dead one. A
@@ -88,6 +89,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FLUSH_INTERVAL = 1.0
 DEFAULT_MAX_CHUNKS = 64
+# a row of fewer than min(_MIN_ROW, max_chunks // 2) deltas is held for more, up to _ROW_WAIT
+# flush intervals after its first delta
+_MIN_ROW = 32
+_ROW_WAIT = 4
 DEFAULT_LIVE_TTL = 60.0
 DEFAULT_GRACE = 30.0
 DEFAULT_HEARTBEAT = 5.0
@@ -160,6 +165,9 @@ class AnswerStream:
         self._send_wake = anyio.Event()
         self._have_chunks = anyio.Event()
         self._full = anyio.Event()
+        # a row of fewer deltas than this waits for more, up to _ROW_WAIT flush intervals
+        self._min_row = max(1, min(_MIN_ROW, max_chunks // 2))
+        self._enough = anyio.Event()
         self._wrote_at = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
@@ -234,8 +242,11 @@ class AnswerStream:
         self._deltas.append(Delta(answer=self.answer, index=index, kind=kind, text=text, call_id=call_id, name=name))
         self._send_wake.set()
         self._have_chunks.set()
-        if len(self._deltas) - self._flushed >= self.max_chunks:
-            self._full.set()
+        pending = len(self._deltas) - self._flushed
+        if pending >= self._min_row:
+            self._enough.set()
+            if pending >= self.max_chunks:
+                self._full.set()
 
     def _break(self, e: BaseException) -> None:
         if self._broken is None:
@@ -376,6 +387,14 @@ class AnswerStream:
             await self._have_chunks.wait()
             with anyio.move_on_after(self.flush_interval):
                 await self._full.wait()
+            if not self._closed and len(self._deltas) - self._flushed < self._min_row:
+                # a small row waits for more deltas, up to _ROW_WAIT intervals in all: a row costs
+                # the log ~120 B besides its deltas (a slow answer's rows of a few deltas each
+                # made the log 0.26 of an entry per delta, rows of 32 make it 0.16)
+                self._enough = anyio.Event()
+                if len(self._deltas) - self._flushed < self._min_row:
+                    with anyio.move_on_after(self.flush_interval * (_ROW_WAIT - 1)):
+                        await self._enough.wait()
             if self._closed:
                 return  # the last rows go with the closing entry
             self._have_chunks, self._full = anyio.Event(), anyio.Event()
@@ -512,6 +531,7 @@ class AnswerStream:
         self._send_wake.set()
         self._have_chunks.set()
         self._full.set()
+        self._enough.set()
         self._tasks[2].cancel()  # the heartbeat has nothing in flight worth waiting for
         for result in await asyncio.gather(*self._tasks, return_exceptions=True):
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):

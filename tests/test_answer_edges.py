@@ -18,7 +18,7 @@ from redis_session import (
     SessionHeader,
     SessionReplacedError,
 )
-from redis_session.projection.chunks import replay
+from redis_session.projection.chunks import LiveRecord, replay
 
 from support import running_gateway
 
@@ -340,7 +340,7 @@ async def test_a_delta_a_failover_lost_and_its_writer_sent_again_reaches_a_resum
                     await have_ten.wait()
                     live = redis_store.keys.live("fo")
                     [(rid, fields)] = await raw.xrevrange(live, count=1)
-                    assert fields.get("i") == "9", fields
+                    assert LiveRecord.from_fields(rid, fields).index == 9, fields
                     await raw.xdel(live, rid)
                     await raw.xadd(live, fields)  # sent again, under a later id
                     with anyio.fail_after(10):

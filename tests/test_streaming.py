@@ -22,9 +22,9 @@ from test_gateway import path, sse
 from redis_session import Delta, MemorySessionStore, RedisSessionStore, SessionHeader, Sessions, pack_chunks, project
 from redis_session.live import follow_deltas
 from redis_session.model import NewEntry
-from redis_session.projection.chunks import CHUNK, INTERRUPTED, replay, row_times, unpack_row
+from redis_session.projection.chunks import CHUNK, INTERRUPTED, LiveRecord, replay, row_times, unpack_row
 
-from support import running_gateway
+from support import running_gateway, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -46,6 +46,11 @@ async def _stream(s: Any, words: list[str], pause: float = 0.002, **opts: Any) -
             await w.delta(word)
             await anyio.sleep(pause)
     return w
+
+
+def _raw_records(rows: Any) -> list[LiveRecord]:
+    """A live stream's rows as a plain client reads them (bytes field maps), as records."""
+    return [LiveRecord.from_fields(rid.decode(), {k.decode(): v.decode() for k, v in f.items()}) for rid, f in rows]
 
 
 def _texts(items: list[Any]) -> list[str]:
@@ -506,7 +511,11 @@ async def test_a_chunk_row_the_store_refuses_closes_the_answer_interrupted() -> 
     with pytest.raises(InvalidEntryError):
         async with s.stream(turn=1, step=1, flush_interval=0.05) as w:
             await w.delta("a" * 100)
-            await anyio.sleep(0.2)  # that row lands
+
+            async def landed() -> bool:  # that row lands (alone: it waits up to 4 intervals for more)
+                return [e.type for e in await store.read("rowbad")] == [CHUNK]
+
+            await wait_for(landed)
             for _ in range(50):  # the answer fits its message (the size rule); their row does not
                 await w.reasoning("b" * 10)
             with anyio.fail_after(5):
@@ -535,16 +544,46 @@ async def test_a_delta_is_written_to_the_server_by_delta_itself(redis_store: Red
             deadline = time.monotonic() + 10
             got: list[Any] = []
             while time.monotonic() < deadline:
-                got = [f for _, f in probe.xrange(live) if f.get(b"i") == b"0"]
+                got = [r for r in _raw_records(probe.xrange(live)) if r.is_delta and r.index == 0]
                 if got:
                     break
                 time.sleep(0.01)  # noqa: ASYNC251 (the point: the loop is held)
-            assert got and got[0][b"t"] == b"first "
+            assert got and got[0].text == "first "
             for word in WORDS:  # back to back: most queue behind the send in flight
                 await w.delta(word)
-        records = [f for _, f in probe.xrange(live) if b"i" in f and f.get(b"k") is None]
+        records = [r for r in _raw_records(probe.xrange(live)) if r.is_delta]
     finally:
         probe.close()
-    assert [int(f[b"i"]) for f in records] == list(range(len(WORDS) + 1))
-    assert b"".join(f[b"t"] for f in records).decode() == "first " + "".join(WORDS)
+    assert [r.index for r in records] == list(range(len(WORDS) + 1))
+    assert "".join(r.text for r in records) == "first " + "".join(WORDS)
     assert w.message is not None and w.message.data["content"] == [{"type": "text", "text": "first " + "".join(WORDS)}]
+
+
+async def test_a_small_row_waits_for_more_deltas_up_to_four_intervals(store: Any) -> None:
+    """A row of fewer than half of max_chunks (32 at most) deltas is held for more, up to 4 flush
+    intervals after the first: a slow answer's rows are not a few deltas each (a row costs the log
+    ~120 B besides its deltas). Once that many are buffered the interval flushes as before."""
+    s = await _open(store)
+    async with s.stream(turn=1, step=1, flush_interval=0.25, max_chunks=64) as w:
+        started = time.monotonic()
+        for word in WORDS[:3]:
+            await w.delta(word)
+
+        async def one_row() -> bool:
+            return any(e.type == CHUNK for e in await s.read())
+
+        await wait_for(one_row)
+        waited = time.monotonic() - started
+        rows = [e for e in await s.read() if e.type == CHUNK]
+        assert [len(r.data["chunks"]) for r in rows] == [3]
+        assert waited >= 0.9, waited  # 4 x 0.25 s, not one interval (a loaded machine only waits longer)
+        for word in WORDS[3:40]:  # 37 more at once: past the 32, the next interval flushes them
+            await w.delta(word)
+
+        async def two_rows() -> bool:
+            return sum(e.type == CHUNK for e in await s.read()) >= 2
+
+        await wait_for(two_rows)
+    rows = [e for e in await s.read() if e.type == CHUNK]
+    assert len(rows[1].data["chunks"]) >= 32
+    assert [c["text"] for c in replay(await s.read())[w.answer]] == WORDS[:40]

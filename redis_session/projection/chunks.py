@@ -55,6 +55,18 @@ DELTA_KINDS = (TEXT, REASONING, TOOL_CALL)
 # live wire codes of the record kinds
 _KIND_CODE = {TEXT: "t", REASONING: "r", TOOL_CALL: "c"}
 _CODE_KIND = {v: k for k, v in _KIND_CODE.items()}
+# the kinds whose delta records are one field (`compact_value`): those with no call id or name
+_COMPACT = (TEXT, REASONING)
+
+
+def compact_value(answer: str, index: int, life: str, text: str) -> str | None:
+    """The one field value of a text or reasoning delta's live record,
+    ``"<answer> <index> <life> <text>"``: the text last, as it is (spaces, newlines, empty), so
+    a reader splits off three spaces. None when the answer id is empty or the answer id or the
+    life holds a space (the record then goes as ``a i t l`` fields: never misread)."""
+    if not answer or " " in answer or " " in life:
+        return None
+    return f"{answer} {index} {life} {text}"
 
 
 def new_answer_id() -> str:
@@ -179,7 +191,13 @@ class LiveRecord(Struct, frozen=True, kw_only=True):
         )
 
     def fields(self) -> list[str]:
-        """The record as XADD field/value pairs (short names: a delta is ``a i t`` only)."""
+        """The record as XADD field/value pairs: a text or reasoning delta that names its life is
+        one field, its kind code (``t``, ``r``) -> ``"<answer> <index> <life> <text>"``
+        (`compact_value`); any other record short names (``a i t l``, ``k`` for its kind)."""
+        if self.incarnation is not None and self.index is not None and self.kind in _COMPACT:
+            one = compact_value(self.answer, self.index, self.incarnation, self.text)
+            if one is not None:
+                return [_KIND_CODE[self.kind], one]
         f = ["a", self.answer]
         life = [] if self.incarnation is None else ["l", self.incarnation]
         if self.kind == TEXT:
@@ -206,6 +224,13 @@ class LiveRecord(Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_fields(cls, rid: str, f: Mapping[str, str]) -> LiveRecord:
+        if len(f) == 1 and "a" not in f:
+            ((one_code, one),) = f.items()
+            one_kind = _CODE_KIND.get(one_code)
+            parts = one.split(" ", 3) if one_kind in _COMPACT else []
+            if one_kind is not None and len(parts) == 4 and parts[1].isascii() and parts[1].isdigit():
+                answer, index, life, text = parts
+                return cls(answer=answer, kind=one_kind, id=rid, index=int(index), text=text, incarnation=life)
         code = f.get("k", "t")
         kind = _CODE_KIND.get(code) or ("begin" if code == "b" else "end" if code == "e" else code)
 
@@ -504,9 +529,9 @@ def open_answers(records: Sequence[LiveRecord]) -> dict[str, tuple[LiveRecord | 
             continue
         elif r.kind == "begin":
             out[r.answer] = (r, out.get(r.answer, (None, []))[1])
-        elif r.is_delta:
+        elif r.is_delta and r.index is not None:  # (a record with no index is no delta: skipped)
             got = out.setdefault(r.answer, (None, []))[1]
-            if r.index is None or not got or (got[-1].index < r.index):  # each index once, in order
+            if not got or got[-1].index < r.index:  # each index once, in order
                 got.append(r.delta())
     return out
 
@@ -554,6 +579,7 @@ __all__ = [
     "assemble",
     "assemble_deltas",
     "chunk_row",
+    "compact_value",
     "delta_chunk",
     "delta_cost",
     "deltas_cost",

@@ -72,6 +72,7 @@ from ..model import (
 )
 from ..projection.chunks import (
     CHUNK,
+    REASONING,
     TEXT,
     AnswerAck,
     AnswerBegun,
@@ -102,6 +103,7 @@ from .wire import (
     EVAL,
     EVALSHA,
     RAW,
+    HeldWire,
     PooledWire,
     bulks,
     pack,
@@ -219,11 +221,30 @@ def _own_rows(batch: Sequence[Entry], records: Sequence[LiveRecord], life: str |
     return all(e.type == CHUNK and e.data.get("answer") in own for e in batch)
 
 
+_COMPACT_KINDS = {b"t": TEXT, b"r": REASONING}
+_COMPACT_CODES = {TEXT: "t", REASONING: "r"}
+
+
 def _live_records(rows: Any) -> builtins.list[LiveRecord]:
+    """The live stream's rows as records: a text or reasoning delta in one field (``t`` / ``r``
+    -> ``"<answer> <index> <life> <text>"``, `compact_value`) split here directly; the four
+    fields of older writers (``a i t l``) built directly too; any other record by its fields."""
     out: builtins.list[LiveRecord] = []
     append = out.append
+    kinds = _COMPACT_KINDS
     for rid, f in rows or ():
-        if type(f) is builtins.list and len(f) == 8 and f[0] == b"a" and f[2] == b"i" and f[4] == b"t" and f[6] == b"l":
+        listed = type(f) is builtins.list
+        if listed and len(f) == 2:
+            kind = kinds.get(f[0])
+            if kind is not None:
+                p = f[1].split(b" ", 3)
+                if len(p) == 4 and p[1].isdigit():
+                    append(LiveRecord(
+                        answer=p[0].decode(), kind=kind, id=rid.decode(), index=int(p[1]), text=p[3].decode(),
+                        incarnation=p[2].decode(),
+                    ))  # fmt: skip
+                    continue
+        elif listed and len(f) == 8 and f[0] == b"a" and f[2] == b"i" and f[4] == b"t" and f[6] == b"l":
             # the commonest record, a plain text delta ("a i t l"): built directly
             i = f[3]
             if i.isdigit():
@@ -391,6 +412,8 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         self._packed_keys: dict[str, _SessionWire] = {}  # caches keys, feed and feed_maxlen: fixed
         # Plain puts in append.lua's short layout (False: always the long one; tests compare both)
         self._short_puts = True
+        # `tail_live` holds one pooled connection for its loop (False: one per call; a bench compares)
+        self._hold_tails = True
         self._last_acks: Any = None
         self._hints: dict[str, int] = {}  # cluster feed hints waiting for the background flush
         self._hint_task: Any = None
@@ -1352,7 +1375,14 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         cost = deltas_cost(deltas) if data else 0  # the answer's size rule (lua/answer.lua)
         args += [first, len(deltas), data, cost, answer_budget(self.max_entry_bytes), len(deltas) if live else 0]
         if live:
+            # a text or reasoning delta as 0, its kind code, "<answer> <index>", its text: the
+            # script writes it as one field, "<answer> <index> <life> <text>" (`compact_value`)
+            compact = bool(answer) and " " not in answer
             for i, d in enumerate(deltas):
+                kc = _COMPACT_CODES.get(d.kind) if compact else None
+                if kc is not None:
+                    args += [0, kc, f"{answer} {first + i}", d.text]
+                    continue
                 f = LiveRecord(
                     answer=answer, kind=d.kind, index=first + i, text=d.text, call_id=d.call_id, name=d.name
                 ).fields()
@@ -1539,43 +1569,57 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         key, live_key, hdr_key = self.keys.log(session_id), self.keys.live(session_id), self.keys.hdr(session_id)
         last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
         own: set[str] = set()  # answers whose begin record names this life
-        while True:
-            xread = ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, live_key)
-            with _io():
-                resp = await self._raw(*xread, last_id, live_after)
-            log_rows, live_rows = _xread_by_key(resp, key, live_key)
-            records = _live_records(live_rows) if live_rows else []
-            batch = rows_to_entries(log_rows) if log_rows else []
-            deleted = None
-            if not _own_rows(batch, records, inc, own) or not (log_rows or live_rows):
-                # Entries, or an idle wake-up: is it still this session? (A delta needs no such
-                # round trip: after a re-creation the live stream starts with a begin record of
-                # the new incarnation, which `tail_deltas` refuses; nor do the chunk rows of an
-                # answer begun in this life: answer.lua writes them only into the life they began in.)
+        # one pooled connection for the whole loop (a standalone server), not one per XREAD
+        held = None if self._pool is None or not self._hold_tails else self._pool.hold()
+        try:
+            while True:
+                xread = ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, live_key)
                 with _io():
-                    deleted, inc_raw, born_raw = await self._raw(
-                        "HMGET", hdr_key, "deleted", "incarnation", "created_at"
-                    )
-                if inc_raw is None and born_raw is None:
+                    resp = await self._held_raw(held, *xread, last_id, live_after)
+                log_rows, live_rows = _xread_by_key(resp, key, live_key)
+                records = _live_records(live_rows) if live_rows else []
+                batch = rows_to_entries(log_rows) if log_rows else []
+                deleted = None
+                if not _own_rows(batch, records, inc, own) or not (log_rows or live_rows):
+                    # Entries, or an idle wake-up: is it still this session? (A delta needs no such
+                    # round trip: after a re-creation the live stream starts with a begin record of
+                    # the new incarnation, which `tail_deltas` refuses; nor do the chunk rows of an
+                    # answer begun in this life: answer.lua writes them only into the life they began in.)
+                    with _io():
+                        deleted, inc_raw, born_raw = await self._held_raw(
+                            held, "HMGET", hdr_key, "deleted", "incarnation", "created_at"
+                        )
+                    if inc_raw is None and born_raw is None:
+                        return
+                    self._check_incarnation(session_id, inc, inc_raw, born_raw)
+                if live_rows:  # first: an answer's deltas are all on the live stream before its message lands
+                    for r in records:
+                        yield r
+                    live_after = _s(live_rows[-1][0]) or live_after
+                if log_rows:
+                    batch = await self._cold_gap(session_id, nxt, batch, inc)  # archived behind us
+                    if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
+                        raise SessionError(
+                            f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
+                            f"(got {batch[0].n}..{batch[-1].n}); run `redis-session doctor`"
+                        )
+                    for e in batch:
+                        yield e
+                    nxt = batch[-1].n + 1
+                    last_id = _s(log_rows[-1][0]) or last_id
+                if deleted is not None:
                     return
-                self._check_incarnation(session_id, inc, inc_raw, born_raw)
-            if live_rows:  # first: an answer's deltas are all on the live stream before its message lands
-                for r in records:
-                    yield r
-                live_after = _s(live_rows[-1][0]) or live_after
-            if log_rows:
-                batch = await self._cold_gap(session_id, nxt, batch, inc)  # archived behind us
-                if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
-                    raise SessionError(
-                        f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
-                        f"(got {batch[0].n}..{batch[-1].n}); run `redis-session doctor`"
-                    )
-                for e in batch:
-                    yield e
-                nxt = batch[-1].n + 1
-                last_id = _s(log_rows[-1][0]) or last_id
-            if deleted is not None:
-                return
+        finally:
+            if held is not None:
+                await held.release()
+
+    async def _held_raw(self, held: HeldWire | None, *args: Any) -> Any:
+        if held is None:
+            return await self._raw(*args)
+        try:
+            return (await held.send(pack(args), 1))[0]
+        except ResponseError as e:
+            raise _typed(e) from None
 
     async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool:
         validate_session_id(session_id)

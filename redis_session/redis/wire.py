@@ -301,6 +301,11 @@ class PooledWire:
             return replies
         raise AssertionError("unreachable")
 
+    def hold(self) -> HeldWire:
+        """One pooled connection for a loop of calls (a tail's XREAD BLOCK), taken at its first
+        call and kept until `HeldWire.release`: no pool round per call."""
+        return HeldWire(self)
+
     def free(self) -> bool:
         """Whether a connection can be had without waiting (an idle one, or room for another)."""
         can = getattr(self.pool, "can_get_connection", None)
@@ -329,3 +334,46 @@ class PooledWire:
             return got
 
         return replies
+
+
+class HeldWire:
+    """A pooled connection held across calls (`PooledWire.hold`): a tail's XREAD BLOCK loop takes
+    it once instead of once per call (the pool's lock, its idle-connection check and the release
+    each time). Only for commands that are safe to repeat: a connection the server closed costs
+    one retry on a fresh one, as `PooledWire.send` with `retry`. A call that fails otherwise (a
+    timeout, a cancellation: redis-py drops the connection then) gives it back; the next call
+    takes another. `release` (always, in a finally) gives it back to the pool."""
+
+    __slots__ = ("_conn", "_wire")
+
+    def __init__(self, wire: PooledWire) -> None:
+        self._wire = wire
+        self._conn: Any = None
+
+    async def send(self, packed: bytes, count: int) -> list[Any]:
+        for attempt in (0, 1):
+            conn = self._conn
+            if conn is None:
+                with anyio.CancelScope(shield=True):  # as in `PooledWire.send`: never a lost connection
+                    conn = self._conn = await self._wire._connection()
+            try:
+                await write_packed(conn, packed)
+                replies, error = await read_replies(conn, count, False)
+            except RedisConnectionError:
+                await self.release()
+                if attempt:
+                    raise
+                await self._wire.pool.disconnect(inuse_connections=False)  # the idle ones are stale too
+                continue
+            except BaseException:
+                await self.release()
+                raise
+            if error is not None:
+                raise error  # the replies were all read: the connection is in step, still held
+            return replies
+        raise AssertionError("unreachable")
+
+    async def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await _release(self._wire.pool, conn)
