@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from .errors import StoreUnavailableError
 from .keys import validate_prefix
+from .redis.replies import io_guard
 from .redis.store import RedisSessionStore
 from .redis.wire import RAW, feed_client
 
@@ -206,6 +207,11 @@ class FeedWorker:
             thread.join(timeout=5)
             self._http = None
 
+    async def _cmd(self, *args: Any) -> Any:
+        """One raw command of the feed loop; a lost connection as `StoreUnavailableError`."""
+        with io_guard():
+            return await self._r.execute_command(*args, **RAW)
+
     async def _read(self, start: dict[str, str], block_ms: int | None) -> builtins.list[FeedRow]:
         """XREADGROUP from `start` (per feed key: ``>`` for new entries, an id for our own)."""
         group, consumer, count = self.group, self.consumer, self.batch
@@ -214,13 +220,11 @@ class FeedWorker:
             if block_ms is not None:
                 args += ["BLOCK", block_ms]
             args += ["STREAMS", *start.keys(), *start.values()]
-            return stream_rows(await self._r.execute_command(*args, **RAW))
+            return stream_rows(await self._cmd(*args))
         # A cluster puts the shards in different slots: one read per shard, then a short poll.
         out: builtins.list[FeedRow] = []
         for key, from_id in start.items():
-            raw = await self._r.execute_command(
-                "XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, from_id, **RAW
-            )
+            raw = await self._cmd("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", key, from_id)
             out.extend(stream_rows(raw))
         if not out and block_ms:
             await anyio.sleep(min(block_ms, 100) / 1000)
@@ -230,10 +234,9 @@ class FeedWorker:
         """Entries idle past ``claim_idle_ms`` in any consumer's pending list (a dead worker's)."""
         out: builtins.list[FeedRow] = []
         for key in self.feeds:
-            raw = await self._r.execute_command(
-                "XAUTOCLAIM", key, self.group, self.consumer, self.claim_idle_ms,
-                self._claim_cursor[key], "COUNT", self.batch, **RAW,
-            )  # fmt: skip
+            cursor = self._claim_cursor[key]
+            idle = self.claim_idle_ms
+            raw = await self._cmd("XAUTOCLAIM", key, self.group, self.consumer, idle, cursor, "COUNT", self.batch)
             self._claim_cursor[key] = as_str(raw[0])
             for rid, fields in entry_rows(raw[1]):
                 out.append((key, rid, fields))

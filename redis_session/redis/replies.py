@@ -38,13 +38,37 @@ def typed_reply_error(error: ResponseError) -> Exception:
     return error
 
 
+def leaked_close_race(e: BaseException) -> bool:
+    """Whether `e` is redis-py's asyncio connection written to while its transport closes (a peer
+    reset, a failover): it leaks AttributeError/TypeError from the transport instead of
+    ConnectionError (redis/redis-py#4287, #3546). Only an error raised in the connection or the
+    asyncio transport itself counts; any other AttributeError is a bug and stays one."""
+    if not isinstance(e, (AttributeError, TypeError)):
+        return False
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return False
+    name = last.tb_frame.f_code.co_filename.replace("\\", "/")
+    return name.endswith(_TRANSPORT_FILES)
+
+
+_TRANSPORT_FILES = ("/redis/asyncio/connection.py", "/asyncio/streams.py", "/asyncio/selector_events.py")
+
+
 @contextlib.contextmanager
 def io_guard() -> Iterator[None]:
-    """Map the client's connection failures to one typed error."""
+    """Map the client's connection failures to one typed error (a connection closed under a
+    write that redis-py leaks as AttributeError/TypeError too)."""
     try:
         yield
     except IO_ERRORS as e:
         raise unavailable(e) from e
+    except (AttributeError, TypeError) as e:
+        if leaked_close_race(e):
+            raise StoreUnavailableError(f"the Redis connection closed under a write: {e!r}") from e
+        raise
 
 
 def as_str(b: bytes | str | None) -> str | None:

@@ -278,6 +278,9 @@ class Run:
             async with self.http.stream("GET", url, params=params, headers=headers) as resp:
                 if resp.status_code in (404, 410):
                     return  # the life it resumes is gone: told so
+                if resp.status_code == 409:  # pinned to a life the id left before it connected: told so
+                    assert msgspec.json.decode(await resp.aread())["error"] == "session_replaced"
+                    return
                 assert resp.status_code == 200, resp.status_code
                 event, got = "", 0
                 async for line in resp.aiter_lines():
