@@ -82,6 +82,38 @@ async def send(client: httpx.AsyncClient, method: str, sub: str, body: Any, pin:
     return await client.request(method, url, **kw)
 
 
+@pytest.mark.parametrize("how", ["query", "header", "if-match", "old-first", "empty-query"])
+async def test_a_pin_sent_twice_or_empty_is_refused_on_every_route(redis_store: RedisSessionStore, how: str) -> None:
+    """``?incarnation=OLD&incarnation=NEW`` (the last won) and two ``X-Session-Incarnation`` or
+    ``If-Match`` headers (the first won) were served by whichever life the parser picked: a pin
+    sent twice is ambiguous and answers 400 on every route, nothing read or written; so does an
+    empty ``?incarnation=`` (an empty header already did)."""
+    old = str((await redis_store.create(SessionHeader(id="p"), TURN)).header.incarnation)
+    await replace(redis_store, "p", OPEN_TURN)
+    await redis_store.set_draft("p", {"text": "the new life's own"})
+    before = await state(redis_store, "p")
+    new = str(before[0].header.incarnation)
+    pins: dict[str, dict[str, Any]] = {
+        "query": {"params": [("incarnation", old), ("incarnation", new)]},
+        "header": {"headers": [("X-Session-Incarnation", new), ("X-Session-Incarnation", old)]},
+        "if-match": {"headers": [("If-Match", f'"2;{new}"'), ("If-Match", f'"2;{old}"')]},
+        "old-first": {"headers": [("X-Session-Incarnation", old), ("X-Session-Incarnation", new)]},
+        "empty-query": {"params": [("incarnation", "")]},
+    }
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for method, sub, body in ROUTES:
+            r = await send(client, method, sub, body, pins[how])
+            assert r.status_code == 400, (method, sub, r.status_code, r.text[:300])
+        # two Last-Event-IDs naming two lives: which one does the stream resume? neither
+        async with client.stream(
+            "GET", path("p", "events"), headers=[("Last-Event-ID", f"{new}:1"), ("Last-Event-ID", f"{old}:1")]
+        ) as r:
+            await r.aread()
+            assert r.status_code == 400, r.text[:300]
+    assert await state(redis_store, "p") == before
+    assert await redis_store.head("old-branch") is None and await redis_store.head("old-fork") is None
+
+
 @pytest.mark.parametrize("how", ["header", "if-match", "query"])
 async def test_every_route_refuses_a_pin_to_the_old_life(redis_store: RedisSessionStore, how: str) -> None:
     """Reads of the head, entries, messages and the draft, the SSE stream, draft PUT, branch, fork,

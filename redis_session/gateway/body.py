@@ -273,27 +273,35 @@ class Preconditions:
     idempotency_key: str | None = None
 
 
+def single_value(values: list[str], name: str) -> str | None:
+    """The one value of a header or query parameter that names a precondition: sent twice it is
+    ambiguous (which life, which n?) and refused, whatever a proxy or a client library meant."""
+    if len(values) > 1:
+        raise _BadRequest(f"{name} was sent {len(values)} times: send it once")
+    return values[0] if values else None
+
+
 def preconditions(request: Request) -> Preconditions:
     expected: int | None = None
     incarnation: str | None = None
-    raw = request.headers.get("if-match")
+    raw = single_value(request.headers.getlist("if-match"), "If-Match")
     if raw is not None and raw.strip() != "*":
         m = _IF_MATCH.fullmatch(raw.strip())
         if m is None:
             raise _BadRequest('If-Match is "<n>", "<n>;<incarnation>" or *, got ' + repr(raw[:80]))
         expected, incarnation = int(m.group(1)), m.group(2)
-    pinned = request.headers.get("x-session-incarnation")
+    pinned = single_value(request.headers.getlist("x-session-incarnation"), "X-Session-Incarnation")
     if pinned is not None:
         pinned = pinned.strip()
         if not 1 <= len(pinned) <= 64 or (incarnation is not None and pinned != incarnation):
             raise _BadRequest("X-Session-Incarnation is 1-64 characters and agrees with If-Match")
         incarnation = pinned
-    query = request.query_params.get("incarnation")
-    if query is not None and query != "":
+    query = single_value(request.query_params.getlist("incarnation"), "?incarnation=")
+    if query is not None:
         if not 1 <= len(query) <= 64 or (incarnation is not None and query != incarnation):
             raise _BadRequest("?incarnation= is 1-64 characters and agrees with X-Session-Incarnation and If-Match")
         incarnation = query
-    key = request.headers.get("idempotency-key")
+    key = single_value(request.headers.getlist("idempotency-key"), "Idempotency-Key")
     if key is not None and not 1 <= len(key) <= 256:
         raise _BadRequest("Idempotency-Key is 1-256 characters")
     return Preconditions(expected, incarnation, key)

@@ -13,6 +13,7 @@ from ..keys import id_from_index_member, index_member, validate_session_id
 from ..model import SessionHeader
 from ..projection.render import to_anthropic, to_openai
 from .auth import principal
+from .body import pinned_incarnation, single_value
 from .common import (
     _JSON,
     DEFAULT_ENTRY_LIMIT,
@@ -154,8 +155,8 @@ async def events(gw: Gateway, request: Request, sid: str) -> Response:
     ``<n>`` (an id of an older release) names none: it is taken only with the life pinned by
     ``X-Session-Incarnation`` or ``?incarnation=``, else answered ``event: replaced`` too (it
     could be read as the new life's)."""
-    last_id = request.headers.get("last-event-id")
-    pinned = request.headers.get("x-session-incarnation") or request.query_params.get("incarnation") or None
+    last_id = single_value(request.headers.getlist("last-event-id"), "Last-Event-ID")
+    pinned = pinned_incarnation(request)
     live_after: str | None = None
     incarnation: str | None = pinned
     if last_id:
