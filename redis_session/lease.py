@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import anyio
 
-from .errors import LeaseHeldError, LeaseLostError
-from .model import ttl_ms
+from .errors import LeaseHeldError, LeaseLostError, SessionReplacedError
+from .model import SessionHeader, ttl_ms
 from .store import SessionStore
 
 log = logging.getLogger(__name__)
@@ -21,14 +21,17 @@ DEFAULT_LEASE_TTL = 30.0
 
 
 class LeaseHolder(Protocol):
-    """What a lease needs of the handle holding it (a `Session`): its id, its store, and the slot
-    where the handle keeps the lease it holds."""
+    """What a lease needs of the handle holding it (a `Session`): its id, its header (the life it
+    holds the lease in), its store, and the slot where the handle keeps the lease it holds."""
 
     _store: SessionStore
     _lease: SessionLease | None
 
     @property
     def id(self) -> str: ...
+
+    @property
+    def header(self) -> SessionHeader: ...
 
 
 class SessionLease:
@@ -72,7 +75,9 @@ class SessionLease:
 
     async def _acquire(self) -> bool:
         sent = anyio.current_time()
-        ok = await self.session._store.acquire_lease(self.session.id, self.token, self.ttl_ms)
+        ok = await self.session._store.acquire_lease(
+            self.session.id, self.token, self.ttl_ms, incarnation=self.session.header.incarnation or None
+        )
         if ok:
             self._valid_until = sent + self.ttl * 0.9
         return ok
@@ -82,6 +87,10 @@ class SessionLease:
             await anyio.sleep(self.ttl / 3)
             try:
                 ok = await self._acquire()
+            except SessionReplacedError:
+                self._lost = True  # the id was deleted and created again: that lease is gone with it
+                log.warning("the lease on %r ended with its life (the id was re-created)", self.session.id)
+                return
             except Exception as e:  # the server is unreachable: keep trying while the lease lasts
                 log.warning("renewing the lease on %r failed: %s", self.session.id, e)
                 if not self.held:

@@ -550,8 +550,9 @@ class Session:
 
     async def draft(self) -> dict[str, Any] | None:
         """The streaming assistant draft other readers can see (None when there is none): the
-        open streamed answer so far, else what `set_draft` left."""
-        return await self._store.get_draft(self.id)
+        open streamed answer so far, else what `set_draft` left. Only this handle's life
+        (`SessionReplacedError` once the id was deleted and created again)."""
+        return await self._store.get_draft(self.id, incarnation=self._header.incarnation or None)
 
     async def set_draft(self, draft: Mapping[str, Any] | None) -> None:
         """Publish (or with None, clear) the streaming draft; `commit` clears it. Only into this
@@ -599,7 +600,8 @@ class Session:
                 if self.lease_held:
                     return await self._repair_now(records, opened, stale_ms)
                 token = uuid.uuid4().hex
-                if not await self._store.acquire_lease(self.id, token, ttl_ms(lease_ttl)):
+                life = self._header.incarnation or None
+                if not await self._store.acquire_lease(self.id, token, ttl_ms(lease_ttl), incarnation=life):
                     raise LeaseHeldError(f"session {self.id!r} has a live writer (its lease is held): not repairing")
                 try:
                     return await self._repair_now(records, opened, stale_ms)

@@ -294,3 +294,34 @@ async def test_store_and_sessions_calls_refuse_another_life(store: Any) -> None:
         with pytest.raises(SessionReplacedError):
             await call
     assert await store.head("c6") is None and await store.head("c7") is None
+
+
+async def test_an_old_handle_neither_reads_the_new_lifes_draft_nor_takes_its_lease(store: Any) -> None:
+    """An old handle's `draft()` returned the new life's draft (and its open answer's text), and
+    `async with old.lease()` was granted on the new life, so the new life's own writer got
+    `LeaseHeldError` for as long as the old one renewed it. Both are of the handle's life now:
+    `SessionReplacedError`, nothing taken; `get_draft(incarnation=)` and
+    `acquire_lease(incarnation=)` check the life with the read / the lease, in both stores."""
+    sessions = Sessions(store)
+    await store.create(SessionHeader(id="p"), TURN)
+    old = await sessions.open("p")
+    old_life = str(old.header.incarnation)
+    await store.delete("p")
+    new_life = str((await store.create(SessionHeader(id="p"), TURN)).header.incarnation)
+    await store.set_draft("p", {"content": "NEW LIFE DRAFT"})
+
+    with pytest.raises(SessionReplacedError):
+        await old.draft()
+    with pytest.raises(SessionReplacedError):
+        await store.get_draft("p", incarnation=old_life)
+    assert await store.get_draft("p", incarnation=new_life) == {"content": "NEW LIFE DRAFT"}
+
+    with pytest.raises(SessionReplacedError):
+        async with old.lease(ttl=30):
+            pass
+    with pytest.raises(SessionReplacedError):
+        await store.acquire_lease("p", "old-token", 30_000, incarnation=old_life)
+    new = await sessions.open("p")
+    async with new.lease(ttl=30):  # the new life's writer is not locked out
+        assert new.lease_held
+    assert await store.acquire_lease("p", "t", 30_000, incarnation=new_life)

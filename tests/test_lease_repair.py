@@ -308,7 +308,7 @@ async def test_repair_rechecks_after_a_conflict(store: Any) -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(store, name)
 
-        async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool:
+        async def acquire_lease(self, session_id: str, token: str, ttl_ms: int, **kw: Any) -> bool:
             nonlocal acquired
             acquired += 1
             if acquired == 1:

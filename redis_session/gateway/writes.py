@@ -44,6 +44,7 @@ from .body import (
     decode_json,
     entry_error,
     parse_entries,
+    pinned_incarnation,
     preconditions,
     read_body,
 )
@@ -275,7 +276,7 @@ async def delete(gw: Gateway, request: Request, sid: str) -> Response:
 async def get_draft(gw: Gateway, request: Request, sid: str) -> Response:
     if await gw.store.head(sid) is None:
         raise SessionNotFoundError(sid)
-    return _JSON({"draft": await gw.store.get_draft(sid)})
+    return _JSON({"draft": await gw.store.get_draft(sid, incarnation=pinned_incarnation(request))})
 
 
 async def put_draft(gw: Gateway, request: Request, sid: str) -> Response:

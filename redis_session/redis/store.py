@@ -1206,9 +1206,12 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             if deleted is not None:
                 return
 
-    async def get_draft(self, session_id: str, *, live: bool = True) -> dict[str, Any] | None:
+    async def get_draft(
+        self, session_id: str, *, live: bool = True, incarnation: str | None = None
+    ) -> dict[str, Any] | None:
         """The open streamed answer so far (from the live stream, see `live_draft`), else the
-        legacy draft `set_draft` wrote; with ``live=False`` only the latter."""
+        legacy draft `set_draft` wrote; with ``live=False`` only the latter; with `incarnation`,
+        only of that life (read in the same round trip as the header: else `SessionReplacedError`)."""
         validate_session_id(session_id)
         with _io():
             (n_raw, deleted, inc_raw, born_raw), raw, *rows = await self._pipeline(
@@ -1218,8 +1221,9 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             )
         if n_raw is None or deleted is not None:
             raise SessionNotFoundError(session_id)
+        life = self._check_incarnation(session_id, incarnation, inc_raw, born_raw)
         if rows:
-            streamed = live_draft(_live_records(rows[0]), self._check_incarnation(session_id, None, inc_raw, born_raw))
+            streamed = live_draft(_live_records(rows[0]), life)
             if streamed is not None:
                 return streamed
         return None if raw is None else _draft_decoder.decode(raw)
@@ -1323,14 +1327,17 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         except ResponseError as e:
             raise _typed(e) from None
 
-    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool:
+    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int, *, incarnation: str | None = None) -> bool:
         validate_session_id(session_id)
         with _io():
             res = int(await self._eval(
-                "lease", [self.keys.hdr(session_id), self.keys.lease(session_id)], ["acquire", token, ttl_ms]
+                "lease", [self.keys.hdr(session_id), self.keys.lease(session_id)],
+                ["acquire", token, ttl_ms, incarnation or ""],
             ))  # fmt: skip
         if res == -1:
             raise SessionNotFoundError(session_id)
+        if res == -2:
+            raise SessionReplacedError(session_id, "the lease was asked for an earlier life of the id")
         return res == 1
 
     async def release_lease(self, session_id: str, token: str) -> bool:

@@ -463,10 +463,14 @@ class MemorySessionStore(StoreRules):
                 continue
             await changed.wait()
 
-    async def get_draft(self, session_id: str, *, live: bool = True) -> dict[str, Any] | None:
+    async def get_draft(
+        self, session_id: str, *, live: bool = True, incarnation: str | None = None
+    ) -> dict[str, Any] | None:
         s = self._get(validate_session_id(session_id))
         if s is None:
             raise SessionNotFoundError(session_id)
+        if incarnation is not None and s.header.incarnation != incarnation:
+            raise SessionReplacedError(session_id)
         if live:
             streamed = live_draft(s.live_records(self.clock()), s.header.incarnation)
             if streamed is not None:
@@ -816,10 +820,12 @@ class MemorySessionStore(StoreRules):
         s.draft = None if raw is None else msgspec.json.decode(raw)
         self._touch(s)
 
-    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool:
+    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int, *, incarnation: str | None = None) -> bool:
         s = self._get(validate_session_id(session_id))
         if s is None:
             raise SessionNotFoundError(session_id)
+        if incarnation is not None and s.header.incarnation != incarnation:
+            raise SessionReplacedError(session_id, "the lease was asked for an earlier life of the id")
         now = self.clock()
         if s.lease is not None and s.lease[1] > now and s.lease[0] != token:
             return False

@@ -97,9 +97,12 @@ class SessionStore(Protocol):
         (or than `incarnation`)."""
         ...
 
-    async def get_draft(self, session_id: str, *, live: bool = True) -> dict[str, Any] | None:
+    async def get_draft(
+        self, session_id: str, *, live: bool = True, incarnation: str | None = None
+    ) -> dict[str, Any] | None:
         """The open streamed answer so far (`live_draft` of the live stream), else the draft
-        `set_draft` left; with ``live=False`` only the latter."""
+        `set_draft` left; with ``live=False`` only the latter. With `incarnation`, only of that
+        life of the id (else `SessionReplacedError`: the header and the draft are read together)."""
         ...
 
     async def set_draft(self, session_id: str, draft: dict[str, Any] | None, *, incarnation: str | None = None) -> None:
@@ -212,7 +215,10 @@ class SessionStore(Protocol):
         """`tail`, interleaved with the live records after `live_after` as they land."""
         ...
 
-    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool: ...
+    async def acquire_lease(self, session_id: str, token: str, ttl_ms: int, *, incarnation: str | None = None) -> bool:
+        """Take (or renew) the writer lease; False when another token holds it. With
+        `incarnation`, only in that life of the id (else `SessionReplacedError`, nothing set)."""
+        ...
 
     async def release_lease(self, session_id: str, token: str) -> bool: ...
 
