@@ -84,6 +84,12 @@ class InvalidEntryError(SessionError, ValueError):
         self.index = index
 
 
+class InvalidArgumentError(SessionError, ValueError):
+    """An argument of a read or a call is out of its range (a negative or too large n, a stop
+    before the start, a range too long): refused before Redis is asked, nothing read or written.
+    A `ValueError` too, as such arguments were before."""
+
+
 class InvalidSessionIdError(SessionError, ValueError):
     """A session id that could move a session's keys to another hash slot, or is unusable."""
 

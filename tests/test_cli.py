@@ -349,3 +349,31 @@ async def test_repair_closes_an_open_turn(redis_store: RedisSessionStore, redis_
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "repaired crashed: appended 2 entries (step/end, turn/end)"
     assert [e.type for e in await redis_store.read("crashed")][-2:] == ["step/end", "turn/end"]
+
+
+@pytest.mark.parametrize("args", [("show", "chat-1", "--start"), ("tail", "chat-1", "--from")])
+async def test_an_n_beyond_any_log_is_an_option_error_not_a_redis_one(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str, args: tuple[str, ...]
+) -> None:
+    # `--start 99999999999999999999` reached Redis ("Invalid stream ID ..."), exit 1
+    await seed(redis_store)
+    r = cli(*args, "99999999999999999999", url=redis_url, prefix=prefix, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Invalid value for" in r.stderr and "stream ID" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+async def test_reads_and_tails_refuse_an_n_beyond_any_log_before_asking_redis(redis_store: RedisSessionStore) -> None:
+    from redis_session import InvalidArgumentError, SessionError
+
+    await seed(redis_store)
+    for bad in (10**20, 2**53, -1):
+        with pytest.raises(InvalidArgumentError) as refused:
+            await redis_store.read("chat-1", bad)
+        assert isinstance(refused.value, SessionError) and isinstance(refused.value, ValueError)
+        with pytest.raises(InvalidArgumentError):
+            async for _ in redis_store.tail("chat-1", bad):
+                pass
+        with pytest.raises(InvalidArgumentError):
+            await redis_store.read("chat-1", 0, bad)
+    assert [e.n for e in await redis_store.read("chat-1", 5)] == [5, 6]

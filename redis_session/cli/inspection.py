@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from ..store.rules import MAX_N
 from .common import (
     CliError,
     JsonOpt,
@@ -86,8 +87,8 @@ def show_cmd(
     prefix: PrefixOpt = "rs",
     messages: Annotated[bool, typer.Option("--messages", help="Show the derived messages.")] = False,
     fmt: Annotated[str, typer.Option("--format", help="openai | anthropic | json (with --messages)")] = "json",
-    start: Annotated[int, typer.Option(min=0, help="First entry n.")] = 0,
-    stop: Annotated[int | None, typer.Option(min=0, help="Stop before this n.")] = None,
+    start: Annotated[int, typer.Option(min=0, max=MAX_N, help="First entry n.")] = 0,
+    stop: Annotated[int | None, typer.Option(min=0, max=MAX_N, help="Stop before this n.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Show a session's header and entries (or its derived messages)."""
@@ -163,7 +164,9 @@ def tail_cmd(
     session: str,
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
-    start: Annotated[int | None, typer.Option("--from", min=0, help="Start at entry n (default: the end).")] = None,
+    start: Annotated[
+        int | None, typer.Option("--from", min=0, max=MAX_N, help="Start at entry n (default: the end).")
+    ] = None,
     messages: Annotated[bool, typer.Option("--messages", help="Print derived messages, not raw entries.")] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help='One JSON document per line: entries, and {"delta": …} as answers stream.')

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ..store.rules import MAX_N
 from .common import (
     CliError,
     JsonOpt,
@@ -27,7 +28,7 @@ from .common import (
 @app.command("branch")
 def branch_cmd(
     session: str,
-    at: Annotated[int, typer.Option("--at", min=0, help="Branch point: the child holds entries [0, at).")],
+    at: Annotated[int, typer.Option("--at", min=0, max=MAX_N, help="Branch point: the child holds entries [0, at).")],
     branch_id: Annotated[str | None, typer.Option("--id", help="Id of the new branch.")] = None,
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",

@@ -8,18 +8,26 @@ import builtins
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..errors import InvalidEntryError
+from ..errors import InvalidArgumentError, InvalidEntryError
 from ..keys import validate_new_session_id, validate_session_id
 from ..model import EncodedEntry, NewEntryLike, SessionHeader, Vocabulary, encode_batch, lossless_json
 from ..projection.invariants import Problem
 from .protocol import MAX_CURSOR_LENGTH, MAX_LIST_LIMIT, MAX_READ_RANGE
 
+# the largest n a read may name: an exact integer in JSON (I-JSON, as the gateway takes it), far
+# below a stream ID's 64 bits
+MAX_N = 2**53 - 1
+
+
+def _n_arg(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_N
+
 
 def check_read_range(start: int, stop: int | None) -> None:
-    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-        raise ValueError(f"start must be an int >= 0, got {start!r}")
-    if stop is not None and (not isinstance(stop, int) or isinstance(stop, bool) or stop < 0):
-        raise ValueError(f"stop must be None or an int >= 0, got {stop!r}")
+    if not _n_arg(start):
+        raise InvalidArgumentError(f"start must be an int in [0, {MAX_N}], got {start!r}")
+    if stop is not None and not _n_arg(stop):
+        raise InvalidArgumentError(f"stop must be None or an int in [0, {MAX_N}], got {stop!r}")
 
 
 def check_read(session_id: object, start: int, stop: int | None) -> None:
@@ -27,7 +35,7 @@ def check_read(session_id: object, start: int, stop: int | None) -> None:
     validate_session_id(session_id)
     check_read_range(start, stop)
     if stop is not None and stop - start > MAX_READ_RANGE:
-        raise ValueError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
+        raise InvalidArgumentError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
 
 
 def check_list(parent: object, limit: object, cursor: object) -> None:
