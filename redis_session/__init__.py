@@ -39,6 +39,7 @@ from .errors import (
     SessionForkError,
     SessionNotFoundError,
     SessionReplacedError,
+    SessionRewoundError,
     StoreUnavailableError,
 )
 from .model import (
@@ -106,6 +107,7 @@ __all__ = [
     "SessionLease",
     "SessionNotFoundError",
     "SessionReplacedError",
+    "SessionRewoundError",
     "SessionStore",
     "Sessions",
     "StoreUnavailableError",

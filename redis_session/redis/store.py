@@ -51,6 +51,7 @@ from ..errors import (
     SessionError,
     SessionNotFoundError,
     SessionReplacedError,
+    SessionRewoundError,
     StoreUnavailableError,
 )
 from ..keys import Keys, id_from_index_member, index_member, is_staging_id, validate_session_id
@@ -84,6 +85,7 @@ from ..projection.chunks import (
     chunk_row,
     deltas_cost,
     live_draft,
+    merge_live,
 )
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
 from ..store.rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
@@ -1159,6 +1161,8 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
+        if start > h.n:  # given entries this log no longer has (a failover took them back)
+            raise SessionRewoundError(session_id, start, h.n)
         at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
@@ -1170,13 +1174,14 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
         while True:
             with _io():
-                resp, (deleted, inc_raw, born_raw) = await self._pipeline(
+                resp, (deleted, inc_raw, born_raw, n_raw) = await self._pipeline(
                     ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, last_id),
-                    ("HMGET", hdr_key, "deleted", "incarnation", "created_at"),
+                    ("HMGET", hdr_key, "deleted", "incarnation", "created_at", "n"),
                 )
             if inc_raw is None and born_raw is None:
                 return  # deleted: rows read just before may be of a session that came and went
             self._check_incarnation(session_id, inc, inc_raw, born_raw)
+            self._check_rewound(session_id, nxt, n_raw)
             rows = _xread_rows(resp)
             if rows:
                 batch = rows_to_entries(rows)
@@ -1192,6 +1197,14 @@ class RedisSessionStore(ColdTierOps, StoreRules):
                 last_id = _s(rows[-1][0]) or last_id
             if deleted is not None:
                 return
+
+    @staticmethod
+    def _check_rewound(session_id: str, nxt: int, n_raw: Any) -> None:
+        """A tail at `nxt` whose log (header n `n_raw`, read after its XREAD) ends before it: the
+        entries it was given are gone (a failover took them back), `SessionRewoundError`."""
+        n = _i(n_raw)
+        if n is not None and n < nxt:
+            raise SessionRewoundError(session_id, nxt, n)
 
     async def get_draft(self, session_id: str, *, live: bool = True) -> dict[str, Any] | None:
         """The open streamed answer so far (from the live stream, see `live_draft`), else the
@@ -1495,6 +1508,8 @@ class RedisSessionStore(ColdTierOps, StoreRules):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
+        if start > h.n:  # given entries this log no longer has (a failover took them back)
+            raise SessionRewoundError(session_id, start, h.n)
         at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
@@ -1518,16 +1533,13 @@ class RedisSessionStore(ColdTierOps, StoreRules):
                 # the new incarnation, which `tail_deltas` refuses; nor do the chunk rows of an
                 # answer begun in this life: answer.lua writes them only into the life they began in.)
                 with _io():
-                    deleted, inc_raw, born_raw = await self._raw(
-                        "HMGET", hdr_key, "deleted", "incarnation", "created_at"
+                    deleted, inc_raw, born_raw, n_raw = await self._raw(
+                        "HMGET", hdr_key, "deleted", "incarnation", "created_at", "n"
                     )
                 if inc_raw is None and born_raw is None:
                     return
                 self._check_incarnation(session_id, inc, inc_raw, born_raw)
-            if live_rows:  # first: an answer's deltas are all on the live stream before its message lands
-                for r in records:
-                    yield r
-                live_after = _s(live_rows[-1][0]) or live_after
+                self._check_rewound(session_id, nxt, n_raw)
             if log_rows:
                 batch = await self._cold_gap(session_id, nxt, batch, inc)  # archived behind us
                 if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
@@ -1535,11 +1547,16 @@ class RedisSessionStore(ColdTierOps, StoreRules):
                         f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
                         f"(got {batch[0].n}..{batch[-1].n}); run `redis-session doctor`"
                     )
-                for e in batch:
-                    yield e
-                nxt = batch[-1].n + 1
-                last_id = _s(log_rows[-1][0]) or last_id
-            if deleted is not None:
+            # in the order they happened (`merge_live`); what a COUNT cut short waits for the next read
+            merged = merge_live(batch, records, more_entries=len(log_rows) >= 1000, more_records=len(live_rows) >= 1000)
+            for item in merged.items:
+                yield item
+            if merged.records:
+                live_after = records[merged.records - 1].id
+            if merged.entries:
+                nxt = batch[merged.entries - 1].n + 1
+                last_id = f"{nxt - 1}-1"
+            if deleted is not None and merged.entries == len(batch) and merged.records == len(records):
                 return
 
     async def acquire_lease(self, session_id: str, token: str, ttl_ms: int) -> bool:
