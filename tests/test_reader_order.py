@@ -315,3 +315,88 @@ async def test_sse_streams_ahead_of_a_rolled_back_log_get_event_rewound(
         assert kinds[-2:] == ["rewound", "end"], got
         assert got[-2]["data"] == {"session": "rbs", "cursor": 14, "n": 11}
     assert json.dumps(live["entries"]).count('"m13"') == 0  # nothing was sent past the cursor
+
+
+async def test_an_sse_reader_that_fell_behind_catches_up_in_the_order_things_happened(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ``?deltas=1`` streams of one session; one reads nothing while answers stream, so it is
+    detached from the shared tail and catches up from the store alone. Both get every answer's
+    deltas once and in order, each answer's before its message. The caught-up one used to get
+    the messages of the later answers before their deltas (the catch-up sent the log's entries,
+    then the live records)."""
+    from redis_session.gateway import tails
+
+    monkeypatch.setattr(tails.Tails, "QUEUE", 16)  # detached early: the queue, not the socket, fills
+    detached: list[bool] = []
+    hand = tails.Tails._hand
+
+    def watched(hub: Any, sub: Any, item: Any, max_bytes: int | None) -> None:
+        hand(hub, sub, item, max_bytes)
+        if sub.lagged and not detached:
+            detached.append(True)
+
+    monkeypatch.setattr(tails.Tails, "_hand", staticmethod(watched))
+    S = Sessions(redis_store)
+    s = await S.open("slowd")
+    await s.append("turn/start", {"turn": 1})
+    answers, count, pad = 6, 400, "x" * 300  # ~720 KB of deltas: more than a stuck reader's sockets hold
+    expected = ([*range(count), "END"]) * answers
+
+    def parse(text: str, got: list[Any]) -> None:
+        for block in text.split("\n\n"):
+            kind = next((ln[7:] for ln in block.split("\n") if ln.startswith("event: ")), "")
+            data = next((ln[6:] for ln in block.split("\n") if ln.startswith("data: ")), "")
+            if kind == "delta":
+                got.append(json.loads(data)["index"])
+            elif kind == "gap":
+                got.append(("gap", data))
+            elif not kind and data.startswith("{") and json.loads(data).get("type") == "assistant/message":
+                got.append("END")
+
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        port = int(base.rsplit(":", 1)[1])
+        slow = await anyio.connect_tcp("127.0.0.1", port)
+        await slow.send(f"GET {path('slowd', 'events')}?deltas=1&start=1 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        fast: list[Any] = []
+
+        async def fast_reader() -> None:
+            async with client.stream("GET", path("slowd", "events") + "?deltas=1&start=1") as r:
+                async for ev in sse(r):
+                    if ev.get("event") == "delta":
+                        fast.append(ev["data"]["index"])
+                    elif ev.get("event") == "gap":
+                        fast.append(("gap", ev["data"]))
+                    elif isinstance(ev.get("data"), dict) and ev["data"].get("type") == "assistant/message":
+                        fast.append("END")
+                        if fast.count("END") == answers:
+                            return
+
+        with anyio.fail_after(180):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fast_reader)
+                await wait_blocked_in_xread(redis_url, prefix)  # the shared tail is live
+                for k in range(answers):
+                    async with s.stream(turn=1, step=k + 1) as w:
+                        for i in range(count):
+                            await w.delta(f"{i}:{pad}")
+            assert fast == expected
+            assert detached, "the slow stream was never detached: the test did not test the catch-up"
+            raw = b""
+            while raw.count(b'"type":"assistant/message"') < answers or not raw.endswith((b"\n\n", b"\n\n\r\n")):
+                raw += await slow.receive(1 << 20)
+        await slow.aclose()
+    head, _, body = raw.decode().partition("\r\n\r\n")
+    if "chunked" in head.lower():  # undo the chunked framing
+        parts, rest = [], body
+        while rest:
+            size_line, _, rest = rest.partition("\r\n")
+            size = int(size_line.strip() or "0", 16)
+            if size == 0:
+                break
+            parts.append(rest[:size])
+            rest = rest[size + 2 :]
+        body = "".join(parts)
+    slow_got: list[Any] = []
+    parse(body, slow_got)
+    assert slow_got == expected, [x for x in slow_got if not isinstance(x, int)][:20]
