@@ -400,3 +400,60 @@ async def test_an_sse_reader_that_fell_behind_catches_up_in_the_order_things_hap
     slow_got: list[Any] = []
     parse(body, slow_got)
     assert slow_got == expected, [x for x in slow_got if not isinstance(x, int)][:20]
+
+
+async def test_a_reader_that_fails_over_to_a_replica_behind_it_is_told(tmp_path: Any) -> None:
+    """A real master and replica: the replica is promoted (REPLICAOF NO ONE) while the master
+    takes entries n=11..13 a reader follows; the reader then reaches the promoted replica (the
+    failover) and resumes after n=13: `SessionRewoundError` naming its cursor and the replica's n,
+    not a silent wait (the entries landing at 11.. there are others than those it saw)."""
+    import subprocess
+
+    from redis_session.redis.embedded import free_port, server_binary
+
+    def start(port: int, d: Any, *extra: str) -> subprocess.Popen[bytes]:
+        d.mkdir()
+        return subprocess.Popen(
+            [server_binary(), "--port", str(port), "--dir", str(d), "--save", "", "--appendonly", "no", *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    pm, pr = free_port(), free_port()
+    procs = [start(pm, tmp_path / "m")]
+    try:
+        procs.append(start(pr, tmp_path / "r", "--replicaof", "127.0.0.1", str(pm)))
+        m = RedisSessionStore.from_url(f"redis://127.0.0.1:{pm}/0", prefix="fo")
+        r = RedisSessionStore.from_url(f"redis://127.0.0.1:{pr}/0", prefix="fo")
+        raw_r = aioredis.Redis(port=pr)
+
+        async def linked() -> bool:
+            try:
+                return (await raw_r.info("replication")).get("master_link_status") == "up"
+            except OSError:
+                return False
+
+        with anyio.fail_after(60):
+            await wait_for(linked)
+            s = await Sessions(m).open("fo")
+            for i in range(11):
+                await s.append("user/message", {"content": f"m{i}"})
+            raw_m = aioredis.Redis(port=pm)
+            assert await raw_m.execute_command("WAIT", 1, 10000) == 1  # the replica has n=0..10
+            await raw_r.execute_command("REPLICAOF", "NO", "ONE")  # promoted: it gets no more
+            for i in range(11, 14):
+                await s.append("user/message", {"content": f"m{i}"})
+            seen = [e.n async for e in _take(follow_deltas(m, "fo"), 14)]
+            assert seen[-1] == 13
+            with pytest.raises(SessionRewoundError) as got:
+                async for _ in follow_deltas(r, "fo", start=14):
+                    pass
+        assert (got.value.cursor, got.value.n) == (14, 11)
+        await raw_m.aclose()
+        await raw_r.aclose()
+        await m.aclose()
+        await r.aclose()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
