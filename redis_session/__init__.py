@@ -40,6 +40,7 @@ from .errors import (
     SessionForkError,
     SessionNotFoundError,
     SessionReplacedError,
+    SessionRewoundError,
     StoreUnavailableError,
 )
 from .model import (
@@ -108,6 +109,7 @@ __all__ = [
     "SessionLease",
     "SessionNotFoundError",
     "SessionReplacedError",
+    "SessionRewoundError",
     "SessionStore",
     "Sessions",
     "StoreUnavailableError",

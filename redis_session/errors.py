@@ -27,6 +27,25 @@ class SessionReplacedError(SessionNotFoundError):
         self.args = (f"{msg}: {detail}" if detail else msg,)
 
 
+class SessionRewoundError(SessionError):
+    """A reader is ahead of the session's log: it was given entries up to `cursor` - 1, and the
+    log now ends at `n` (< `cursor`) — a failover to a replica that had not got the last entries
+    yet (replication is asynchronous) took them back, and what lands next takes their places.
+    Raised by every tail (`tail`, `tail_live`, `live.follow`, `live.follow_deltas`) when it
+    (re)starts or re-reads the header, instead of waiting silently for entries it would never
+    be given; the gateway's SSE streams send ``event: rewound``. Re-read the session (from n=0,
+    or from an n the reader trusts) and follow it again from there."""
+
+    def __init__(self, session_id: str, cursor: int, n: int) -> None:
+        super().__init__(
+            f"session {session_id!r} was rewound: the reader is at n={cursor}, the log ends at n={n} "
+            "(a failover lost its last entries); re-read it"
+        )
+        self.session_id = session_id
+        self.cursor = cursor
+        self.n = n
+
+
 class SessionAlreadyExistsError(SessionError):
     def __init__(self, session_id: str, detail: str = "") -> None:
         msg = f"session {session_id!r} already exists"

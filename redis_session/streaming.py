@@ -878,8 +878,11 @@ async def tail_deltas(
     if incarnation is not None and head.header.incarnation != incarnation:
         raise SessionReplacedError(session_id)
     reader = LiveReader(session_id, start, head.header.incarnation or None, live_after, delivered)
-    for given in reader.records(records):
+    for given in reader.prime(records):
         yield given
+    # the records after the cursor (a fresh reader: all of them) come from the tail, with the
+    # entries in the order they happened (`merge_live`): never a later answer's deltas before an
+    # earlier answer's message
     async for got in store.tail_live(session_id, start, live_after=reader.cursor or "0-0", incarnation=incarnation):
         if not isinstance(got, LiveRecord):
             yield got
@@ -895,10 +898,12 @@ class LiveReader:
     answer closed before `start` (its entries are behind the reader); a begin of another life
     raises `SessionReplacedError`, another life's other records are never taken.
 
-    `records` takes a read of the whole live stream (the first one, or a catch-up: records up to
-    `cursor` were seen, and a stream that no longer holds the cursor may have lost some after it:
-    an empty-answer gap says so); `feed` takes each record as it lands; `cursor` is the id of the
-    last record taken, where a tail resumes."""
+    `prime` takes a read of the whole live stream (the first one: records up to `cursor` were
+    seen, and a stream that no longer holds the cursor may have lost some after it: an
+    empty-answer gap says so), `records` the same and every record after the cursor at once;
+    `feed` takes each record as it lands, in the order it happened with the log's entries
+    (`projection.chunks.merge_live`: the tails give them so); `cursor` is the id of the last
+    record taken, where a tail resumes."""
 
     def __init__(
         self,
@@ -918,6 +923,19 @@ class LiveReader:
         self.skip: set[str] | None = None  # answers it gets nothing more of
 
     def records(self, records: Sequence[LiveRecord]) -> list[Delta | DeltaGap]:
+        """`prime`, then `feed` of each record after the cursor (a read of the whole stream)."""
+        floor = (-1, -1) if self.cursor is None else _id_key(self.cursor)
+        out = self.prime(records)
+        for r in records:
+            if _id_key(r.id) > floor:
+                out.extend(self.feed(r))
+        return out
+
+    def prime(self, records: Sequence[LiveRecord]) -> list[Delta | DeltaGap]:
+        """Take a read of the whole live stream without delivering what is after the cursor
+        (that is fed afterwards, in the order it happened with the log's entries: `merge_live`):
+        the answers the reader gets nothing of, what a resumed reader was given up to its cursor,
+        and an empty-answer gap when the stream no longer holds the cursor."""
         first = self.skip is None
         skip = self.skip = answers_to_skip(records, self.start, None) if self.skip is None else self.skip
         floor = (-1, -1) if self.cursor is None else _id_key(self.cursor)
@@ -926,12 +944,10 @@ class LiveReader:
             # the records up to the cursor are gone (trimmed after their grace, or the stream
             # expired): some after it may be too, of answers it cannot name any more
             out.append(DeltaGap(answer="", start=0, stop=None, cursor=self.cursor))
-        for r in records:
-            if _id_key(r.id) <= floor:
-                if first and self._ours(r):
+        if first:
+            for r in records:
+                if _id_key(r.id) <= floor and self._ours(r):
                     _seen(self.expect, skip, r)  # delivered before the reader resumed
-                continue
-            out.extend(self.feed(r))
         if self.cursor is None:
             self.cursor = "0-0"
         return out

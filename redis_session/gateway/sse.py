@@ -16,10 +16,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from ..errors import SessionError, SessionNotFoundError, SessionReplacedError, StoreUnavailableError
+from ..errors import (
+    SessionError,
+    SessionNotFoundError,
+    SessionReplacedError,
+    SessionRewoundError,
+    StoreUnavailableError,
+)
 from ..live import RETRYABLE
 from ..model import Entry
-from ..projection.chunks import Delta, DeltaGap, LiveRecord
+from ..projection.chunks import Delta, DeltaGap, LiveRecord, merge_live
 from ..store import SessionStore
 from ..streaming import LiveReader, _id_key
 from .auth import principal
@@ -314,6 +320,10 @@ class _EventStream(Response):
             await write(b"event: replaced\ndata: %b\n\n" % _json.encode({"session": self.session_id}))
         except SessionNotFoundError:
             pass
+        except SessionRewoundError as exc:
+            # a failover took back entries this stream sent: the browser re-reads the session
+            body = {"session": self.session_id, "cursor": exc.cursor, "n": exc.n}
+            await write(b"event: rewound\ndata: %b\n\n" % _json.encode(body))
         except SessionError as exc:  # a corrupt log: say so, then end the stream
             log.exception("tail of %r failed", self.session_id)
             await write(b"event: error\ndata: %b\n\n" % _json.encode({"error": type(exc).__name__}))
@@ -347,44 +357,86 @@ class _EventStream(Response):
         `LiveReader` decides what it is owed of the live records — those the hub hands out, and
         those it reads itself when it joins behind the hub or catches up after falling behind —
         so it gets what a tail of its own (`follow_deltas`) would: every entry and delta once and
-        in order, a gap where the live stream cannot give a delta."""
+        in the order they happened (`merge_live`, as the hub's tail gives them), a gap where the
+        live stream cannot give a delta."""
         sid = self.session_id
-        # a fresh stream sends what is stored first; a resume with a live cursor takes the entries
-        # from its start after the live records: a backlog sent first would start it past the end
-        # of an answer that ended meanwhile, and skip the rest of that answer
-        nxt = await self._backlog(write) if self.live_after is None else self.start
+        nxt = self.start
         reader: LiveReader | None = None
         delay = 0.05
         while True:
             try:
+                head = await self.store.head(sid)  # the log's end, before the records (`_catch_up`)
                 records = await self.store.read_live(sid)
-                head = await self.store.head(sid)  # the life, after the records (`tail_deltas`)
                 if head is None:
                     return
                 if self._incarnation is None:
                     self._incarnation = head.header.incarnation
                 elif head.header.incarnation != self._incarnation:
                     raise SessionReplacedError(sid)
+                if nxt > head.n:
+                    raise SessionRewoundError(sid, nxt, head.n)
                 inc = self._incarnation or ""
                 if reader is None:
-                    reader = LiveReader(sid, nxt, inc or None, self.live_after)
-                await self._send_live(write, inc, nxt, reader, reader.records(records))
+                    # a fresh stream gets no deltas of answers closed in what is stored (their
+                    # messages are there); a resume, those after its cursor
+                    reader = LiveReader(sid, head.n if self.live_after is None else nxt, inc or None, self.live_after)
+                    await self._send_live(write, inc, nxt, reader, reader.prime(records))
+                # alone, as far as the log went before the records were read
+                nxt = await self._catch_up(write, inc, nxt, head.n, reader, records, exact=False)
                 with tails.join(sid, inc, nxt, reader.cursor or "0-0") as joined:
-                    if joined.behind > nxt:
-                        nxt = await self._read_to(write, nxt, joined.behind)
-                    if _id_key(joined.cursor) > _id_key(reader.cursor or "0-0"):
-                        # records the hub handed out before the join (those it hands out again
-                        # are behind the reader's cursor, and skipped)
-                        more = reader.records(await self.store.read_live(sid))
-                        await self._send_live(write, inc, nxt, reader, more)
+                    if joined.behind > nxt or _id_key(joined.cursor) > _id_key(reader.cursor or "0-0"):
+                        # what the hub handed out before the join (those it hands out again are
+                        # behind the reader, and skipped): all of it, up to the hub's place
+                        upto = _id_key(joined.cursor)
+                        more = [r for r in await self.store.read_live(sid, reader.cursor) if _id_key(r.id) <= upto]
+                        nxt = await self._catch_up(write, inc, nxt, joined.behind, reader, more, exact=True)
                     nxt, done = await self._drain(write, joined.subscriber, inc, nxt, reader)
                     if done:
                         return
                     delay = 0.05
-                nxt = await self._backlog(write, nxt)  # behind: its entries, then (above) its records
             except RETRYABLE:  # this stream's own reads; the hub retries its own
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    async def _catch_up(
+        self,
+        write: Write,
+        inc: str,
+        nxt: int,
+        stop: int,
+        reader: LiveReader,
+        records: list[LiveRecord],
+        *,
+        exact: bool,
+    ) -> int:
+        """Send the entries [`nxt`, `stop`) and the live `records` after the reader's cursor,
+        merged in the order they happened (`merge_live`, the tails' own rule), a page of entries
+        per write; the n of the next entry owed. `exact`: the records are all there is up to
+        the last entry (the hub's place at a join); otherwise later entries may have landed
+        before some of them, and the records after the last entry sent wait (read again)."""
+        floor = _id_key(reader.cursor or "0-0")
+        pending = [r for r in records if _id_key(r.id) > floor]
+        while True:
+            page: list[Entry] = []
+            if nxt < stop:
+                page = await self.store.read(self.session_id, nxt, min(stop, nxt + self.BACKLOG_PAGE), incarnation=inc)
+            last = not page or page[-1].n + 1 >= stop
+            if not page and not (exact and pending):
+                return nxt
+            merged = merge_live(page, pending, more_entries=not (last and exact))
+            out: list[bytes] = []
+            for item in merged.items:
+                if isinstance(item, Entry):
+                    out.append(_entry_event(item, inc, self.live_after))
+                    nxt = item.n + 1
+                else:
+                    out.extend(self._live_events(inc, nxt, reader, reader.feed(item)))
+            pending = pending[merged.records :]
+            if out:
+                self._poke()
+                await _flush(write, out)
+            if last or not merged.entries:
+                return nxt
 
     async def _drain(
         self, write: Write, sub: Subscriber, inc: str, nxt: int, reader: LiveReader | None
@@ -411,6 +463,8 @@ class _EventStream(Response):
                     await _flush(write, out)
                     if item == REPLACED:
                         raise SessionReplacedError(self.session_id)
+                    if isinstance(item, SessionRewoundError) and nxt <= item.n:
+                        return nxt, False  # the hub was ahead of the log, not this stream: go on alone
                     if isinstance(item, SessionError):
                         raise item
                     return nxt, True  # deleted
@@ -464,7 +518,9 @@ class _EventStream(Response):
                     self._incarnation = head.header.incarnation  # the session this stream follows
                 elif head.header.incarnation != self._incarnation:
                     raise SessionReplacedError(self.session_id)
-                if nxt >= head.n:
+                if nxt > head.n:
+                    raise SessionRewoundError(self.session_id, nxt, head.n)
+                if nxt == head.n:
                     return nxt
                 page = await self.store.read(
                     self.session_id, nxt, min(head.n, nxt + self.BACKLOG_PAGE), incarnation=self._incarnation

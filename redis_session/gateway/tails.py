@@ -32,7 +32,7 @@ from typing import Final
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import SessionError, SessionNotFoundError, SessionReplacedError
+from ..errors import SessionError, SessionNotFoundError, SessionReplacedError, SessionRewoundError
 from ..live import follow, follow_live
 from ..model import Entry
 from ..projection.chunks import LiveRecord
@@ -206,6 +206,9 @@ class Tails:
             end = REPLACED
         except SessionNotFoundError:
             end = END
+        except SessionRewoundError as exc:  # each subscriber decides what it means for it
+            log.warning("tail of %r: %s", session_id, exc)
+            end = exc
         except SessionError as exc:
             log.exception("tail of %r failed", session_id)
             end = exc

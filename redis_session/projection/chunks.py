@@ -42,7 +42,7 @@ from ..errors import (
     SessionNotFoundError,
     SessionReplacedError,
 )
-from ..model import NewEntry
+from ..model import Entry, NewEntry
 
 CHUNK = "assistant/chunk"
 INTERRUPTED = "assistant/interrupted"
@@ -504,6 +504,90 @@ def row_times(time: int, data: Mapping[str, Any]) -> list[int]:
     return out
 
 
+def entry_answer(e: Entry) -> str | None:
+    """The streamed answer an entry belongs to: a chunk row's ``data.answer``, a closing entry's
+    (``assistant/message``, ``assistant/interrupted``) ``meta.answer``; None for any other."""
+    src = e.data if e.type == CHUNK else e.meta
+    a = src.get("answer") if isinstance(src, Mapping) else None
+    return a if isinstance(a, str) else None
+
+
+def _record_ms(rid: str) -> int:
+    ms = rid.partition("-")[0]
+    return int(ms) if ms.isdigit() else 0
+
+
+class Merged(Struct, frozen=True):
+    """What `merge_live` ordered: `items`, holding the first `entries` entries and the first
+    `records` records it was given (the rest wait for the next read)."""
+
+    items: list[Entry | LiveRecord]
+    entries: int
+    records: int
+
+
+def merge_live(
+    entries: Sequence[Entry],
+    records: Sequence[LiveRecord],
+    *,
+    more_entries: bool = False,
+    more_records: bool = False,
+) -> Merged:
+    """Log entries and live records (each in its own order) as one sequence in the order they
+    happened: the one rule of every reader that gives both (`RedisSessionStore.tail_live`, the
+    memory store's, `streaming.tail_deltas`, the gateway's catch-up reads).
+
+    A live record's id is the server's ms when it landed, an entry's `time` the same server's
+    clock when it was written: the earlier comes first. At the same ms a record of the entry's
+    own answer (its begin, a delta) comes first — an answer's deltas come before the chunk row
+    and the message that close it — and any other record (another answer's, the answer's own
+    end record, which lands after its closing entry) after it. Whatever the clocks say, the
+    deltas of an answer given here come before the entry that closes it (its
+    ``assistant/message`` or ``assistant/interrupted``): a live stream whose ids run ahead of the
+    clock (after a failover to a server whose clock is behind) never puts an answer's deltas
+    after its end.
+
+    `more_entries` / `more_records`: that side was cut short (a read's COUNT), so what comes
+    after its last item is not known yet: the items that would follow that last item are held
+    back (not in `items`, not counted) for the next read; at least one item is always taken."""
+    last_own: dict[str, int] = {}  # answer -> position of its last begin or delta in `records`
+    for k, r in enumerate(records):
+        if r.kind != "end":
+            last_own[r.answer] = k
+    out: list[Entry | LiveRecord] = []
+    i = j = 0
+    last_e = last_r = -1  # positions in `out` of the last entry and the last record
+    ne, nr = len(entries), len(records)
+    while i < ne or j < nr:
+        take_record = i >= ne
+        if not take_record and j < nr:
+            e, r = entries[i], records[j]
+            a = entry_answer(e)
+            if a is not None and e.type != CHUNK and last_own.get(a, -1) >= j:
+                take_record = True  # the answer's own records before its closing entry
+            else:
+                ms = _record_ms(r.id)
+                take_record = ms < e.time or (ms == e.time and r.answer == a and r.kind != "end")
+        if take_record:
+            last_r = len(out)
+            out.append(records[j])
+            j += 1
+        else:
+            last_e = len(out)
+            out.append(entries[i])
+            i += 1
+    cut = len(out)
+    if more_entries and ne:
+        cut = min(cut, last_e + 1)
+    if more_records and nr:
+        cut = min(cut, last_r + 1)
+    if cut == len(out):
+        return Merged(out, ne, nr)
+    items = out[:cut]
+    taken = sum(1 for x in items if isinstance(x, Entry))
+    return Merged(items, taken, cut - taken)
+
+
 def answers_to_skip(records: Iterable[LiveRecord], start: int, incarnation: str | None) -> set[str]:
     """Answers of a live backlog a reader starting at log position `start` must not be sent as
     deltas: those already closed before `start` (their entries are behind the reader), and those
@@ -572,6 +656,7 @@ __all__ = [
     "Delta",
     "DeltaGap",
     "LiveRecord",
+    "Merged",
     "PackedChunks",
     "answer_budget",
     "answer_refusal",
@@ -583,7 +668,9 @@ __all__ = [
     "delta_chunk",
     "delta_cost",
     "deltas_cost",
+    "entry_answer",
     "live_draft",
+    "merge_live",
     "new_answer_id",
     "open_answers",
     "pack_chunks",

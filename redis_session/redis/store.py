@@ -49,6 +49,7 @@ from ..errors import (
     SessionError,
     SessionNotFoundError,
     SessionReplacedError,
+    SessionRewoundError,
     StoreUnavailableError,
 )
 from ..keys import Keys, id_from_index_member, index_member, is_staging_id, validate_session_id
@@ -74,6 +75,7 @@ from ..projection.chunks import (
     TEXT,
     LiveRecord,
     live_draft,
+    merge_live,
 )
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
 from ..store.rules import Segment, check_list, check_read, lineage_for, plan_read
@@ -1172,6 +1174,8 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
+        if start > h.n:  # given entries this log no longer has (a failover took them back)
+            raise SessionRewoundError(session_id, start, h.n)
         at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
@@ -1183,28 +1187,32 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         last_id = "0-0" if nxt == 0 else f"{nxt - 1}-1"
         while True:
             with _io():
-                resp, (deleted, inc_raw, born_raw) = await self._pipeline(
+                resp, (deleted, inc_raw, born_raw, n_raw) = await self._pipeline(
                     ("XREAD", "COUNT", 1000, "BLOCK", self._tail_block_ms, "STREAMS", key, last_id),
-                    ("HMGET", hdr_key, "deleted", "incarnation", "created_at"),
+                    ("HMGET", hdr_key, "deleted", "incarnation", "created_at", "n"),
                 )
             if inc_raw is None and born_raw is None:
                 return  # deleted: rows read just before may be of a session that came and went
             self._check_incarnation(session_id, inc, inc_raw, born_raw)
+            self._check_rewound(session_id, nxt, n_raw)
             rows = _xread_rows(resp)
             if rows:
                 batch = rows_to_entries(rows)
-                batch = await self._cold_gap(session_id, nxt, batch, inc)  # archived behind us
-                if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
-                    raise SessionError(
-                        f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
-                        f"(got {batch[0].n}..{batch[-1].n}); run `redis-session doctor`"
-                    )
+                batch = await self._in_sequence(session_id, nxt, batch, inc)
                 for e in batch:
                     yield e
                 nxt = batch[-1].n + 1
                 last_id = _s(rows[-1][0]) or last_id
             if deleted is not None:
                 return
+
+    @staticmethod
+    def _check_rewound(session_id: str, nxt: int, n_raw: Any) -> None:
+        """A tail at `nxt` whose log (header n `n_raw`, read after its XREAD) ends before it: the
+        entries it was given are gone (a failover took them back), `SessionRewoundError`."""
+        n = _i(n_raw)
+        if n is not None and n < nxt:
+            raise SessionRewoundError(session_id, nxt, n)
 
     async def get_draft(
         self, session_id: str, *, live: bool = True, incarnation: str | None = None
@@ -1266,6 +1274,8 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
+        if start > h.n:  # given entries this log no longer has (a failover took them back)
+            raise SessionRewoundError(session_id, start, h.n)
         at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
@@ -1291,33 +1301,56 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                     # round trip: after a re-creation the live stream starts with a begin record of
                     # the new incarnation, which `tail_deltas` refuses; nor do the chunk rows of an
                     # answer begun in this life: answer.lua writes them only into the life they began in.)
-                    with _io():
-                        deleted, inc_raw, born_raw = await self._held_raw(
-                            held, "HMGET", hdr_key, "deleted", "incarnation", "created_at"
-                        )
-                    if inc_raw is None and born_raw is None:
+                    gone, deleted = await self._tail_check(held, session_id, hdr_key, inc, nxt)
+                    if gone:
                         return
-                    self._check_incarnation(session_id, inc, inc_raw, born_raw)
-                if live_rows:  # first: an answer's deltas are all on the live stream before its message lands
-                    for r in records:
-                        yield r
-                    live_after = _s(live_rows[-1][0]) or live_after
                 if log_rows:
-                    batch = await self._cold_gap(session_id, nxt, batch, inc)  # archived behind us
-                    if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
-                        raise SessionError(
-                            f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
-                            f"(got {batch[0].n}..{batch[-1].n}); run `redis-session doctor`"
-                        )
-                    for e in batch:
-                        yield e
-                    nxt = batch[-1].n + 1
-                    last_id = _s(log_rows[-1][0]) or last_id
-                if deleted is not None:
+                    batch = await self._in_sequence(session_id, nxt, batch, inc)
+                # in the order they happened (`merge_live`); what a COUNT cut short waits for the next read
+                merged = merge_live(
+                    batch, records, more_entries=len(log_rows or ()) >= 1000, more_records=len(live_rows or ()) >= 1000
+                )
+                for item in merged.items:
+                    yield item
+                if merged.records:
+                    live_after = records[merged.records - 1].id
+                if merged.entries:
+                    nxt = batch[merged.entries - 1].n + 1
+                    last_id = f"{nxt - 1}-1"
+                if deleted is not None and merged.entries == len(batch) and merged.records == len(records):
                     return
         finally:
             if held is not None:
                 await held.release()
+
+    async def _in_sequence(
+        self, session_id: str, nxt: int, batch: builtins.list[Entry], inc: str
+    ) -> builtins.list[Entry]:
+        """A tail's batch from the hot stream, with what was archived behind the tail before it,
+        checked to continue at `nxt` without a hole."""
+        batch = await self._cold_gap(session_id, nxt, batch, inc)
+        if batch[0].n != nxt or batch[-1].n != nxt + len(batch) - 1:
+            raise SessionError(
+                f"session {session_id!r}: the stream's IDs are out of sequence after n={nxt - 1} "
+                f"(got {batch[0].n}..{batch[-1].n}); run `redis-session doctor`"
+            )
+        return batch
+
+    async def _tail_check(
+        self, held: HeldWire | None, session_id: str, hdr_key: str, inc: str, nxt: int
+    ) -> tuple[bool, Any]:
+        """A tail's header read after its XREAD: (gone, deleted). Gone: the key is no more;
+        `SessionReplacedError` for another life, `SessionRewoundError` for a log that ends
+        before the tail (a failover took entries back)."""
+        with _io():
+            deleted, inc_raw, born_raw, n_raw = await self._held_raw(
+                held, "HMGET", hdr_key, "deleted", "incarnation", "created_at", "n"
+            )
+        if inc_raw is None and born_raw is None:
+            return True, None
+        self._check_incarnation(session_id, inc, inc_raw, born_raw)
+        self._check_rewound(session_id, nxt, n_raw)
+        return False, deleted
 
     async def _held_raw(self, held: HeldWire | None, *args: Any) -> Any:
         if held is None:

@@ -25,6 +25,7 @@ from ..errors import (
     SessionError,
     SessionNotFoundError,
     SessionReplacedError,
+    SessionRewoundError,
 )
 from ..keys import index_member, is_staging_id, validate_session_id
 from ..model import (
@@ -55,6 +56,7 @@ from ..projection.chunks import (
     chunk_row,
     deltas_cost,
     live_draft,
+    merge_live,
 )
 from .protocol import IDEMPOTENCY_WINDOW, ColdState, StorageCheck
 from .protocol import SessionStore as SessionStore  # re-exported: modules import it from here
@@ -447,6 +449,8 @@ class MemorySessionStore(StoreRules):
             raise SessionNotFoundError(session_id)
         if incarnation is not None and incarnation != s.header.incarnation:
             raise SessionReplacedError(session_id)
+        if start > s.n:
+            raise SessionRewoundError(session_id, start, s.n)
         nxt = start
         while True:
             s2 = self._get(session_id)
@@ -788,6 +792,8 @@ class MemorySessionStore(StoreRules):
             raise SessionNotFoundError(session_id)
         if incarnation is not None and incarnation != s.header.incarnation:
             raise SessionReplacedError(session_id)
+        if start > s.n:
+            raise SessionRewoundError(session_id, start, s.n)
         nxt, seen = start, _live_seq(live_after)
         while True:
             s2 = self._get(session_id)
@@ -797,16 +803,15 @@ class MemorySessionStore(StoreRules):
                 raise SessionReplacedError(session_id)
             changed = s.changed
             fresh = [r for r in s.live_records(self.clock()) if _live_seq(r.id) > seen]
-            for r in fresh:
-                seen = _live_seq(r.id)
-                yield r
-            if nxt < s.n:
-                batch = await self.read(session_id, nxt, min(s.n, nxt + 1000))
-                for e in batch:
-                    yield e
-                nxt = batch[-1].n + 1 if batch else s.n
-                continue
-            if not fresh:
+            batch = await self.read(session_id, nxt, min(s.n, nxt + 1000)) if nxt < s.n else []
+            merged = merge_live(batch, fresh, more_entries=len(batch) >= 1000)  # in the order they happened
+            for item in merged.items:
+                yield item
+            if merged.records:
+                seen = _live_seq(fresh[merged.records - 1].id)
+            if merged.entries:
+                nxt = batch[merged.entries - 1].n + 1
+            if not fresh and not batch:
                 await changed.wait()
 
     async def set_draft(self, session_id: str, draft: dict[str, Any] | None, *, incarnation: str | None = None) -> None:
