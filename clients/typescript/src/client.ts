@@ -8,7 +8,7 @@
  * a dropped connection with `Last-Event-ID`, without gap or repeat.
  */
 
-import { errorFor, SessionError, SessionNotFoundError, SessionReplacedError, UnavailableError } from './errors.js'
+import { errorFor, SessionError, SessionNotFoundError, SessionReplacedError, SessionRewoundError, UnavailableError } from './errors.js'
 import { parseSse } from './sse.js'
 import { AnswerWriter, type AnswerBegun, type DeltaKind, type Post, type StreamOptions } from './stream.js'
 import type {
@@ -560,6 +560,9 @@ export class SessionClient {
             options.onDraft?.((JSON.parse(ev.data) as { draft: JsonObject | null }).draft)
           } else if (ev.event === 'replaced') {
             throw new SessionReplacedError(id)
+          } else if (ev.event === 'rewound') {
+            const r = JSON.parse(ev.data) as { cursor: number; n: number }
+            throw new SessionRewoundError(id, r.cursor, r.n)
           } else if (ev.event === 'end') {
             return
           }

@@ -42,6 +42,14 @@ export class SessionReplacedError extends SessionNotFoundError {
   }
 }
 
+/** A tail was past its log's end: a failover took back entries it had been given (SSE
+ * `event: rewound`). What it read from `n` on is no longer the log's: re-read the session. */
+export class SessionRewoundError extends SessionError {
+  constructor(readonly sessionId: string, readonly cursor: number, readonly n: number) {
+    super(`session ${JSON.stringify(sessionId)}: the reader was at n=${cursor}, the log ends at n=${n} (a failover rolled it back): re-read it`)
+  }
+}
+
 export class SessionAlreadyExistsError extends SessionError {
   constructor(readonly sessionId: string, message?: string, body: Record<string, unknown> = {}) {
     super(message ?? `session ${JSON.stringify(sessionId)} already exists`, 409, 'already_exists', body)
