@@ -14,7 +14,7 @@ import anyio
 import httpx
 import pytest
 
-from redis_session import RedisSessionStore, SessionHeader
+from redis_session import NewEntry, RedisSessionStore, SessionHeader
 from redis_session.gateway.auth import Token, TokenSet, load_tokens, parse_tokens
 
 from support import running_gateway
@@ -681,3 +681,45 @@ async def test_huge_and_negative_integers_are_refused_with_their_path(
     assert await snapshot(redis_store, "big") == before
     assert await redis_store.head("big-new") is None
     assert (await redis_store.list(parent="big")).items == []
+
+
+# --------------------------------------------------------------------------- bodies of field-less routes
+
+NOT_EMPTY_BODIES: list[tuple[bytes, int]] = [
+    (b"not json", 400),
+    (b'{"x": NaN}', 400),
+    (b'{"lease_ttl": 18446744073709551616}', 422),
+    (b'{"a":1,"a":2}', 422),
+    (b"[" * 100 + b"]" * 100, 422),
+    (b'{"a":"\xff\xfe"}', 400),
+    (b'{"a":"\\ud800"}', 400),
+    (b'{"lease_ttl": 5}', 422),  # well-formed, but these routes take no fields
+    (b"[]", 422),
+]
+
+
+@pytest.mark.parametrize(("body", "status"), NOT_EMPTY_BODIES, ids=[repr(b[:24]) for b, _ in NOT_EMPTY_BODIES])
+async def test_repair_and_delete_parse_their_body_and_write_nothing_on_a_bad_one(
+    redis_store: RedisSessionStore, body: bytes, status: int
+) -> None:
+    """`POST /repair` never read its body: invalid JSON, NaN, 2^64, duplicate names, 100 levels
+    of nesting, invalid UTF-8 or a lone surrogate answered 200 and the repair closed the open turn
+    (and DELETE deleted). Both now take the gateway's one I-JSON parser: empty or ``{}`` only."""
+    open_turn = [{"type": "turn/start", "data": {"turn": 1}}, um("hi")]
+    for sid in ("r1", "r2"):
+        await redis_store.create(SessionHeader(id=sid), [NewEntry(e["type"], e["data"]) for e in open_turn])
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=20) as client:
+        headers = {"Content-Type": "application/json"}
+        r = await client.post(path("r1", "repair"), content=body, headers=headers)
+        assert r.status_code == status, r.text
+        assert "Traceback" not in r.text
+        assert (await redis_store.head("r1")).n == 2  # type: ignore[union-attr]
+        r = await client.request("DELETE", path("r1"), content=body, headers=headers)
+        assert r.status_code == status, r.text
+        assert await redis_store.head("r1") is not None
+        # the control: an empty body and {} are served, and the repair writes
+        assert (await client.post(path("r1", "repair"))).status_code == 200
+        assert (await redis_store.head("r1")).n > 2  # type: ignore[union-attr]
+        assert (await client.post(path("r2", "repair"), content=b"{}", headers=headers)).status_code == 200
+        assert (await redis_store.head("r2")).n > 2  # type: ignore[union-attr]
+        assert (await client.request("DELETE", path("r2"), content=b"{}", headers=headers)).status_code == 204
