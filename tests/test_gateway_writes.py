@@ -16,6 +16,7 @@ import pytest
 
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
 from redis_session.gateway.auth import Token, TokenSet, load_tokens, parse_tokens
+from redis_session.gateway.sse import parse_resume
 
 from support import running_gateway
 
@@ -681,6 +682,20 @@ async def test_huge_and_negative_integers_are_refused_with_their_path(
     assert await snapshot(redis_store, "big") == before
     assert await redis_store.head("big-new") is None
     assert (await redis_store.list(parent="big")).items == []
+
+
+async def test_a_last_event_id_with_a_negative_n_is_a_400_as_start_minus_1(client: httpx.AsyncClient) -> None:
+    """``Last-Event-ID: <inc>:-1`` (with or without ``?deltas=1``) answered 200 and replayed the
+    log from n=0, while ``?start=-1`` is a 400. -1 is only in the ids the gateway sends for a delta
+    before the first entry, which carry a live id: that form still resumes."""
+    r = await client.post("/sessions", json={"id": "neg", "entries": [um("a")]})
+    inc = r.json()["header"]["incarnation"]
+    for params in ({}, {"deltas": "1"}):
+        for last in (f"{inc}:-1", "-1", f"{inc}:-2", f"{inc}:-1/", f"{inc}:-1/1", f"{inc}:-1/-1-0"):
+            async with client.stream("GET", path("neg", "events"), params=params, headers={"Last-Event-ID": last}) as r:
+                assert r.status_code == 400, (params, last, r.status_code, (await r.aread())[:300])
+                assert json.loads(await r.aread())["error"] == "bad_request"
+    assert parse_resume(f"{inc}:-1/0-1") is not None and parse_resume(f"{inc}:-1/0-1").start == 0  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- bodies of field-less routes
