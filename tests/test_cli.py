@@ -82,6 +82,19 @@ def test_piped_help_is_plain_click_text(args: tuple[str, ...]) -> None:
         assert len(allowed) > 100 and "$REDIS_SESSION_ALLOWED_HOSTS" in allowed, allowed
 
 
+@pytest.mark.parametrize("bad", ["abc", "0:x", "-1", "1e400:x"])
+async def test_ls_refuses_a_cursor_no_listing_printed(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str, bad: str
+) -> None:
+    """`redis-session ls --cursor abc` listed nothing ("-1": the first page again), exit 0. A cursor
+    that is not one `ls` printed is a usage error: exit 2, one line on stderr."""
+    await seed(redis_store)
+    r = cli("ls", "--cursor", bad, url=redis_url, prefix=prefix)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "cursor" in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
 async def test_ls_show_doctor_branch(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
     await seed(redis_store)
     r = cli("ls", url=redis_url, prefix=prefix)

@@ -698,6 +698,23 @@ async def test_a_last_event_id_with_a_negative_n_is_a_400_as_start_minus_1(clien
     assert parse_resume(f"{inc}:-1/0-1") is not None and parse_resume(f"{inc}:-1/0-1").start == 0  # type: ignore[union-attr]
 
 
+async def test_a_list_cursor_the_gateway_did_not_issue_is_a_400(client: httpx.AsyncClient) -> None:
+    """``GET /sessions?cursor=`` answered 200 for any cursor: an empty page ("abc", "inf:x") or
+    the first page again ("-1", "0:x", "%00"). Only ``<13 digits>:<id>`` as issued is taken."""
+    for i in range(4):
+        assert (
+            await client.post("/sessions", json={"id": f"l{i}", "created_at": 1_700_000_000_000 + i})
+        ).status_code == 201
+    first = (await client.get("/sessions", params={"limit": 3})).json()
+    assert [h["id"] for h in first["items"]] == ["l3", "l2", "l1"]
+    rest = await client.get("/sessions", params={"limit": 3, "cursor": first["cursor"]})
+    assert rest.status_code == 200 and [h["id"] for h in rest.json()["items"]] == ["l0"]
+    for bad in ["abc", "x", "inf:x", "nan:x", "1e26:x", "-1", "0:x", "1e400:x", "18446744073709551616:x", "1_0:x",
+                "\x00", "0000000000000:a b", "\u0661" * 13 + ":x"]:  # fmt: skip
+        r = await client.get("/sessions", params={"limit": 3, "cursor": bad})
+        assert r.status_code == 400 and r.json()["error"] == "bad_request", (bad, r.status_code, r.text[:200])
+
+
 # --------------------------------------------------------------------------- bodies of field-less routes
 
 NOT_EMPTY_BODIES: list[tuple[bytes, int]] = [
