@@ -12,6 +12,7 @@ is internal. The layers, bottom up, and the one-way import rule are in docs/desi
 
 from __future__ import annotations
 
+from . import _startup as _startup  # first: a Ctrl-C while the `redis-session` command imports is quiet
 from . import live as live  # `redis_session.live.follow` / `follow_deltas` after a plain `import redis_session`
 from .errors import (
     AccessDeniedError,
@@ -28,6 +29,7 @@ from .errors import (
     IdempotencyKeyReusedError,
     ImportFormatError,
     InvalidArgumentError,
+    InvalidCursorError,
     InvalidEntryError,
     InvalidSessionIdError,
     LeaseHeldError,
@@ -86,6 +88,7 @@ __all__ = [
     "IdempotencyKeyReusedError",
     "ImportFormatError",
     "InvalidArgumentError",
+    "InvalidCursorError",
     "InvalidEntryError",
     "InvalidSessionIdError",
     "LeaseHeldError",

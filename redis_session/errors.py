@@ -113,6 +113,11 @@ class InvalidSessionIdError(SessionError, ValueError):
     """A session id that could move a session's keys to another hash slot, or is unusable."""
 
 
+class InvalidCursorError(InvalidArgumentError):
+    """A `list` cursor that no `list` returned (`Page.cursor` is ``<13 digits>:<session id>``, or
+    ``<13 digits>:`` from a tenant's gateway page): refused, not read as the start or the end."""
+
+
 class SessionForkError(SessionError):
     """A fork that cannot be made; `code` is one of the dsh codes
     (INVALID_BOUNDARY, OPEN_TURN, SESSION_NOT_FOUND, SESSION_ALREADY_EXISTS)."""

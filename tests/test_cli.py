@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,19 @@ def test_piped_help_is_plain_click_text(args: tuple[str, ...]) -> None:
     if args == ("gateway", "--help"):  # a long option help stays on its line, not wrapped at 80
         allowed = next(ln for ln in text.splitlines() if ln.lstrip().startswith("--allowed-host"))
         assert len(allowed) > 100 and "$REDIS_SESSION_ALLOWED_HOSTS" in allowed, allowed
+
+
+@pytest.mark.parametrize("bad", ["abc", "0:x", "-1", "1e400:x"])
+async def test_ls_refuses_a_cursor_no_listing_printed(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str, bad: str
+) -> None:
+    """`redis-session ls --cursor abc` listed nothing ("-1": the first page again), exit 0. A cursor
+    that is not one `ls` printed is a usage error: exit 2, one line on stderr."""
+    await seed(redis_store)
+    r = cli("ls", "--cursor", bad, url=redis_url, prefix=prefix)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "cursor" in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""
 
 
 async def test_ls_show_doctor_branch(redis_store: RedisSessionStore, redis_url: str, prefix: str) -> None:
@@ -377,3 +393,75 @@ async def test_reads_and_tails_refuse_an_n_beyond_any_log_before_asking_redis(re
         with pytest.raises(InvalidArgumentError):
             await redis_store.read("chat-1", 0, bad)
     assert [e.n for e in await redis_store.read("chat-1", 5)] == [5, 6]
+
+
+# the console script pip writes for `redis-session`, plus an import hook that sends this process a
+# SIGINT the moment `redis_session.live` starts importing: a Ctrl-C halfway through the imports,
+# on an event rather than after a guessed delay
+_INTERRUPTED_COMMAND = """\
+import os, signal, sys
+from importlib.abc import MetaPathFinder
+
+class Interrupt(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "redis_session.live":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+from redis_session.cli import main
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+
+
+def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """A Ctrl-C in the first half second of `redis-session …` (the package's imports, before any
+    of the CLI's code runs) printed a KeyboardInterrupt traceback from an import and died of the
+    signal (-2). It exits 130 (128 + SIGINT), quietly."""
+    script = tmp_path / "redis-session"  # argv[0] is the command's name, as for the installed script
+    script.write_text(_INTERRUPTED_COMMAND)
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    r = subprocess.run(
+        [sys.executable, str(script), "gateway", "--workers", "2"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert r.returncode == 130, (r.returncode, r.stderr[-800:])
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-800:]
+    # a program that only imports the library keeps Python's own Ctrl-C (a KeyboardInterrupt)
+    lib = tmp_path / "app.py"
+    lib.write_text(
+        _INTERRUPTED_COMMAND.replace("from redis_session.cli import main", "import redis_session; main = None")
+    )
+    r = subprocess.run([sys.executable, str(lib)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == -signal.SIGINT and "KeyboardInterrupt" in r.stderr, (r.returncode, r.stderr[-300:])
+
+
+def test_ctrl_c_while_the_gateway_workers_start_exits_0(redis_url: str, prefix: str) -> None:
+    """Ctrl-C just after `gateway --workers 2` forked its workers, while they were still starting
+    (before that it is a Ctrl-C before serving: 130): a worker that took the passed-on SIGTERM
+    before its server handled it died of it,
+    and the command exited 143. That is the stop asked for: exit 0, no traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "redis_session.cli", "gateway", "--url", redis_url, "--prefix", prefix,
+           "--port", str(port), "--workers", "2"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDIS_SESSION_TOKEN")}
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, start_new_session=True
+    )
+    try:
+        assert proc.stderr is not None
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        deadline = time.monotonic() + 60
+        while len(children.read_text().split()) < 2:  # both forked: from here on a Ctrl-C is a stop
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-800:]
+            time.sleep(0.001)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group
+        _, rest = proc.communicate(timeout=60)
+        assert proc.returncode == 0, (proc.returncode, rest[-800:])
+        assert "Traceback" not in rest, rest[-800:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

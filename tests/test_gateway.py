@@ -835,6 +835,24 @@ async def test_allowed_hosts_are_configurable(redis_store: RedisSessionStore) ->
             assert (await client.get("/sessions/h", headers={"Host": host})).status_code == status, host
 
 
+async def test_a_host_with_an_empty_label_is_a_400(redis_store: RedisSessionStore) -> None:
+    """With ``.example.com`` allowed, ``Host: .example.com``, ``..example.com`` and
+    ``a..example.com`` (empty DNS labels: no host name) were served; they are a 400, on the probes
+    too. A name with one trailing dot (the root) is still a name."""
+    await mk(redis_store, "e", 1)
+    async with running_gateway(redis_store, allowed_hosts=[".example.com"]) as base:
+        for host in [".example.com", "..example.com", "a..example.com", ".example.com:80", "a.example.com..", "."]:
+            for target in ("/sessions/e", "/healthz"):
+                request = f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+                status, answer = await raw_http(base, request)
+                assert status == 400, (host, target, status, answer[:200])
+                assert json.loads(answer)["error"] == "bad_request", (host, answer[:200])
+        for host, status in [("a.example.com", 200), ("example.com:8765", 200), ("a.example.com.", 200)]:
+            request = f"GET /sessions/e HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+            got, answer = await raw_http(base, request)
+            assert got == status, (host, got, answer[:200])
+
+
 async def test_cors_only_for_allowed_origins(redis_store: RedisSessionStore) -> None:
     """No origin by default; an allowed one gets its preflight and CORS headers on every
     answer (SSE included); any other origin's page can write nothing."""

@@ -14,8 +14,9 @@ import anyio
 import httpx
 import pytest
 
-from redis_session import RedisSessionStore, SessionHeader
+from redis_session import NewEntry, RedisSessionStore, SessionHeader
 from redis_session.gateway.auth import Token, TokenSet, load_tokens, parse_tokens
+from redis_session.gateway.sse import parse_resume
 
 from support import running_gateway
 
@@ -681,3 +682,76 @@ async def test_huge_and_negative_integers_are_refused_with_their_path(
     assert await snapshot(redis_store, "big") == before
     assert await redis_store.head("big-new") is None
     assert (await redis_store.list(parent="big")).items == []
+
+
+async def test_a_last_event_id_with_a_negative_n_is_a_400_as_start_minus_1(client: httpx.AsyncClient) -> None:
+    """``Last-Event-ID: <inc>:-1`` (with or without ``?deltas=1``) answered 200 and replayed the
+    log from n=0, while ``?start=-1`` is a 400. -1 is only in the ids the gateway sends for a delta
+    before the first entry, which carry a live id: that form still resumes."""
+    r = await client.post("/sessions", json={"id": "neg", "entries": [um("a")]})
+    inc = r.json()["header"]["incarnation"]
+    for params in ({}, {"deltas": "1"}):
+        for last in (f"{inc}:-1", "-1", f"{inc}:-2", f"{inc}:-1/", f"{inc}:-1/1", f"{inc}:-1/-1-0"):
+            async with client.stream("GET", path("neg", "events"), params=params, headers={"Last-Event-ID": last}) as r:
+                assert r.status_code == 400, (params, last, r.status_code, (await r.aread())[:300])
+                assert json.loads(await r.aread())["error"] == "bad_request"
+    assert parse_resume(f"{inc}:-1/0-1") is not None and parse_resume(f"{inc}:-1/0-1").start == 0  # type: ignore[union-attr]
+
+
+async def test_a_list_cursor_the_gateway_did_not_issue_is_a_400(client: httpx.AsyncClient) -> None:
+    """``GET /sessions?cursor=`` answered 200 for any cursor: an empty page ("abc", "inf:x") or
+    the first page again ("-1", "0:x", "%00"). Only ``<13 digits>:<id>`` as issued is taken."""
+    for i in range(4):
+        assert (
+            await client.post("/sessions", json={"id": f"l{i}", "created_at": 1_700_000_000_000 + i})
+        ).status_code == 201
+    first = (await client.get("/sessions", params={"limit": 3})).json()
+    assert [h["id"] for h in first["items"]] == ["l3", "l2", "l1"]
+    rest = await client.get("/sessions", params={"limit": 3, "cursor": first["cursor"]})
+    assert rest.status_code == 200 and [h["id"] for h in rest.json()["items"]] == ["l0"]
+    for bad in ["abc", "x", "inf:x", "nan:x", "1e26:x", "-1", "0:x", "1e400:x", "18446744073709551616:x", "1_0:x",
+                "\x00", "0000000000000:a b", "\u0661" * 13 + ":x"]:  # fmt: skip
+        r = await client.get("/sessions", params={"limit": 3, "cursor": bad})
+        assert r.status_code == 400 and r.json()["error"] == "bad_request", (bad, r.status_code, r.text[:200])
+
+
+# --------------------------------------------------------------------------- bodies of field-less routes
+
+NOT_EMPTY_BODIES: list[tuple[bytes, int]] = [
+    (b"not json", 400),
+    (b'{"x": NaN}', 400),
+    (b'{"lease_ttl": 18446744073709551616}', 422),
+    (b'{"a":1,"a":2}', 422),
+    (b"[" * 100 + b"]" * 100, 422),
+    (b'{"a":"\xff\xfe"}', 400),
+    (b'{"a":"\\ud800"}', 400),
+    (b'{"lease_ttl": 5}', 422),  # well-formed, but these routes take no fields
+    (b"[]", 422),
+]
+
+
+@pytest.mark.parametrize(("body", "status"), NOT_EMPTY_BODIES, ids=[repr(b[:24]) for b, _ in NOT_EMPTY_BODIES])
+async def test_repair_and_delete_parse_their_body_and_write_nothing_on_a_bad_one(
+    redis_store: RedisSessionStore, body: bytes, status: int
+) -> None:
+    """`POST /repair` never read its body: invalid JSON, NaN, 2^64, duplicate names, 100 levels
+    of nesting, invalid UTF-8 or a lone surrogate answered 200 and the repair closed the open turn
+    (and DELETE deleted). Both now take the gateway's one I-JSON parser: empty or ``{}`` only."""
+    open_turn = [{"type": "turn/start", "data": {"turn": 1}}, um("hi")]
+    for sid in ("r1", "r2"):
+        await redis_store.create(SessionHeader(id=sid), [NewEntry(e["type"], e["data"]) for e in open_turn])
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=20) as client:
+        headers = {"Content-Type": "application/json"}
+        r = await client.post(path("r1", "repair"), content=body, headers=headers)
+        assert r.status_code == status, r.text
+        assert "Traceback" not in r.text
+        assert (await redis_store.head("r1")).n == 2  # type: ignore[union-attr]
+        r = await client.request("DELETE", path("r1"), content=body, headers=headers)
+        assert r.status_code == status, r.text
+        assert await redis_store.head("r1") is not None
+        # the control: an empty body and {} are served, and the repair writes
+        assert (await client.post(path("r1", "repair"))).status_code == 200
+        assert (await redis_store.head("r1")).n > 2  # type: ignore[union-attr]
+        assert (await client.post(path("r2", "repair"), content=b"{}", headers=headers)).status_code == 200
+        assert (await redis_store.head("r2")).n > 2  # type: ignore[union-attr]
+        assert (await client.request("DELETE", path("r2"), content=b"{}", headers=headers)).status_code == 204

@@ -18,6 +18,7 @@ import pytest
 
 from redis_session import (
     Entry,
+    InvalidCursorError,
     InvalidEntryError,
     NewEntry,
     RedisSessionStore,
@@ -113,6 +114,43 @@ async def test_create_defaults_fields_and_duplicates(store: Any) -> None:
     seeded = await sessions.create("seeded", entries=[um("a"), am("b")])
     assert seeded.n == 2 and [m.text for m in await seeded.messages()] == ["a", "b"]
     assert await sessions.head("missing") is None
+
+
+MALFORMED_CURSORS = [
+    "abc",
+    "x",
+    "inf:x",
+    "nan:x",
+    "1e26:x",
+    "-1",
+    "0:x",
+    "1e400:x",
+    "18446744073709551616:x",
+    "1_0:x",
+    "\x00",
+    "",
+    "0000000000000",
+    "000000000000:x",
+    "00000000000000:x",
+    "\u0661" * 13 + ":x",
+    "0000000000000:a b",
+    "0000000000000:{x}",
+]
+
+
+async def test_a_list_cursor_no_list_returned_raises_invalid_cursor_error(store: Any) -> None:
+    """`list(cursor=)` took any string: "abc", "inf:x" … listed nothing (a pager stopped early),
+    "-1", "0:x" … the first page again (a pager looped). Now anything but a returned cursor
+    (``<13 digits>:<id>``, or a tenant page's ``<13 digits>:``) raises `InvalidCursorError`."""
+    for i in range(3):
+        await store.create(SessionHeader(id=f"c{i}", created_at=1_700_000_000_000 + i))
+    page = await store.list(limit=2)
+    assert page.cursor is not None
+    assert [h.id for h in (await store.list(limit=2, cursor=page.cursor)).items] == ["c0"]
+    assert [h.id for h in (await store.list(limit=2, cursor=page.cursor[:14])).items] == ["c1", "c0"]
+    for bad in MALFORMED_CURSORS:
+        with pytest.raises(InvalidCursorError):
+            await store.list(limit=2, cursor=bad)
 
 
 async def test_list_delete_and_reopen(store: Any) -> None:

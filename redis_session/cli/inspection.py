@@ -30,13 +30,27 @@ from .common import (
 from .supervised import supervised
 
 
+def _cursor_arg(value: str | None) -> str | None:
+    """A --cursor that no listing printed is a usage error (exit 2), not the first page again."""
+    from ..errors import InvalidCursorError
+    from ..store.rules import check_cursor
+
+    try:
+        check_cursor(value)
+    except InvalidCursorError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
 @app.command("ls")
 def ls_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     parent: Annotated[str | None, typer.Option(help="Only branches of this session.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
-    cursor: Annotated[str | None, typer.Option(help="Continue a previous listing.")] = None,
+    cursor: Annotated[
+        str | None, typer.Option(help="Continue a previous listing (the 'more:' cursor).", callback=_cursor_arg)
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List sessions, newest first."""

@@ -24,6 +24,9 @@ from . import inspection, writes, workers, serve, server  # noqa: F401
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; turn every expected failure into one line and exit code 1."""
+    from .._startup import restore
+
+    restore()  # a Ctrl-C from here on is a KeyboardInterrupt, turned into a quiet 130 (or a stop)
     try:
         code = app(args=argv, standalone_mode=False)
         sys.stdout.flush()  # a closed pipe shows here for output still buffered

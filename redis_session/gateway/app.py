@@ -471,6 +471,8 @@ def run_workers(count: int, work: Callable[[], None]) -> int:
             if pid == 0:  # the worker: SIGTERM is `serve`'s (graceful), SIGINT is the parent's
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                if stopping:  # the stop came between the fork and the lines above (the parent's handler took it)
+                    os._exit(0)
                 code = 0
                 try:
                     work()
@@ -489,6 +491,8 @@ def run_workers(count: int, work: Callable[[], None]) -> int:
         for pid in pids:
             _, raw = os.waitpid(pid, 0)  # retried across the signals' handlers (PEP 475)
             code = os.waitstatus_to_exitcode(raw)
+            if stopping and code == -signal.SIGTERM:
+                code = 0  # still starting, it took the stop we passed on before `serve` handled it: a stop
             if code and not status:
                 status = code if code > 0 else 128 - code
     finally:

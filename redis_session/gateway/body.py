@@ -83,6 +83,10 @@ class ForkIn(Struct, forbid_unknown_fields=True, kw_only=True):
     id: str | None = None
 
 
+class NoFieldsIn(Struct, forbid_unknown_fields=True):
+    """The body of a route that takes no fields (repair, delete): empty, or ``{}``."""
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, read as a stream and refused (413) as soon as it passes `limit` bytes:
     an oversized body is never buffered whole, let alone parsed."""
@@ -181,6 +185,12 @@ def _audit(value: dict[str, Any] | list[Any]) -> None:
                     "send a larger one as a string",
                     where,
                 )
+
+
+async def no_fields(request: Request, limit: int) -> None:
+    """Check the body of a route that takes no fields (repair, delete) with the one parser every
+    write route uses: empty or ``{}``; anything else is a 400/422 before anything is written."""
+    convert(decode_json(await read_body(request, limit)), NoFieldsIn)
 
 
 def convert(value: Any, type: type[T], where: str = "$") -> T:

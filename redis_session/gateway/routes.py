@@ -219,14 +219,18 @@ _HOST_VALUE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|[A-Za-z0-9._-]*)(?::(?P
 
 
 def _host_problem(host: str) -> str | None:
-    """Why `host` is no ``Host`` value (None when it is one): a name or IPv4 address, or an IPv6
-    address in brackets, with an optional port of 1-5 digits no larger than 65535."""
+    """Why `host` is no ``Host`` value (None when it is one): a name (no empty label; one trailing
+    dot, the root, is one) or IPv4 address, or an IPv6 address in brackets, with an optional port
+    of 1-5 digits no larger than 65535."""
     m = _HOST_VALUE.fullmatch(host)
     if m is None:
         return "is not a host name or address with an optional port"
     if m.group("port") is not None and int(m.group("port")) > 65535:
         return "names a port above 65535"
     v6 = m.group("v6")
+    name = host if m.group("port") is None else host[: host.rindex(":")]
+    if v6 is None and name and "" in name.removesuffix(".").split("."):
+        return "has an empty label (a leading dot, or two dots in a row)"  # no DNS name: a.., .a
     if v6 is not None:
         try:
             ipaddress.IPv6Address(v6)

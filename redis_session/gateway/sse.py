@@ -188,9 +188,14 @@ def is_stream_id(value: str) -> bool:
 
 
 def parse_resume(last_id: str) -> Resume | None:
-    """``<incarnation>:<n>[/<live id>]`` (or a plain ``<n>[/<live id>]``); None if malformed."""
+    """``<incarnation>:<n>[/<live id>]`` (or a plain ``<n>[/<live id>]``); None if malformed.
+
+    n is -1 only in the ids this gateway sends for a delta before the session's first entry, and
+    those carry a live id: ``<incarnation>:-1`` alone is none of its ids (it was served from n=0)."""
     m = _RESUME.fullmatch(last_id.strip())
     if m is None or (m.group(3) is not None and not is_stream_id(m.group(3))):
+        return None
+    if m.group(2) == "-1" and m.group(3) is None:
         return None
     return Resume(m.group(1), int(m.group(2)) + 1, m.group(3))
 

@@ -43,6 +43,7 @@ from .body import (
     convert,
     decode_json,
     entry_error,
+    no_fields,
     parse_entries,
     pinned_incarnation,
     preconditions,
@@ -258,7 +259,8 @@ async def delete(gw: Gateway, request: Request, sid: str) -> Response:
     """204, or 404. With X-Session-Incarnation (or ``If-Match: "<n>;<incarnation>"``) only that
     life of the id is deleted (checked in the delete script: 409 ``session_replaced``, nothing
     deleted); an If-Match n is checked against the head first (a guard against deleting what the
-    client did not see, not an atomic compare-and-delete of the n)."""
+    client did not see, not an atomic compare-and-delete of the n). The body is empty or ``{}``."""
+    await no_fields(request, gw.max_body)
     cond = preconditions(request)
     if cond.expected is not None:
         head = await gw.store.head(sid)
@@ -296,7 +298,9 @@ async def put_draft(gw: Gateway, request: Request, sid: str) -> Response:
 async def repair(gw: Gateway, request: Request, sid: str) -> Response:
     """Close a turn a crashed writer left open (`Sessions.repair`); 409 while a live writer holds
     the lease. Safe to retry: a repaired session has nothing left to close. Pinned to a life
-    (X-Session-Incarnation), every write of the repair is checked against it by the store."""
+    (X-Session-Incarnation), every write of the repair is checked against it by the store. The
+    body is empty or ``{}``: anything else is refused (400/422) before the repair runs."""
+    await no_fields(request, gw.max_body)
     entries = await gw.sessions.repair(sid, incarnation=preconditions(request).incarnation)
     head = await gw.store.head(sid)
     n = entries[-1].n + 1 if entries else (head.n if head is not None else 0)

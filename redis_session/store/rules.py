@@ -5,10 +5,11 @@ problems, and branch segment planning (where a branch reads its prefix from)."""
 from __future__ import annotations
 
 import builtins
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..errors import InvalidArgumentError, InvalidEntryError
+from ..errors import InvalidArgumentError, InvalidCursorError, InvalidEntryError, InvalidSessionIdError
 from ..keys import validate_new_session_id, validate_session_id
 from ..model import EncodedEntry, NewEntryLike, SessionHeader, Vocabulary, encode_batch, lossless_json
 from ..projection.invariants import Problem
@@ -42,10 +43,27 @@ def check_list(parent: object, limit: object, cursor: object) -> None:
     """`list`'s arguments."""
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIST_LIMIT:
         raise ValueError(f"limit must be an int in [1, {MAX_LIST_LIMIT}]")
-    if cursor is not None and (not isinstance(cursor, str) or len(cursor) > MAX_CURSOR_LENGTH):
-        raise ValueError("invalid cursor")
+    check_cursor(cursor)
     if parent is not None:
         validate_session_id(parent)
+
+
+_CURSOR = re.compile(r"[0-9]{13}:")
+
+
+def check_cursor(cursor: object) -> None:
+    """A `list` cursor is what a `list` returned: ``<13 digits>:<session id>`` (an index member,
+    `keys.index_member`), or ``<13 digits>:`` (a tenant page's time bound); anything else raises
+    `InvalidCursorError` (it read as the first page again, or as the end of the list)."""
+    if cursor is None:
+        return
+    if not isinstance(cursor, str) or len(cursor) > MAX_CURSOR_LENGTH or _CURSOR.match(cursor) is None:
+        raise InvalidCursorError(f"invalid cursor {str(cursor)[:80]!r}: pass back a Page.cursor as returned")
+    if len(cursor) > 14:
+        try:
+            validate_session_id(cursor[14:])
+        except InvalidSessionIdError:
+            raise InvalidCursorError(f"invalid cursor {cursor[:80]!r}: pass back a Page.cursor as returned") from None
 
 
 def check_expected_n(expected_n: object) -> None:
