@@ -52,6 +52,7 @@ def follow(
     min_backoff: float = 0.05,
     max_backoff: float = 5.0,
     incarnation: str | None = None,
+    resumed: bool = False,
 ) -> AsyncGenerator[Entry, None]:
     """Every entry with n >= `start`, then each new one as it lands, across connection drops.
 
@@ -60,7 +61,10 @@ def follow(
     (default: the one at the start) — also when that happened during a drop: a resumed tail
     never continues on a session that took the id. Delivery is exactly once and in order: after a
     drop the tail resumes at the last delivered n + 1, and a gap (never expected from a store) is
-    filled by a read.
+    filled by a read. A `start` beyond the log waits for it, unless `resumed` (it is the cursor of
+    a reader given the entries before it, e.g. in an earlier process): once this reader was given
+    entries, a log that ends before its cursor (a failover took entries back) raises
+    `SessionRewoundError` instead of waiting silently for entries it would never be given.
 
     >>> async with contextlib.aclosing(follow(store, "chat-1")) as entries:
     ...     async for e in entries:
@@ -69,7 +73,7 @@ def follow(
     return cast(
         AsyncGenerator[Entry, None],
         _resume(store, session_id, start, deltas=False, live_after=None, on_retry=on_retry,
-                min_backoff=min_backoff, max_backoff=max_backoff, incarnation=incarnation),
+                min_backoff=min_backoff, max_backoff=max_backoff, incarnation=incarnation, resumed=resumed),
     )  # fmt: skip
 
 
@@ -83,6 +87,7 @@ def follow_deltas(
     min_backoff: float = 0.05,
     max_backoff: float = 5.0,
     incarnation: str | None = None,
+    resumed: bool = False,
 ) -> AsyncGenerator[Entry | Delta | DeltaGap, None]:
     """`follow`, plus the deltas of streamed answers (`Delta`) as they are streamed
     (`streaming.tail_deltas`): a reader arriving mid-answer gets the answer so far, then the rest.
@@ -91,7 +96,8 @@ def follow_deltas(
     delivered delta's `cursor`, so entries and deltas both arrive exactly once and in order; a
     delta the live stream no longer holds comes as a `DeltaGap` (re-read the answer's chunk rows
     from the log), never silently missing. A begin of another life raises `SessionReplacedError`.
-    Pass `live_after` (a `Delta.cursor`) with `start` to resume a reader of an earlier call.
+    Pass `live_after` (a `Delta.cursor`) with `start` to resume a reader of an earlier call (that
+    is `resumed`, as in `follow`: a log rolled back behind `start` raises `SessionRewoundError`).
 
     >>> async for item in follow_deltas(store, "chat-1", start=s.n):
     ...     if isinstance(item, Delta):
@@ -100,6 +106,7 @@ def follow_deltas(
     return cast(AsyncGenerator[Entry | Delta | DeltaGap, None], _resume(
         store, session_id, start, deltas=True, live_after=live_after, on_retry=on_retry,
         min_backoff=min_backoff, max_backoff=max_backoff, incarnation=incarnation,
+        resumed=resumed or live_after is not None,
     ))  # fmt: skip
 
 
@@ -131,12 +138,17 @@ def _open(
     incarnation: str,
     live_after: str | None,
     delivered: dict[str, int],
+    resumed: bool,
 ) -> AsyncIterator[Entry | Delta | DeltaGap | LiveRecord]:
     if deltas:
-        return tail_deltas(store, session_id, nxt, incarnation=incarnation, live_after=live_after, delivered=delivered)
+        return tail_deltas(
+            store, session_id, nxt, incarnation=incarnation, live_after=live_after, delivered=delivered, resumed=resumed
+        )
     if records:
-        return store.tail_live(session_id, nxt, live_after=live_after or "0-0", incarnation=incarnation)
-    return store.tail(session_id, nxt, incarnation=incarnation)
+        return store.tail_live(
+            session_id, nxt, live_after=live_after or "0-0", incarnation=incarnation, resumed=resumed
+        )
+    return store.tail(session_id, nxt, incarnation=incarnation, resumed=resumed)
 
 
 async def _resume(
@@ -151,6 +163,7 @@ async def _resume(
     min_backoff: float,
     max_backoff: float,
     incarnation: str | None,
+    resumed: bool = False,
 ) -> AsyncGenerator[Entry | Delta | DeltaGap | LiveRecord, None]:
     """The one reconnecting reader behind `follow`, `follow_deltas` and `follow_live`: entries from `start`
     exactly once and in order (a gap, never expected, is filled by a read), and with `deltas` the
@@ -167,7 +180,10 @@ async def _resume(
                 if head is None:
                     raise SessionNotFoundError(session_id)
                 incarnation = head.header.incarnation
-            tail = _open(store, session_id, nxt, deltas, records, incarnation, live_after, delivered)
+            # past `start`, `nxt` follows entries this reader was given: a log behind it was rolled back
+            tail = _open(
+                store, session_id, nxt, deltas, records, incarnation, live_after, delivered, resumed or nxt > start
+            )
             async with _closing(tail) as items:
                 async for item in items:
                     if isinstance(item, (Delta, DeltaGap, LiveRecord)):

@@ -851,6 +851,7 @@ async def tail_deltas(
     incarnation: str | None = None,
     live_after: str | None = None,
     delivered: dict[str, int] | None = None,
+    resumed: bool = False,
 ) -> AsyncGenerator[Entry | Delta | DeltaGap, None]:
     """Entries from `start` as `SessionStore.tail` gives them, and the deltas of streamed
     answers as they are streamed (one connection; `live.follow_deltas` survives drops).
@@ -867,7 +868,8 @@ async def tail_deltas(
 
     `delivered` (answer -> the next index owed, kept up to date as deltas are given) carries
     what a reader got over an earlier connection: a delta a failover lost from the live stream
-    and its writer sent again, under a later id than the reader's cursor, is not given twice."""
+    and its writer sent again, under a later id than the reader's cursor, is not given twice.
+    `resumed`: `start` is the cursor of a reader given the entries before it (`SessionStore.tail`)."""
     records = await store.read_live(session_id)
     # the life, after the records: those were read from the stream of the life the header still
     # names, so a straggler of another life (an old writer's last live records land in whatever
@@ -883,7 +885,10 @@ async def tail_deltas(
     # the records after the cursor (a fresh reader: all of them) come from the tail, with the
     # entries in the order they happened (`merge_live`): never a later answer's deltas before an
     # earlier answer's message
-    async for got in store.tail_live(session_id, start, live_after=reader.cursor or "0-0", incarnation=incarnation):
+    tail = store.tail_live(
+        session_id, start, live_after=reader.cursor or "0-0", incarnation=incarnation, resumed=resumed
+    )
+    async for got in tail:
         if not isinstance(got, LiveRecord):
             yield got
             continue

@@ -226,7 +226,10 @@ async def test_a_reader_ahead_of_a_rolled_back_log_is_told_at_its_restart(
     seen = [e.n async for e in _take(follow(redis_store, "rb"), 14)]
     assert seen[-1] == 13
     await _roll_back(redis_url, prefix, "rb", 11)
-    for tail in (follow(redis_store, "rb", start=14), follow_deltas(redis_store, "rb", start=14, live_after="0-1")):
+    for tail in (
+        follow(redis_store, "rb", start=14, resumed=True),
+        follow_deltas(redis_store, "rb", start=14, live_after="0-1"),
+    ):
         with pytest.raises(SessionRewoundError) as got, anyio.fail_after(60):
             async for _ in tail:
                 pass
@@ -268,8 +271,8 @@ async def test_a_waiting_tail_ahead_of_a_rolled_back_log_is_told_on_its_next_wak
 
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(reader, follow_deltas(redis_store, "rbw", start=14))
-            tg.start_soon(reader, follow(redis_store, "rbw", start=14))
+            tg.start_soon(reader, follow_deltas(redis_store, "rbw", start=14, resumed=True))
+            tg.start_soon(reader, follow(redis_store, "rbw", start=14, resumed=True))
             await wait_blocked_in_xread(redis_url, prefix, 2)
             await _roll_back(redis_url, prefix, "rbw", 11)
     assert [(e.cursor, e.n) for e in raised] == [(14, 11), (14, 11)]  # type: ignore[attr-defined]
@@ -446,7 +449,7 @@ async def test_a_reader_that_fails_over_to_a_replica_behind_it_is_told(tmp_path:
             seen = [e.n async for e in _take(follow_deltas(m, "fo"), 14)]
             assert seen[-1] == 13
             with pytest.raises(SessionRewoundError) as got:
-                async for _ in follow_deltas(r, "fo", start=14):
+                async for _ in follow_deltas(r, "fo", start=14, resumed=True):
                     pass
         assert (got.value.cursor, got.value.n) == (14, 11)
         await raw_m.aclose()

@@ -184,4 +184,5 @@ async def events(gw: Gateway, request: Request, sid: str) -> Response:
         deltas=request.query_params.get("deltas") in ("1", "true"),
         live_after=live_after,
         incarnation=incarnation,
+        resumed=bool(last_id),
     )

@@ -240,9 +240,13 @@ class _EventStream(Response):
         live_after: str | None = None,
         incarnation: str | None = None,
         tails: Tails,
+        resumed: bool = False,
     ) -> None:
         # not Response.__init__: it would announce a Content-Length of 0
         self.status_code = 200
+        # `start` is a Last-Event-ID's: the reader was given what is before it (a log that ends
+        # before it was rolled back); a fresh ?start= ahead of the log just waits for it
+        self.resumed = resumed
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.store = store
@@ -378,7 +382,7 @@ class _EventStream(Response):
                     self._incarnation = head.header.incarnation
                 elif head.header.incarnation != self._incarnation:
                     raise SessionReplacedError(sid)
-                if nxt > head.n:
+                if nxt > head.n and (self.resumed or nxt > self.start):
                     raise SessionRewoundError(sid, nxt, head.n)
                 inc = self._incarnation or ""
                 if reader is None:
@@ -523,7 +527,7 @@ class _EventStream(Response):
                     self._incarnation = head.header.incarnation  # the session this stream follows
                 elif head.header.incarnation != self._incarnation:
                     raise SessionReplacedError(self.session_id)
-                if nxt > head.n:
+                if nxt > head.n and (self.resumed or nxt > self.start):
                     raise SessionRewoundError(self.session_id, nxt, head.n)
                 if nxt == head.n:
                     return nxt

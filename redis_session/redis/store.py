@@ -1159,7 +1159,9 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             raise SessionNotFoundError(session_id)
         return head
 
-    async def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
+    async def tail(
+        self, session_id: str, start: int = 0, *, incarnation: str | None = None, resumed: bool = False
+    ) -> AsyncIterator[Entry]:
         """Every entry with n >= start, then each new one as it lands (XREAD BLOCK).
 
         Resumable from any n; ends when the session is deleted. Raises `SessionReplacedError`
@@ -1174,8 +1176,11 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
-        if start > h.n:  # given entries this log no longer has (a failover took them back)
+        if resumed and start > h.n:  # given entries this log no longer has (a failover took them back)
             raise SessionRewoundError(session_id, start, h.n)
+        # the log was at `given` once (its n at the start; with `resumed`, the reader was given what is
+        # before `start`; then what this tail gave): an n below it and below the reader is a rollback
+        given = max(start, h.n) if resumed else h.n
         at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
@@ -1194,7 +1199,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             if inc_raw is None and born_raw is None:
                 return  # deleted: rows read just before may be of a session that came and went
             self._check_incarnation(session_id, inc, inc_raw, born_raw)
-            self._check_rewound(session_id, nxt, n_raw)
+            self._check_rewound(session_id, nxt, given, n_raw)
             rows = _xread_rows(resp)
             if rows:
                 batch = rows_to_entries(rows)
@@ -1202,16 +1207,19 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                 for e in batch:
                     yield e
                 nxt = batch[-1].n + 1
+                given = max(given, nxt)
                 last_id = _s(rows[-1][0]) or last_id
             if deleted is not None:
                 return
 
     @staticmethod
-    def _check_rewound(session_id: str, nxt: int, n_raw: Any) -> None:
-        """A tail at `nxt` whose log (header n `n_raw`, read after its XREAD) ends before it: the
-        entries it was given are gone (a failover took them back), `SessionRewoundError`."""
+    def _check_rewound(session_id: str, nxt: int, given: int, n_raw: Any) -> None:
+        """A tail at `nxt` on a log that was at `given` once, whose header n (`n_raw`, read after
+        its XREAD) is now below both: the log lost entries the reader may have been given (a
+        failover took them back), `SessionRewoundError`. A tail started ahead of its log is not
+        behind anything: it waits."""
         n = _i(n_raw)
-        if n is not None and n < nxt:
+        if n is not None and n < nxt and n < given:
             raise SessionRewoundError(session_id, nxt, n)
 
     async def get_draft(
@@ -1261,7 +1269,13 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         return _live_records(rows)
 
     async def tail_live(
-        self, session_id: str, start: int = 0, *, live_after: str = "0-0", incarnation: str | None = None
+        self,
+        session_id: str,
+        start: int = 0,
+        *,
+        live_after: str = "0-0",
+        incarnation: str | None = None,
+        resumed: bool = False,
     ) -> AsyncIterator[Entry | LiveRecord]:
         """`tail`, plus the live stream's records after stream id `live_after`: one XREAD BLOCK
         on both keys (one slot), so entries and live records come in the order they landed."""
@@ -1274,8 +1288,11 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         inc = h.header.incarnation
         if incarnation is not None and incarnation != inc:
             raise SessionReplacedError(session_id)
-        if start > h.n:  # given entries this log no longer has (a failover took them back)
+        if resumed and start > h.n:  # given entries this log no longer has (a failover took them back)
             raise SessionRewoundError(session_id, start, h.n)
+        # the log was at `given` once (its n at the start; with `resumed`, the reader was given what is
+        # before `start`; then what this tail gave): an n below it and below the reader is a rollback
+        given = max(start, h.n) if resumed else h.n
         at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
         nxt = start
         if nxt < at:
@@ -1301,7 +1318,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                     # round trip: after a re-creation the live stream starts with a begin record of
                     # the new incarnation, which `tail_deltas` refuses; nor do the chunk rows of an
                     # answer begun in this life: answer.lua writes them only into the life they began in.)
-                    gone, deleted = await self._tail_check(held, session_id, hdr_key, inc, nxt)
+                    gone, deleted = await self._tail_check(held, session_id, hdr_key, inc, nxt, given)
                     if gone:
                         return
                 if log_rows:
@@ -1316,6 +1333,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                     live_after = records[merged.records - 1].id
                 if merged.entries:
                     nxt = batch[merged.entries - 1].n + 1
+                    given = max(given, nxt)
                     last_id = f"{nxt - 1}-1"
                 if deleted is not None and merged.entries == len(batch) and merged.records == len(records):
                     return
@@ -1337,7 +1355,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         return batch
 
     async def _tail_check(
-        self, held: HeldWire | None, session_id: str, hdr_key: str, inc: str, nxt: int
+        self, held: HeldWire | None, session_id: str, hdr_key: str, inc: str, nxt: int, given: int
     ) -> tuple[bool, Any]:
         """A tail's header read after its XREAD: (gone, deleted). Gone: the key is no more;
         `SessionReplacedError` for another life, `SessionRewoundError` for a log that ends
@@ -1349,7 +1367,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         if inc_raw is None and born_raw is None:
             return True, None
         self._check_incarnation(session_id, inc, inc_raw, born_raw)
-        self._check_rewound(session_id, nxt, n_raw)
+        self._check_rewound(session_id, nxt, given, n_raw)
         return False, deleted
 
     async def _held_raw(self, held: HeldWire | None, *args: Any) -> Any:

@@ -440,7 +440,9 @@ class MemorySessionStore(StoreRules):
         await self.links(session_id)
         return []
 
-    async def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
+    async def tail(
+        self, session_id: str, start: int = 0, *, incarnation: str | None = None, resumed: bool = False
+    ) -> AsyncIterator[Entry]:
         """Every entry with n >= start, then each new one as it lands; ends if the session is
         deleted, raises `SessionReplacedError` once the id names another incarnation."""
         check_read(session_id, start, None)
@@ -449,7 +451,7 @@ class MemorySessionStore(StoreRules):
             raise SessionNotFoundError(session_id)
         if incarnation is not None and incarnation != s.header.incarnation:
             raise SessionReplacedError(session_id)
-        if start > s.n:
+        if resumed and start > s.n:
             raise SessionRewoundError(session_id, start, s.n)
         nxt = start
         while True:
@@ -783,7 +785,13 @@ class MemorySessionStore(StoreRules):
         return [r for r in s.live_records(self.clock()) if _live_seq(r.id) > floor]
 
     async def tail_live(
-        self, session_id: str, start: int = 0, *, live_after: str = "0-0", incarnation: str | None = None
+        self,
+        session_id: str,
+        start: int = 0,
+        *,
+        live_after: str = "0-0",
+        incarnation: str | None = None,
+        resumed: bool = False,
     ) -> AsyncIterator[Entry | LiveRecord]:
         validate_session_id(session_id)
         check_read(session_id, start, None)
@@ -792,7 +800,7 @@ class MemorySessionStore(StoreRules):
             raise SessionNotFoundError(session_id)
         if incarnation is not None and incarnation != s.header.incarnation:
             raise SessionReplacedError(session_id)
-        if start > s.n:
+        if resumed and start > s.n:
             raise SessionRewoundError(session_id, start, s.n)
         nxt, seen = start, _live_seq(live_after)
         while True:

@@ -91,10 +91,14 @@ class SessionStore(Protocol):
         session left without links is purged, and an ephemeral one expires again."""
         ...
 
-    def tail(self, session_id: str, start: int = 0, *, incarnation: str | None = None) -> AsyncIterator[Entry]:
+    def tail(
+        self, session_id: str, start: int = 0, *, incarnation: str | None = None, resumed: bool = False
+    ) -> AsyncIterator[Entry]:
         """Entries from `start`, live. Ends when the session is deleted; raises
         `SessionReplacedError` when the id names another incarnation than the tail began on
-        (or than `incarnation`)."""
+        (or than `incarnation`). A `start` beyond the log waits for it; with `resumed` (`start` is
+        the cursor of a reader that was given the entries before it), and once the tail gave
+        entries, a log that ends before the reader raises `SessionRewoundError`."""
         ...
 
     async def get_draft(
@@ -210,7 +214,13 @@ class SessionStore(Protocol):
         ...
 
     def tail_live(
-        self, session_id: str, start: int = 0, *, live_after: str = "0-0", incarnation: str | None = None
+        self,
+        session_id: str,
+        start: int = 0,
+        *,
+        live_after: str = "0-0",
+        incarnation: str | None = None,
+        resumed: bool = False,
     ) -> AsyncIterator[Entry | LiveRecord]:
         """`tail`, interleaved with the live records after `live_after` as they land."""
         ...
