@@ -16,7 +16,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct, field
 
-from .errors import InvalidEntryError
+from .errors import InvalidArgumentError, InvalidEntryError
 
 FORMAT_VERSION = 1
 DEFAULT_MAX_ENTRY_BYTES = 1 << 20
@@ -74,7 +74,7 @@ MAX_TTL = float(2**53 // 1000)
 
 def ttl_ms(ttl: float) -> int:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
-        raise ValueError(f"ttl must be a positive number of seconds up to {MAX_TTL:.0f}, got {ttl!r}")
+        raise InvalidArgumentError(f"ttl must be a positive number of seconds up to {MAX_TTL:.0f}, got {ttl!r}")
     return max(1, round(ttl * 1000))
 
 

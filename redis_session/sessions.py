@@ -38,6 +38,7 @@ import msgspec
 
 from .doctor import DoctorReport, doctor
 from .errors import (
+    InvalidArgumentError,
     InvalidEntryError,
     InvalidSessionIdError,
     LeaseHeldError,
@@ -74,6 +75,7 @@ from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
 from .snapshots import SnapshotCache, fold_into, load_projection, read_range
 from .store import MemorySessionStore, SessionStore
+from .store.rules import MAX_N
 from .streaming import (
     DEFAULT_FLUSH_INTERVAL,
     DEFAULT_GRACE,
@@ -100,8 +102,8 @@ DEFAULT_STALE_ANSWER = 30.0
 
 
 def _check_int(value: object, what: str, *, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_N:
+        raise InvalidArgumentError(f"{what} must be an int in [{minimum}, {MAX_N}], got {value!r}")
     return value
 
 
@@ -450,7 +452,7 @@ class Session:
         """What was sent to the model at entry `at` (0 ≤ at ≤ n): header and messages."""
         _check_int(at, "at")
         if at > self._n:
-            raise ValueError(f"at={at} is beyond this handle's n={self._n}")
+            raise InvalidArgumentError(f"at={at} is beyond this handle's n={self._n}")
         return reconstruct_request(await self.read(0, at), at)
 
     async def check_invariants(self) -> builtins.list[Problem]:

@@ -325,3 +325,56 @@ async def test_an_old_handle_neither_reads_the_new_lifes_draft_nor_takes_its_lea
     async with new.lease(ttl=30):  # the new life's writer is not locked out
         assert new.lease_held
     assert await store.acquire_lease("p", "t", 30_000, incarnation=new_life)
+
+
+@pytest.mark.parametrize("tag", ['W/"{n}"', '"0{n}"', '"00{n}"', 'W/"{n};{life}"'])
+async def test_a_weak_or_zero_padded_if_match_is_refused_and_writes_nothing(
+    redis_store: RedisSessionStore, tag: str
+) -> None:
+    """``If-Match: W/"4"`` and ``"04"`` were taken as n=4 and the entry written: a weak tag never
+    matches If-Match (RFC 9110 strong comparison) and the gateway never sends a padded n, so
+    both are malformed: 400, nothing written."""
+    life = str((await redis_store.create(SessionHeader(id="p"), TURN)).header.incarnation)
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=30) as client:
+        r = await client.post(
+            path("p", "entries"),
+            json={"type": "user/message", "data": {"content": "x"}},
+            headers={"If-Match": tag.format(n=len(TURN), life=life)},
+        )
+        assert r.status_code == 400, r.text
+        ok = await client.post(
+            path("p", "entries"),
+            json={"type": "user/message", "data": {"content": "y"}},
+            headers={"If-Match": f'"{len(TURN)}"'},
+        )
+        assert ok.status_code == 201, ok.text
+    assert [e.data for e in await redis_store.read("p", len(TURN))] == [{"content": "y"}]
+
+
+async def test_out_of_range_arguments_of_the_python_api_are_typed(store: Any) -> None:
+    """`Session.read(-1)`, `branch(at=-1)`, `list(limit=0)`, `reconstruct_request(n + 1)`,
+    `lease(ttl=-1)`, `create(ttl=-1)` raised a bare ValueError: each is `InvalidArgumentError`
+    (a `SessionError` and still a `ValueError`), nothing written."""
+    from redis_session import InvalidArgumentError, SessionError
+
+    sessions = Sessions(store)
+    s = await sessions.create("args", entries=list(TURN))
+    calls = [
+        lambda: s.read(-1),
+        lambda: s.read(0, -1),
+        lambda: s.read(10**20),
+        lambda: s.branch(-1),
+        lambda: sessions.branch("args", -1),
+        lambda: store.list(limit=0),
+        lambda: store.list(limit=10**20),
+        lambda: s.reconstruct_request(s.n + 1),
+        lambda: sessions.create("args-2", ttl=-1),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError) as refused:
+            await call()
+        assert isinstance(refused.value, SessionError) and isinstance(refused.value, ValueError)
+    with pytest.raises(InvalidArgumentError):
+        s.lease(ttl=-1)
+    assert await store.head("args-2") is None
+    assert len(await store.read("args")) == len(TURN)

@@ -268,7 +268,9 @@ def _field_of(msg: str) -> str:
 
 # --------------------------------------------------------------------------- preconditions
 
-_IF_MATCH = re.compile(r'(?:W/)?"?([0-9]{1,15})(?:;([0-9A-Za-z_.:-]{1,64}))?"?')
+# an entity tag as the gateway sends it in ETag: the n (no leading zeros), the life optional; a
+# weak tag (W/) never matches If-Match (RFC 9110 strong comparison)
+_IF_MATCH = re.compile(r'"?(0|[1-9][0-9]{0,14})(?:;([0-9A-Za-z_.:-]{1,64}))?"?')
 
 
 @dataclass(frozen=True)

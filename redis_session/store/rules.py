@@ -42,7 +42,7 @@ def check_read(session_id: object, start: int, stop: int | None) -> None:
 def check_list(parent: object, limit: object, cursor: object) -> None:
     """`list`'s arguments."""
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIST_LIMIT:
-        raise ValueError(f"limit must be an int in [1, {MAX_LIST_LIMIT}]")
+        raise InvalidArgumentError(f"limit must be an int in [1, {MAX_LIST_LIMIT}]")
     check_cursor(cursor)
     if parent is not None:
         validate_session_id(parent)
@@ -210,5 +210,5 @@ class StoreRules:
     ) -> builtins.list[EncodedEntry]:
         check_header(header)
         if ttl_ms is not None and (not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool) or ttl_ms <= 0):
-            raise ValueError("ttl_ms must be a positive int")
+            raise InvalidArgumentError("ttl_ms must be a positive int")
         return self._encode(entries, header.at or 0)
