@@ -93,6 +93,8 @@ DEFAULT_MAX_CHUNKS = 64
 # flush intervals after its first delta
 _MIN_ROW = 32
 _ROW_WAIT = 4
+# a writer whose deltas outrun the log by this many rows waits for the rows to land (backpressure)
+_BACKLOG_ROWS = 4
 DEFAULT_LIVE_TTL = 60.0
 DEFAULT_GRACE = 30.0
 DEFAULT_HEARTBEAT = 5.0
@@ -202,19 +204,35 @@ class AnswerStream:
     async def delta(self, text: str) -> None:
         """A piece of the answer's text."""
         self._add(TEXT, text, None, None)
-        await self._send_now()
+        await self._pace()
 
     async def reasoning(self, text: str) -> None:
         """A piece of the model's reasoning."""
         self._add(REASONING, text, None, None)
-        await self._send_now()
+        await self._pace()
 
     async def tool_call_delta(self, call_id: str, name: str | None, args_delta: str) -> None:
         """A piece of a tool call's JSON arguments (`name` may be given on the first one only)."""
         if not isinstance(call_id, str) or not call_id:
             raise ValueError("call_id must be a non-empty str")
         self._add(TOOL_CALL, args_delta, call_id, name)
-        await self._send_now()
+        await self._pace()
+
+    async def _pace(self) -> None:
+        """After a delta: send it now if no send is in flight; else give the event loop a turn, so
+        the sender and the rows' flusher run even under a caller that never waits for anything
+        else (a model's tokens from memory); and while the log trails by `_BACKLOG_ROWS` rows,
+        hold the caller until rows land (a dead or slow server must not let the answer pile up
+        in memory, nor into one closing row over the entry limit)."""
+        if not await self._send_now():
+            await anyio.lowlevel.checkpoint()
+        limit = _BACKLOG_ROWS * self.max_chunks
+        while (
+            len(self._deltas) - self._flushed >= limit
+            and self._broken is None and self._failed is None and not self._closed
+        ):  # fmt: skip
+            self._full.set()
+            await anyio.sleep(min(0.05, self.flush_interval))
 
     def _add(self, kind: str, text: str, call_id: str | None, name: str | None) -> None:
         if not isinstance(text, str):
@@ -258,7 +276,7 @@ class AnswerStream:
 
     # ------------------------------------------------------------------ live path
 
-    async def _send_now(self) -> None:
+    async def _send_now(self) -> bool:
         """Write the deltas not live yet from the caller's task when no live send is in flight,
         so the record leaves now and not on the sender task's next turn (on a loaded event loop,
         milliseconds later); the sender task reads the reply (`_settle`). Otherwise, or when the
@@ -269,7 +287,7 @@ class AnswerStream:
             send is None or self._sending or self._live_unsure or self._closed or self._broken is not None
             or first >= upto
         ):  # fmt: skip
-            return
+            return False
         self._sending = True
         expired_at = self._expired_at
         try:
@@ -293,6 +311,7 @@ class AnswerStream:
         else:
             self._inflight = (replies, upto)
         self._send_wake.set()
+        return True
 
     async def _settle(self) -> None:
         """Read the replies of the batch `_send_now` wrote."""
@@ -572,6 +591,10 @@ class AnswerStream:
         """The end op (retried on a lost reply: an end that landed answers as a retry); whether
         its durability wait failed."""
         if self._row is not None:  # a row whose outcome is unknown: settle it first (same bounds)
+            await _retrying(self._flush_strict)
+        # the end carries at most one row of deltas: what is beyond goes in rows first (one row of
+        # everything could outgrow the entry limit, and the answer would never close)
+        while len(self._deltas) - self._flushed > self.max_chunks and self._broken is None and self._failed is None:
             await _retrying(self._flush_strict)
         try:
             return await self._end_once(reason, closing, expected)

@@ -123,3 +123,43 @@ async def test_an_anyio_cancel_scope_around_the_block_does_not_cut_its_close_sho
         assert log[-1].type == "assistant/interrupted"
         assert s.n == len(log)
         await s.append("user/message", {"content": "next"})
+
+
+async def test_a_writer_that_never_yields_still_gets_rows_and_a_close(redis_url: str, prefix: str) -> None:
+    """A caller that sends deltas in a tight loop (tokens from memory: nothing else awaited) used
+    to starve the sender and the rows' flusher: no chunk row was written, the deltas piled up in
+    memory, and the close (one row of everything, over the entry limit) failed, leaving the
+    answer open. Now each delta gives the loop a turn, a log that trails by a few rows holds the
+    caller, and the close carries at most one row: the answer closes, every delta in its rows."""
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    async with Sessions(store) as sessions:
+        s = await sessions.open("tight")
+        async with s.stream(turn=1, step=1) as w:
+            for i in range(3000):
+                await w.delta(f"d{i}.")
+        log = await store.read("tight")
+        rows = [e for e in log if e.type == "assistant/chunk"]
+        assert len(rows) >= 3000 // 64  # written along the way, each within the row size
+        assert log[-1].type == "assistant/message"
+        assert log[-1].data["content"][0]["text"] == "".join(f"d{i}." for i in range(3000))
+
+
+async def test_a_tight_writer_refused_at_the_budget_ends_interrupted_with_what_it_has(
+    redis_url: str, prefix: str
+) -> None:
+    from redis_session import AnswerTooLargeError
+
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix, max_entry_bytes=64 * 1024)
+    async with Sessions(store) as sessions:
+        s = await sessions.open("budget")
+        sent = 0
+        with pytest.raises(AnswerTooLargeError):
+            async with s.stream(turn=1, step=1) as w:
+                while True:
+                    await w.delta(f"delta {sent:06d} ")
+                    sent += 1
+        log = await store.read("budget")
+        assert log[-1].type == "assistant/interrupted"
+        chunks = sum(len(e.data["chunks"]) for e in log if e.type == "assistant/chunk")
+        assert chunks == sent  # every delta the writer was not refused is in the rows
+        assert open_answers(await store.read_live("budget")) == {}
