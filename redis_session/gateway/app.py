@@ -463,15 +463,21 @@ def run_workers(count: int, work: Callable[[], None]) -> int:
     # before the first fork: a Ctrl-C while the workers start is a stop too, never a traceback
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     status = 0
+    # the two signals are blocked across each fork: one that came in between is delivered once the
+    # handlers are what they should be (a signal caught by the parent's handler in the child, or
+    # replaced before its Python handler ran, was lost there and that worker served on)
+    stops = {signal.SIGINT, signal.SIGTERM}
     try:
         for _ in range(count):
             if stopping:
                 break
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
             pid = os.fork()
             if pid == 0:  # the worker: SIGTERM is `serve`'s (graceful), SIGINT is the parent's
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                if stopping:  # the stop came between the fork and the lines above (the parent's handler took it)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # a SIGTERM sent meanwhile ends it here
+                if stopping:  # the stop came before the fork (the parent's handler took it)
                     os._exit(0)
                 code = 0
                 try:
@@ -485,6 +491,7 @@ def run_workers(count: int, work: Callable[[], None]) -> int:
                     code = 1
                 os._exit(code)
             pids.append(pid)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # what came meanwhile: `forward` knows pid now
             if stopping:  # the signal came between the fork and the append
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
@@ -496,6 +503,7 @@ def run_workers(count: int, work: Callable[[], None]) -> int:
             if code and not status:
                 status = code if code > 0 else 128 - code
     finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
         for sig, handler in old.items():
             signal.signal(sig, handler)
     return status
