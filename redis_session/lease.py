@@ -55,8 +55,8 @@ class SessionLease:
 
     def __init__(self, session: LeaseHolder, ttl: float) -> None:
         self.session = session
+        self.ttl_ms = ttl_ms(ttl)  # checks it: InvalidArgumentError for a non-positive or non-number ttl
         self.ttl = float(ttl)
-        self.ttl_ms = ttl_ms(ttl)
         self.token = uuid.uuid4().hex
         self._valid_until = 0.0
         self._lost = False

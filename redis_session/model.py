@@ -16,7 +16,9 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct, field
 
-from .errors import InvalidArgumentError, InvalidEntryError
+from .checks import MAX_TTL as MAX_TTL
+from .checks import check_seconds
+from .errors import InvalidEntryError
 
 FORMAT_VERSION = 1
 DEFAULT_MAX_ENTRY_BYTES = 1 << 20
@@ -68,14 +70,8 @@ def legacy_incarnation(created_at: int) -> str:
     return f"legacy-{created_at}"
 
 
-MAX_TTL = float(2**53 // 1000)
-"""The longest ttl in seconds (its milliseconds stay an exact integer: ~285 000 years)."""
-
-
 def ttl_ms(ttl: float) -> int:
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
-        raise InvalidArgumentError(f"ttl must be a positive number of seconds up to {MAX_TTL:.0f}, got {ttl!r}")
-    return max(1, round(ttl * 1000))
+    return max(1, round(check_seconds(ttl, "ttl") * 1000))
 
 
 class SessionHead(Struct, frozen=True, kw_only=True):

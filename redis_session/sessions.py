@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 
+from .checks import check_int
 from .doctor import DoctorReport, doctor
 from .errors import (
     InvalidArgumentError,
@@ -75,7 +76,6 @@ from .projection.request import ReconstructedRequest, reconstruct_request
 from .retry import conflict_backoff
 from .snapshots import SnapshotCache, fold_into, load_projection, read_range
 from .store import MemorySessionStore, SessionStore
-from .store.rules import MAX_N
 from .streaming import (
     DEFAULT_FLUSH_INTERVAL,
     DEFAULT_GRACE,
@@ -99,12 +99,6 @@ DEFAULT_STALE_ANSWER = 30.0
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _check_int(value: object, what: str, *, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_N:
-        raise InvalidArgumentError(f"{what} must be an int in [{minimum}, {MAX_N}], got {value!r}")
-    return value
 
 
 def _new_session_id() -> str:
@@ -312,7 +306,7 @@ class Session:
         sharing this handle wait instead of writing in between; `fn` should write from the calling
         task (a task it spawns that writes to this handle would wait for the lock forever).
         """
-        _check_int(retries, "retries")
+        check_int(retries, "retries")
         async with self._lock:
             attempt = 0
             while True:
@@ -441,16 +435,16 @@ class Session:
 
     async def read(self, start: int = 0, stop: int | None = None) -> builtins.list[Entry]:
         """Entries [start, stop), stitched for branches; `stop` defaults to this handle's n."""
-        _check_int(start, "start")
+        check_int(start, "start")
         if stop is not None:
-            _check_int(stop, "stop")
+            check_int(stop, "stop")
         return await read_range(
             self._store, self.id, start, self._n if stop is None else stop, self._header.incarnation or None
         )
 
     async def reconstruct_request(self, at: int) -> ReconstructedRequest:
         """What was sent to the model at entry `at` (0 ≤ at ≤ n): header and messages."""
-        _check_int(at, "at")
+        check_int(at, "at")
         if at > self._n:
             raise InvalidArgumentError(f"at={at} is beyond this handle's n={self._n}")
         return reconstruct_request(await self.read(0, at), at)
@@ -745,7 +739,7 @@ class Sessions:
         the id is taken. `idempotency_key` is recorded with the creation (``header.create_key``),
         so a retry can tell its own creation from another request's."""
         if created_at is not None:
-            _check_int(created_at, "created_at")
+            check_int(created_at, "created_at")
         header = SessionHeader(
             id=_new_session_id() if session_id is None else session_id,
             title=title,
@@ -787,7 +781,7 @@ class Sessions:
         validate_session_id(session_id)
         if branch_id is not None:
             validate_new_session_id(branch_id)  # before any round trip: nothing is read or written
-        _check_int(at, "at")
+        check_int(at, "at")
         parent = await self.store.head(session_id)
         if parent is None:
             raise SessionNotFoundError(session_id)

@@ -68,6 +68,21 @@ async def test_cli_archive_restore_and_sweep(redis_store: RedisSessionStore, red
     assert r.returncode == 1 and "cold segments live in" in r.stderr  # the recorded place is kept
     r = cli("archive", "a", "--to", "ftp://example.com/x", url=redis_url, prefix=p)
     assert r.returncode == 1 and "unsupported object store URL" in r.stderr and "Traceback" not in r.stderr
+
+
+async def test_cli_archive_of_one_session_leaves_it_hot_below_min_entries(
+    redis_store: RedisSessionStore, redis_url: str, tmp_path: Path
+) -> None:
+    # `archive SESSION --min-entries N` archived the whole log whatever N was
+    p = redis_store.prefix
+    await seed(redis_store, "short", 5)
+    r = cli("archive", "short", "--min-entries", "6", "--to", str(tmp_path / "cold"), "--json", url=redis_url, prefix=p)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["status"] == "nothing"
+    assert await redis_store._raw("XLEN", redis_store.keys.log("short")) == 5
+    r = cli("archive", "short", "--min-entries", "5", "--json", url=redis_url, prefix=p)
+    assert r.returncode == 0 and json.loads(r.stdout)["status"] == "archived", r.stderr
+    assert await redis_store._raw("XLEN", redis_store.keys.log("short")) == 0
     r = cli("restore", "nope", url=redis_url, prefix=p)
     assert r.returncode != 0 and "not found" in r.stderr
 

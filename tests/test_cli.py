@@ -379,6 +379,44 @@ async def test_an_n_beyond_any_log_is_an_option_error_not_a_redis_one(
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("projector", "--status", "--batch"),
+        ("projector", "--status", "--concurrency"),
+        ("projector", "--status", "--lock-ms"),
+        ("compactor", "--status", "--claim-idle-ms"),
+        ("compactor", "--status", "--concurrency"),
+        ("compactor", "--status", "--budget"),
+    ],
+)
+def test_worker_options_beyond_any_use_are_option_errors(redis_url: str, prefix: str, args: tuple[str, ...]) -> None:
+    # they were taken (and with --status ignored), or failed at the worker's first read
+    r = cli(*args, "100000000000000000000", url=redis_url, prefix=prefix, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert f"Invalid value for '{args[-1]}'" in r.stderr and "Traceback" not in r.stderr
+
+
+async def test_wrong_type_handle_arguments_are_typed_errors_nothing_written(redis_store: RedisSessionStore) -> None:
+    from redis_session import InvalidArgumentError, Sessions
+
+    await seed(redis_store)
+    s = await Sessions(redis_store).open("chat-1")
+    n = s.n
+    for call in (
+        lambda: s.lease(ttl=None),  # type: ignore[arg-type]
+        lambda: s.lease(ttl=0),
+        lambda: s.lease(ttl=True),
+    ):
+        with pytest.raises(InvalidArgumentError):
+            call()
+    for kw in ({"max_messages": "3"}, {"max_messages": -1}, {"max_tokens": "a"}, {"max_tokens": 1.5}):
+        with pytest.raises(InvalidArgumentError):
+            await s.history(**kw)  # type: ignore[arg-type]
+    assert len(await s.history(max_messages=0)) >= 1  # never empty while there is a user message
+    assert (await redis_store.head("chat-1")).n == n  # type: ignore[union-attr]
+
+
 async def test_reads_and_tails_refuse_an_n_beyond_any_log_before_asking_redis(redis_store: RedisSessionStore) -> None:
     from redis_session import InvalidArgumentError, SessionError
 

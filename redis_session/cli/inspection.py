@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..store.rules import MAX_N
+from ..checks import MAX_N
 from .common import (
     CliError,
     JsonOpt,

@@ -7,8 +7,14 @@ from typing import Annotated, Any
 
 import typer
 
+from ..checks import MAX_N
 from .common import CliError, JsonOpt, MetricsPortOpt, PrefixOpt, UrlOpt, app, emit_json, err, opened, out, run
 from .supervised import supervised
+
+# a feed read's COUNT and the sessions handled at once: far above any useful value, far below
+# what would make a worker's first read fail (or its memory explode) instead of its command line
+MAX_BATCH = 100_000
+MAX_CONCURRENCY = 10_000
 
 
 @app.command("projector")
@@ -28,11 +34,13 @@ def projector_cmd(
     metrics_addr: Annotated[str, typer.Option(help="Address of the metrics server.")] = "0.0.0.0",
     consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
     group: Annotated[str, typer.Option(help="Consumer group.")] = "projector",
-    batch: Annotated[int, typer.Option(min=1, help="Feed entries per shard per read.")] = 200,
-    claim_idle_ms: Annotated[int, typer.Option(min=0, help="Reclaim others' feed entries idle this long.")] = 30_000,
-    lock_ms: Annotated[int, typer.Option(min=0, help="Per-session fold lock expiry (0: no lock).")] = 10_000,
-    concurrency: Annotated[int, typer.Option(min=1, help="Sessions folded at once.")] = 8,
-    feed_shards: Annotated[int, typer.Option(min=1, help="Change-feed shards (as the writers use).")] = 4,
+    batch: Annotated[int, typer.Option(min=1, max=MAX_BATCH, help="Feed entries per shard per read.")] = 200,
+    claim_idle_ms: Annotated[
+        int, typer.Option(min=0, max=MAX_N, help="Reclaim idle feed entries after (ms).")
+    ] = 30_000,
+    lock_ms: Annotated[int, typer.Option(min=0, max=MAX_N, help="Per-session fold lock expiry (0: no lock).")] = 10_000,
+    concurrency: Annotated[int, typer.Option(min=1, max=MAX_CONCURRENCY, help="Sessions folded at once.")] = 8,
+    feed_shards: Annotated[int, typer.Option(min=1, max=1024, help="Change-feed shards (as the writers use).")] = 4,
 ) -> None:
     """Run a projector worker (keeps each session's derived messages cached), or show --status."""
 
@@ -72,21 +80,21 @@ def compactor_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     status: Annotated[bool, typer.Option("--status", help="Print lag and counters as JSON, then exit.")] = False,
-    budget: Annotated[int, typer.Option(min=1, help="Token budget of a projection.")] = 32_000,
-    keep_recent: Annotated[int, typer.Option(min=1, help="Keep at most this many recent messages.")] = 20,
-    keep_tokens: Annotated[int | None, typer.Option(min=1, help="Tokens kept (default: budget/4).")] = None,
+    budget: Annotated[int, typer.Option(min=1, max=MAX_N, help="Token budget of a projection.")] = 32_000,
+    keep_recent: Annotated[int, typer.Option(min=1, max=MAX_N, help="Keep at most this many recent messages.")] = 20,
+    keep_tokens: Annotated[int | None, typer.Option(min=1, max=MAX_N, help="Tokens kept (default: budget/4).")] = None,
     summarizer_url: Annotated[
         str | None, typer.Option(envvar="REDIS_SESSION_SUMMARIZER_URL", help="OpenAI-compatible chat-completions URL.")
     ] = None,
     model: Annotated[str | None, typer.Option(envvar="REDIS_SESSION_SUMMARIZER_MODEL", help="Model.")] = None,
     api_key_env: Annotated[str, typer.Option(help="Environment variable holding the API key.")] = "OPENAI_API_KEY",
     summarizer: Annotated[str | None, typer.Option(help="Python summarizer: module:function.")] = None,
-    timeout: Annotated[float, typer.Option(min=1, help="Seconds one summary may take.")] = 120.0,
+    timeout: Annotated[float, typer.Option(min=1, max=86_400, help="Seconds one summary may take.")] = 120.0,
     consumer: Annotated[str | None, typer.Option(help="Consumer name (default: <host>-<pid>-<random>).")] = None,
     group: Annotated[str, typer.Option(help="Consumer group.")] = "compactor",
-    claim_idle_ms: Annotated[int, typer.Option(min=1, help="Retry failed/idle entries after.")] = 30_000,
-    concurrency: Annotated[int, typer.Option(min=1, help="Sessions checked at once.")] = 4,
-    feed_shards: Annotated[int, typer.Option(min=1, help="Change-feed shards (as the writers use).")] = 4,
+    claim_idle_ms: Annotated[int, typer.Option(min=1, max=MAX_N, help="Retry failed/idle entries after.")] = 30_000,
+    concurrency: Annotated[int, typer.Option(min=1, max=MAX_CONCURRENCY, help="Sessions checked at once.")] = 4,
+    feed_shards: Annotated[int, typer.Option(min=1, max=1024, help="Change-feed shards (as the writers use).")] = 4,
     metrics_port: MetricsPortOpt = None,
     from_start: Annotated[
         bool,
@@ -179,8 +187,8 @@ def archive_cmd(
         str | None, typer.Option(help="Only sessions idle this long (7d, 12h, 30m); alone: whole logs.")
     ] = None,
     before_last_cut: Annotated[bool, typer.Option("--before-last-cut", help="Up to the last cut's 'before'.")] = False,
-    keep: Annotated[int | None, typer.Option(min=0, help="Keep at most this many entries hot.")] = None,
-    min_entries: Annotated[int, typer.Option(min=1, help="Leave shorter ranges hot.")] = 1,
+    keep: Annotated[int | None, typer.Option(min=0, max=MAX_N, help="Keep at most this many entries hot.")] = None,
+    min_entries: Annotated[int, typer.Option(min=1, max=MAX_N, help="Leave shorter ranges hot.")] = 1,
     worker: Annotated[
         bool, typer.Option("--worker", help="Run as a change-feed worker (beside the projector).")
     ] = False,
@@ -214,6 +222,9 @@ def archive_cmd(
                 idle_ms=None if idle is None else _duration_ms(idle), before_last_cut=before_last_cut,
                 keep=keep, min_entries=min_entries,
             )  # fmt: skip
+        elif session_id is not None and min_entries > 1:
+            # one session, its whole log, unless it is shorter than --min-entries
+            policy = Policy(keep=0, min_entries=min_entries)
         if policy is None and session_id is None and not (sweep or status):
             raise CliError("give a SESSION_ID, a policy (--idle, --before-last-cut, --keep), --sweep or --status")
         if worker and policy is None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..store.rules import MAX_N
+from ..checks import MAX_N
 from .common import (
     CliError,
     JsonOpt,

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from ..checks import check_optional_int
 from .messages import Message
 
 
@@ -59,6 +60,8 @@ def history(
 
     `estimator` gives a message's tokens for `max_tokens` (default `estimate_tokens`).
     """
+    check_optional_int(max_messages, "max_messages")
+    check_optional_int(max_tokens, "max_tokens")
     est = estimator or estimate_tokens
     unanswered: set[Any] = set()  # results met (walking back) whose call is not yet met
     count = tokens = 0

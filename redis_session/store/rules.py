@@ -9,26 +9,17 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..checks import check_int, check_optional_int
 from ..errors import InvalidArgumentError, InvalidCursorError, InvalidEntryError, InvalidSessionIdError
 from ..keys import validate_new_session_id, validate_session_id
 from ..model import EncodedEntry, NewEntryLike, SessionHeader, Vocabulary, encode_batch, lossless_json
 from ..projection.invariants import Problem
 from .protocol import MAX_CURSOR_LENGTH, MAX_LIST_LIMIT, MAX_READ_RANGE
 
-# the largest n a read may name: an exact integer in JSON (I-JSON, as the gateway takes it), far
-# below a stream ID's 64 bits
-MAX_N = 2**53 - 1
-
-
-def _n_arg(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_N
-
 
 def check_read_range(start: int, stop: int | None) -> None:
-    if not _n_arg(start):
-        raise InvalidArgumentError(f"start must be an int in [0, {MAX_N}], got {start!r}")
-    if stop is not None and not _n_arg(stop):
-        raise InvalidArgumentError(f"stop must be None or an int in [0, {MAX_N}], got {stop!r}")
+    check_int(start, "start")
+    check_optional_int(stop, "stop")
 
 
 def check_read(session_id: object, start: int, stop: int | None) -> None:
@@ -41,8 +32,7 @@ def check_read(session_id: object, start: int, stop: int | None) -> None:
 
 def check_list(parent: object, limit: object, cursor: object) -> None:
     """`list`'s arguments."""
-    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIST_LIMIT:
-        raise InvalidArgumentError(f"limit must be an int in [1, {MAX_LIST_LIMIT}]")
+    check_int(limit, "limit", minimum=1, maximum=MAX_LIST_LIMIT)
     check_cursor(cursor)
     if parent is not None:
         validate_session_id(parent)

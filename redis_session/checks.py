@@ -1,0 +1,42 @@
+"""Argument checks shared by every layer, one rule per kind of argument: an out-of-range or
+mistyped argument is an `InvalidArgumentError` (a `SessionError` and a `ValueError`) raised before
+anything is asked of Redis, never a bare `TypeError` from deep inside."""
+
+from __future__ import annotations
+
+from .errors import InvalidArgumentError
+
+MAX_N = 2**53 - 1
+"""The largest n (or count) an argument may name: an exact integer in JSON (I-JSON, as the gateway
+takes it), far below a stream ID's 64 bits."""
+
+MAX_TTL = float(2**53 // 1000)
+"""The longest ttl in seconds (its milliseconds stay an exact integer: ~285 000 years)."""
+
+
+def is_int(value: object, *, minimum: int = 0, maximum: int = MAX_N) -> bool:
+    """An int (not a bool) in [minimum, maximum]."""
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum
+
+
+def check_int(value: object, what: str, *, minimum: int = 0, maximum: int = MAX_N) -> int:
+    if not is_int(value, minimum=minimum, maximum=maximum):
+        raise InvalidArgumentError(f"{what} must be an int in [{minimum}, {maximum}], got {value!r}")
+    assert isinstance(value, int)
+    return value
+
+
+def check_optional_int(value: object, what: str, *, minimum: int = 0, maximum: int = MAX_N) -> int | None:
+    if value is None:
+        return None
+    if not is_int(value, minimum=minimum, maximum=maximum):
+        raise InvalidArgumentError(f"{what} must be None or an int in [{minimum}, {maximum}], got {value!r}")
+    assert isinstance(value, int)
+    return value
+
+
+def check_seconds(value: object, what: str, *, maximum: float = MAX_TTL) -> float:
+    """A positive number of seconds (int or float, not a bool) up to `maximum`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= maximum:
+        raise InvalidArgumentError(f"{what} must be a positive number of seconds up to {maximum:.0f}, got {value!r}")
+    return float(value)
