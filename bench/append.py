@@ -14,7 +14,13 @@ run is cut into R rounds (default 5) and every round's ratio is printed, so a dr
 Reference rows run in (a)'s rounds too: `put` in append.lua's long layout (what a put with an
 idempotency key, meta, surface or a TTL sends), `put` with an idempotency key, and a bare Lua
 script (HGET n, compare, XADD, HSET n), the least any checked append costs on this server, so
-(a)'s ratio can be read against that floor.
+(a)'s ratio can be read against that floor; and that script plus what the contract adds to every
+append (the header's deleted/ttl_ms/incarnation read, the change-feed XADD, `updated_at`): the
+floor append.lua itself can reach.
+
+--client-side NAME runs one single-entry side --ops times and nothing else: under
+`valgrind --tool=callgrind`, once with --ops 0 and once with --ops N, the difference / N is the
+client's instructions per call (deterministic on a busy machine).
 
 "server µs/call" is the server's CPU per op by INFO commandstats, read around each side's rounds:
 the `usec` of EVALSHA for a put or a script (the commands it calls included), of XADD for the raw
@@ -67,6 +73,16 @@ if n ~= tonumber(ARGV[1]) then return {2, n} end
 redis.call('XADD', KEYS[2], string.format('%d-1', n), 'type', ARGV[2], 'time', ARGV[3], 'data', ARGV[4])
 redis.call('HSET', KEYS[1], 'n', n + 1)
 return {0, n}"""
+# the bare script plus what the contract adds to every append, no more: the header fields a plain
+# append must check (deleted, ttl_ms, incarnation), the change-feed XADD (the projector's hint,
+# whose entry ID is also the batch's server time) and `updated_at`: the floor append.lua can reach
+FLOOR_LUA = """local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'ttl_ms', 'incarnation')
+local n = tonumber(h[1])
+if n ~= tonumber(ARGV[1]) then return {2, n} end
+local fid = redis.call('XADD', KEYS[3], '*', 's', ARGV[5], 'n', n + 1)
+redis.call('XADD', KEYS[2], string.format('%d-1', n), 'type', ARGV[2], 'time', ARGV[3], 'data', ARGV[4])
+redis.call('HSET', KEYS[1], 'n', n + 1, 'updated_at', ARGV[3])
+return {0, n}"""
 
 Result = tuple[str, Timer, Timer, str]  # name, ours, baseline, target ("" for a reference row)
 
@@ -113,19 +129,34 @@ async def single_sides(client: aioredis.Redis, prefix: str) -> tuple[dict[str, O
         await client.execute_command("EVALSHA", bare_sha, 2, *bare_keys, n, "user/message", "1", DATA_RAW)
         counters["bare"] += 1
 
+    floor_keys = (f"{prefix}:{{floor}}:hdr", f"{prefix}:{{floor}}:log", f"{prefix}:{{floor}}:feed")
+    await client.hset(floor_keys[0], "n", 0)
+    floor_sha = await client.script_load(FLOOR_LUA)
+    counters["floor"] = 0
+
+    async def floor_lua() -> None:
+        n = counters["floor"]
+        await client.execute_command(
+            "EVALSHA", floor_sha, 3, *floor_keys, n, "user/message", "1700000000000", DATA_RAW, "floor"
+        )
+        counters["floor"] += 1
+
     sides: dict[str, Op] = {
         PUT: put_one,
         XADD: xadd_one,
         LONG: put_long,
         IDEM: put_idem,
         BARE: bare_lua,
+        FLOOR: floor_lua,
     }
     return sides, [store, long]
 
 
 PUT, XADD, LONG = "(a) put 1 entry", "XADD", "(ref) put 1 entry, long layout"
 IDEM, BARE = "(ref) put 1 entry + idempotency key", "(ref) bare Lua append"
-COMMAND = {PUT: "evalsha", XADD: "xadd", LONG: "evalsha", IDEM: "evalsha", BARE: "evalsha"}
+FLOOR = "(ref) bare + feed + header fields"
+COMMAND = {PUT: "evalsha", XADD: "xadd", LONG: "evalsha", IDEM: "evalsha", BARE: "evalsha", FLOOR: "evalsha"}
+CLIENT_SIDES = {"put": PUT, "xadd": XADD, "bare": BARE, "floor": FLOOR}
 
 
 async def run(url: str, seconds: float, freeze: bool) -> tuple[list[Result], ServerMeter]:
@@ -140,7 +171,7 @@ async def run(url: str, seconds: float, freeze: bool) -> tuple[list[Result], Ser
         # ------------------------------------------------------------ (a) one entry
         sides, stores = await single_sides(client, prefix)
         meter.commands.update(COMMAND)
-        refs = [(Timer(name), sides[name]) for name in (LONG, IDEM, BARE)]
+        refs = [(Timer(name), sides[name]) for name in (LONG, IDEM, BARE, FLOOR)]
         results += await _compare(PUT, XADD, sides[PUT], sides[XADD], seconds, 1, freeze, meter, refs=refs)
 
         # ------------------------------------------------------------ (b) 100-entry batch
@@ -268,7 +299,7 @@ def print_server_cpu(us: dict[str, list[float]]) -> None:
     for name, per in us.items():
         print(f"  {name:38s} " + "  ".join(f"{v:6.1f}" for v in per))
     bare = us[BARE]
-    for name in (PUT, LONG, IDEM):
+    for name in (PUT, LONG, IDEM, FLOOR):
         ratios = [a / b for a, b in zip(us[name], bare, strict=True)]
         verdict = "" if name != PUT else ("  (target <= 1.30x: " + ("ok" if max(ratios) <= 1.3 else "MISS") + ")")
         print(f"  {name} / bare script: " + "  ".join(f"{r:.2f}x" for r in ratios) + verdict)
@@ -338,6 +369,18 @@ def callgrind(ops: int) -> dict[str, float] | None:
             proc.wait(timeout=30)
 
 
+async def client_side(url: str, name: str, ops: int) -> None:
+    client = aioredis.Redis.from_url(url)
+    sides, stores = await single_sides(client, unique_prefix())
+    try:
+        for _ in range(50 + ops):
+            await sides[name]()
+    finally:
+        for st in stores:
+            await st.aclose()
+        await client.aclose()
+
+
 def print_callgrind(ir: dict[str, float]) -> None:
     print("server instructions per call (callgrind on valkey-server, network handling included):")
     for name, v in ir.items():
@@ -351,7 +394,17 @@ def main() -> None:
     p.add_argument("--server-cpu", action="store_true", help="only server CPU per call (commandstats), per round")
     p.add_argument("--ops", type=int, default=2000, help="calls per side and round for --server-cpu")
     p.add_argument("--callgrind", action="store_true", help="only server instructions per call (valgrind)")
+    p.add_argument(
+        "--client-side",
+        choices=sorted(CLIENT_SIDES),
+        help="only run this single-entry side --ops times (for the client's instructions: run it under "
+        "valgrind --tool=callgrind with --ops 0 and --ops N; the difference / N is per call)",
+    )
     args = p.parse_args()
+    if args.client_side:
+        with server(args.url) as url:
+            anyio.run(client_side, url, CLIENT_SIDES[args.client_side], args.ops)
+        return
     if args.callgrind:
         ir = callgrind(min(args.ops, 500))
         if ir is not None:
