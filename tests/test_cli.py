@@ -440,6 +440,10 @@ _INTERRUPTED_COMMAND = """\
 import os, signal, sys
 from importlib.abc import MetaPathFinder
 
+# what the test's diagnosis needs should the Ctrl-C be lost: how this process started
+print("sigint:", signal.getsignal(signal.SIGINT), "blocked:", signal.pthread_sigmask(signal.SIG_BLOCK, []),
+      file=sys.stderr, flush=True)
+
 class Interrupt(MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "redis_session.live":
@@ -460,9 +464,7 @@ def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path
     script = tmp_path / "redis-session"  # argv[0] is the command's name, as for the installed script
     script.write_text(_INTERRUPTED_COMMAND)
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    r = subprocess.run(
-        [sys.executable, str(script), "gateway", "--workers", "2"], capture_output=True, text=True, timeout=120, env=env
-    )
+    r = _run_as_from_a_shell([sys.executable, str(script), "gateway", "--workers", "2"], env)
     assert r.returncode == 130, (r.returncode, r.stderr[-800:])
     assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-800:]
     # a program that only imports the library keeps Python's own Ctrl-C (a KeyboardInterrupt)
@@ -470,8 +472,31 @@ def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path
     lib.write_text(
         _INTERRUPTED_COMMAND.replace("from redis_session.cli import main", "import redis_session; main = None")
     )
-    r = subprocess.run([sys.executable, str(lib)], capture_output=True, text=True, timeout=120, env=env)
+    r = _run_as_from_a_shell([sys.executable, str(lib)], env)
     assert r.returncode == -signal.SIGINT and "KeyboardInterrupt" in r.stderr, (r.returncode, r.stderr[-300:])
+
+
+def _shell_signals() -> None:
+    # what a shell gives a command it starts: SIGINT at its default and unblocked, whatever the
+    # test process's threads had when it forked
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _run_as_from_a_shell(cmd: list[str], env: dict[str, str]) -> Any:
+    """`cmd` in a session of its own (its process group is killed when it outlives the deadline,
+    servers and workers it started included), its stderr in the failure when it does."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+        preexec_fn=_shell_signals,
+    )  # fmt: skip
+    try:
+        out, errs = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, errs = proc.communicate()
+        raise AssertionError(f"the command did not stop on its Ctrl-C within 120 s: {errs[-1500:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, errs)
 
 
 def test_ctrl_c_while_the_gateway_workers_start_exits_0(redis_url: str, prefix: str) -> None:
