@@ -78,7 +78,7 @@ from ..projection.chunks import (
     merge_live,
 )
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
-from ..store.rules import Segment, check_list, check_read, lineage_for, plan_read
+from ..store.rules import Segment, check_list, check_read, lineage_for, plan_read, tail_start
 from .answers import AnswerOps
 from .cluster import ClusterRouter
 from .coldtier import ColdTierOps
@@ -1168,20 +1168,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         when the id names another incarnation than `incarnation` (None: the one met at the
         start), at the start or at any later point: the header's identity is read right after
         every XREAD (same round trip), so no entry of a session that took the id is yielded."""
-        check_read(session_id, start, None)
-        with _io():
-            h = await self._hdr(session_id)
-        if h is None or h.deleted:
-            raise SessionNotFoundError(session_id)
-        inc = h.header.incarnation
-        if incarnation is not None and incarnation != inc:
-            raise SessionReplacedError(session_id)
-        if resumed and start > h.n:  # given entries this log no longer has (a failover took them back)
-            raise SessionRewoundError(session_id, start, h.n)
-        # the log was at `given` once (its n at the start; with `resumed`, the reader was given what is
-        # before `start`; then what this tail gave): an n below it and below the reader is a rollback
-        given = max(start, h.n) if resumed else h.n
-        at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
+        inc, given, at = await self._tail_start(session_id, start, incarnation, resumed)
         nxt = start
         if nxt < at:
             for e in await self.read(session_id, nxt, at, incarnation=inc):
@@ -1211,6 +1198,20 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                 last_id = _s(rows[-1][0]) or last_id
             if deleted is not None:
                 return
+
+    async def _tail_start(
+        self, session_id: str, start: int, incarnation: str | None, resumed: bool
+    ) -> tuple[str, int, int]:
+        """A tail's first header read and `rules.tail_start`: the life it follows, the n the log was
+        seen at (`given`, see `_check_rewound`), and where the hot stream starts (a branch; an archive)."""
+        check_read(session_id, start, None)
+        with _io():
+            h = await self._hdr(session_id)
+        if h is None or h.deleted:
+            raise SessionNotFoundError(session_id)
+        life = h.header.incarnation
+        given = tail_start(session_id, start, h.n, life, incarnation, resumed)
+        return life, given, max(h.header.at or 0, h.cold_end)
 
     @staticmethod
     def _check_rewound(session_id: str, nxt: int, given: int, n_raw: Any) -> None:
@@ -1279,21 +1280,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
     ) -> AsyncIterator[Entry | LiveRecord]:
         """`tail`, plus the live stream's records after stream id `live_after`: one XREAD BLOCK
         on both keys (one slot), so entries and live records come in the order they landed."""
-        validate_session_id(session_id)
-        check_read(session_id, start, None)
-        with _io():
-            h = await self._hdr(session_id)
-        if h is None or h.deleted:
-            raise SessionNotFoundError(session_id)
-        inc = h.header.incarnation
-        if incarnation is not None and incarnation != inc:
-            raise SessionReplacedError(session_id)
-        if resumed and start > h.n:  # given entries this log no longer has (a failover took them back)
-            raise SessionRewoundError(session_id, start, h.n)
-        # the log was at `given` once (its n at the start; with `resumed`, the reader was given what is
-        # before `start`; then what this tail gave): an n below it and below the reader is a rollback
-        given = max(start, h.n) if resumed else h.n
-        at = max(h.header.at or 0, h.cold_end)  # where the hot stream starts (a branch; an archive)
+        inc, given, at = await self._tail_start(session_id, start, incarnation, resumed)
         nxt = start
         if nxt < at:
             for e in await self.read(session_id, nxt, at, incarnation=inc):

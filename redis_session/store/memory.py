@@ -25,7 +25,6 @@ from ..errors import (
     SessionError,
     SessionNotFoundError,
     SessionReplacedError,
-    SessionRewoundError,
 )
 from ..keys import index_member, is_staging_id, validate_session_id
 from ..model import (
@@ -60,7 +59,7 @@ from ..projection.chunks import (
 )
 from .protocol import IDEMPOTENCY_WINDOW, ColdState, StorageCheck
 from .protocol import SessionStore as SessionStore  # re-exported: modules import it from here
-from .rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read
+from .rules import Segment, StoreRules, check_list, check_read, lineage_for, plan_read, tail_start
 from .rules import check_header as check_header  # re-exported: modules import it from here
 
 
@@ -449,10 +448,7 @@ class MemorySessionStore(StoreRules):
         s = self._get(session_id)
         if s is None:
             raise SessionNotFoundError(session_id)
-        if incarnation is not None and incarnation != s.header.incarnation:
-            raise SessionReplacedError(session_id)
-        if resumed and start > s.n:
-            raise SessionRewoundError(session_id, start, s.n)
+        tail_start(session_id, start, s.n, s.header.incarnation, incarnation, resumed)
         nxt = start
         while True:
             s2 = self._get(session_id)
@@ -798,10 +794,7 @@ class MemorySessionStore(StoreRules):
         s = self._get(session_id)
         if s is None:
             raise SessionNotFoundError(session_id)
-        if incarnation is not None and incarnation != s.header.incarnation:
-            raise SessionReplacedError(session_id)
-        if resumed and start > s.n:
-            raise SessionRewoundError(session_id, start, s.n)
+        tail_start(session_id, start, s.n, s.header.incarnation, incarnation, resumed)
         nxt, seen = start, _live_seq(live_after)
         while True:
             s2 = self._get(session_id)

@@ -10,7 +10,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..checks import check_int, check_optional_int
-from ..errors import InvalidArgumentError, InvalidCursorError, InvalidEntryError, InvalidSessionIdError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidCursorError,
+    InvalidEntryError,
+    InvalidSessionIdError,
+    SessionReplacedError,
+    SessionRewoundError,
+)
 from ..keys import validate_new_session_id, validate_session_id
 from ..model import EncodedEntry, NewEntryLike, SessionHeader, Vocabulary, encode_batch, lossless_json
 from ..projection.invariants import Problem
@@ -28,6 +35,21 @@ def check_read(session_id: object, start: int, stop: int | None) -> None:
     check_read_range(start, stop)
     if stop is not None and stop - start > MAX_READ_RANGE:
         raise InvalidArgumentError(f"a read covers at most {MAX_READ_RANGE} entries; page through longer logs")
+
+
+def tail_start(session_id: str, start: int, n: int, life: str, incarnation: str | None, resumed: bool) -> int:
+    """The start of every tail (`tail`, `tail_live`, both stores), once the header (`n`, `life`)
+    was read: the id must still name the life the reader follows (`incarnation`, None: any), and a
+    reader that resumes (`resumed`: it was given what is before `start`) must not be past the log
+    (a failover took entries back: `SessionRewoundError`). A fresh tail started ahead just waits.
+
+    Returns ``given``, the n the log was seen at (its n now; with `resumed`, `start` too): a later
+    header n below both it and the reader is a rollback."""
+    if incarnation is not None and incarnation != life:
+        raise SessionReplacedError(session_id)
+    if resumed and start > n:
+        raise SessionRewoundError(session_id, start, n)
+    return max(start, n) if resumed else n
 
 
 def check_list(parent: object, limit: object, cursor: object) -> None:
