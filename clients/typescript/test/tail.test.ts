@@ -10,6 +10,7 @@ import {
   DeltaGap,
   SessionClient,
   SessionReplacedError,
+  SessionRewoundError,
   type Entry,
 } from '../src/index.js'
 import { ADMIN, skip, uid, URL } from './env.js'
@@ -42,6 +43,38 @@ describe('tail and stream across lives', { skip }, () => {
       for await (const e of client.tail(id, { lastEventId: 2 })) seen.push(String(e.data.content))
     }, SessionReplacedError)
     assert.deepEqual(seen, ['OLD-0', 'OLD-1', 'OLD-2'])
+  })
+
+  it('a tail resumed past the end of its log throws SessionRewoundError; a fresh tail started ahead waits', async () => {
+    // a reader given n=0..9 by a server that a failover then rolled back to n=3 must not wait
+    // silently for entries 10.. while 3..9 land again with other content
+    const id = uid('ts/rewound')
+    await client.create({ id, entries: [um('A'), um('B'), um('C')] })
+    const inc = (await client.head(id))?.header.incarnation ?? undefined
+    await assert.rejects(
+      async () => {
+        for await (const _ of client.tail(id, { lastEventId: `${inc}:9` })) assert.fail('nothing is given')
+      },
+      (e: unknown) => e instanceof SessionRewoundError && e.sessionId === id && e.n === 3,
+    )
+    // resumed exactly at the end: nothing was rolled back, it waits for entry 3
+    const atEnd = new AbortController()
+    const waited = (async () => {
+      for await (const e of client.tail(id, { lastEventId: `${inc}:2`, signal: atEnd.signal })) return e
+      return undefined
+    })()
+    // a fresh tail from n=5 on a log at n=3: "wait for entry 5", never a rollback
+    const ahead = new AbortController()
+    const first = (async () => {
+      for await (const e of client.tail(id, { start: 5, signal: ahead.signal })) return e
+      return undefined
+    })()
+    await client.appendMany(id, [um('D'), um('E'), um('F')])
+    const [e3, e5] = await Promise.all([waited, first])
+    assert.equal(e3?.n, 3)
+    assert.equal(e3?.data.content, 'D')
+    assert.equal(e5?.n, 5)
+    assert.equal(e5?.data.content, 'F')
   })
 
   it('a live tail never reads the next life of its id: it throws SessionReplacedError, or ends at the deletion', async () => {
