@@ -135,11 +135,13 @@ class FeedWorker:
 
     async def run(self) -> None:
         """Consume the feed until `stop()` (a `stop()` before `run()` makes it return at once)."""
-        await self.ensure_groups()
         self._start_http()
         try:
             while not self._stopping:
                 try:
+                    # in the retried part: a connection closed while the groups are made (a worker
+                    # starting while the server drops clients) is retried like any other read
+                    await self.ensure_groups()
                     await self.run_once(block=True)
                 except (StoreUnavailableError, RedisError, OSError) as e:
                     if self._stopping:

@@ -457,6 +457,9 @@ if __name__ == "__main__":
 """
 
 
+_HOOK_ONLY = "sys.meta_path.insert(0, Interrupt())\n"
+
+
 def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path: Path) -> None:
     """A Ctrl-C in the first half second of `redis-session …` (the package's imports, before any
     of the CLI's code runs) printed a KeyboardInterrupt traceback from an import and died of the
@@ -465,6 +468,16 @@ def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path
     script.write_text(_INTERRUPTED_COMMAND)
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     r = _run_as_from_a_shell([sys.executable, str(script), "gateway", "--workers", "2"], env)
+    assert r.returncode == 130, (r.returncode, r.stderr[-800:])
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-800:]
+    # the same as `python -m redis_session.cli` (the hook comes from a sitecustomize: while the
+    # package imports, argv[0] is "-m"); this printed a KeyboardInterrupt traceback
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_INTERRUPTED_COMMAND.split("sys.meta_path.insert")[0] + _HOOK_ONLY)
+    r = _run_as_from_a_shell(
+        [sys.executable, "-m", "redis_session.cli", "gateway", "--workers", "2"], {**env, "PYTHONPATH": str(hook)}
+    )
     assert r.returncode == 130, (r.returncode, r.stderr[-800:])
     assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-800:]
     # a program that only imports the library keeps Python's own Ctrl-C (a KeyboardInterrupt)

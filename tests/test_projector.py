@@ -785,3 +785,40 @@ async def test_snapshot_cache_counts_what_it_holds_as_it_grows() -> None:
         await store.put("b", None, [am(big + str(i))])
         await load_messages(store, "b", cache=cache)
     assert len(cache) == 0
+
+
+async def test_a_worker_starting_while_the_server_drops_its_connections_retries(
+    redis_store: RedisSessionStore, redis_url: str
+) -> None:
+    """A projector started while the server closes client connections (CLIENT KILL every ms) died
+    with "Connection closed by server" when that hit the creation of its groups, the server up
+    all along: the groups are made inside the retried part of the loop now."""
+    import redis.asyncio as aioredis
+
+    s = redis_store
+    await s.create(SessionHeader(id="dropped-start"), turn(0))
+    killer = aioredis.Redis.from_url(redis_url)
+    await killer.client_setname("killer")
+    try:
+        for attempt in range(5):
+            p = Projector(s, consumer=f"drop-{attempt}", group=f"drop{attempt}", block_ms=50)
+            failed: list[BaseException] = []
+
+            async def run(p: Projector = p, failed: list[BaseException] = failed) -> None:
+                try:
+                    await p.run()
+                except BaseException as e:  # what the CLI would print and exit on
+                    failed.append(e)
+                    raise
+
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run)
+                    for _ in range(300):  # ~0.3 s of connections closed under the worker's start
+                        await killer.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+                        await anyio.sleep(0.001)
+                    await wait_until(lambda p=p: p._groups_ready, within=60)
+                    p.stop()
+            assert not failed, failed
+    finally:
+        await killer.aclose()
