@@ -1190,3 +1190,33 @@ async def test_sign_in_behind_a_tls_ingress_sets_a_secure_cookie_and_refuses_odd
             assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
         finally:
             await stream.aclose()
+
+
+def test_workers_end_when_their_parent_is_killed(redis_url: str, prefix: str) -> None:
+    """`--workers 2` whose parent was SIGKILLed (no stop passed on) left both workers serving,
+    orphaned, holding the port: they get SIGTERM when the parent dies (a parent-death signal)."""
+    port = _free_port()
+    cmd = _gateway_cmd("--url", redis_url, "--prefix", prefix, "--port", str(port), "--workers", "2", env={})
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=_env(), start_new_session=True
+    )
+    workers: list[int] = []
+    try:
+        wait_until(lambda: len(_children(proc.pid)) == 2, within=60)
+        workers = _children(proc.pid)
+        proc.kill()
+        proc.wait(timeout=30)
+
+        def gone(pid: int) -> bool:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    return "State:\tZ" in f.read()
+            except FileNotFoundError:
+                return True
+
+        wait_until(lambda: all(gone(pid) for pid in workers), within=60)
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        anyio.run(cleanup_prefix, redis_url, prefix)

@@ -438,6 +438,21 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _end_with(parent: int) -> None:
+    """A worker whose parent dies (SIGKILL, a crash: no stop passed on) gets SIGTERM (Linux's
+    parent-death signal), instead of serving on orphaned, holding the port, forever."""
+    import ctypes
+    import os
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's own stop still reaches it
+        return
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_workers(count: int, work: Callable[[], None]) -> int:
     """Run `work` in `count` forked processes (each its own event loop, store connections and
     streams, all accepting on the socket `work` serves), until they end. Returns the first
@@ -472,10 +487,12 @@ def run_workers(count: int, work: Callable[[], None]) -> int:
             if stopping:
                 break
             signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            parent = os.getpid()
             pid = os.fork()
             if pid == 0:  # the worker: SIGTERM is `serve`'s (graceful), SIGINT is the parent's
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                _end_with(parent)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # a SIGTERM sent meanwhile ends it here
                 if stopping:  # the stop came before the fork (the parent's handler took it)
                     os._exit(0)
