@@ -35,8 +35,21 @@ def check_optional_int(value: object, what: str, *, minimum: int = 0, maximum: i
     return value
 
 
-def check_seconds(value: object, what: str, *, maximum: float = MAX_TTL) -> float:
-    """A positive number of seconds (int or float, not a bool) up to `maximum`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= maximum:
-        raise InvalidArgumentError(f"{what} must be a positive number of seconds up to {maximum:.0f}, got {value!r}")
+def check_seconds(value: object, what: str, *, maximum: float = MAX_TTL, zero: bool = False) -> float:
+    """A positive number of seconds (int or float, not a bool) up to `maximum` (`zero`: or 0)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (0 <= value if zero else 0 < value)
+        or not value <= maximum
+    ):
+        least = "a non-negative" if zero else "a positive"
+        raise InvalidArgumentError(f"{what} must be {least} number of seconds up to {maximum:.0f}, got {value!r}")
     return float(value)
+
+
+def check_incarnation(value: object) -> str | None:
+    """A life pin: None (any life) or the incarnation string a header gave."""
+    if value is not None and (not isinstance(value, str) or not value or len(value) > 64):
+        raise InvalidArgumentError(f"incarnation must be None or a header's incarnation string, got {value!r}")
+    return value

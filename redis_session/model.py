@@ -53,9 +53,22 @@ class SessionHeader(Struct, frozen=True, kw_only=True, omit_defaults=True):
     create_key: str | None = None
 
 
+def check_entries(items: object) -> None:
+    """A batch is an iterable of entries (a list, a tuple, a generator), not one entry or None."""
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+        raise InvalidEntryError(f"entries must be a sequence of entries, got {type(items).__name__}")
+
+
+def check_idempotency_key(key: object) -> None:
+    """An idempotency key is None or a str of 1-256 characters without NUL (`InvalidEntryError`)."""
+    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 256 or "\x00" in key):
+        raise InvalidEntryError("idempotency_key must be a str of 1-256 characters (no NUL)")
+
+
 def create_key_digest(key: str) -> str:
     """What a header keeps of a create's idempotency key: 32 hex digits of its SHA-256 (the key
     itself is the client's and stays with it)."""
+    check_idempotency_key(key)
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -723,8 +736,7 @@ def encode_batch(
 ) -> list[EncodedEntry]:
     """Validate a whole batch before anything is written. `first_n`, when known (an
     expected-n append), lets cuts and surface source seqs be checked against their own n."""
-    if isinstance(items, (str, bytes, Mapping)):
-        raise InvalidEntryError("entries must be a sequence of entries")
+    check_entries(items)
     out: list[EncodedEntry] = []
     for i, item in enumerate(items):
         if i >= max_batch:

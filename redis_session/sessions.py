@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 
-from .checks import check_int
+from .checks import check_incarnation, check_int, check_seconds
 from .doctor import DoctorReport, doctor
 from .errors import (
     InvalidArgumentError,
@@ -64,6 +64,7 @@ from .model import (
     SessionHeader,
     Surface,
     as_new_entry,
+    check_entries,
     create_key_digest,
     encode_batch,
     kind_of,
@@ -99,6 +100,12 @@ DEFAULT_STALE_ANSWER = 30.0
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _meta_dict(meta: object) -> dict[str, Any]:
+    if not isinstance(meta, Mapping):
+        raise InvalidArgumentError(f"meta must be a mapping, got {type(meta).__name__}")
+    return dict(meta)
 
 
 def _new_session_id() -> str:
@@ -229,6 +236,8 @@ class Session:
 
     async def mark(self, type: str, data: Any, meta: Any = None) -> builtins.list[Entry]:
         """Append a mark (never sent to the model). Message and cut types are refused."""
+        if not isinstance(type, str):
+            raise InvalidEntryError(f"an entry type is a str, got {builtins.type(type).__name__}")
         kind = kind_of(type)
         if kind != "mark":
             raise InvalidEntryError(f"mark() takes mark types only; {type!r} is a {kind}")
@@ -271,9 +280,15 @@ class Session:
 
         `summary` holds chat messages (``{role, content, …}``) or projected `Message` objects.
         """
+        if isinstance(summary, (str, bytes, Mapping)) or not isinstance(summary, Iterable):
+            raise InvalidEntryError(f"a cut's summary is a list of messages, got {type(summary).__name__}")
         items: builtins.list[Any] = []
-        for m in summary:
+        for i, m in enumerate(summary):
+            if not isinstance(m, (Message, Mapping)):
+                raise InvalidEntryError(f"summary[{i}] must be a message ({{role, content}}), got {type(m).__name__}")
             items.extend(openai_messages([m]) if isinstance(m, Message) else [dict(m)])
+        if meta is not None and not isinstance(meta, Mapping):
+            raise InvalidEntryError(f"a cut's meta is a mapping, got {type(meta).__name__}")
         data: dict[str, Any] = {"before": before, "summary": items, "reason": reason}
         if native is not None:
             data["native"] = native
@@ -326,8 +341,7 @@ class Session:
         expected: bool = True,
         idempotency_key: str | None = None,
     ) -> builtins.list[Entry]:
-        if isinstance(items, (str, bytes, Mapping)):
-            raise InvalidEntryError("entries must be a sequence of entries")
+        check_entries(items)
         batch = [as_new_entry(item, i) for i, item in enumerate(items)]
         async with self._lock:
             if self._lease is not None:
@@ -536,7 +550,7 @@ class Session:
             live_ttl=live_ttl,
             grace=grace,
             heartbeat=heartbeat,
-            meta=None if meta is None else dict(meta),
+            meta=None if meta is None else _meta_dict(meta),
         )
 
     async def _absorb(self, stored: Sequence[Entry]) -> None:
@@ -553,6 +567,8 @@ class Session:
     async def set_draft(self, draft: Mapping[str, Any] | None) -> None:
         """Publish (or with None, clear) the streaming draft; `commit` clears it. Only into this
         handle's life of the id (`SessionReplacedError` once it is another)."""
+        if draft is not None and not isinstance(draft, Mapping):
+            raise InvalidArgumentError(f"a draft is a mapping or None, got {type(draft).__name__}")
         await self._store.set_draft(
             self.id, None if draft is None else dict(draft), incarnation=self._header.incarnation or None
         )
@@ -585,7 +601,7 @@ class Session:
         uses expected_n, so it never races a writer: on a conflict it re-reads and decides again.
         """
         last_conflict: SessionConflictError | None = None
-        stale_ms = round(stale_after * 1000)
+        stale_ms = round(check_seconds(stale_after, "stale_after", zero=True) * 1000)
         for _ in range(3):
             await self.refresh()
             records = await self._store.read_live(self.id)
@@ -923,6 +939,7 @@ class Sessions:
         """Delete a session (its live branches keep reading their prefix). False when absent.
         With `incarnation`, only that life of the id (`SessionReplacedError` otherwise, checked
         atomically: nothing is deleted)."""
+        check_incarnation(incarnation)
         if incarnation is None:
             return await self.store.delete(session_id)
         return await self.store.delete(session_id, incarnation=incarnation)

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 
+from .checks import check_int, check_optional_int, check_seconds
 from .errors import (
     AnswerAliveError,
     AnswerError,
@@ -54,13 +55,14 @@ from .errors import (
     AnswerOrderError,
     AnswerTooLargeError,
     DurabilityError,
+    InvalidArgumentError,
     InvalidEntryError,
     SessionConflictError,
     SessionNotFoundError,
     SessionReplacedError,
     StoreUnavailableError,
 )
-from .model import Entry, NewEntry, encode_entry, now_ms
+from .model import Entry, NewEntry, encode_entry, lossless_json, now_ms
 from .projection.chunks import (
     CHUNK,
     INTERRUPTED,
@@ -89,6 +91,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FLUSH_INTERVAL = 1.0
 DEFAULT_MAX_CHUNKS = 64
+MAX_CHUNKS = 10_000  # deltas per chunk row at most (a row is one entry: within the entry limit anyway)
 # a row of fewer than min(_MIN_ROW, max_chunks // 2) deltas is held for more, up to _ROW_WAIT
 # flush intervals after its first delta
 _MIN_ROW = 32
@@ -143,8 +146,21 @@ class AnswerStream:
         heartbeat: float = DEFAULT_HEARTBEAT,
         meta: dict[str, Any] | None = None,
     ) -> None:
-        if not flush_interval > 0 or max_chunks < 1 or not live_ttl > 0 or not grace > 0 or not heartbeat > 0:
-            raise ValueError("flush_interval, live_ttl, grace and heartbeat must be > 0, max_chunks >= 1")
+        # every argument checked before anything is written (a bad one raised from Redis, or from
+        # the begin's own entry, after the answer's live records were written)
+        check_optional_int(turn, "turn")
+        check_optional_int(step, "step")
+        for value, what in ((flush_interval, "flush_interval"), (live_ttl, "live_ttl"), (grace, "grace")):
+            check_seconds(value, what)
+        check_seconds(heartbeat, "heartbeat")
+        check_int(max_chunks, "max_chunks", minimum=1, maximum=MAX_CHUNKS)
+        if meta is not None:
+            try:
+                encoded = lossless_json(meta, "meta")
+            except InvalidEntryError as e:
+                raise InvalidArgumentError(f"the answer's {e}") from None
+            if not encoded.startswith(b"{"):
+                raise InvalidArgumentError(f"meta must be a JSON object, got {type(meta).__name__}")
         self.store = store
         self.session_id = session_id
         self.answer = new_answer_id()

@@ -412,3 +412,39 @@ async def test_repair_after_the_answers_state_expired_still_leaves_its_partial_a
         await raw.aclose()
     repaired = await Sessions(redis_store).repair("late", stale_after=600)
     assert [e.type for e in repaired] == ["step/end", "turn/end"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"grace": 10**20},
+        {"live_ttl": 10**20},
+        {"turn": "5", "step": 1},
+        {"turn": True},
+        {"step": 1.5},
+        {"flush_interval": None},
+        {"max_chunks": None},
+        {"heartbeat": float("nan")},
+        {"grace": float("inf")},
+        {"meta": 3 + 0j},
+        {"meta": {"x": {1, 2}}},
+    ],
+)
+async def test_a_streamed_answer_with_a_bad_argument_writes_nothing(redis_store: Any, bad: dict[str, Any]) -> None:
+    """`stream(grace=10**20)` raised Redis's "Invalid stream ID" after the header, the log, the feed
+    and the live stream were written; `stream(turn="5")` refused the begin's entry after its live
+    records were; a `None` interval a bare TypeError. Each is `InvalidArgumentError`, nothing written."""
+    from redis_session import InvalidArgumentError, Sessions
+
+    s = await Sessions(redis_store).create()
+    await s.append("user/message", {"content": "hi"})
+
+    async def snapshot() -> dict[bytes, Any]:
+        keys = [k async for k in redis_store.client.scan_iter(match=f"{redis_store.prefix}*")]
+        return {k: await redis_store.client.dump(k) for k in sorted(keys)}
+
+    before = await snapshot()
+    with pytest.raises(InvalidArgumentError):
+        async with s.stream(**bad) as w:
+            await w.delta("never")
+    assert await snapshot() == before

@@ -892,3 +892,42 @@ async def test_last_cut_after_enqueue_over_another_writers_cut(store: Any) -> No
     assert e2.n == 5 and mine.last_cut == 4
     await third.enqueue("user/message", {"content": "q3"})
     assert third.last_cut == 4
+
+
+async def test_mistyped_arguments_are_typed_errors_and_write_nothing(redis_store: Any) -> None:
+    """Each of these raised a bare TypeError/AttributeError/ValueError/OverflowError from inside
+    (an outside review's list): a `SessionError` now, and nothing is written."""
+    from redis_session import SessionError
+
+    S = Sessions(redis_store)
+    s = await S.create("typed-1")
+    await s.append("user/message", {"content": "hi"})
+
+    async def snapshot() -> dict[bytes, Any]:
+        keys = [k async for k in redis_store.client.scan_iter(match=f"{redis_store.prefix}*")]
+        return {k: await redis_store.client.dump(k) for k in sorted(keys)}
+
+    calls: list[Any] = [
+        lambda: s.append_many(None),
+        lambda: s.append_many(5),
+        lambda: S.create("typed-2", idempotency_key=1),
+        lambda: S.create("typed-3", entries=None),
+        lambda: S.branch("typed-1", 1, idempotency_key=1.5),
+        lambda: s.repair(stale_after=None),
+        lambda: s.repair(stale_after=float("inf")),
+        lambda: s.repair(stale_after=float("nan")),
+        lambda: S.delete("typed-1", incarnation=1.5),
+        lambda: S.delete("typed-1", incarnation={"a": 1}),
+        lambda: s.set_draft("5"),
+        lambda: s.set_draft(1.5),
+        lambda: s.compact(1, summary=None, reason="r"),
+        lambda: s.compact(1, summary="5", reason="r"),
+        lambda: s.compact(1, summary=[{"role": "user", "content": "x"}], reason="r", meta=5),
+        lambda: s.mark([1], {}),
+        lambda: s.mark({"a": 1}, {}),
+    ]
+    before = await snapshot()
+    for i, call in enumerate(calls):
+        with pytest.raises(SessionError):
+            await call()
+        assert await snapshot() == before, i

@@ -19,7 +19,15 @@ from ..errors import (
     SessionRewoundError,
 )
 from ..keys import validate_new_session_id, validate_session_id
-from ..model import EncodedEntry, NewEntryLike, SessionHeader, Vocabulary, encode_batch, lossless_json
+from ..model import (
+    EncodedEntry,
+    NewEntryLike,
+    SessionHeader,
+    Vocabulary,
+    check_idempotency_key,
+    encode_batch,
+    lossless_json,
+)
 from ..projection.invariants import Problem
 from .protocol import MAX_CURSOR_LENGTH, MAX_LIST_LIMIT, MAX_READ_RANGE
 
@@ -81,11 +89,6 @@ def check_cursor(cursor: object) -> None:
 def check_expected_n(expected_n: object) -> None:
     if expected_n is not None and (not isinstance(expected_n, int) or isinstance(expected_n, bool) or expected_n < 0):
         raise InvalidEntryError(f"expected_n must be None or an int >= 0, got {expected_n!r}")
-
-
-def check_idempotency_key(key: object) -> None:
-    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 256 or "\x00" in key):
-        raise InvalidEntryError("idempotency_key must be a str of 1-256 characters (no NUL)")
 
 
 def check_incarnation(incarnation: object) -> None:
