@@ -264,7 +264,7 @@ async def test_wrong_argument_types(store: Any) -> None:
             f"create entries={bad!r}",
         )
     for bad in NOT_ITERABLE_ENTRIES:
-        expect(await attempt(lambda b=bad: store.put("s", 1, b)), TypeError, f"entries={bad!r}")
+        expect(await attempt(lambda b=bad: store.put("s", 1, b)), InvalidEntryError, f"entries={bad!r}")
     for bad in BAD_IDEM_KEYS:
         expect(
             await attempt(lambda b=bad: store.put("s", 1, ok_entry, idempotency_key=b)),
