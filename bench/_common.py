@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import gc
 import itertools
+import random
 import statistics
 import tempfile
 import time
@@ -126,9 +127,11 @@ class Timer:
         return out
 
 
-def round_ratios(ours: Timer, base: Timer, groups: int = 5) -> list[float]:
+def round_ratios(ours: Timer, base: Timer, groups: int = 5, *, median: bool = False) -> list[float]:
     """Ours/base ops/s over consecutive groups of interleaved rounds (first to last), so a drift
-    within one run is reported instead of averaged away."""
+    within one run is reported instead of averaged away. With `median`, each group's rate is one
+    over its median latency: a few ops stalled by another tenant (a VM's steal, a hog) move a
+    mean by tens of percent on a loaded machine and a median not at all."""
     a, b = ours.round_rates(), base.round_rates()
     k = min(len(a), len(b))
     if k == 0:
@@ -137,9 +140,19 @@ def round_ratios(ours: Timer, base: Timer, groups: int = 5) -> list[float]:
     edges = [k * i // groups for i in range(groups + 1)]  # exactly `groups` groups, as even as can be
     out = []
     for lo, hi in itertools.pairwise(edges):
+        if median:
+            ma = statistics.median(ours.samples[ours.rounds[lo] : _edge(ours, hi)])
+            mb = statistics.median(base.samples[base.rounds[lo] : _edge(base, hi)])
+            out.append(mb / ma if ma else 0.0)
+            continue
         ra, rb = statistics.mean(a[lo:hi]), statistics.mean(b[lo:hi])
         out.append(ra / rb if rb else 0.0)
     return out
+
+
+def _edge(t: Timer, i: int) -> int:
+    """Where round `i` of `t` begins in its samples (its end for the last)."""
+    return t.rounds[i] if i < len(t.rounds) else len(t.samples)
 
 
 async def interleave(
@@ -149,15 +162,41 @@ async def interleave(
     round_s: float = 0.2,
     warmup_ops: int = 20,
     meter: ServerMeter | None = None,
+    per_op: bool = False,
 ) -> None:
     """Run each side's op in alternating rounds of ~`round_s` for `seconds` in all, recording
     each op's latency, so drift in the machine's load hits every side alike. With `meter`, each
-    side's server time is taken from INFO commandstats around its rounds (outside the timing)."""
+    side's server time is taken from INFO commandstats around its rounds (outside the timing).
+
+    With `per_op`, the sides take turns op by op (A, B, C, A, B, C, …) and a round is a slice of
+    `round_s` in which every side ran: a burst of another tenant's load (a VM's steal time, a CPU
+    hog's timeslice) then lands on every side alike instead of on whichever side's block of ops
+    it fell in; the order is shuffled every turn, so that what one op leaves behind (a cache
+    evicted, a callback pending) is not always paid by the same next side. No `meter` then:
+    commandstats cannot tell apart sides that send one command."""
     for _, op in sides:
         for _ in range(warmup_ops):
             await op()
     clock = time.perf_counter
     end = clock() + seconds
+    if per_op:
+        if meter is not None:
+            raise ValueError("per_op interleaving has no per-side server meter")
+        rng = random.Random(0)
+        order = list(sides)
+        while clock() < end:
+            for timer, _ in sides:
+                timer.rounds.append(len(timer.samples))
+            round_end = clock() + round_s
+            while True:
+                rng.shuffle(order)  # a fresh order each turn: no side always follows the same one
+                for timer, op in order:
+                    t0 = clock()
+                    await op()
+                    timer.samples.append(clock() - t0)
+                if clock() >= round_end:
+                    break
+        return
     while clock() < end:
         for timer, op in sides:
             if meter is not None:
