@@ -14,6 +14,16 @@ MAX_TTL = float(2**53 // 1000)
 """The longest ttl in seconds (its milliseconds stay an exact integer: ~285 000 years)."""
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """`value` as an error message shows it: its repr cut to `limit` characters, or its type's name
+    when its repr raises (the caller's own exception must not replace the typed error)."""
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def is_int(value: object, *, minimum: int = 0, maximum: int = MAX_N) -> bool:
     """An int (not a bool) in [minimum, maximum]."""
     return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum
@@ -21,7 +31,7 @@ def is_int(value: object, *, minimum: int = 0, maximum: int = MAX_N) -> bool:
 
 def check_int(value: object, what: str, *, minimum: int = 0, maximum: int = MAX_N) -> int:
     if not is_int(value, minimum=minimum, maximum=maximum):
-        raise InvalidArgumentError(f"{what} must be an int in [{minimum}, {maximum}], got {value!r}")
+        raise InvalidArgumentError(f"{what} must be an int in [{minimum}, {maximum}], got {shown(value)}")
     assert isinstance(value, int)
     return value
 
@@ -30,7 +40,7 @@ def check_optional_int(value: object, what: str, *, minimum: int = 0, maximum: i
     if value is None:
         return None
     if not is_int(value, minimum=minimum, maximum=maximum):
-        raise InvalidArgumentError(f"{what} must be None or an int in [{minimum}, {maximum}], got {value!r}")
+        raise InvalidArgumentError(f"{what} must be None or an int in [{minimum}, {maximum}], got {shown(value)}")
     assert isinstance(value, int)
     return value
 
@@ -44,12 +54,12 @@ def check_seconds(value: object, what: str, *, maximum: float = MAX_TTL, zero: b
         or not value <= maximum
     ):
         least = "a non-negative" if zero else "a positive"
-        raise InvalidArgumentError(f"{what} must be {least} number of seconds up to {maximum:.0f}, got {value!r}")
+        raise InvalidArgumentError(f"{what} must be {least} number of seconds up to {maximum:.0f}, got {shown(value)}")
     return float(value)
 
 
 def check_incarnation(value: object) -> str | None:
     """A life pin: None (any life) or the incarnation string a header gave."""
     if value is not None and (not isinstance(value, str) or not value or len(value) > 64):
-        raise InvalidArgumentError(f"incarnation must be None or a header's incarnation string, got {value!r}")
+        raise InvalidArgumentError(f"incarnation must be None or a header's incarnation string, got {shown(value)}")
     return value

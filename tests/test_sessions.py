@@ -931,3 +931,24 @@ async def test_mistyped_arguments_are_typed_errors_and_write_nothing(redis_store
         with pytest.raises(SessionError):
             await call()
         assert await snapshot() == before, i
+
+
+async def test_an_argument_whose_repr_raises_or_is_huge_is_still_a_typed_error(redis_store: Any) -> None:
+    """The error names a bad argument by its repr: one whose repr raises surfaced as the caller's
+    own exception from inside ours, and a huge one made a huge message."""
+    from redis_session import InvalidArgumentError, InvalidEntryError
+
+    class Hostile:
+        def __repr__(self) -> str:
+            raise RuntimeError("repr exploded")
+
+    S = Sessions(redis_store)
+    s = await S.create("repr-1")
+    with pytest.raises(InvalidArgumentError, match="Hostile"):
+        await s.read(Hostile())  # type: ignore[arg-type]
+    with pytest.raises(InvalidEntryError, match="Hostile"):
+        await redis_store.put("repr-1", Hostile(), [])
+    with pytest.raises(InvalidArgumentError) as caught:
+        await s.read(["x" * 100_000])  # type: ignore[arg-type]
+    assert len(str(caught.value)) < 300
+    assert s.n == 0 and await redis_store.read("repr-1") == []

@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..checks import check_int, check_optional_int
+from ..checks import check_int, check_optional_int, shown
 from ..errors import (
     InvalidArgumentError,
     InvalidCursorError,
@@ -88,7 +88,7 @@ def check_cursor(cursor: object) -> None:
 
 def check_expected_n(expected_n: object) -> None:
     if expected_n is not None and (not isinstance(expected_n, int) or isinstance(expected_n, bool) or expected_n < 0):
-        raise InvalidEntryError(f"expected_n must be None or an int >= 0, got {expected_n!r}")
+        raise InvalidEntryError(f"expected_n must be None or an int >= 0, got {shown(expected_n)}")
 
 
 def check_incarnation(incarnation: object) -> None:
