@@ -80,9 +80,11 @@ from .projection.chunks import (
     chunk_row,
     delta_chunk,
     delta_cost,
+    entry_answer,
     new_answer_id,
     open_answers,
     replay,
+    row_end,
 )
 from .shield import finish_then_cancel
 from .store.memory import SessionStore
@@ -918,7 +920,9 @@ async def tail_deltas(
         raise SessionNotFoundError(session_id)
     if incarnation is not None and head.header.incarnation != incarnation:
         raise SessionReplacedError(session_id)
-    reader = LiveReader(session_id, start, head.header.incarnation or None, live_after, delivered)
+    # a fresh reader follows the session from the log's end now; a resumed one from its cursor
+    following = start if (resumed or live_after is not None) else max(start, head.n)
+    reader = LiveReader(session_id, start, head.header.incarnation or None, live_after, delivered, following=following)
     for given in reader.prime(records):
         yield given
     # the records after the cursor (a fresh reader: all of them) come from the tail, with the
@@ -929,6 +933,9 @@ async def tail_deltas(
     )
     async for got in tail:
         if not isinstance(got, LiveRecord):
+            if isinstance(got, Entry):
+                for gap in reader.entry(got):
+                    yield gap
             yield got
             continue
         for out in reader.feed(got):
@@ -944,10 +951,18 @@ class LiveReader:
 
     `prime` takes a read of the whole live stream (the first one: records up to `cursor` were
     seen, and a stream that no longer holds the cursor may have lost some after it: an
-    empty-answer gap says so), `records` the same and every record after the cursor at once;
-    `feed` takes each record as it lands, in the order it happened with the log's entries
+    empty-answer gap says so; again after the reader fell behind, the same check), `records`
+    the same and every record after the cursor at once; `feed` takes each record as it lands,
+    and `entry` each log entry given to the reader, in the order they happened
     (`projection.chunks.merge_live`: the tails give them so); `cursor` is the id of the last
-    record taken, where a tail resumes."""
+    record taken, where a tail resumes.
+
+    The log is the check on the live stream: an answer's deltas all come before the entry that
+    closes it, so at that entry the reader knows how many it is owed (its chunk rows say) and
+    gets a gap for those the live stream no longer held (trimmed after their grace while the
+    reader lagged behind, capped) — whole answers included — when it was following the session
+    as the answer ended (the entry is at or after `following`: the log's n when a fresh reader
+    began, a resumed reader's own cursor) or had begun receiving the answer."""
 
     def __init__(
         self,
@@ -956,6 +971,8 @@ class LiveReader:
         incarnation: str | None,
         live_after: str | None,
         expect: dict[str, int] | None = None,
+        *,
+        following: int | None = None,
     ) -> None:
         self.session_id = session_id
         self.start = start
@@ -965,6 +982,9 @@ class LiveReader:
         # connections, so a record a failover lost and its writer sent again is never given twice
         self.expect: dict[str, int] = {} if expect is None else expect
         self.skip: set[str] | None = None  # answers it gets nothing more of
+        self.following = start if following is None else following
+        self.logged: dict[str, int] = {}  # answer -> deltas its chunk rows given so far hold
+        self._gone: str | None = None  # the cursor an empty-answer gap was given for (once each)
 
     def records(self, records: Sequence[LiveRecord]) -> list[Delta | DeltaGap]:
         """`prime`, then `feed` of each record after the cursor (a read of the whole stream)."""
@@ -984,9 +1004,14 @@ class LiveReader:
         skip = self.skip = answers_to_skip(records, self.start, None) if self.skip is None else self.skip
         floor = (-1, -1) if self.cursor is None else _id_key(self.cursor)
         out: list[Delta | DeltaGap] = []
-        if self.cursor not in (None, "0-0") and (not records or _id_key(records[0].id) > floor):
+        if (
+            self.cursor not in (None, "0-0", self._gone)
+            and (not records or _id_key(records[0].id) > floor)
+        ):  # fmt: skip
             # the records up to the cursor are gone (trimmed after their grace, or the stream
-            # expired): some after it may be too, of answers it cannot name any more
+            # expired): some after it may be too (the answers they closed get gaps of their own
+            # at their closing entries, `entry`)
+            self._gone = self.cursor
             out.append(DeltaGap(answer="", start=0, stop=None, cursor=self.cursor))
         if first:
             for r in records:
@@ -1004,6 +1029,34 @@ class LiveReader:
         if not self._ours(r):
             return []  # a straggler of another life's answer: never this session's
         return _deliver(self.expect, r, self.skip)
+
+    def entry(self, e: Entry) -> list[DeltaGap]:
+        """What a log entry given to the reader says of the deltas it is owed: a chunk row, how
+        many its answer has at least; the entry closing an answer, a gap for those the live
+        stream never gave, when the reader follows that answer (see the class)."""
+        a = entry_answer(e)
+        if a is None:
+            return []
+        if self.skip is None:
+            self.skip = set()
+        if a in self.skip:
+            return []
+        if e.type == CHUNK:
+            top = row_end(e.data)
+            if top is not None and top > self.logged.get(a, 0):
+                self.logged[a] = top
+            return []
+        total = self.logged.pop(a, None)
+        if e.type == INTERRUPTED and isinstance(e.data, dict):
+            said = e.data.get("deltas")
+            if isinstance(said, int) and not isinstance(said, bool):
+                total = max(total or 0, said)
+        followed = e.n >= self.following or a in self.expect
+        nxt = self.expect.pop(a, 0)
+        self.skip.add(a)  # nothing of it after its closing entry (its end record included)
+        if followed and total is not None and nxt < total:
+            return [DeltaGap(answer=a, start=nxt, stop=total, cursor=self.cursor or "0-0")]
+        return []
 
     def _ours(self, r: LiveRecord) -> bool:
         if self.incarnation and r.incarnation and r.incarnation != self.incarnation:

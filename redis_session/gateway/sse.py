@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -389,7 +389,8 @@ class _EventStream(Response):
                     # a fresh stream gets no deltas of answers closed in what is stored (their
                     # messages are there); a resume, those after its cursor
                     reader = LiveReader(sid, head.n if self.live_after is None else nxt, inc or None, self.live_after)
-                    await self._send_live(write, inc, nxt, reader, reader.prime(records))
+                # (again after falling behind: a stream that no longer holds the cursor says so)
+                await self._send_live(write, inc, nxt, reader, reader.prime(records))
                 # alone, as far as the log went before the records were read
                 nxt = await self._catch_up(write, inc, nxt, head.n, reader, records, exact=False)
                 with tails.join(sid, inc, nxt, reader.cursor or "0-0") as joined:
@@ -436,6 +437,7 @@ class _EventStream(Response):
             out: list[bytes] = []
             for item in merged.items:
                 if isinstance(item, Entry):
+                    out.extend(self._live_events(inc, nxt, reader, reader.entry(item)))
                     out.append(_entry_event(item, inc, self.live_after))
                     nxt = item.n + 1
                 else:
@@ -462,7 +464,9 @@ class _EventStream(Response):
                         continue
                     if e.n > nxt:  # never expected: filled by a read
                         await _flush(write, out)
-                        nxt = await self._read_to(write, nxt, e.n)
+                        nxt = await self._read_to(write, nxt, e.n, reader)
+                    if reader is not None:
+                        out.extend(self._live_events(inc, nxt, reader, reader.entry(e)))
                     out.append(_entry_event(e, inc, self.live_after, body))
                     nxt = e.n + 1
                 elif isinstance(item, LiveRecord):
@@ -482,7 +486,7 @@ class _EventStream(Response):
                 await _flush(write, out)
         return nxt, not sub.lagged
 
-    def _live_events(self, inc: str, nxt: int, reader: LiveReader, given: list[Delta | DeltaGap]) -> list[bytes]:
+    def _live_events(self, inc: str, nxt: int, reader: LiveReader, given: Sequence[Delta | DeltaGap]) -> list[bytes]:
         """The events of what a `LiveReader` gave; the stream's cursor moves to the reader's."""
         out = []
         for d in given:
@@ -501,13 +505,18 @@ class _EventStream(Response):
             self._poke()
             await _flush(write, out)
 
-    async def _read_to(self, write: Write, nxt: int, stop: int) -> int:
+    async def _read_to(self, write: Write, nxt: int, stop: int, reader: LiveReader | None = None) -> int:
         inc = self._incarnation or ""
         while nxt < stop:
             page = await self.store.read(self.session_id, nxt, min(stop, nxt + self.BACKLOG_PAGE), incarnation=inc)
             if not page:
                 break
-            await write(b"".join([_entry_event(e, inc, self.live_after) for e in page]))
+            out: list[bytes] = []
+            for e in page:
+                if reader is not None:
+                    out.extend(self._live_events(inc, e.n, reader, reader.entry(e)))
+                out.append(_entry_event(e, inc, self.live_after))
+            await write(b"".join(out))
             nxt = page[-1].n + 1
         return nxt
 

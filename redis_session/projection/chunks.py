@@ -369,6 +369,17 @@ def unpack_row(data: Mapping[str, Any]) -> list[Any]:
     return []
 
 
+def row_end(data: Any) -> int | None:
+    """The index after the last delta an ``assistant/chunk`` row of a streamed answer holds
+    (``seq`` + its chunks), None for a row without ``seq``."""
+    if not isinstance(data, Mapping):
+        return None
+    seq = data.get("seq")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        return None
+    return seq + len(unpack_row(data))
+
+
 def replay(entries: Iterable[Any]) -> dict[str, list[Any]]:
     """Every streamed answer's chunks in order, from log entries (any ``Entry``-like objects with
     ``type`` and ``data``): ``{answer id: [chunk, …]}``. Rows without an answer id (imported,
@@ -675,6 +686,7 @@ __all__ = [
     "open_answers",
     "pack_chunks",
     "replay",
+    "row_end",
     "row_times",
     "unpack_row",
 ]
