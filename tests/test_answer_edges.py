@@ -209,6 +209,42 @@ async def test_http_a_batch_over_the_answers_budget_is_413_and_the_answer_still_
     assert (await redis_store.read_live("hbig"))[-1].kind == "end"
 
 
+async def test_http_one_batch_over_the_budget_on_its_own_is_answer_too_large_not_entry_too_large(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    """A batch whose content alone exceeds what an answer may hold (a delta of 1.1 MB) was refused
+    as an entry over the limit (413 entry_too_large, no next_index): a writer could not tell that
+    the answer can still end with what it has, and the TypeScript writer never could end it."""
+    await redis_store.create(SessionHeader(id="hhuge"))
+    a = (await client.post(path("hhuge", "answers"), json={"turn": 1, "step": 1})).json()["answer"]
+    url = path("hhuge", f"answers/{a}/deltas")
+    assert (await client.post(url, json=_batch(0, ["kept "]))).status_code == 201
+    before, live_before = await redis_store.read("hhuge"), await redis_store.read_live("hhuge")
+    for size in (1_100_000, 2_000_000):
+        r = await client.post(url, json=_batch(1, ["z" * size]))
+        body = r.json()
+        assert r.status_code == 413 and body["error"] == "answer_too_large", r.text
+        assert body["next_index"] == 1 and body["size"] > body["limit"] == _budget(redis_store)
+    assert await redis_store.read("hhuge") == before and await redis_store.read_live("hhuge") == live_before
+    r = await client.post(path("hhuge", f"answers/{a}/end"), json={"reason": "committed", "deltas": 1})
+    assert r.status_code == 201, r.text
+    assert (await redis_store.read("hhuge"))[-1].data["content"] == [{"type": "text", "text": "kept "}]
+
+
+async def test_a_store_refuses_one_batch_over_the_budget_as_answer_too_large() -> None:
+    from redis_session import AnswerTooLargeError, MemorySessionStore
+    from redis_session.projection.chunks import Delta
+
+    store = MemorySessionStore(max_entry_bytes=64 << 10)
+    await store.create(SessionHeader(id="mhuge"))
+    begun = await store.answer_begin("mhuge", "ans1", ttl_ms=30_000)
+    huge = [Delta(answer="ans1", index=0, kind="text", text="q" * (70 << 10))]
+    with pytest.raises(AnswerTooLargeError) as caught:
+        await store.answer_deltas("mhuge", "ans1", 0, huge, incarnation=begun.incarnation, ttl_ms=30_000)
+    assert caught.value.logged == 0 and caught.value.size > caught.value.limit
+    assert [e.type for e in await store.read("mhuge")] == []
+
+
 async def test_http_an_interrupted_end_always_fits(client: httpx.AsyncClient, redis_store: RedisSessionStore) -> None:
     await redis_store.create(SessionHeader(id="hcut"))
     a = (await client.post(path("hcut", "answers"), json={})).json()["answer"]

@@ -157,10 +157,11 @@ class AnswerOps(StoreRules):
         incarnation: str | None = None,
         ttl_ms: int,
     ) -> AnswerAck:
+        cost = self._batch_cost(session_id, answer, first, deltas, log)  # the size rule (lua/answer.lua)
+        budget = answer_budget(self.max_entry_bytes)
         data = self._row_data(answer, first, deltas, turn, step) if log else b""
         args: builtins.list[Any] = ["deltas", answer, incarnation or "", ttl_ms, self.live_maxlen]
-        cost = deltas_cost(deltas) if data else 0  # the answer's size rule (lua/answer.lua)
-        args += [first, len(deltas), data, cost, answer_budget(self.max_entry_bytes), len(deltas) if live else 0]
+        args += [first, len(deltas), data, cost, budget, len(deltas) if live else 0]
         if live:
             # a text or reasoning delta as 0, its kind code, "<answer> <index>", its text: the
             # script writes it as one field, "<answer> <index> <life> <text>" (`compact_value`)

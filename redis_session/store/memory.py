@@ -621,6 +621,7 @@ class MemorySessionStore(StoreRules):
         incarnation: str | None = None,
         ttl_ms: int,
     ) -> AnswerAck:
+        self._batch_cost(session_id, answer, first, deltas, log)
         enc = self._chunk_entry(answer, first, deltas, turn, step) if log and deltas else None
         async with self._lock:
             s, ttl, st0 = self._answer_prelude(session_id, answer, incarnation, ttl_ms)

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..checks import check_int, check_optional_int, shown
 from ..errors import (
+    AnswerTooLargeError,
     InvalidArgumentError,
     InvalidCursorError,
     InvalidEntryError,
@@ -28,6 +29,7 @@ from ..model import (
     encode_batch,
     lossless_json,
 )
+from ..projection.chunks import Delta, answer_budget, deltas_cost
 from ..projection.invariants import Problem
 from .protocol import MAX_CURSOR_LENGTH, MAX_LIST_LIMIT, MAX_READ_RANGE
 
@@ -210,6 +212,20 @@ class StoreRules:
         check_idempotency_key(idempotency_key)
         check_incarnation(incarnation)
         return self._encode(entries, expected_n)
+
+    def _batch_cost(self, session_id: str, answer: str, first: int, deltas: Sequence[Delta], log: bool) -> int:
+        """The content cost a delta batch adds to its answer (`deltas_cost`, the answer protocol's
+        size rule), 0 when it adds no row; a batch over the answer's budget on its own is
+        refused here, before its row is made: a row over the entry limit would be refused as an
+        entry instead, and the writer could not tell that the answer can still end with what it
+        has (`AnswerTooLargeError` says so: deltas [0, first) stay)."""
+        if not log or not deltas:
+            return 0
+        cost = deltas_cost(deltas)
+        budget = answer_budget(self.max_entry_bytes)
+        if cost > budget:
+            raise AnswerTooLargeError(session_id, answer, cost, budget, first)
+        return cost
 
     def _draft_bytes(self, draft: dict[str, Any] | None) -> bytes | None:
         """A draft as the stored JSON (None clears it), within `max_entry_bytes`."""

@@ -15,7 +15,10 @@
  * `assistant/interrupted` mark. A batch that would take the answer's content over what its message
  * can hold (the entry limit less 16 KiB) is refused (`AnswerTooLargeError`, thrown by `flush()` and
  * by every later `delta`): its deltas and those queued after it are dropped, and `end()` still
- * commits the deltas that landed.
+ * commits the deltas that landed. A delta no JSON body can carry (half of a surrogate pair) is
+ * refused by `delta()` itself (`InvalidEntryError`), before it is queued; the answer goes on.
+ * After the gateway said the session is gone, `flush()` and `end()` ask again: a writer whose id
+ * has a new life by then gets `SessionReplacedError`.
  *
  * A request whose answer is lost (the gateway unreachable, a connection cut before or while the
  * reply comes back, a 502/503/504) is sent again as it was, `retries` times: a batch carries its
@@ -40,7 +43,10 @@ import {
   AnswerIncompleteError,
   AnswerOrderError,
   AnswerTooLargeError,
+  InvalidEntryError,
   SessionError,
+  SessionNotFoundError,
+  SessionReplacedError,
   UnavailableError,
 } from './errors.js'
 import type { Json, JsonObject, Written } from './types.js'
@@ -92,6 +98,7 @@ export interface EndOptions {
 export type Post = (path: string, body: unknown, headers: Record<string, string | undefined>) => Promise<Response>
 
 const MAX_BATCH = 4096
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/
 
 export class AnswerWriter {
   readonly sessionId: string
@@ -168,7 +175,7 @@ export class AnswerWriter {
   /** Send what is queued now (the timer does it on its own); resolves when it is in the log. */
   async flush(): Promise<void> {
     this.clearTimer()
-    this.inFlight = this.inFlight.then(() => this.sendQueued())
+    this.inFlight = this.inFlight.then(() => this.askAgain()).then(() => this.sendQueued())
     await this.inFlight
     if (this.failure !== undefined) throw this.failure
     if (this.full !== undefined) throw this.full
@@ -191,6 +198,16 @@ export class AnswerWriter {
   private add(d: DeltaIn): void {
     if (typeof d.text !== 'string') throw new TypeError('a delta is a string')
     if (this.closed) throw new Error('this answer is closed')
+    // refused here, before it is queued, as Python's writer refuses it: a string no JSON body
+    // can carry (half of a surrogate pair, e.g. an emoji cut by a UTF-16 slice) would make the
+    // gateway refuse its whole batch, the deltas around it included
+    for (const [field, value] of [['text', d.text], ['callId', d.callId], ['name', d.name]] as const) {
+      if (value !== undefined && LONE_SURROGATE.test(value)) {
+        throw new InvalidEntryError(`a delta's ${field} must be valid Unicode text (it holds half of a surrogate pair)`, 422, 'invalid', {
+          path: `$.deltas[${this.count}].${field === 'callId' ? 'call_id' : field}`,
+        })
+      }
+    }
     if (this.failure !== undefined) throw this.failure
     if (this.full !== undefined) throw this.full
     this.queue.push(d)
@@ -199,6 +216,20 @@ export class AnswerWriter {
         this.timer = undefined
         this.inFlight = this.inFlight.then(() => this.sendQueued())
       }, this.intervalMs)
+    }
+  }
+
+  /** After the gateway said the session is gone, ask again before answering from it: the id
+   * may have a new life by now, and a writer of the old one is then told so
+   * (`SessionReplacedError`), not that the session is gone. An empty batch asks (it writes
+   * nothing in any life: every request of this writer is pinned to the life it began in). */
+  private async askAgain(): Promise<void> {
+    if (!(this.failure instanceof SessionNotFoundError) || this.failure instanceof SessionReplacedError) return
+    try {
+      await this.send(this.deltasPath(), { first_index: this.sent, deltas: [] }, {}, 1)
+      this.failure = undefined // there after all (a failover's replica lacked it for a moment)
+    } catch (e) {
+      if (!(e instanceof UnavailableError)) this.failure = e
     }
   }
 
@@ -325,7 +356,7 @@ export class AnswerWriter {
   private async close(reason: 'committed' | 'interrupted', options: EndOptions, cause?: string): Promise<Written> {
     if (this.closing !== undefined) return this.closing
     this.clearTimer()
-    this.inFlight = this.inFlight.then(() => this.sendQueued())
+    this.inFlight = this.inFlight.then(() => this.askAgain()).then(() => this.sendQueued())
     await this.inFlight
     if (this.failure !== undefined && reason === 'committed') throw this.failure
     if (this.unsent !== undefined && reason === 'committed') throw this.unsent // still open: end or abort again

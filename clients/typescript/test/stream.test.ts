@@ -1,7 +1,19 @@
 import assert from 'node:assert/strict'
 import { describe, it } from 'node:test'
 
-import { Delta, DeltaGap, SessionClient, SessionConflictError, sleep, type Entry, type JsonObject } from '../src/index.js'
+import {
+  AnswerTooLargeError,
+  Delta,
+  DeltaGap,
+  InvalidEntryError,
+  SessionClient,
+  SessionConflictError,
+  SessionNotFoundError,
+  SessionReplacedError,
+  sleep,
+  type Entry,
+  type JsonObject,
+} from '../src/index.js'
 import { ADMIN, skip, uid, URL } from './env.js'
 import { openTurn as openTurnOf, replay } from './turns.js'
 
@@ -127,5 +139,45 @@ describe('streaming answers', { skip }, () => {
       content: [{ type: 'text', text: 'half an answer' }],
     })
     assert.throws(() => w.delta('more'), /closed/)
+  })
+  it('refuses half a surrogate pair at delta() and the answer goes on without it', async () => {
+    const id = uid('ts/surrogate')
+    await openTurn(id)
+    const w = await client.stream(id, { turn: 1, step: 1, intervalMs: 5 })
+    w.delta('Hello ')
+    assert.throws(() => w.delta('😀'.slice(0, 1)), (e: unknown) => e instanceof InvalidEntryError && /surrogate/.test(e.message))
+    assert.throws(() => w.toolCallDelta('c\uDC00', 'bash', '{}'), InvalidEntryError)
+    w.delta('world 😀')
+    const message = (await w.end()).entries[0]
+    assert.deepEqual(message?.data.content, [{ type: 'text', text: 'Hello world 😀' }])
+  })
+
+  it('a batch over what the answer may hold is AnswerTooLargeError, and end() commits what landed', async () => {
+    const id = uid('ts/oversize')
+    await openTurn(id)
+    const w = await client.stream(id, { turn: 1, step: 1, intervalMs: 5 })
+    w.delta('kept ')
+    await w.flush()
+    w.delta('x'.repeat(1_100_000)) // over the answer's budget on its own (the entry limit is 1 MiB)
+    await assert.rejects(w.flush(), (e: unknown) => e instanceof AnswerTooLargeError && e.nextIndex === 1)
+    const message = (await w.end()).entries[0]
+    assert.equal(message?.type, 'assistant/message')
+    assert.deepEqual(message?.data.content, [{ type: 'text', text: 'kept ' }])
+  })
+
+  it('a writer whose session was deleted, then re-created, is told it was replaced', async () => {
+    const id = uid('ts/relife')
+    await openTurn(id)
+    const w = await client.stream(id, { turn: 1, step: 1, intervalMs: 5 })
+    w.delta('old life ')
+    await w.flush()
+    assert.equal(await client.delete(id), true)
+    w.delta('lost ')
+    await assert.rejects(w.flush(), SessionNotFoundError) // gone, for now
+    await openTurn(id) // the id's next life
+    await assert.rejects(w.flush(), SessionReplacedError)
+    await assert.rejects(w.end(), SessionReplacedError)
+    const entries = await client.read(id)
+    assert.ok(entries.every((e) => e.type !== 'assistant/chunk' && e.type !== 'assistant/message'), 'nothing of the old life')
   })
 })
