@@ -62,7 +62,10 @@ class Gateway:
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "REDIS_SESSION_TOKENS")}
         env.pop("REDIS_SESSION_TOKEN", None)
-        if options and options[0] == "granian":  # granian serving the same app (bench/_granian_app.py)
+        if options and options[0] == "minimal":  # the floor of the hop (bench/_minimal_http.py)
+            here = Path(__file__).resolve().parent
+            cmd = [sys.executable, str(here / "_minimal_http.py"), url, prefix, str(self.port)]
+        elif options and options[0] == "granian":  # granian serving the same app (bench/_granian_app.py)
             env.update(RS_BENCH_URL=url, RS_BENCH_PREFIX=prefix)
             here = str(Path(__file__).resolve().parent)
             env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
@@ -197,7 +200,7 @@ async def latency(store: RedisSessionStore, gw: Gateway, label: str, seconds: fl
             if size == 1:
                 sides.append((floor, lambda: http.request("GET", "/healthz")))
             settle_gc()
-            await interleave(sides, seconds * len(sides))
+            await interleave(sides, seconds * len(sides), round_s=1.0, per_op=True)
             rows.append(_row(f"{label}: {name}", g, s))
             if floor.samples:
                 rows.append([f"{label}: GET /healthz", f"{floor.p(50):.3f}", "-", "-", f"{floor.p(99):.3f}"])
@@ -312,6 +315,9 @@ STACKS: list[tuple[str, list[str]]] = [
 ]
 if importlib.util.find_spec("granian") is not None:
     STACKS.append(("granian + uvloop", ["granian", "--loop", "uvloop"]))
+# not a gateway: a bare httptools + uvloop server making the same store call (no ASGI, no checks),
+# the least any Python HTTP hop adds, so the gateway's own share of its ratio can be read off
+STACKS.append(("floor: bare httptools + uvloop server", ["minimal"]))
 
 
 def main() -> None:
