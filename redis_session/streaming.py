@@ -436,8 +436,13 @@ class AnswerStream:
                 return  # the last rows go with the closing entry
             self._have_chunks, self._full = anyio.Event(), anyio.Event()
             await self._flush()
-            if len(self._deltas) > self._flushed:
+            pending = len(self._deltas) - self._flushed
+            if pending > 0:
                 self._have_chunks.set()
+            if pending >= self.max_chunks:
+                # a full row's worth came in while this one was written: it goes now, not after
+                # the interval (the signal `_add` gave went with the events replaced above)
+                self._full.set()
 
     async def _flush(self) -> None:
         """Append the buffered deltas as one row (at most `max_chunks`). A row whose reply was

@@ -234,18 +234,33 @@ WRITER = """
 import os, sys, anyio
 from redis_session import RedisSessionStore, Sessions
 
+from redis_session.projection.chunks import replay
+
+async def until(check):
+    with anyio.fail_after(120):
+        while not await check():
+            await anyio.sleep(0.01)
+
 async def main():
     store = RedisSessionStore.from_url(sys.argv[1], prefix=sys.argv[2])
     s = await Sessions(store).open("dead")
     await s.append_many([("turn/start", {"turn": 1}), ("step/start", {"turn": 1, "step": 1})])
-    async with s.stream(turn=1, step=1, flush_interval=0.05) as w:
-        for i in range(40):
+    # rows go by count only (8 deltas each; the interval never comes): 48 deltas reach the log,
+    # the last 2 only the live stream, whatever the machine's load
+    async with s.stream(turn=1, step=1, flush_interval=3600, max_chunks=8) as w:
+
+        async def logged():
+            return len(replay(await store.read("dead")).get(w.answer, [])) == 48
+
+        async def live():
+            return sum(r.is_delta for r in await store.read_live("dead")) == 50
+
+        for i in range(48):
             await w.delta(f"d{i} ")
-            await anyio.sleep(0.005)
-        await anyio.sleep(0.2)   # the first rows are flushed
-        for i in range(40, 50):
+        await until(logged)
+        for i in range(48, 50):
             await w.delta(f"d{i} ")
-        await anyio.sleep(0.03)  # live, not flushed yet
+        await until(live)
         print(w.answer, flush=True)
         os._exit(9)              # the process dies: no exit, no close
 
@@ -264,7 +279,7 @@ async def test_a_writer_that_dies_is_closed_by_repair(redis_url: str, redis_stor
     sessions = Sessions(redis_store)
     before = await redis_store.read("dead")
     flushed = len(replay(before).get(answer, []))
-    assert 0 < flushed < 50  # some deltas only on the live stream
+    assert flushed == 48  # the last two only on the live stream
     assert await sessions.repair("dead", stale_after=60) == []  # too fresh: its writer may be alive
     appended = await sessions.repair("dead", stale_after=0)
     types = [e.type for e in appended]
