@@ -80,11 +80,13 @@ from .projection.chunks import (
     chunk_row,
     delta_chunk,
     delta_cost,
+    end_row,
     entry_answer,
     new_answer_id,
     open_answers,
     replay,
     row_end,
+    row_ended,
 )
 from .shield import finish_then_cancel
 from .store.memory import SessionStore
@@ -699,9 +701,10 @@ class AnswerStream:
                     raise
                 ended, unconfirmed = await self._end("committed", message, self._expected())
         except SessionConflictError:
-            # someone wrote since the answer's rows: keep the deltas, close the answer, let the
-            # caller retry the message (`Session.commit`)
-            await self._end("conflict", None, None)
+            # someone wrote since the answer's rows: keep the deltas, close the answer with a row
+            # that says so (readers that lagged behind learn it ended), let the caller retry the
+            # message (`Session.commit`)
+            await self._end("conflict", end_row(self.answer, self.turn, self.step, len(self._deltas), "conflict"), None)
             raise
         self.message = await self._closing_entry(ended.n)
         if unconfirmed and self._durability is not None:
@@ -865,6 +868,8 @@ async def forgotten_answer_marks(
     closed: set[str] = set()
     for e in entries[start:]:
         if e.type == CHUNK and isinstance(e.data, dict) and isinstance(e.data.get("answer"), str):
+            if row_ended(e.data):
+                closed.add(e.data["answer"])  # ended without a message (its commit was refused)
             rows.setdefault(e.data["answer"], []).append(e)
         elif e.type in ("assistant/message", INTERRUPTED) and isinstance(e.meta, dict):
             answer = e.meta.get("answer")
@@ -1050,7 +1055,8 @@ class LiveReader:
             top = row_end(e.data)
             if top is not None and top > self.logged.get(a, 0):
                 self.logged[a] = top
-            return []
+            if not row_ended(e.data):
+                return []
         total = self.logged.pop(a, None)
         if e.type == INTERRUPTED and isinstance(e.data, dict):
             said = e.data.get("deltas")

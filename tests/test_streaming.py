@@ -245,22 +245,22 @@ async def main():
     store = RedisSessionStore.from_url(sys.argv[1], prefix=sys.argv[2])
     s = await Sessions(store).open("dead")
     await s.append_many([("turn/start", {"turn": 1}), ("step/start", {"turn": 1, "step": 1})])
-    # rows go by count only (8 deltas each; the interval never comes): 48 deltas reach the log,
-    # the last 2 only the live stream, whatever the machine's load
+    # rows go by count only (8 deltas each; the interval never comes): once the flusher waits
+    # for a full row that never comes, the log holds what it flushed and the rest is only live,
+    # whatever the machine's load
     async with s.stream(turn=1, step=1, flush_interval=3600, max_chunks=8) as w:
-
-        async def logged():
-            return len(replay(await store.read("dead")).get(w.answer, [])) == 48
-
-        async def live():
-            return sum(r.is_delta for r in await store.read_live("dead")) == 50
-
-        for i in range(48):
+        for i in range(50):
             await w.delta(f"d{i} ")
-        await until(logged)
-        for i in range(48, 50):
-            await w.delta(f"d{i} ")
-        await until(live)
+
+        async def settled():
+            pending = len(w._deltas) - w._flushed
+            if w._row is not None or not 0 < pending < w.max_chunks:
+                return False
+            logged = len(replay(await store.read("dead")).get(w.answer, []))
+            live = sum(r.is_delta for r in await store.read_live("dead"))
+            return logged == w._flushed and live == 50
+
+        await until(settled)
         print(w.answer, flush=True)
         os._exit(9)              # the process dies: no exit, no close
 
@@ -279,7 +279,7 @@ async def test_a_writer_that_dies_is_closed_by_repair(redis_url: str, redis_stor
     sessions = Sessions(redis_store)
     before = await redis_store.read("dead")
     flushed = len(replay(before).get(answer, []))
-    assert flushed == 48  # the last two only on the live stream
+    assert 0 < flushed < 50  # the last ones only on the live stream
     assert await sessions.repair("dead", stale_after=60) == []  # too fresh: its writer may be alive
     appended = await sessions.repair("dead", stale_after=0)
     types = [e.type for e in appended]

@@ -369,6 +369,30 @@ def unpack_row(data: Mapping[str, Any]) -> list[Any]:
     return []
 
 
+def end_row(answer: str, turn: int | None, step: int | None, deltas: int, reason: str) -> NewEntry:
+    """The entry that closes an answer ending without a message (its commit was refused: someone
+    else wrote first, and the caller may commit the message itself): an ``assistant/chunk`` row
+    with no chunks, ``seq`` the answer's number of deltas, and ``ended`` the reason. A mark the
+    projection ignores, it tells a reader that lagged behind the live stream that the answer
+    ended and how many deltas it had (a gap names those it missed), and `repair` that it is no
+    dead writer's."""
+    row = chunk_row([], turn=turn, step=step, answer=answer, seq=deltas)
+    return NewEntry(CHUNK, {**row.data, "ended": reason})
+
+
+def row_ended(data: Any) -> bool:
+    """Whether an ``assistant/chunk`` row's data closes its answer (`end_row`)."""
+    return isinstance(data, Mapping) and isinstance(data.get("ended"), str)
+
+
+def closes_answer(e: Entry) -> bool:
+    """Whether `e` closes the streamed answer it belongs to (`entry_answer`): its
+    ``assistant/message`` or ``assistant/interrupted``, or an `end_row`."""
+    if e.type == CHUNK:
+        return row_ended(e.data)
+    return entry_answer(e) is not None
+
+
 def row_end(data: Any) -> int | None:
     """The index after the last delta an ``assistant/chunk`` row of a streamed answer holds
     (``seq`` + its chunks), None for a row without ``seq``."""
@@ -574,7 +598,7 @@ def merge_live(
         if not take_record and j < nr:
             e, r = entries[i], records[j]
             a = entry_answer(e)
-            if a is not None and e.type != CHUNK and last_own.get(a, -1) >= j:
+            if a is not None and closes_answer(e) and last_own.get(a, -1) >= j:
                 take_record = True  # the answer's own records before its closing entry
             else:
                 ms = _record_ms(r.id)
@@ -675,10 +699,12 @@ __all__ = [
     "assemble",
     "assemble_deltas",
     "chunk_row",
+    "closes_answer",
     "compact_value",
     "delta_chunk",
     "delta_cost",
     "deltas_cost",
+    "end_row",
     "entry_answer",
     "live_draft",
     "merge_live",
@@ -687,6 +713,7 @@ __all__ = [
     "pack_chunks",
     "replay",
     "row_end",
+    "row_ended",
     "row_times",
     "unpack_row",
 ]
