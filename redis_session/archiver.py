@@ -158,6 +158,7 @@ class Archiver:
         if self.tier is None:
             raise ValueError("no cold tier: pass one, or run `redis-session archive --to URL` once")
         if isinstance(self.store, RedisSessionStore) and not self._recorded:
+            await self.store.check_cold_url(self.tier)  # refused before the claim writes to its folder
             await claim_tier(self.store, self.tier)  # never another store's folder
             await self.store.record_cold_url(self.tier)  # every process of the prefix finds it
             self._recorded = True
@@ -171,12 +172,12 @@ class Archiver:
         """Archive [hot start, k) of one session: k is `upto` (clamped to n), else the policy's,
         else n (the whole log)."""
         validate_session_id(session_id)
-        tier = await self._tier()
         state = await self.store.cold_state(session_id)
-        if state is None or state.deleted:
+        if state is None or state.deleted:  # before the tier is claimed and recorded: nothing written
             return ArchiveResult(session_id, "absent")
         if state.ephemeral:  # it expires with its keys: its objects would outlive it
             return ArchiveResult(session_id, "ephemeral")
+        tier = await self._tier()
         if policy is not None:
             cut_before = None
             if policy.before_last_cut and state.last_cut is not None:
@@ -439,6 +440,8 @@ async def set_cold_url(store: RedisSessionStore, url: str, *, replace: bool = Fa
     Another URL already recorded is refused (`ValueError`) unless `replace`: the segments
     already archived stay where they are, and readers would look for them in the new place."""
     tier = ColdTier(open_objects(url), prefix=store.prefix)  # a bad URL fails here, before anything is recorded
+    if not replace:
+        await store.check_cold_url(tier)  # another URL recorded: refused before the claim writes to its folder
     await claim_tier(store, tier)
     await store.record_cold_url(tier, replace=replace)
     store.cold = tier

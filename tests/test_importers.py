@@ -1046,6 +1046,9 @@ async def test_lone_high_surrogate_imports_as_fffd_and_exports_as_written(
         ('{"type":"session/meta","id":"a\\ud800"}', "id"),
         ('{"type":"session/meta","id":"\\udc00"}', "id"),
         ('{"_type":"metadata","key":"k\\ud800","metadata":{},"last_consolidated":0}', "key"),
+        # a redis-session export names its session in header.id: it imported as "sur\ufffdx"
+        ('{"_type":"redis-session","version":1,"header":{"id":"sur\\ud800x"},"n":0}', "header.id"),
+        ('{"_type":"redis-session","version":1,"header":{"id":"\\udc00"},"n":0}', "header.id"),
     ],
 )
 async def test_lone_surrogate_session_id_is_refused_naming_the_field(
@@ -1115,3 +1118,90 @@ async def test_dot_ids_are_refused_everywhere(sid: str, tmp_path: Path) -> None:
     assert (await store.list()).items == []
     for ok in ("a.", ".a", "...", "a/../b"):
         await store.create(SessionHeader(id=ok))
+
+
+# ------------------------------------------------------------- the redis-session format is I-JSON
+
+
+def _native(path: Path, entry: str, header: str = '{"id":"ij"}') -> Path:
+    path.write_text(f'{{"_type":"redis-session","version":1,"header":{header},"n":1}}\n{entry}\n')
+    return path
+
+
+_E = '{"n":0,"time":1,"type":"x/y","data":%s}'
+_H = '{"id":"ij",%s}'
+
+
+@pytest.mark.parametrize(
+    ("entry", "header", "where", "says"),
+    [
+        (_E % '{"v":99999999999999999999999}', None, ":2: data.v: ", "2^53"),
+        (_E % '{"v":[1,-9007199254740992]}', None, ":2: data.v[1]: ", "2^53"),
+        (_E % '{"content":"x","content":"y"}', None, ":2: data: ", "'content' appears twice"),
+        ('{"n":0,"n":0,"time":1,"type":"x/y","data":{}}', None, ":2: the line: ", "'n' appears twice"),
+        (_E % ('{"v":' + "[" * 70 + "]" * 70 + "}"), None, ":2: data.v[0]", "deeper than 64"),
+        (_E % "{}", _H % '"origin":{"o":1,"o":2}', ":1: bad header line: header.origin: ", "'o' appears twice"),
+        (_E % "{}", _H % '"id":"other"', ":1: bad header line: header: ", "'id' appears twice"),
+    ],
+)
+async def test_redis_session_format_is_refused_where_the_gateway_refuses_a_body(
+    store: Any, tmp_path: Path, entry: str, header: str | None, where: str, says: str
+) -> None:
+    """An integer beyond ±(2^53 - 1) (stored, then served as JavaScript cannot read it), a
+    duplicate member name (the later one silently won) and nesting deeper than 64 imported,
+    though the gateway answers the same entry 422: the file is refused, naming the field, as the
+    gateway does (`redis_session.model.check_ijson`, its own check)."""
+    path = _native(tmp_path / "ij.jsonl", entry, header or '{"id":"ij"}')
+    with pytest.raises(ImportFormatError) as info:
+        await import_path(store, path)
+    msg = str(info.value)
+    assert msg.startswith(str(path) + where) and says in msg, msg
+    assert await nothing_written(store)
+
+
+async def test_redis_session_format_within_i_json_still_imports(store: Any, tmp_path: Path) -> None:
+    big = 2**53 - 1
+    path = _native(tmp_path / "ok.jsonl", _E % f'{{"v":[{big},-{big}],"k":{{"k":1}}}}')
+    await import_path(store, path)
+    assert [e.data for e in await store.read("ij")] == [{"v": [big, -big], "k": {"k": 1}}]
+
+
+# ------------------------------------------------------------- a file is read as a stream, within bounds
+
+
+async def test_a_file_over_the_line_or_size_bound_is_refused_naming_the_line(
+    store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The importer read the whole decompressed file into memory before any limit applied. It
+    reads a stream now, within documented bounds (`MAX_FILE_LINES` lines, blank ones included;
+    `MAX_FILE_BYTES` decompressed; a line at most `line_limit` of the entry limit): over one, the
+    file is refused naming the line where it was reached, and nothing is written."""
+    import zstandard
+
+    from redis_session.importers import common
+
+    head = (
+        '{"_type":"redis-session","version":1,"header":{"id":"big"},"n":1}\n'
+        '{"n":0,"time":1,"type":"user/message","data":{"content":"hi"}}\n'
+    )
+    monkeypatch.setattr(common, "MAX_FILE_LINES", 1000)
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text(head + "\n" * 998)  # 1000 lines: within
+    await import_path(store, lines)
+    await store.delete("big")
+    lines.write_text(head + "\n" * 999 + "\n")  # 1001
+    with pytest.raises(ImportFormatError, match=r"lines\.jsonl:1001: the file has more than 1,000 lines"):
+        await import_path(store, lines)
+    monkeypatch.setattr(common, "MAX_FILE_LINES", 10_000_000)
+    monkeypatch.setattr(common, "MAX_FILE_BYTES", 1 << 20)
+    packed = tmp_path / "packed.jsonl.zstd"  # 1 MiB + 1 decompressed: over
+    packed.write_bytes(zstandard.ZstdCompressor().compress(head.encode() + b" " * ((1 << 20) - len(head) + 1)))
+    with pytest.raises(ImportFormatError, match=r"packed\.jsonl\.zstd:3: the file is over 1 MiB \(decompressed\)"):
+        await import_path(store, packed)
+    monkeypatch.setattr(common, "MAX_FILE_BYTES", 1 << 30)
+    long = tmp_path / "long.jsonl"
+    limit = common.line_limit(int(getattr(store, "max_entry_bytes", 1 << 20)))
+    long.write_bytes(head.encode() + b'{"n":1,' + b"x" * limit + b"\n")
+    with pytest.raises(ImportFormatError, match=rf"long\.jsonl:3: the line is over {limit:,} bytes"):
+        await import_path(store, long)
+    assert await nothing_written(store)

@@ -61,9 +61,32 @@ class _Stdout(Console):
 out = _Stdout(soft_wrap=not sys.stdout.isatty())
 err = Console(stderr=True, soft_wrap=True)
 
+
+def _url_arg(value: str | None) -> str | None:
+    """A ``redis://`` / ``rediss://`` URL whose database part (the path) is no non-negative integer
+    is refused: redis-py ignores such a path (``/abc``, ``/1x``, ``/3.5``) and would use database 0.
+    Everything else about the URL is checked where it is used (the scheme, the server's answer)."""
+    from urllib.parse import unquote, urlsplit
+
+    if not value or not value.lower().startswith(("redis://", "rediss://")):
+        return value
+    try:
+        path = urlsplit(value).path
+    except ValueError:
+        return value  # redis-py says what is wrong with it
+    db = unquote(path)[1:] if path.startswith("/") else unquote(path)
+    if db and not (db.isascii() and db.isdigit()):
+        # (the URL itself is not printed: it may hold a password)
+        raise CliError(
+            f"--url (or $REDIS_URL): the database part {path!r} is not a non-negative integer; give one "
+            "(redis://HOST:PORT/0 for database 0), or no path"
+        )
+    return value
+
+
 UrlOpt = Annotated[
     str | None,
-    typer.Option("--url", envvar="REDIS_URL", help="redis:// URL; default: the embedded server."),
+    typer.Option("--url", envvar="REDIS_URL", callback=_url_arg, help="redis:// URL; default: the embedded server."),
 ]
 PrefixOpt = Annotated[str, typer.Option("--prefix", envvar="REDIS_SESSION_PREFIX", help="Key prefix.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document per line (never wrapped).")]
@@ -96,20 +119,10 @@ class CliError(Exception):
     """A user-facing failure: printed as one line, exit code 1."""
 
 
-def _print_version(value: bool) -> None:
-    if value:
-        from .. import __version__
-
-        sys.stdout.write(f"redis-session {__version__}\n")
-        raise typer.Exit()
-
-
-@app.callback()
+@app.callback(invoke_without_command=True)
 def _root(
-    version: Annotated[
-        bool,
-        typer.Option("--version", "-V", is_eager=True, callback=_print_version, help="Print the version and exit."),
-    ] = False,
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", "-V", help="Print the version and exit.")] = False,
     data_dir: Annotated[
         Path | None,
         typer.Option(
@@ -120,6 +133,16 @@ def _root(
     ] = None,
 ) -> None:
     """A distributed event store for AI-agent sessions on Redis Streams."""
+    # --version alone (an argument after it is no command: click refuses it before this runs)
+    if version:
+        if ctx.invoked_subcommand is not None:
+            ctx.fail(f"--version takes no command or argument (got {ctx.invoked_subcommand!r})")
+        from .. import __version__
+
+        sys.stdout.write(f"redis-session {__version__}\n")
+        raise typer.Exit()
+    if ctx.invoked_subcommand is None:  # options alone (`redis-session --dir D`): a command is missing
+        ctx.fail("Missing command.")  # what click says without invoke_without_command
     if data_dir is not None:
         os.environ["REDIS_SESSION_HOME"] = str(data_dir.expanduser().resolve())
 

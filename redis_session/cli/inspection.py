@@ -100,12 +100,24 @@ def show_cmd(
     url: UrlOpt = None,
     prefix: PrefixOpt = "rs",
     messages: Annotated[bool, typer.Option("--messages", help="Show the derived messages.")] = False,
-    fmt: Annotated[str, typer.Option("--format", help="openai | anthropic | json (with --messages)")] = "json",
-    start: Annotated[int, typer.Option(min=0, max=MAX_N, help="First entry n.")] = 0,
+    fmt_opt: Annotated[
+        str | None, typer.Option("--format", help="openai | anthropic | json (with --messages; default json)")
+    ] = None,
+    start: Annotated[int | None, typer.Option(min=0, max=MAX_N, help="First entry n.")] = None,
     stop: Annotated[int | None, typer.Option(min=0, max=MAX_N, help="Stop before this n.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Show a session's header and entries (or its derived messages)."""
+    # contradictory options are usage errors (exit 2), never silently ignored
+    if fmt_opt is not None and not messages:
+        raise typer.BadParameter("goes with --messages (the entries are shown as stored)", param_hint="'--format'")
+    if messages and (start is not None or stop is not None):
+        raise typer.BadParameter(
+            "select entries; with --messages the whole projection is shown", param_hint="'--start' / '--stop'"
+        )
+    if start is not None and stop is not None and stop < start:
+        raise typer.BadParameter(f"stop ({stop}) is before start ({start})", param_hint="'--stop'")
+    fmt = fmt_opt or "json"
     if fmt not in ("openai", "anthropic", "json"):
         raise CliError(f"--format must be openai, anthropic or json, not {fmt!r}")
 
@@ -119,7 +131,7 @@ def show_cmd(
             if head is None:
                 raise SessionNotFoundError(session)
             if not messages:
-                return head, await store.read(session, start, stop)
+                return head, await store.read(session, start or 0, stop)
             from ..snapshots import load_messages
 
             state, _ = await load_messages(store, session)

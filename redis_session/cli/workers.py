@@ -169,6 +169,15 @@ async def _cold_tier(store: Any, to: str | None) -> Any:
     return await set_cold_url(store, to)
 
 
+async def _existing(store: Any, session_id: str) -> None:
+    """Refuse an id that names no session (`SessionNotFoundError`, as `show` and `export` do)."""
+    from ..errors import SessionNotFoundError
+
+    state = await store.cold_state(session_id)
+    if state is None or state.deleted:
+        raise SessionNotFoundError(session_id)
+
+
 @app.command("archive")
 def archive_cmd(
     session_id: Annotated[str | None, typer.Argument(help="One session (else every one the policy selects).")] = None,
@@ -246,6 +255,8 @@ def archive_cmd(
             await supervised(url, prefix, body)
             return
         async with opened(url, prefix) as store:
+            if session_id is not None:
+                await _existing(store, session_id)  # before the tier is recorded: a refusal writes nothing
             tier = await _cold_tier(store, to)
             if status:
                 from ..archiver import status as archive_status
@@ -265,6 +276,8 @@ def archive_cmd(
                 else await archiver.run_policy(policy)  # type: ignore[arg-type]
             )
             for r in results:
+                if r.status == "absent" and session_id is not None:  # deleted since `_existing`
+                    raise CliError(f"session {session_id!r} not found")
                 if as_json:
                     emit_json(r._asdict())
                 else:
@@ -286,7 +299,9 @@ def restore_cmd(
         from ..archiver import Archiver
 
         async with opened(url, prefix) as store:
-            r = await Archiver(store, await _cold_tier(store, None)).restore(session_id)
+            # the tier recorded for the prefix, if any: archived entries can only be there, and a
+            # restore never records one (an unknown session, or one with nothing archived, needs none)
+            r = await Archiver(store).restore(session_id)
             if r.status == "absent":
                 raise CliError(f"session {session_id!r} not found")
             if as_json:

@@ -63,6 +63,7 @@ from .common import (
     OnExists,
     ParsedSession,
     Progress,
+    Source,
     checked_id,
     json_object,
     key_to_session_id,
@@ -139,7 +140,23 @@ _UNRECOGNISED = (
 
 
 def _parse(p: Path, format: str, session_id: str | None, store: SessionStore | None) -> ParsedSession:
-    source = read_source(p)
+    max_bytes = int(getattr(store, "max_entry_bytes", DEFAULT_MAX_ENTRY_BYTES))
+    with read_source(p, max_entry_bytes=max_bytes) as source:
+        parsed, first_line, id_line = _parse_source(source, p, format)
+    sid = checked_id(
+        p, id_line if session_id is None else None, parsed.session_id if session_id is None else session_id
+    )
+    parsed.header = msgspec.structs.replace(parsed.header, id=sid)
+    try:
+        check_header(parsed.header)
+    except (InvalidEntryError, InvalidSessionIdError) as e:
+        raise ImportFormatError(p, first_line, f"bad header: {e}", session_id=sid) from None
+    validate(parsed, store)
+    return parsed
+
+
+def _parse_source(source: Source, p: Path, format: str) -> tuple[ParsedSession, int, int | None]:
+    """The file's session, its header line and the line naming its id (None: the file's name)."""
     first = next(source.nonblank(), None)
     if first is None:
         raise ImportFormatError(p, None, "the file is empty: no header line")
@@ -167,16 +184,7 @@ def _parse(p: Path, format: str, session_id: str | None, store: SessionStore | N
         parsed, from_line = tutorial.parse(source, None)
         id_line = first.no if from_line else None
     parsed.repaired[:0] = source.notes
-    sid = checked_id(
-        p, id_line if session_id is None else None, parsed.session_id if session_id is None else session_id
-    )
-    parsed.header = msgspec.structs.replace(parsed.header, id=sid)
-    try:
-        check_header(parsed.header)
-    except (InvalidEntryError, InvalidSessionIdError) as e:
-        raise ImportFormatError(p, first.no, f"bad header: {e}", session_id=sid) from None
-    validate(parsed, store)
-    return parsed
+    return parsed, first.no, id_line
 
 
 def validate(parsed: ParsedSession, store: SessionStore | None = None) -> list[EncodedEntry]:

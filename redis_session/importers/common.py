@@ -17,7 +17,7 @@ import msgspec
 
 from ..errors import ImportFormatError, InvalidSessionIdError, SessionError
 from ..keys import escape_key, is_staging_id, unescape_key, validate_new_session_id, validate_session_id
-from ..model import NewEntry, SessionHeader
+from ..model import DEFAULT_MAX_ENTRY_BYTES, NewEntry, NotIJsonError, SessionHeader, check_ijson
 
 Format = Literal["auto", "redis-session", "nanobot", "dsh", "tutorial"]
 OnExists = Literal["error", "skip", "replace"]
@@ -89,65 +89,174 @@ class Line:
     complete: bool
 
 
-@dataclass
-class Source:
-    """A file's lines, after decompression and encoding checks."""
+#: The bounds of one file, read as a stream (so neither a huge file nor a small compressed one that
+#: decompresses to gigabytes can exhaust the importer's memory): its size once decompressed, its
+#: number of lines (blank ones included) and, per line, `line_limit` of the entry limit. Over any
+#: of them the file is refused naming the line where it was reached; nothing of it is written.
+MAX_FILE_BYTES = 1 << 30
+MAX_FILE_LINES = 10_000_000
+_READ_SIZE = 1 << 20
+# compressed bytes fed to the decompressor at once: zstd's densest block (RLE) stands for 128 KiB
+# in 4 bytes, so one call yields at most ~16 MiB, however the file was made
+_ZSTD_FEED = 512
 
-    path: Path
-    lines: list[Line]
-    compressed: bool = False
-    torn_frame: bool = False  # a zstd file whose last frame was cut short
-    notes: list[str] = field(default_factory=list)
+
+def line_limit(max_entry_bytes: int) -> int:
+    """The longest line a file may hold: an entry at the limit with every character escaped
+    (``\\u0001`` is 6 bytes for one) and its envelope."""
+    return 6 * max_entry_bytes + (64 << 10)
+
+
+class Source:
+    """A file's lines, read as a stream: decompressed, checked for its encoding and split as they
+    are asked for (`nonblank`), each line and the whole within the bounds above. Blank lines are
+    counted (line numbers stay the file's), never kept. Close it (or use it in a ``with``)."""
+
+    def __init__(self, path: Path, *, max_line_bytes: int) -> None:
+        self.path = path
+        self.max_line_bytes = max_line_bytes
+        self.compressed = False
+        self.torn_frame = False  # a zstd file whose last frame was cut short (known at its end)
+        self.notes: list[str] = []
+        self._ended = 0  # lines read to their end so far
+        self._file = path.open("rb")
+        self._lines = self._split(self._checked(self._chunks()))
+        self._first: Line | None = None
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
 
     def nonblank(self) -> Iterator[Line]:
-        return (ln for ln in self.lines if ln.raw.strip())
+        """The nonblank lines from the first one on. One pass: the first line (read ahead, to
+        detect the format) is given again to every caller, the rest once."""
+        if self._first is None:
+            self._first = next(self._lines, None)
+            if self._first is None:
+                return
+        yield self._first
+        yield from self._lines
 
+    def _too_big(self, line: int, what: str) -> ImportFormatError:
+        return ImportFormatError(self.path, line, f"{what}; nothing of this file was imported")
 
-def read_source(path: Path) -> Source:
-    """Read `path` (plain or zstd-compressed JSONL) into lines; raises `ImportFormatError` for a
-    file that is not UTF-8 (UTF-16/UTF-32, with or without a byte-order mark)."""
-    data = path.read_bytes()
-    compressed = torn = False
-    if data.startswith(_ZSTD_MAGIC):
-        data, torn = _unzstd(path, data)
-        compressed = True
-    notes: list[str] = []
-    data = _check_encoding(path, data, notes)
-    lines: list[Line] = []
-    start = 0
-    no = 0
-    while start < len(data):
-        no += 1
-        end = data.find(b"\n", start)
-        if end < 0:
-            lines.append(Line(no, data[start:].rstrip(b"\r"), False))
-            break
-        lines.append(Line(no, data[start:end].rstrip(b"\r"), True))
-        start = end + 1
-    return Source(path, lines, compressed, torn, notes)
+    def _chunks(self) -> Iterator[bytes]:
+        head = self._file.read(_READ_SIZE)
+        if not head.startswith(_ZSTD_MAGIC):
+            while head:
+                yield head
+                head = self._file.read(_READ_SIZE)
+            return
+        self.compressed = True
+        yield from self._unzstd(head)
 
-
-def _unzstd(path: Path, data: bytes) -> tuple[bytes, bool]:
-    """Decompress concatenated zstd frames (dsh writes one per durable batch). A last frame cut
-    short yields what it holds so far and ``torn=True`` (dsh keeps the complete lines in it); a
-    corrupt complete frame is an error."""
-    try:
-        import zstandard
-    except ImportError:  # pragma: no cover - a base dependency
-        raise ImportFormatError(path, None, "the file is zstd-compressed: install the zstandard package") from None
-    out: list[bytes] = []
-    rest = data
-    dctx = zstandard.ZstdDecompressor()
-    while rest:
-        dobj = dctx.decompressobj()
+    def _unzstd(self, data: bytes) -> Iterator[bytes]:
+        """Decompress concatenated zstd frames (dsh writes one per durable batch), a few bytes at
+        a time. A last frame cut short yields what it holds so far and sets `torn_frame` (dsh
+        keeps the complete lines in it); a corrupt complete frame is an error."""
         try:
-            out.append(dobj.decompress(rest))
-        except zstandard.ZstdError as e:
-            raise ImportFormatError(path, None, f"corrupt zstd frame: {e}") from None
-        if not dobj.eof:
-            return b"".join(out), True
-        rest = dobj.unused_data
-    return b"".join(out), False
+            import zstandard
+        except ImportError:  # pragma: no cover - a base dependency
+            raise ImportFormatError(
+                self.path, None, "the file is zstd-compressed: install the zstandard package"
+            ) from None
+        dctx = zstandard.ZstdDecompressor()
+        dobj: Any = None  # the frame being decompressed
+        while data:
+            for i in range(0, len(data), _ZSTD_FEED):
+                piece = data[i : i + _ZSTD_FEED]
+                while piece:
+                    if dobj is None:
+                        dobj = dctx.decompressobj()
+                    try:
+                        out = dobj.decompress(piece)
+                    except zstandard.ZstdError as e:
+                        raise ImportFormatError(self.path, None, f"corrupt zstd frame: {e}") from None
+                    if out:
+                        yield out
+                    piece = b""
+                    if dobj.eof:
+                        piece, dobj = dobj.unused_data, None
+            data = self._file.read(_READ_SIZE)
+        self.torn_frame = dobj is not None
+
+    def _checked(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        """`chunks` once the start of the data passed `_check_encoding` (a UTF-8 BOM dropped)."""
+        head = b""
+        for chunk in chunks:
+            head += chunk
+            if len(head) >= 200:
+                break
+        yield _check_encoding(self.path, head, self.notes)
+        yield from chunks
+
+    def _sized(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        size = 0
+        for chunk in chunks:
+            size += len(chunk)
+            if size > MAX_FILE_BYTES:  # its lines up to the bound first: the error names the line it is in
+                yield chunk[: len(chunk) - (size - MAX_FILE_BYTES)]
+                raise self._too_big(self._ended + 1, f"the file is over {MAX_FILE_BYTES >> 20} MiB (decompressed)")
+            yield chunk
+
+    def _end_lines(self, count: int) -> int:
+        """Count `count` more lines ended; the number of the last one."""
+        self._ended += count
+        if self._ended > MAX_FILE_LINES:
+            raise self._too_big(MAX_FILE_LINES + 1, f"the file has more than {MAX_FILE_LINES:,} lines")
+        return self._ended
+
+    def _split(self, chunks: Iterator[bytes]) -> Iterator[Line]:
+        limit = self.max_line_bytes
+        part: list[bytes] = []  # the line being read, as the pieces read so far
+        part_len, part_blank = 0, True
+        for chunk in self._sized(chunks):
+            if part_blank and not chunk.strip():  # blank lines only: counted, never split nor kept
+                if b"\n" in chunk:
+                    self._end_lines(chunk.count(b"\n"))
+                    part, part_len = [], 0
+                    chunk = chunk[chunk.rfind(b"\n") + 1 :]
+                if part_len + len(chunk) > limit:
+                    raise self._too_long(self._ended + 1)
+                part.append(chunk)
+                part_len += len(chunk)
+                continue
+            start = 0
+            while (end := chunk.find(b"\n", start)) >= 0:
+                no = self._end_lines(1)
+                if part_len + end - start > limit:
+                    raise self._too_long(no)
+                raw = b"".join([*part, chunk[start:end]]) if part else chunk[start:end]
+                part, part_len, part_blank = [], 0, True
+                start = end + 1
+                if raw.strip():
+                    yield Line(no, raw.rstrip(b"\r"), True)
+            rest = chunk[start:]
+            if part_len + len(rest) > limit:
+                raise self._too_long(self._ended + 1)
+            part.append(rest)
+            part_len += len(rest)
+            part_blank = part_blank and not rest.strip()
+        raw = b"".join(part)
+        if raw.strip():
+            yield Line(self._ended + 1, raw.rstrip(b"\r"), False)
+
+    def _too_long(self, line: int) -> ImportFormatError:
+        return self._too_big(
+            line, f"the line is over {self.max_line_bytes:,} bytes, longer than any entry can be written"
+        )
+
+
+def read_source(path: Path, *, max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES) -> Source:
+    """Open `path` (plain or zstd-compressed JSONL) as a `Source`; its lines raise
+    `ImportFormatError` for a file that is not UTF-8 (UTF-16/UTF-32, with or without a byte-order
+    mark) or is over the bounds (`MAX_FILE_BYTES`, `MAX_FILE_LINES`, `line_limit`)."""
+    return Source(path, max_line_bytes=line_limit(max_entry_bytes))
 
 
 _UTF16_32 = (
@@ -174,8 +283,8 @@ def _check_encoding(path: Path, data: bytes, notes: list[str]) -> bytes:
         raise ImportFormatError(
             path,
             None,
-            "the file is UTF-16 or UTF-32 without a byte-order mark (NUL bytes between the characters); "
-            "save it as UTF-8 and import again",
+            "the file is UTF-16 or UTF-32 without a byte-order mark, or no text at all (NUL bytes between "
+            "the characters); save it as UTF-8 and import again",
         )
     return data
 
@@ -201,6 +310,18 @@ def json_object(line: Line) -> dict[str, Any]:
     return obj
 
 
+def ijson_object(line: Line) -> dict[str, Any]:
+    """`json_object`, and I-JSON as the gateway takes a body (`redis_session.model.check_ijson`):
+    a duplicate member name, nesting deeper than 64 or an integer beyond ±(2^53 - 1) is `Bad`,
+    naming the field (for a duplicate, the object holding it)."""
+    obj = json_object(line)
+    try:
+        check_ijson(obj, line.raw)
+    except NotIJsonError as e:
+        raise Bad(f"{_path(e.path[1:])}: {e.problem}") from None
+    return obj
+
+
 def _with_lone_surrogates(line: Line, err: Exception) -> Any:
     """A line with a lone surrogate escape (``"\\ud800"``, which JavaScript's JSON.stringify writes
     for a string holding half a pair): decoded, each lone surrogate as U+FFFD (UTF-8, and so the
@@ -210,8 +331,11 @@ def _with_lone_surrogates(line: Line, err: Exception) -> Any:
     except (ValueError, RecursionError):
         raise Bad(f"invalid JSON: {err or 'nested too deeply'}") from None
     if isinstance(obj, dict) and _is_header(obj):
-        for field in _ID_FIELDS:
-            value = obj.get(field)
+        header = obj.get("header")  # a redis-session export names its session in header.id
+        named = [(f, obj.get(f)) for f in _ID_FIELDS]
+        if obj.get("_type") == "redis-session" and isinstance(header, dict):
+            named.append(("header.id", header.get("id")))
+        for field, value in named:
             if isinstance(value, str) and _LONE.search(value):
                 raise Bad(
                     f"{field}: the session id holds a lone surrogate escape (half of a UTF-16 pair); "
@@ -222,7 +346,8 @@ def _with_lone_surrogates(line: Line, err: Exception) -> Any:
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 # the fields a header line names its session by, in the four formats (tutorial ``id``/``sessionId``,
-# nanobot ``key``, dsh and redis-session ``id``): a lone surrogate there is refused, not replaced
+# nanobot ``key``, dsh ``id``, redis-session ``header.id``): a lone surrogate there is refused, not
+# replaced
 _ID_FIELDS = ("id", "sessionId", "key")
 
 

@@ -152,11 +152,10 @@ def _parse_lines(lines: Sequence[Line]) -> list[_Parsed]:
 
 def _committed(source: Source) -> tuple[list[tuple[int, dict[str, Any]]], list[str]]:
     """dsh's ``scanLog``: the kept events (with their line numbers) and what was dropped."""
-    start = next(i for i, ln in enumerate(source.lines) if ln.raw.strip()) + 1
-    body = source.lines[start:]
-    complete = [ln for ln in body if ln.complete and ln.raw.strip()]
+    body = list(source.nonblank())[1:]  # the events after the header line (read to the end)
+    complete = [ln for ln in body if ln.complete]
     notes: list[str] = []
-    torn = [ln for ln in body if not ln.complete and ln.raw.strip()]
+    torn = [ln for ln in body if not ln.complete]
     if torn:
         what = "the last frame was cut short" if source.torn_frame else "no newline at its end"
         notes.append(f"dropped the torn last line {torn[0].no} ({what}), as dsh does")

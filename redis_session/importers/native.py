@@ -24,7 +24,7 @@ from msgspec import Meta, Struct, field
 
 from ..errors import ImportFormatError
 from ..model import FORMAT_VERSION, Entry, NewEntry, SessionHead, SessionHeader
-from .common import Bad, Source, convert, json_object
+from .common import Bad, Source, convert, ijson_object
 
 FORMAT = "redis-session"
 EXPORT_TYPE = "redis-session"
@@ -85,14 +85,14 @@ def parse(source: Source) -> tuple[SessionHeader, list[NewEntry], list[int]]:
     lines = source.nonblank()
     first = next(lines)
     try:
-        header, _sid, expected = _header(json_object(first))
+        header, _sid, expected = _header(ijson_object(first))
     except Bad as e:
         raise ImportFormatError(source.path, first.no, f"bad header line: {e}") from None
     entries: list[NewEntry] = []
     numbers: list[int] = []
     for line in lines:
         try:
-            row = convert(json_object(line), EntryLine)
+            row = convert(ijson_object(line), EntryLine)
             if row.n != len(entries):
                 raise Bad(f"entry n={row.n} out of sequence: expected n={len(entries)}")
         except Bad as err:

@@ -234,12 +234,24 @@ class ColdTierOps:
             if not replace and not await self._raw("SET", self.keys.cold_url, tier.url, "NX"):
                 old = as_str(await self._raw("GET", self.keys.cold_url))
                 if old is not None and old != tier.url:
-                    raise ValueError(
-                        f"this prefix's cold segments live in {old}; archiving to {tier.url} would leave readers "
-                        "looking for them there (copy the objects over, then record it with replace=True)"
-                    )
+                    raise self._other_cold_url(old, tier.url)
             elif replace:
                 await self._raw("SET", self.keys.cold_url, tier.url)
+
+    async def check_cold_url(self, tier: ColdTier) -> None:
+        """`record_cold_url`'s refusal (`ValueError`) without writing anything: called before a
+        claim writes to `tier`'s folder, so an archive to another URL leaves no trace there."""
+        with io_guard():
+            old = as_str(await self._raw("GET", self.keys.cold_url))
+        if old is not None and old != tier.url:
+            raise self._other_cold_url(old, tier.url)
+
+    def _other_cold_url(self, old: str, new: str) -> ValueError:
+        return ValueError(
+            f"this prefix's cold segments live in {old}; archiving to {new} would leave readers looking for them "
+            f"there: archive without --to (or to {old}), or to move them copy the objects over, then record the "
+            f"new URL (redis-session cli SET {self.keys.cold_url} {new}; in code set_cold_url(..., replace=True))"
+        )
 
     async def drop_life_segments(self, session_id: str, incarnation: str) -> int:
         """Delete every segment object of one life of `session_id` that is over (deleted, purged
