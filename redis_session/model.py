@@ -8,6 +8,7 @@ pass (`ENTRY_LIST_DECODER`) without re-validation: the log only ever holds valid
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,6 +24,12 @@ from .errors import InvalidEntryError
 FORMAT_VERSION = 1
 DEFAULT_MAX_ENTRY_BYTES = 1 << 20
 DEFAULT_MAX_BATCH = 10_000
+
+MAX_TITLE_BYTES = 1024
+"""A header's `title` is at most this many bytes of UTF-8: a list page (up to 1 000 headers)
+stays bounded."""
+MAX_ORIGIN_BYTES = 64 << 10
+"""A header's `origin` is at most this many bytes of JSON: a list page stays bounded."""
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
@@ -798,6 +805,95 @@ def check_against_n(enc: EncodedEntry, own_n: int, index: int) -> None:
         raise bound_error(enc, own_n, index)
 
 
+# --------------------------------------------------------------------------- I-JSON
+
+MAX_JSON_DEPTH = 64
+"""Arrays and objects nest at most this deep in a document from outside (a request body, a line
+of an imported file)."""
+MAX_SAFE_INT = 2**53 - 1
+"""Integers beyond ±this lose precision in JavaScript (and every IEEE-double JSON reader)."""
+
+
+class NotIJsonError(ValueError):
+    """A decoded JSON document that is not I-JSON (RFC 7493), what every client reads back as it
+    was written: `path` is the field (``$.data.a[1]``; for a duplicate member name, the object
+    holding it, and `key` the name), `problem` what is wrong with it; the message is both."""
+
+    def __init__(self, problem: str, path: str, key: str | None = None) -> None:
+        self.problem, self.path, self.key = problem, path, key
+        super().__init__(f"{problem} in the object at {path}" if key is not None else problem)
+
+
+class _Duplicate:
+    """Stands, in a re-parsed document, for an object holding a duplicate member name `key`."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> Any:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                return _Duplicate(k)  # its place in the document is found once the whole is parsed
+            seen.add(k)
+    return d
+
+
+def _find_duplicate(value: Any) -> tuple[str, str] | None:
+    """(path of the object, member name) of the first object, in document order, that holds a
+    duplicate member name; without recursion (the document's depth is already bounded)."""
+    stack: list[tuple[Any, str]] = [(value, "$")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, _Duplicate):
+            return path, v.key
+        if isinstance(v, dict):
+            stack.extend((x, f"{path}.{k}") for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def _audit(value: dict[str, Any] | list[Any]) -> None:
+    """Depth and integer range of a decoded document, without recursion."""
+    stack: list[tuple[Any, str, int]] = [(value, "$", 1)]
+    while stack:
+        v, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise NotIJsonError(f"arrays and objects nest deeper than {MAX_JSON_DEPTH} levels", path)
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, x in items:
+            if isinstance(x, (dict, list)):
+                stack.append((x, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]", depth + 1))
+            elif type(x) is int and not -MAX_SAFE_INT <= x <= MAX_SAFE_INT:
+                where = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
+                raise NotIJsonError(
+                    "integers are within ±(2^53 - 1), so every JSON client reads them exactly; "
+                    "send a larger one as a string",
+                    where,
+                )
+
+
+def check_ijson(value: Any, raw: bytes) -> None:
+    """Raise `NotIJsonError` unless `value`, decoded from `raw`, is I-JSON beyond what a decoder
+    checks: nesting at most `MAX_JSON_DEPTH` deep, integers within ±`MAX_SAFE_INT`, and no
+    duplicate member name (a decoder keeps the last one silently: `raw` is parsed again to find
+    it). NaN, Infinity, invalid UTF-8 and lone surrogates are the decoder's to refuse."""
+    if not isinstance(value, (dict, list)):
+        return
+    _audit(value)
+    if raw.count(b":") > 1:  # duplicate names need two members somewhere
+        found = _find_duplicate(json.loads(raw, object_pairs_hook=_unique))
+        if found is not None:
+            where, key = found
+            raise NotIJsonError(f"the member name {key!r} appears twice", where, key)
+
+
 # --------------------------------------------------------------------------- decoding
 
 
@@ -822,18 +918,22 @@ def new_header(session_id: str, **fields: Any) -> SessionHeader:
 
 __all__ = [
     "CUT",
+    "MAX_JSON_DEPTH",
+    "MAX_SAFE_INT",
     "MESSAGE_TYPES",
     "Content",
     "ContentBlock",
     "EncodedEntry",
     "Entry",
     "NewEntry",
+    "NotIJsonError",
     "Page",
     "SessionHead",
     "SessionHeader",
     "Surface",
     "SurfaceReplace",
     "Vocabulary",
+    "check_ijson",
     "encode_batch",
     "field",
     "kind_of",

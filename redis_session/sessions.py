@@ -28,6 +28,7 @@ at the Redis stream itself when the store is a `RedisSessionStore`).
 from __future__ import annotations
 
 import builtins
+import hashlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -100,6 +101,52 @@ DEFAULT_STALE_ANSWER = 30.0
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def request_digest(kind: str, *fields: Any, entries: Sequence[NewEntryLike] = ()) -> str:
+    """16 hex digits naming a keyed create's (or branch's) request: its `kind` and every field
+    given (None for one left out), and its first `entries`, so the key's retry with another body
+    is known for one (``idempotency_key_reused``), whatever the stored header shows of it (a
+    `ttl`, a `created_at` or entries it was not given leave no trace there). Field values are
+    hashed as canonical JSON (sorted keys); a value that is no JSON gets a digest of its own, and
+    the store refuses it anyway."""
+    items: list[Any] = []
+    for e in entries:
+        try:
+            ne = as_new_entry(e)
+        except InvalidEntryError:
+            items.append(repr(e))  # the store refuses it with its own words
+            continue
+        surface: Any = ne.surface
+        if surface is not None:
+            try:  # the surface as stored: one value for its mapping and its Struct forms
+                stored = msgspec.convert(surface, Surface) if isinstance(surface, Mapping) else surface
+                surface = msgspec.to_builtins(stored)
+            except (msgspec.ValidationError, TypeError):
+                pass
+        items.append([ne.type, ne.data, ne.meta, surface, ne.time])
+    try:
+        raw = msgspec.json.encode([kind, list(fields), items], order="sorted")
+    except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError):
+        raw = repr((kind, fields, items)).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
+def keyed_create_key(idempotency_key: str | None, digest: str) -> str | None:
+    """The ``header.create_key`` of a creation keyed by `idempotency_key` (None: unkeyed):
+    ``<create_key_digest(key)>.<request_digest>``, the key and the request it made."""
+    if idempotency_key is None:
+        return None
+    return f"{create_key_digest(idempotency_key)}.{digest}"
+
+
+def split_create_key(create_key: str | None) -> tuple[str | None, str | None]:
+    """(key digest, request digest) of a ``header.create_key``; the request digest is None in one
+    written before requests were recorded (the key's digest alone)."""
+    if create_key is None:
+        return None, None
+    key, dot, request = create_key.partition(".")
+    return key, request if dot else None
 
 
 def _meta_dict(meta: object) -> dict[str, Any]:
@@ -752,17 +799,24 @@ class Sessions:
         """Create a session (id default ``session-<uuid hex>``), optionally with seed `entries`.
         `ttl` (seconds) makes it ephemeral; `created_at` (ms) is kept as given (default: the
         store's clock, as ChatLuna's header takes the caller's). `SessionAlreadyExistsError` if
-        the id is taken. `idempotency_key` is recorded with the creation (``header.create_key``),
-        so a retry can tell its own creation from another request's."""
+        the id is taken. `idempotency_key` is recorded with the creation (``header.create_key``,
+        `keyed_create_key`: a digest of the key and one of every argument but the id), so a retry
+        can tell its own creation from another request's, and the key's reuse for another one."""
         if created_at is not None:
             check_int(created_at, "created_at")
+        digest = ""
+        if idempotency_key is not None:
+            check_entries(entries)
+            entries = entries if isinstance(entries, (list, tuple)) else list(entries)
+            ms = None if ttl is None else ttl_ms(ttl)  # 60 and 60.0 are one request
+            digest = request_digest("create", title, origin, delegation_depth, ms, created_at, entries=entries)
         header = SessionHeader(
             id=_new_session_id() if session_id is None else session_id,
             title=title,
             origin=origin,
             delegation_depth=0 if delegation_depth is None else delegation_depth,
             created_at=created_at or 0,
-            create_key=None if idempotency_key is None else create_key_digest(idempotency_key),
+            create_key=keyed_create_key(idempotency_key, digest),
         )
         head = await self.store.create(header, entries, ttl_ms=None if ttl is None else ttl_ms(ttl))
         return Session(self, head)
@@ -787,7 +841,8 @@ class Sessions:
         ``create(id, {parent, at})`` rule). Default id ``<parent>:branch:<8 hex>``
         (an `InvalidSessionIdError` asks for an explicit `branch_id` when that would be too long).
         Publishes ``session-branch {parent, session, at}`` (pub/sub and change feed, never a log entry).
-        `idempotency_key` is recorded with the creation, as for `create`.
+        `idempotency_key` is recorded with the creation, as for `create` (with `delegation_depth`,
+        `title` and `origin` as given).
 
         The branch is of the parent's life it read (the header its defaults come from), or of
         `incarnation` when given: a parent deleted and created again before, or between the read
@@ -808,6 +863,7 @@ class Sessions:
             raise InvalidEntryError(f"branch point at={at} is beyond the parent's n={parent.n}")
         if branch_id == session_id:
             raise SessionAlreadyExistsError(branch_id, "it is the parent's id")
+        digest = request_digest("branch", delegation_depth, title, origin)  # as given: None inherits
         depth = parent.header.delegation_depth if delegation_depth is None else delegation_depth
         title = parent.header.title if title is None else title
         origin = parent.header.origin if origin is None else origin
@@ -820,7 +876,7 @@ class Sessions:
                 delegation_depth=depth,
                 title=title,
                 origin=origin,
-                create_key=None if idempotency_key is None else create_key_digest(idempotency_key),
+                create_key=keyed_create_key(idempotency_key, digest),
             )
             try:
                 head = await self.store.create(header, parent_incarnation=life)

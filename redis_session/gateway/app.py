@@ -55,6 +55,7 @@ from functools import partial
 from typing import Any, cast
 
 import anyio
+import msgspec
 import uvicorn
 from anyio.abc import TaskStatus
 from starlette.applications import Starlette
@@ -371,9 +372,29 @@ class _Cork:
         return getattr(self._t, name)
 
 
+PARSER_400_MESSAGE = (
+    "the request is not valid HTTP/1.1 (a malformed request line, method or target, a raw space or "
+    "byte outside ASCII in the query, a control character or NUL in a header, or a part too long "
+    "for the parser): nothing was done"
+)
+
+
+def parser_400(default_headers: Iterable[tuple[bytes, bytes]] = ()) -> bytes:
+    """The whole answer to a request the HTTP parser (httptools or h11) refuses before the app
+    sees it: the documented JSON error ``{error: "bad_request", message}`` with the headers every
+    answer carries, not uvicorn's plain-text one; the connection is closed after it."""
+    body = msgspec.json.encode({"error": "bad_request", "message": PARSER_400_MESSAGE})
+    lines = [b"HTTP/1.1 400 Bad Request"]
+    lines += [name + b": " + value for name, value in default_headers]
+    lines += [b"content-type: application/json", b"content-length: %d" % len(body), b"connection: close"]
+    lines += [name + b": " + value for name, value in _SecurityHeaders.HEADERS]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
 def _corked_protocol(http: str) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (`http`: auto, httptools, h11) on a `_Cork`ed transport, the
-    httptools one keeping a non-origin-form target for the host check (`wire.http_protocol`)."""
+    httptools one keeping a non-origin-form target for the host check (`wire.http_protocol`);
+    a request its parser refuses gets `parser_400` (JSON), on either parser."""
     import importlib
 
     if http not in ("auto", "httptools", "h11"):
@@ -388,6 +409,11 @@ def _corked_protocol(http: str) -> type[asyncio.Protocol]:
     class Corked(base):  # type: ignore[misc]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(_Cork(transport))
+
+        def send_400_response(self, msg: str) -> None:
+            # what the parser refuses never reaches the app: answer it as the app answers a 400
+            self.transport.write(parser_400(self.server_state.default_headers))
+            self.transport.close()
 
     return cast("type[asyncio.Protocol]", Corked)
 

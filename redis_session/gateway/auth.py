@@ -18,7 +18,9 @@ Token file formats (`parse_tokens`)::
     {"tokens": [{"token": "a71b...03", "scopes": ["write"], "prefix": "acme/", "name": "acme pods"}]}
 
 A request presents its token as ``Authorization: Bearer <token>`` or ``?token=<token>``
-(EventSource cannot set headers). It is compared with *every* configured token in constant time
+(EventSource cannot set headers), once: two ``Authorization`` headers, both, or ``?token=`` twice
+answer 400 (which one counts is what a proxy and the gateway could disagree on). It is compared
+with *every* configured token in constant time
 (`hmac.compare_digest` of SHA-256 digests, no early exit), so the answer time says nothing about
 which token, or how much of one, matched.
 """
@@ -195,6 +197,10 @@ never sits in a URL (history, logs, Referer)."""
 SIGNIN_LIMIT = 8192
 
 
+class AmbiguousCredentials(Exception):
+    """More than one ``Authorization`` header or ``?token=``: a 400, send it once."""
+
+
 class _TokenAuth:
     """401 for every HTTP request without a known token (``Authorization: Bearer``, the sign-in
     cookie, or ``?token=`` for EventSource clients that can set neither); the token found travels
@@ -206,18 +212,28 @@ class _TokenAuth:
         self.tokens = tokens
 
     def _find(self, scope: Scope) -> Token | None:
+        """The token the request presents: its one ``Authorization: Bearer`` or ``?token=``
+        (`AmbiguousCredentials` when it sends more than one of them: which one counts is what a
+        proxy appending its own and the client's would disagree on), else the sign-in cookie."""
+        given: list[bytes | None] = []  # None: an Authorization that is no bearer token
+        cookies: list[bytes] = []
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                scheme, _, given = value.partition(b" ")
-                if scheme.lower() == b"bearer" and (token := self.tokens.authenticate(given.strip())):
-                    return token
+                scheme, _, token = value.partition(b" ")
+                given.append(token.strip() if scheme.lower() == b"bearer" else None)
             elif name == b"cookie":
                 for part in value.split(b";"):
                     k, _, v = part.strip().partition(b"=")
-                    if k == COOKIE.encode() and v and (token := self.tokens.authenticate(unquote_to_bytes(v))):
-                        return token
-        for key, given_s in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
-            if key == "token" and (token := self.tokens.authenticate(given_s.encode())):
+                    if k == COOKIE.encode() and v:
+                        cookies.append(unquote_to_bytes(v))
+        query = scope.get("query_string", b"").decode("latin-1")
+        given += [v.encode() for k, v in parse_qsl(query, keep_blank_values=True) if k == "token"]
+        if len(given) > 1:
+            raise AmbiguousCredentials(
+                f"the request presents {len(given)} credentials (Authorization headers and ?token=): send one"
+            )
+        for secret in [*given, *cookies]:
+            if secret and (token := self.tokens.authenticate(secret)):
                 return token
         return None
 
@@ -229,7 +245,11 @@ class _TokenAuth:
         if scope["method"] == "POST" and scope["path"] in ("/signin", "/signout"):
             await (await self._sign(scope, receive))(scope, receive, send)
             return
-        token = self._find(scope)
+        try:
+            token = self._find(scope)
+        except AmbiguousCredentials as e:  # before any token is looked at: 400, whatever they are
+            await _error(400, "bad_request", str(e))(scope, receive, send)
+            return
         if token is not None:
             await self.app({**scope, PRINCIPAL: token}, receive, send)
             return

@@ -3,7 +3,6 @@ preconditions (``If-Match``, ``X-Session-Incarnation``, ``Idempotency-Key``)."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
@@ -13,8 +12,8 @@ from msgspec import Meta, Struct
 from starlette.requests import Request
 
 from ..errors import InvalidEntryError
-from ..model import MAX_TTL, NewEntry
-from .common import _BadRequest
+from ..model import MAX_JSON_DEPTH, MAX_TTL, NewEntry, NotIJsonError, check_ijson
+from .common import _BadRequest, query_arg
 
 DEFAULT_MAX_BODY = 16 << 20
 """Request bodies larger than this answer 413 before any of it is parsed."""
@@ -103,88 +102,31 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-MAX_DEPTH = 64
+MAX_DEPTH = MAX_JSON_DEPTH
 """Arrays and objects nest at most this deep in a request body."""
-MAX_SAFE_INT = 2**53 - 1
-"""Integers beyond ±this lose precision in JavaScript (and every IEEE-double JSON reader)."""
-
-
-class _Duplicate:
-    """Stands, in a re-parsed body, for an object holding a duplicate member name `key`."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> Any:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                return _Duplicate(k)  # its place in the body is found once the whole body is parsed
-            seen.add(k)
-    return d
-
-
-def _find_duplicate(value: Any) -> tuple[str, str] | None:
-    """(path of the object, member name) of the first object, in document order, that holds a
-    duplicate member name; without recursion (the body's depth is already bounded)."""
-    stack: list[tuple[Any, str]] = [(value, "$")]
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, _Duplicate):
-            return path, v.key
-        if isinstance(v, dict):
-            stack.extend((x, f"{path}.{k}") for k, x in reversed(v.items()))
-        elif isinstance(v, list):
-            stack.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))))
-    return None
 
 
 def decode_json(raw: bytes) -> Any:
-    """The body as JSON (an empty body is ``{}``): I-JSON (RFC 7493), so every client reads it back
-    as it was sent. 400 for what is not JSON (NaN and Infinity included), not UTF-8, or holds a lone
-    surrogate; 422 naming the field for a duplicate member name, nesting deeper than `MAX_DEPTH`,
-    or an integer beyond ±(2^53 - 1). Never a RecursionError, whatever the nesting."""
-    if not raw.strip():
+    """The body as JSON (an empty body is ``{}``; a blank one, whitespace only, a 400): I-JSON
+    (RFC 7493), so every client reads it back as it was sent. 400 for what is not JSON (NaN and
+    Infinity included), not UTF-8, or holds a lone surrogate; 422 naming the field for a duplicate
+    member name, nesting deeper than `MAX_DEPTH`, or an integer beyond ±(2^53 - 1) (`check_ijson`,
+    which the importers share). Never a RecursionError, whatever the nesting."""
+    if not raw:
         return {}
+    if not raw.strip():  # not empty, and no JSON: what a client meant by it is anyone's guess
+        raise _BadRequest("the request body is blank: send no body at all, or JSON")
     try:
         value = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise _BadRequest(f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise Unprocessable(f"the request body nests deeper than {MAX_DEPTH} levels", "$") from None
-    if isinstance(value, (dict, list)):
-        _audit(value)
-        if raw.count(b":") > 1:  # duplicate names need two members somewhere
-            found = _find_duplicate(json.loads(raw, object_pairs_hook=_unique))
-            if found is not None:
-                where, key = found
-                raise Unprocessable(f"the member name {key!r} appears twice in the object at {where}", where)
+    try:
+        check_ijson(value, raw)
+    except NotIJsonError as e:
+        raise Unprocessable(str(e), e.path) from None
     return value
-
-
-def _audit(value: dict[str, Any] | list[Any]) -> None:
-    """Depth and integer range of a decoded body, without recursion; a 422 names the path."""
-    stack: list[tuple[Any, str, int]] = [(value, "$", 1)]
-    while stack:
-        v, path, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise Unprocessable(f"the request body nests deeper than {MAX_DEPTH} levels", path)
-        items = v.items() if isinstance(v, dict) else enumerate(v)
-        for k, x in items:
-            if isinstance(x, (dict, list)):
-                stack.append((x, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]", depth + 1))
-            elif type(x) is int and not -MAX_SAFE_INT <= x <= MAX_SAFE_INT:
-                where = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
-                raise Unprocessable(
-                    "integers are within ±(2^53 - 1), so every JSON client reads them exactly; "
-                    "send a larger one as a string",
-                    where,
-                )
 
 
 async def no_fields(request: Request, limit: int) -> None:
@@ -246,6 +188,13 @@ def entry_error(e: InvalidEntryError, base: str) -> Exception:
     return Unprocessable(msg, entry_path(base, e.index) + _field_of(msg), e.index)
 
 
+def header_error(e: InvalidEntryError) -> Unprocessable | None:
+    """The store's `InvalidEntryError` about a header field a create or branch body gives
+    (``title``, ``origin``: their size limits) as a 422 naming it; None for any other."""
+    field = str(e).split(" ", 1)[0]
+    return Unprocessable(str(e), f"$.{field}") if field in ("title", "origin") else None
+
+
 _FIELD_PREFIXES = (("meta", ".meta"), ("time", ".time"), ("entry type", ".type"), ("data", ".data"))
 
 
@@ -270,7 +219,8 @@ def _field_of(msg: str) -> str:
 
 # an entity tag as the gateway sends it in ETag: the n (no leading zeros), the life optional; a
 # weak tag (W/) never matches If-Match (RFC 9110 strong comparison)
-_IF_MATCH = re.compile(r'"?(0|[1-9][0-9]{0,14})(?:;([0-9A-Za-z_.:-]{1,64}))?"?')
+_IF_MATCH = re.compile(r'(?P<q>"?)(0|[1-9][0-9]{0,14})(?:;([0-9A-Za-z_.:-]{1,64}))?(?P=q)')
+"""Quoted (``"3"``) or bare (``3``), never half-quoted (``"3``, ``3"``)."""
 
 
 @dataclass(frozen=True)
@@ -301,14 +251,14 @@ def preconditions(request: Request) -> Preconditions:
         m = _IF_MATCH.fullmatch(raw.strip())
         if m is None:
             raise _BadRequest('If-Match is "<n>", "<n>;<incarnation>" or *, got ' + repr(raw[:80]))
-        expected, incarnation = int(m.group(1)), m.group(2)
+        expected, incarnation = int(m.group(2)), m.group(3)
     pinned = single_value(request.headers.getlist("x-session-incarnation"), "X-Session-Incarnation")
     if pinned is not None:
         pinned = pinned.strip()
         if not 1 <= len(pinned) <= 64 or (incarnation is not None and pinned != incarnation):
             raise _BadRequest("X-Session-Incarnation is 1-64 characters and agrees with If-Match")
         incarnation = pinned
-    query = single_value(request.query_params.getlist("incarnation"), "?incarnation=")
+    query = query_arg(request, "incarnation", blank=True)  # empty: the 400 below says what it is
     if query is not None:
         if not 1 <= len(query) <= 64 or (incarnation is not None and query != incarnation):
             raise _BadRequest("?incarnation= is 1-64 characters and agrees with X-Session-Incarnation and If-Match")

@@ -67,9 +67,38 @@ class _BadRequest(Exception):
     pass
 
 
+def query_arg(request: Request, name: str, *, blank: bool = False) -> str | None:
+    """The one value of query parameter `name` (None: not sent), the rule of every route's
+    parameters: sent twice (``?start=1&start=2``) it is ambiguous — which one did the client
+    mean, which one did a proxy add? — and a 400; sent empty (``?limit=``) a 400 too, unless
+    `blank` (the caller gives an empty value its own meaning, or its own error)."""
+    values = request.query_params.getlist(name)
+    if len(values) > 1:
+        raise _BadRequest(f"?{name}= was sent {len(values)} times: send it once")
+    if not values:
+        return None
+    if values[0] == "" and not blank:
+        raise _BadRequest(f"?{name}= is empty: give it a value or leave it out")
+    return values[0]
+
+
+_BOOLS = {"1": True, "true": True, "0": False, "false": False}
+
+
+def _bool_arg(request: Request, name: str) -> bool:
+    """A flag: ``1`` or ``true`` on, ``0`` or ``false`` (or absent) off; anything else a 400 (a
+    ``?deltas=yes`` silently read as off would be a stream without what the client asked for)."""
+    raw = query_arg(request, name)
+    if raw is None:
+        return False
+    if raw not in _BOOLS:
+        raise _BadRequest(f"{name} is 1, true, 0 or false, got {raw[:40]!r}")
+    return _BOOLS[raw]
+
+
 def _int_arg(request: Request, name: str, default: int | None, lo: int = 0, hi: int | None = None) -> int | None:
-    raw = request.query_params.get(name)
-    if raw is None or raw == "":
+    raw = query_arg(request, name)
+    if raw is None:
         return default
     if not _INT.fullmatch(raw):
         raise _BadRequest(f"{name} must be a non-negative integer, got {raw[:40]!r}")

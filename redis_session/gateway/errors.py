@@ -4,7 +4,8 @@
 401 unauthorized           no (known) token                          (auth middleware)
 403 forbidden              the token lacks the scope, or names an id outside its tenant
 404 not_found              unknown session (or one outside the token's tenant)
-409 already_exists         create/branch/fork of a taken id
+409 already_exists         create/branch/fork of a taken id (a fork's also carries the dsh
+                           `code` SESSION_ALREADY_EXISTS; its 404, SESSION_NOT_FOUND, is not_found)
 409 session_replaced       the id was deleted and created again under a pinned incarnation
 409 lease_held             repair while a live writer holds the lease
 412 conflict               stale If-Match: body {expected_n, actual_n}, ETag "<actual n>"
@@ -72,9 +73,16 @@ def _unprocessable(e: Exception) -> Response:
     return _JSON(body, status_code=422)
 
 
+_FORK_ERROR = {"SESSION_NOT_FOUND": "not_found", "SESSION_ALREADY_EXISTS": "already_exists"}
+"""A fork's 404 and 409 are every route's (`not_found`, `already_exists`): a client switching on
+`error` reads a fork's as a branch's; `code` keeps the dsh code (the TypeScript client's
+`SessionForkError.forkCode`)."""
+
+
 def _fork(e: Exception) -> Response:
     assert isinstance(e, SessionForkError)
-    body: dict[str, Any] = {"error": e.code.lower(), "message": str(e), "code": e.code}
+    error = _FORK_ERROR.get(e.code, e.code.lower())
+    body: dict[str, Any] = {"error": error, "message": str(e), "code": e.code}
     if e.code == "INVALID_BOUNDARY":  # only the fork route raises it: the body's boundary
         body["path"] = "$.boundary"
     return _JSON(body, status_code=_FORK_STATUS[e.code])

@@ -56,7 +56,8 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
             "incarnation": {"type": "string", "description": "unique per creation of the id"},
             "create_key": {
                 "type": ["string", "null"],
-                "description": "SHA-256 (32 hex) of the Idempotency-Key it was created with",
+                "description": "`<32 hex>.<16 hex>`: SHA-256 of the Idempotency-Key it was created with, "
+                "and a digest of that request's fields (a retry with another body is told apart)",
             },
         },
     }
@@ -170,7 +171,9 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                     "as JSON; `event: draft` carries `{draft}` when the streaming draft changes; "
                     "`event: end` when the session is deleted (`event: replaced` first when it was replaced); "
                     "`: ping` comments after `heartbeat` "
-                    "idle seconds. Reconnect with `Last-Event-ID` (resumes at id + 1), else `start`. "
+                    "idle seconds. Reconnect with `Last-Event-ID` (resumes at id + 1), else `start` with "
+                    "`incarnation` (a resume: past the log's end, `event: rewound` `{session, cursor, n}` "
+                    "then `end`); `start` without a pin is a fresh tail, which waits for a log it is ahead of. "
                     "With `deltas=1`, `event: delta` carries `{answer, index, kind, text, callId?, name?}` "
                     "for each delta of a streamed answer, and event ids become `<n>/<live id>` "
                     "(last entry n, last delta's live stream id) once a delta was sent; "
@@ -181,8 +184,9 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                         {
                             "name": "deltas",
                             "in": "query",
-                            "description": "1: also send streamed answers' deltas (`event: delta`)",
-                            "schema": {"type": "string", "enum": ["0", "1", "true"]},
+                            "description": "1 or true: also send streamed answers' deltas (`event: delta`); "
+                            "0 or false (the default): entries only; any other value is a 400",
+                            "schema": {"type": "string", "enum": ["0", "1", "true", "false"]},
                         },
                         {
                             "name": "Last-Event-ID",

@@ -20,9 +20,11 @@ from .common import (
     FORMATS,
     MAX_ENTRY_LIMIT,
     _BadRequest,
+    _bool_arg,
     _head_dict,
     _header_dict,
     _int_arg,
+    query_arg,
 )
 from .context import Gateway
 from .openapi import openapi
@@ -57,8 +59,8 @@ async def readyz(gw: Gateway, request: Request) -> Response:
 async def list_sessions(gw: Gateway, request: Request) -> Response:
     limit = _int_arg(request, "limit", 100, 1, 1000)
     assert limit is not None
-    cursor = request.query_params.get("cursor") or None
-    parent = request.query_params.get("parent") or None
+    cursor = query_arg(request, "cursor")
+    parent = query_arg(request, "parent")
     if cursor is not None and len(cursor) > 400:
         raise _BadRequest("invalid cursor")
     who = principal(request.scope)
@@ -125,7 +127,7 @@ async def entries(gw: Gateway, request: Request, sid: str) -> Response:
 
 
 async def messages(gw: Gateway, request: Request, sid: str) -> Response:
-    fmt = request.query_params.get("format") or "openai"
+    fmt = query_arg(request, "format") or "openai"
     if fmt not in FORMATS:
         raise _BadRequest(f"format must be one of {', '.join(FORMATS)}")
     if gw.custom_messages and await gw.store.head(sid) is None:  # Sessions.messages checks itself
@@ -154,7 +156,12 @@ async def events(gw: Gateway, request: Request, sid: str) -> Response:
     another life (the id deleted and created again) is answered ``event: replaced``. A plain
     ``<n>`` (an id of an older release) names none: it is taken only with the life pinned by
     ``X-Session-Incarnation`` or ``?incarnation=``, else answered ``event: replaced`` too (it
-    could be read as the new life's)."""
+    could be read as the new life's).
+
+    A ``?start=`` pinned to a life (``?incarnation=``, ``X-Session-Incarnation`` or the life of
+    ``If-Match``) is a resume too: the client read that life up to `start`, so a log that ends
+    before it was rolled back (`event: rewound`); without a pin it is a fresh tail, and one
+    started ahead of the log waits for it, as `tail(start=)` does."""
     last_id = single_value(request.headers.getlist("last-event-id"), "Last-Event-ID")
     pinned = pinned_incarnation(request)
     live_after: str | None = None
@@ -181,8 +188,11 @@ async def events(gw: Gateway, request: Request, sid: str) -> Response:
         streams=gw.streams,
         drafts=gw.drafts,
         tails=gw.tails,
-        deltas=request.query_params.get("deltas") in ("1", "true"),
+        deltas=_bool_arg(request, "deltas"),
         live_after=live_after,
         incarnation=incarnation,
-        resumed=bool(last_id),
+        # a resume: a Last-Event-ID, or a ?start= pinned to the life it was read from (what an
+        # EventSource reconnecting by its own URL sends); past the log's end it is answered
+        # `event: rewound`. An unpinned ?start= is a fresh tail: ahead of the log, it waits.
+        resumed=bool(last_id) or pinned is not None,
     )

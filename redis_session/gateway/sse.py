@@ -244,8 +244,9 @@ class _EventStream(Response):
     ) -> None:
         # not Response.__init__: it would announce a Content-Length of 0
         self.status_code = 200
-        # `start` is a Last-Event-ID's: the reader was given what is before it (a log that ends
-        # before it was rolled back); a fresh ?start= ahead of the log just waits for it
+        # `resumed`: `start` is a Last-Event-ID's, or a ?start= pinned to a life — the reader was
+        # given what is before it (a log that ends before it was rolled back); an unpinned
+        # ?start= ahead of the log is a fresh tail and just waits for it
         self.resumed = resumed
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -30,8 +30,8 @@ from ..errors import (
     SessionReplacedError,
 )
 from ..keys import validate_session_id
-from ..model import Entry, NewEntry, SessionHead, Surface, create_key_digest
-from ..sessions import Session
+from ..model import Entry, NewEntry, SessionHead, Surface, create_key_digest, ttl_ms
+from ..sessions import Session, request_digest, split_create_key
 from .auth import principal
 from .body import (
     BranchIn,
@@ -43,6 +43,7 @@ from .body import (
     convert,
     decode_json,
     entry_error,
+    header_error,
     no_fields,
     parse_entries,
     pinned_incarnation,
@@ -137,7 +138,7 @@ async def create(gw: Gateway, request: Request) -> Response:
             idempotency_key=cond.idempotency_key,
         )
     except InvalidEntryError as e:
-        raise entry_error(e, "$.entries") from None
+        raise header_error(e) or entry_error(e, "$.entries") from None
     except SessionAlreadyExistsError as taken:
         return _created(await _replayed_create(gw, sid, cond.idempotency_key, req, batch, taken))
     return _created(_head_of(s))
@@ -164,7 +165,7 @@ async def _own_creation(
     first attempt landed); else the `SessionAlreadyExistsError` a create of a taken id is: another
     request made it, keyed or not, whatever it holds."""
     head = await gw.store.head(sid) if key is not None else None
-    if head is None or head.header.create_key != create_key_digest(cast(str, key)):
+    if head is None or split_create_key(head.header.create_key)[0] != create_key_digest(cast(str, key)):
         raise taken or SessionAlreadyExistsError(sid)  # the store's own words (a hidden id names its branches)
     return head
 
@@ -178,9 +179,26 @@ async def _replayed_create(
     taken: SessionAlreadyExistsError | None = None,
 ) -> SessionHead:
     """The answer to a create of a taken id: its own creation replayed, when the same key made
-    it with the same fields and first entries; 422 when that key made it with others; else 409."""
+    it with the same fields and first entries (the request digest its `create_key` records:
+    `ttl`, `created_at` and entries included, which the header alone cannot tell); 422 when
+    that key made it with others; else 409."""
     head = await _own_creation(gw, sid, key, taken)
     h = head.header
+    recorded = split_create_key(h.create_key)[1]
+    if recorded is not None:
+        asked = request_digest(
+            "create",
+            req.title,
+            req.origin,
+            req.delegation_depth,
+            None if req.ttl is None else ttl_ms(req.ttl),  # as Sessions.create hashes it: 60 and 60.0 alike
+            req.created_at,
+            entries=batch,
+        )
+        if asked != recorded:
+            raise IdempotencyKeyReusedError(sid, cast(str, key))
+        return head
+    # a creation recorded before requests were (the key's digest alone): what its header shows
     same_header = (h.parent, h.title, h.origin, h.delegation_depth) == (
         None,
         req.title,
@@ -213,19 +231,29 @@ async def branch(gw: Gateway, request: Request, sid: str) -> Response:
             idempotency_key=cond.idempotency_key,
             incarnation=cond.incarnation,
         )
-    except InvalidEntryError as e:  # the branch point is beyond the parent's n
-        raise Unprocessable(str(e), "$.at") from None
+    except InvalidEntryError as e:  # the branch point is beyond the parent's n, or a field over its limit
+        raise header_error(e) or Unprocessable(str(e), "$.at") from None
     except SessionAlreadyExistsError:
         assert child is not None
-        return _created(await _replayed_branch(gw, cond, child, sid, req.at))
+        digest = request_digest("branch", req.delegation_depth, req.title, req.origin)
+        return _created(await _replayed_branch(gw, cond, child, sid, req.at, digest))
     return _created(_head_of(s))
 
 
-async def _replayed_branch(gw: Gateway, cond: Preconditions, child: str, parent: str, at: int | None) -> SessionHead:
+async def _replayed_branch(
+    gw: Gateway, cond: Preconditions, child: str, parent: str, at: int | None, digest: str
+) -> SessionHead:
     """The answer to a branch or fork onto a taken id: the child replayed, when this request's key
-    made it from the same parent at the same point; 422 when that key made another; else 409."""
+    made it from the same parent at the same point with the same fields (`digest`, the request
+    digest of its `title`, `origin` and `delegation_depth` as given; a fork gives none); 422 when
+    that key made another; else 409."""
     head = await _own_creation(gw, child, cond.idempotency_key)
-    if head.header.parent != parent or (at is not None and head.header.at != at):
+    recorded = split_create_key(head.header.create_key)[1]
+    if (
+        head.header.parent != parent
+        or (at is not None and head.header.at != at)
+        or (recorded is not None and recorded != digest)
+    ):
         raise IdempotencyKeyReusedError(parent, cast(str, cond.idempotency_key))
     return head
 
@@ -246,7 +274,8 @@ async def fork(gw: Gateway, request: Request, sid: str) -> Response:
             raise
         at = None if req.boundary is None else req.boundary + 1
         try:
-            return _created(await _replayed_branch(gw, cond, child, sid, at))
+            digest = request_digest("branch", None, None, None)  # a fork gives no header field
+            return _created(await _replayed_branch(gw, cond, child, sid, at, digest))
         except SessionAlreadyExistsError:
             raise e from None
     return _created(_head_of(s))

@@ -21,6 +21,8 @@ from ..errors import (
 )
 from ..keys import validate_new_session_id, validate_session_id
 from ..model import (
+    MAX_ORIGIN_BYTES,
+    MAX_TITLE_BYTES,
     EncodedEntry,
     NewEntryLike,
     SessionHeader,
@@ -104,7 +106,9 @@ def _is_int(v: object) -> bool:
 
 def check_header(header: SessionHeader) -> None:
     """A header a create may write: the id is a valid *new* id (`validate_new_session_id`); the
-    parent only needs to be a valid id (an existing session under an older rule may be branched)."""
+    parent only needs to be a valid id (an existing session under an older rule may be branched);
+    `title` and `origin` within `MAX_TITLE_BYTES` and `MAX_ORIGIN_BYTES` (every surface: a create,
+    branch, fork or import; a list page of headers stays bounded)."""
     if not isinstance(header, SessionHeader):
         raise TypeError("header must be a SessionHeader")
     validate_new_session_id(header.id)
@@ -122,10 +126,16 @@ def check_header(header: SessionHeader) -> None:
             raise InvalidEntryError("a session cannot be its own parent")
     if not _is_int(header.delegation_depth) or header.delegation_depth < 0:
         raise InvalidEntryError("delegation_depth must be an int >= 0")
-    if header.title is not None and not isinstance(header.title, str):
-        raise InvalidEntryError("title must be a str")
+    if header.title is not None:
+        if not isinstance(header.title, str):
+            raise InvalidEntryError("title must be a str")
+        size = len(header.title.encode("utf-8", "surrogatepass"))
+        if size > MAX_TITLE_BYTES:
+            raise InvalidEntryError(f"title is {size} bytes of UTF-8, over its limit of {MAX_TITLE_BYTES}")
     if header.origin is not None:
-        lossless_json(header.origin, "origin")
+        size = len(lossless_json(header.origin, "origin"))
+        if size > MAX_ORIGIN_BYTES:
+            raise InvalidEntryError(f"origin is {size} bytes of JSON, over its limit of {MAX_ORIGIN_BYTES}")
 
 
 def sequence_problems(ids: Sequence[int], at: int, n: int) -> list[Problem]:
