@@ -177,3 +177,37 @@ def _unchunked(raw: bytes) -> str:
         parts.append(rest[:size])
         rest = rest[size + 2 :]
     return "".join(parts)
+
+
+async def test_an_sse_resume_that_names_no_live_cursor_gets_the_answers_that_ended_meanwhile(
+    redis_store: RedisSessionStore,
+) -> None:
+    """A ``?deltas=1`` reader that drops before its first delta resumes with ``<inc>:<n>`` alone
+    (a client that keeps only the entries' ids, as the TypeScript tail did): the answers that
+    streamed and ended while it was away are after its n, so it gets their deltas — it used to
+    be taken for a fresh stream and got none, and no gap."""
+    import httpx
+    from test_gateway import sse
+
+    S = Sessions(redis_store)
+    s = await S.create("resume-n")
+    await s.append("turn/start", {"turn": 1})
+    inc, last = s.header.incarnation, s.n - 1
+    async with s.stream(turn=1, step=1) as w:
+        for i in range(20):
+            await w.delta(f"{i} ")
+    got: list[int] = []
+    gaps: list[Any] = []
+    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        headers = {"Last-Event-ID": f"{inc}:{last}"}
+        with anyio.fail_after(60):
+            async with client.stream("GET", "/sessions/resume-n/events?deltas=1", headers=headers) as r:
+                assert r.status_code == 200, await r.aread()
+                async for ev in sse(r):
+                    if ev.get("event") == "delta":
+                        got.append(ev["data"]["index"])
+                    elif ev.get("event") == "gap":
+                        gaps.append(ev["data"])
+                    elif isinstance(ev.get("data"), dict) and ev["data"].get("type") == "assistant/message":
+                        break
+    assert gaps == [] and got == list(range(20)), (got, gaps)

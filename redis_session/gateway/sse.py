@@ -388,8 +388,11 @@ class _EventStream(Response):
                 inc = self._incarnation or ""
                 if reader is None:
                     # a fresh stream gets no deltas of answers closed in what is stored (their
-                    # messages are there); a resume, those after its cursor
-                    reader = LiveReader(sid, head.n if self.live_after is None else nxt, inc or None, self.live_after)
+                    # messages are there); a resume, those after its cursor — its live cursor, or
+                    # its n when it names none (a reader that had no delta yet, or a client that
+                    # sends back `<inc>:<n>` alone): every answer that ended after that n
+                    following = nxt if self.live_after is not None or self.resumed else head.n
+                    reader = LiveReader(sid, following, inc or None, self.live_after)
                 # (again after falling behind: a stream that no longer holds the cursor says so)
                 await self._send_live(write, inc, nxt, reader, reader.prime(records))
                 # alone, as far as the log went before the records were read
