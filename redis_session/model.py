@@ -879,6 +879,38 @@ def _audit(value: dict[str, Any] | list[Any]) -> None:
                 )
 
 
+def _scan(value: dict[str, Any] | list[Any]) -> int | None:
+    """The members of every object in `value` plus the colons inside its strings (member names
+    included), when it nests at most `MAX_JSON_DEPTH` deep and holds no integer beyond
+    ±`MAX_SAFE_INT`; None when it does not (`_audit` then says where). One pass, no paths: the
+    common case costs a walk, not a second parse."""
+    count = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        v, depth = pop()
+        if depth > MAX_JSON_DEPTH:
+            return None
+        if type(v) is dict:
+            count += len(v)
+            for k in v:
+                if ":" in k:
+                    count += k.count(":")
+            items: Any = v.values()
+        else:
+            items = v
+        for x in items:
+            t = type(x)
+            if t is str:
+                if ":" in x:
+                    count += x.count(":")
+            elif t is dict or t is list:
+                push((x, depth + 1))
+            elif t is int and not -MAX_SAFE_INT <= x <= MAX_SAFE_INT:
+                return None
+    return count
+
+
 def check_ijson(value: Any, raw: bytes) -> None:
     """Raise `NotIJsonError` unless `value`, decoded from `raw`, is I-JSON beyond what a decoder
     checks: nesting at most `MAX_JSON_DEPTH` deep, integers within ±`MAX_SAFE_INT`, and no
@@ -886,8 +918,15 @@ def check_ijson(value: Any, raw: bytes) -> None:
     it). NaN, Infinity, invalid UTF-8 and lone surrogates are the decoder's to refuse."""
     if not isinstance(value, (dict, list)):
         return
-    _audit(value)
-    if raw.count(b":") > 1:  # duplicate names need two members somewhere
+    counted = _scan(value)
+    if counted is None:
+        _audit(value)  # names the path of what `_scan` refused
+    colons = raw.count(b":")
+    if counted == colons and b"\\u" not in raw:
+        # every colon of `raw` is a member's or inside a string the decoder kept: no member
+        # was dropped, so no name appears twice (a \u escape could spell a colon: never here)
+        return
+    if colons > 1:  # duplicate names need two members somewhere
         found = _find_duplicate(json.loads(raw, object_pairs_hook=_unique))
         if found is not None:
             where, key = found

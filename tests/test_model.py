@@ -451,3 +451,39 @@ def test_entry_decoding_and_kind() -> None:
     assert msgspec.json.encode(entries[0]) == b'{"n":0,"time":1,"type":"user/message","data":{"content":"a"}}'
     assert ENTRY_DECODER.decode(msgspec.json.encode(entries[2])) == entries[2]
     assert kind_of("turn/start") == "mark"
+
+
+def test_check_ijson_finds_every_duplicate_name_its_fast_path_skips_none() -> None:
+    """`check_ijson` skips the second parse when the colons of the text are all accounted for
+    (members, and colons inside kept strings): random documents with and without duplicate
+    names, colons in names and values and \\u escapes, against the full check."""
+    import json
+    import random
+
+    from redis_session.model import NotIJsonError, _find_duplicate, _unique, check_ijson
+
+    rng = random.Random(7)
+    words = ["a", "b", "c:d", ":", "x:y:z", "é", "\\u003a", "k"]
+
+    def text(depth: int) -> str:
+        r = rng.random()
+        if depth > 3 or r < 0.3:
+            return json.dumps(rng.choice(words)).replace("\\\\u003a", "\\u003a") if rng.random() < 0.7 else "1"
+        if r < 0.5:
+            return "[" + ",".join(text(depth + 1) for _ in range(rng.randint(0, 3))) + "]"
+        names = [rng.choice(words) for _ in range(rng.randint(0, 4))]
+        return "{" + ",".join(f"{json.dumps(k)}:{text(depth + 1)}" for k in names) + "}"
+
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        raw = text(0).encode()
+        value = msgspec.json.decode(raw)
+        want = _find_duplicate(json.loads(raw, object_pairs_hook=_unique))
+        try:
+            check_ijson(value, raw)
+            got = None
+        except NotIJsonError as e:
+            got = (e.path, e.key)
+        assert got == want, raw
+        seen[want is None] += 1
+    assert seen[True] > 100 and seen[False] > 100  # both kinds were tried
