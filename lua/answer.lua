@@ -172,17 +172,10 @@ if op == 'deltas' then
   sz, refused = size_rule(write_row, ARGV[9], ARGV[10])
   if refused then return refused end
   if nrec > 0 and first > live_next then return {11, live_next} end
-  local row_n = -1
-  if write_row then
-    local err = add_entry(n, 'assistant/chunk', data, '')
-    if err then return err end
-    row_n = n
-    if ln == n then ln = n + 1 end
-    call('HSET', hdr, 'n', fmt('%d', n + 1), 'updated_at', fmt('%d', now))
-    log_next = first + count
-    touch()
-  end
-  local sent = 0
+  -- the live records first, then the row: a reader blocked on both streams is woken by the key
+  -- written first, and a server that serves it that key alone (Redis 7.0) must hand it the
+  -- deltas before the row that holds them; a row refused after them takes them back
+  local sent, added = 0, {}
   if nrec > 0 then
     local p = 12
     local one = not string.find(cur, ' ', 1, true)  -- a life with a space never goes in one field
@@ -194,13 +187,13 @@ if op == 'deltas' then
         if first + i >= live_next then
           local code, head, text = ARGV[p + 1], ARGV[p + 2], ARGV[p + 3]
           if one then
-            call('XADD', live, 'MAXLEN', '~', maxlen, '*', code, head .. ' ' .. cur .. ' ' .. text)
+            added[#added + 1] = call('XADD', live, 'MAXLEN', '~', maxlen, '*', code, head .. ' ' .. cur .. ' ' .. text)
           else
             local a, at = string.match(head, '^(%S+) (%d+)$')
             if code == 't' then
-              call('XADD', live, 'MAXLEN', '~', maxlen, '*', 'a', a, 'i', at, 't', text, 'l', cur)
+              added[#added + 1] = call('XADD', live, 'MAXLEN', '~', maxlen, '*', 'a', a, 'i', at, 't', text, 'l', cur)
             else
-              call('XADD', live, 'MAXLEN', '~', maxlen, '*', 'a', a, 'k', code, 'i', at, 't', text, 'l', cur)
+              added[#added + 1] = call('XADD', live, 'MAXLEN', '~', maxlen, '*', 'a', a, 'k', code, 'i', at, 't', text, 'l', cur)
             end
           end
           sent = sent + 1
@@ -210,13 +203,26 @@ if op == 'deltas' then
         if first + i >= live_next then
           local f = {unpack(ARGV, p + 1, p + nf)}
           f[#f + 1] = 'l'; f[#f + 1] = cur  -- every record names the answer's life
-          call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
+          added[#added + 1] = call('XADD', live, 'MAXLEN', '~', maxlen, '*', unpack(f))
           sent = sent + 1
         end
         p = p + 1 + nf
       end
     end
     if first + nrec > live_next then live_next = first + nrec end
+  end
+  local row_n = -1
+  if write_row then
+    local err = add_entry(n, 'assistant/chunk', data, '')
+    if err then
+      if #added > 0 then call('XDEL', live, unpack(added)) end  -- nothing written
+      return err
+    end
+    row_n = n
+    if ln == n then ln = n + 1 end
+    call('HSET', hdr, 'n', fmt('%d', n + 1), 'updated_at', fmt('%d', now))
+    log_next = first + count
+    touch()
   end
   if not write_row and sent == 0 then
     call('HSET', state, 't', fmt('%d', now))

@@ -465,3 +465,42 @@ async def test_a_reader_that_fails_over_to_a_replica_behind_it_is_told(tmp_path:
         for p in procs:
             p.kill()
             p.wait()
+
+
+async def test_a_protocol_batch_gives_its_deltas_before_the_row_that_holds_them(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    """A delta batch written through the answer protocol (the gateway's route, the TypeScript
+    writer) puts its live records and its chunk row in one script call. A reader blocked on both
+    streams is woken by the key written first, and Redis 7.0 serves it that key alone: the row
+    came to every live reader before the deltas it holds. The records go first now."""
+    from redis_session import SessionHeader
+    from redis_session.model import NewEntry
+    from redis_session.projection.chunks import Delta as D
+
+    await redis_store.create(SessionHeader(id="rows"), [("turn/start", {"turn": 1})])
+    got: list[str] = []
+
+    async def reader() -> None:
+        async for it in follow_deltas(redis_store, "rows", start=0):
+            got.append(f"d{it.index}" if isinstance(it, Delta) else f"{it.type}" if isinstance(it, Entry) else "gap")
+            if isinstance(it, Entry) and it.type == "assistant/message":
+                return
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await wait_blocked_in_xread(redis_url, prefix)
+            b = await redis_store.answer_begin("rows", "ans1", ttl_ms=30_000)
+            for i in range(5):
+                await redis_store.answer_deltas(
+                    "rows", "ans1", i, [D(answer="ans1", index=i, kind="text", text=f"x{i}")],
+                    incarnation=b.incarnation, ttl_ms=30_000,
+                )  # fmt: skip
+                await wait_for(lambda i=i: len(got) >= 3 + 2 * i, within=30)  # the batch reached the reader
+            message = NewEntry("assistant/message", {"content": "x0x1x2x3x4"}, {"answer": "ans1"})
+            await redis_store.answer_end(
+                "rows", "ans1", deltas=5, reason="committed", closing=message, expected=None, rest_first=5,
+                rest=[], grace_ms=30_000, turn=None, step=None, incarnation=b.incarnation,
+            )  # fmt: skip
+    assert got == ["turn/start", *[x for i in range(5) for x in (f"d{i}", "assistant/chunk")], "assistant/message"]
