@@ -108,6 +108,24 @@ async def test_a_pinned_sse_start_past_the_log_is_rewound_an_unpinned_one_waits(
 # --------------------------------------------------------------------------- 5: a keyed create's key is its request
 
 
+async def test_a_keyed_create_without_an_id_is_made_once_however_often_it_is_retried(
+    client: httpx.AsyncClient, redis_store: RedisSessionStore
+) -> None:
+    """A keyed ``POST /sessions`` with no ``id`` (the server picks one) made a new session on every
+    retry — what the key is for: the id now comes from the key, so a retry replays the 201."""
+    body: dict[str, Any] = {"title": "no id", "entries": [um("hi")]}
+    key = {"Idempotency-Key": "no-id-create"}
+    answers = [await client.post("/sessions", json=body, headers=key) for _ in range(3)]
+    assert [a.status_code for a in answers] == [201, 201, 201], [a.text for a in answers]
+    ids = {a.json()["id"] for a in answers}
+    assert len(ids) == 1, ids
+    assert await redis_store.head(next(iter(ids))) is not None
+    assert len([k async for k in redis_store.client.scan_iter(match=f"{redis_store.prefix}*session-*:hdr")]) == 1
+    refused(await client.post("/sessions", json=body | {"title": "other"}, headers=key), 422, "idempotency_key_reused")
+    other = await client.post("/sessions", json=body, headers={"Idempotency-Key": "another"})
+    assert other.status_code == 201 and other.json()["id"] not in ids
+
+
 async def test_a_keyed_create_or_branch_retried_with_another_body_is_422(
     client: httpx.AsyncClient, redis_store: RedisSessionStore
 ) -> None:

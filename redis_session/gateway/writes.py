@@ -121,7 +121,15 @@ async def create(gw: Gateway, request: Request) -> Response:
     if isinstance(body, dict) and ("parent" in body or "at" in body):
         raise Unprocessable("a branch is made with POST /sessions/{parent}/branch {at, id?}", "$.parent")
     req = convert(body, CreateIn)
-    sid = req.id if req.id is not None else f"{who.prefix or ''}session-{uuid.uuid4().hex}"
+    if req.id is not None:
+        sid = req.id
+    elif cond.idempotency_key is not None:
+        # the same for every retry of the keyed request, so a retry finds the session the first
+        # attempt made (and replays its 201, or refuses another body) instead of making another
+        digest = hashlib.sha256(cond.idempotency_key.encode()).hexdigest()[:32]
+        sid = f"{who.prefix or ''}session-{digest}"
+    else:
+        sid = f"{who.prefix or ''}session-{uuid.uuid4().hex}"
     who.check_new_id(validate_session_id(sid))
     batch = [e.new() for e in req.entries]
     if len(batch) > gw.max_batch:
