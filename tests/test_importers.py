@@ -1204,4 +1204,13 @@ async def test_a_file_over_the_line_or_size_bound_is_refused_naming_the_line(
     long.write_bytes(head.encode() + b'{"n":1,' + b"x" * limit + b"\n")
     with pytest.raises(ImportFormatError, match=rf"long\.jsonl:3: the line is over {limit:,} bytes"):
         await import_path(store, long)
+    # the bound is on a line's text: a CRLF line exactly at it is not "over" (the CR was counted)
+    for end in (b"\r\n", b"\n", b"\r"):
+        long.write_bytes(head.encode() + b'{"n":1,' + b"x" * (limit - 7) + end)
+        with pytest.raises(ImportFormatError) as caught:
+            await import_path(store, long)
+        assert "the line is over" not in str(caught.value), (end, str(caught.value)[:200])
+    long.write_bytes(head.encode() + b'{"n":1,' + b"x" * (limit - 6) + b"\r\n")
+    with pytest.raises(ImportFormatError, match=rf"long\.jsonl:3: the line is over {limit:,} bytes"):
+        await import_path(store, long)
     assert await nothing_written(store)

@@ -212,7 +212,8 @@ class Source:
         return self._ended
 
     def _split(self, chunks: Iterator[bytes]) -> Iterator[Line]:
-        limit = self.max_line_bytes
+        # a line's bound is on its text: the CR of a CRLF end is held, then not counted
+        limit = self.max_line_bytes + 1
         part: list[bytes] = []  # the line being read, as the pieces read so far
         part_len, part_blank = 0, True
         for chunk in self._sized(chunks):
@@ -232,6 +233,8 @@ class Source:
                 if part_len + end - start > limit:
                     raise self._too_long(no)
                 raw = b"".join([*part, chunk[start:end]]) if part else chunk[start:end]
+                if len(raw) == limit and not raw.endswith(b"\r"):
+                    raise self._too_long(no)
                 part, part_len, part_blank = [], 0, True
                 start = end + 1
                 if raw.strip():
@@ -243,6 +246,8 @@ class Source:
             part_len += len(rest)
             part_blank = part_blank and not rest.strip()
         raw = b"".join(part)
+        if len(raw) == limit and not raw.endswith(b"\r"):
+            raise self._too_long(self._ended + 1)
         if raw.strip():
             yield Line(self._ended + 1, raw.rstrip(b"\r"), False)
 
