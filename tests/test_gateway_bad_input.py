@@ -288,6 +288,15 @@ async def test_ambiguous_query_parameters_are_refused(client: httpx.AsyncClient)
         "/sessions?limit=",
         "/sessions?parent=q&parent=q",
         "/sessions?cursor=",
+        # parameters the route does not read are held to the same rule (they were served)
+        "/sessions?start=1&start=2",
+        "/sessions?incarnation=&incarnation=",
+        path("q") + "?limit=",
+        path("q", "messages") + "?start=1&start=2",
+        path("q", "entries") + "?format=openai&format=anthropic",
+        path("q", "draft") + "?limit=",
+        path("q", "events") + "?limit=1&limit=2",
+        "/healthz?x=1&x=2",
     ]:
         async with client.stream("GET", url) as r:  # taken, an event stream would never end
             assert r.status_code == 400, url
@@ -363,3 +372,25 @@ async def test_fork_answers_the_documented_error_codes(client: httpx.AsyncClient
     assert (await client.post(path("no-such", "branch"), json={"at": 0})).json()["error"] == "not_found"
     keyed = await client.post(path("fk", "fork"), json={"id": "fk-taken"}, headers={"Idempotency-Key": "k"})
     refused(keyed, 409, "already_exists")
+
+
+async def test_two_sign_in_cookies_or_two_tokens_in_the_sign_in_form_are_refused(
+    redis_store: RedisSessionStore,
+) -> None:
+    """Two different ``rs_token`` cookies (one tossed for a parent domain or another path by
+    another page) were decided by the browser's order, and a sign-in form with ``token`` twice
+    kept the last: both are refused; one cookie, or the same one twice, still signs in."""
+    await redis_store.create(SessionHeader(id="cookie"))
+    tokens = [Token.make("admin-tok-0123", ["admin"]), Token.make("read-tok-01234", ["read"])]
+    with anyio.fail_after(60):
+        async with running_gateway(redis_store, tokens=tokens) as base, httpx.AsyncClient(base_url=base) as c:
+            two = {"Cookie": "rs_token=admin-tok-0123; rs_token=read-tok-01234"}
+            refused(await c.request("DELETE", path("cookie"), headers=two), 400, "bad_request")
+            assert await redis_store.head("cookie") is not None
+            same = {"Cookie": "rs_token=read-tok-01234; rs_token=read-tok-01234"}
+            assert (await c.get(path("cookie"), headers=same)).status_code == 200
+            form = {"Content-Type": "application/x-www-form-urlencoded"}
+            r = await c.post("/signin", content=b"token=read-tok-01234&token=admin-tok-0123", headers=form)
+            assert r.status_code == 400 and "set-cookie" not in r.headers, r.text[:200]
+            r = await c.post("/signin", content=b"token=read-tok-01234", headers=form)
+            assert r.status_code in (200, 303) and "rs_token=" in r.headers.get("set-cookie", ""), r.text[:200]

@@ -232,6 +232,11 @@ class _TokenAuth:
             raise AmbiguousCredentials(
                 f"the request presents {len(given)} credentials (Authorization headers and ?token=): send one"
             )
+        if not given and len(set(cookies)) > 1:
+            # two sign-in cookies that differ (one set for a parent domain or another path by
+            # someone else's page): which one counts must not be the browser's order
+            shown = len(set(cookies))
+            raise AmbiguousCredentials(f"the request presents {shown} different {COOKIE} cookies: sign in again")
         for secret in [*given, *cookies]:
             if secret and (token := self.tokens.authenticate(secret)):
                 return token
@@ -277,9 +282,12 @@ class _TokenAuth:
         given: str | None = None
         next_hash = ""
         if form:
-            fields = dict(parse_qsl((body or b"").decode("utf-8", "replace")))
-            given = fields.get("token")
-            raw_next = fields.get("next", "")
+            pairs = parse_qsl((body or b"").decode("utf-8", "replace"), keep_blank_values=True)
+            tokens = [v for k, v in pairs if k == "token"]
+            if len(tokens) > 1:
+                return _login_page(400, "Send one token.")
+            given = tokens[0] if tokens else None
+            raw_next = next((v for k, v in pairs if k == "next"), "")
             next_hash = raw_next if raw_next.startswith("#") and "\n" not in raw_next else ""
         elif body:
             try:

@@ -9,7 +9,7 @@ import ipaddress
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -286,6 +286,27 @@ def _origin_form(scope: Scope) -> Scope:
     return {**scope, "raw_path": root.encode("latin-1") + rel.encode("latin-1"), "path": root + unquote(rel)}
 
 
+def _query_problem(scope: Scope) -> str | None:
+    """The rule of every query string, whichever parameters the route reads (`common.query_arg`
+    is the same rule for those it does): a parameter sent twice is ambiguous, one sent empty
+    means nothing; both are a 400 before anything is read, written or streamed. An empty
+    ``?incarnation=`` gets its route's own word for it, ``?token=`` the token check's."""
+    qs: bytes = scope.get("query_string", b"")
+    if not qs:
+        return None
+    seen: dict[str, int] = {}
+    for name, value in parse_qsl(qs.decode("latin-1"), keep_blank_values=True):
+        if name == "token":
+            continue  # a credential: the token check's own rule ("send one")
+        seen[name] = seen.get(name, 0) + 1
+        if value == "" and name != "incarnation":
+            return f"?{name[:40]}= is empty: give it a value or leave it out"
+    for name, count in seen.items():
+        if count > 1:
+            return f"?{name[:40]}= was sent {count} times: send it once"
+    return None
+
+
 class _WebGuard:
     """Before every route: the Host must be unambiguous (400: one ``Host`` header, and an
     absolute-form target naming the same host) and allowed (421); a page of another origin gets
@@ -306,7 +327,7 @@ class _WebGuard:
                 hosts.append(v.decode("latin-1"))
             elif k == b"origin":
                 origins.append(v.decode("latin-1"))
-        problem = _ambiguity(scope, hosts, origins)
+        problem = _ambiguity(scope, hosts, origins) or _query_problem(scope)
         if problem is not None:  # on every route, the probes too: no layer may pick another host
             await _error(400, "bad_request", problem)(scope, receive, send)
             return
