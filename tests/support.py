@@ -171,3 +171,37 @@ async def cleanup_cluster_prefix(url: str, prefix: str) -> None:
                 await rc.delete(k)
     finally:
         await rc.aclose()
+
+
+def watch_detachment(monkeypatch: Any, queue: int) -> list[bool]:
+    """The gateway's shared tails hold `queue` items per reader (a small one detaches a stuck
+    reader early: the queue, not its socket, fills); the list gets True once one is detached."""
+    from redis_session.gateway import tails
+
+    monkeypatch.setattr(tails.Tails, "QUEUE", queue)
+    detached: list[bool] = []
+    hand = tails.Tails._hand
+
+    def watched(hub: Any, sub: Any, item: Any, max_bytes: int | None) -> None:
+        hand(hub, sub, item, max_bytes)
+        if sub.lagged and not detached:
+            detached.append(True)
+
+    monkeypatch.setattr(tails.Tails, "_hand", staticmethod(watched))
+    return detached
+
+
+def unchunked(raw: bytes) -> str:
+    """The body of a raw HTTP/1.1 response read off a socket, its chunked framing undone."""
+    head, _, body = raw.decode().partition("\r\n\r\n")
+    if "chunked" not in head.lower():
+        return body
+    parts, rest = [], body
+    while rest:
+        size_line, _, rest = rest.partition("\r\n")
+        size = int(size_line.strip() or "0", 16)
+        if size == 0:
+            break
+        parts.append(rest[:size])
+        rest = rest[size + 2 :]
+    return "".join(parts)

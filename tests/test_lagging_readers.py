@@ -20,7 +20,7 @@ from redis_session import Delta, DeltaGap, RedisSessionStore, Sessions
 from redis_session.live import follow_deltas
 from redis_session.model import Entry
 
-from support import running_gateway, wait_blocked_in_xread, wait_for
+from support import running_gateway, unchunked, wait_blocked_in_xread, wait_for, watch_detachment
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
@@ -98,18 +98,9 @@ async def test_an_sse_reader_that_stops_reading_past_the_grace_gets_every_delta_
     """The stream's writes are held (as a client that stops reading holds them once its sockets
     are full) while answers stream and their live records expire: it is detached from the shared
     tail, then catches up alone from what the store still holds."""
-    from redis_session.gateway import sse, tails
+    from redis_session.gateway import sse
 
-    monkeypatch.setattr(tails.Tails, "QUEUE", 4)  # detached early
-    detached: list[bool] = []
-    hand = tails.Tails._hand
-
-    def watched(hub: Any, sub: Any, item: Any, max_bytes: int | None) -> None:
-        hand(hub, sub, item, max_bytes)
-        if sub.lagged and not detached:
-            detached.append(True)
-
-    monkeypatch.setattr(tails.Tails, "_hand", staticmethod(watched))
+    detached = watch_detachment(monkeypatch, 4)  # detached early
     gate = anyio.Event()
     held: list[bool] = []
     flush = sse._flush
@@ -148,7 +139,7 @@ async def test_an_sse_reader_that_stops_reading_past_the_grace_gets_every_delta_
         await stuck.aclose()
     got: dict[str, list[int]] = {}
     gaps: dict[str, list[tuple[int, int | None]]] = {}
-    for block in _unchunked(raw).split("\n\n"):
+    for block in unchunked(raw).split("\n\n"):
         kind = next((ln[7:] for ln in block.split("\n") if ln.startswith("event: ")), "")
         data = next((ln[6:] for ln in block.split("\n") if ln.startswith("data: ")), "")
         if kind == "delta":
@@ -162,52 +153,3 @@ async def test_an_sse_reader_that_stops_reading_past_the_grace_gets_every_delta_
     assert not silent, f"{len(silent)} of {len(ids)} answers lost deltas with no gap naming them"
     for a in ids:
         assert covered(got.get(a, []), gaps.get(a, []), count), (a, len(got.get(a, [])), gaps.get(a))
-
-
-def _unchunked(raw: bytes) -> str:
-    head, _, body = raw.decode().partition("\r\n\r\n")
-    if "chunked" not in head.lower():
-        return body
-    parts, rest = [], body
-    while rest:
-        size_line, _, rest = rest.partition("\r\n")
-        size = int(size_line.strip() or "0", 16)
-        if size == 0:
-            break
-        parts.append(rest[:size])
-        rest = rest[size + 2 :]
-    return "".join(parts)
-
-
-async def test_an_sse_resume_that_names_no_live_cursor_gets_the_answers_that_ended_meanwhile(
-    redis_store: RedisSessionStore,
-) -> None:
-    """A ``?deltas=1`` reader that drops before its first delta resumes with ``<inc>:<n>`` alone
-    (a client that keeps only the entries' ids, as the TypeScript tail did): the answers that
-    streamed and ended while it was away are after its n, so it gets their deltas — it used to
-    be taken for a fresh stream and got none, and no gap."""
-    import httpx
-    from test_gateway import sse
-
-    S = Sessions(redis_store)
-    s = await S.create("resume-n")
-    await s.append("turn/start", {"turn": 1})
-    inc, last = s.header.incarnation, s.n - 1
-    async with s.stream(turn=1, step=1) as w:
-        for i in range(20):
-            await w.delta(f"{i} ")
-    got: list[int] = []
-    gaps: list[Any] = []
-    async with running_gateway(redis_store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
-        headers = {"Last-Event-ID": f"{inc}:{last}"}
-        with anyio.fail_after(60):
-            async with client.stream("GET", "/sessions/resume-n/events?deltas=1", headers=headers) as r:
-                assert r.status_code == 200, await r.aread()
-                async for ev in sse(r):
-                    if ev.get("event") == "delta":
-                        got.append(ev["data"]["index"])
-                    elif ev.get("event") == "gap":
-                        gaps.append(ev["data"])
-                    elif isinstance(ev.get("data"), dict) and ev["data"].get("type") == "assistant/message":
-                        break
-    assert gaps == [] and got == list(range(20)), (got, gaps)

@@ -19,7 +19,7 @@ from redis_session.live import follow, follow_deltas
 from redis_session.model import Entry
 from redis_session.projection.chunks import CHUNK, LiveRecord, merge_live
 
-from support import running_gateway, wait_blocked_in_xread, wait_for
+from support import running_gateway, unchunked, wait_blocked_in_xread, wait_for, watch_detachment
 
 pytestmark = pytest.mark.anyio
 
@@ -328,18 +328,7 @@ async def test_an_sse_reader_that_fell_behind_catches_up_in_the_order_things_hap
     deltas once and in order, each answer's before its message. The caught-up one used to get
     the messages of the later answers before their deltas (the catch-up sent the log's entries,
     then the live records)."""
-    from redis_session.gateway import tails
-
-    monkeypatch.setattr(tails.Tails, "QUEUE", 16)  # detached early: the queue, not the socket, fills
-    detached: list[bool] = []
-    hand = tails.Tails._hand
-
-    def watched(hub: Any, sub: Any, item: Any, max_bytes: int | None) -> None:
-        hand(hub, sub, item, max_bytes)
-        if sub.lagged and not detached:
-            detached.append(True)
-
-    monkeypatch.setattr(tails.Tails, "_hand", staticmethod(watched))
+    detached = watch_detachment(monkeypatch, 16)  # detached early: the queue, not the socket, fills
     S = Sessions(redis_store)
     s = await S.open("slowd")
     await s.append("turn/start", {"turn": 1})
@@ -394,17 +383,7 @@ async def test_an_sse_reader_that_fell_behind_catches_up_in_the_order_things_hap
             while raw.count(b'"type":"assistant/message"') < answers or not raw.endswith((b"\n\n", b"\n\n\r\n")):
                 raw += await slow.receive(1 << 20)
         await slow.aclose()
-    head, _, body = raw.decode().partition("\r\n\r\n")
-    if "chunked" in head.lower():  # undo the chunked framing
-        parts, rest = [], body
-        while rest:
-            size_line, _, rest = rest.partition("\r\n")
-            size = int(size_line.strip() or "0", 16)
-            if size == 0:
-                break
-            parts.append(rest[:size])
-            rest = rest[size + 2 :]
-        body = "".join(parts)
+    body = unchunked(raw)
     slow_got: list[Any] = []
     parse(body, slow_got)
     assert slow_got == expected, [x for x in slow_got if not isinstance(x, int)][:20]
