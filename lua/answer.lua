@@ -90,13 +90,14 @@ local function touch()
   end
 end
 
-local function add_entry(at, typ, data, meta)
+local function add_entry(at, typ, data, meta, time)
   local id = fmt('%d-1', at)
+  local tm = time or fmt('%d', now)
   local ok
   if meta ~= '' then
-    ok = redis.pcall('XADD', log, id, 'type', typ, 'time', fmt('%d', now), 'data', data, 'meta', meta)
+    ok = redis.pcall('XADD', log, id, 'type', typ, 'time', tm, 'data', data, 'meta', meta)
   else
-    ok = redis.pcall('XADD', log, id, 'type', typ, 'time', fmt('%d', now), 'data', data)
+    ok = redis.pcall('XADD', log, id, 'type', typ, 'time', tm, 'data', data)
   end
   if type(ok) == 'table' and ok.err then
     if not string.find(ok.err, 'equal or smaller', 1, true) then return ok end
@@ -213,7 +214,11 @@ if op == 'deltas' then
   end
   local row_n = -1
   if write_row then
-    local err = add_entry(n, 'assistant/chunk', data, '')
+    -- the row's time is its last live record's (a record's id may be a ms past the TIME this
+    -- script began with): readers order by time, and a row never goes before its own deltas
+    local tm = nil
+    if #added > 0 then tm = string.match(added[#added], '^(%d+)') end
+    local err = add_entry(n, 'assistant/chunk', data, '', tm)
     if err then
       if #added > 0 then call('XDEL', live, unpack(added)) end  -- nothing written
       return err

@@ -483,3 +483,25 @@ async def test_a_protocol_batch_gives_its_deltas_before_the_row_that_holds_them(
                 rest=[], grace_ms=30_000, turn=None, step=None, incarnation=b.incarnation,
             )  # fmt: skip
     assert got == ["turn/start", *[x for i in range(5) for x in (f"d{i}", "assistant/chunk")], "assistant/message"]
+
+
+async def test_a_protocol_row_is_never_timed_before_its_own_live_records(redis_store: RedisSessionStore) -> None:
+    """A batch's live records are written before its row, and a record's id can fall a ms past
+    the TIME the script began with: a row timed by that TIME went before its own deltas in a
+    catch-up read (which orders by time). The row takes its last record's ms."""
+    from redis_session import SessionHeader
+    from redis_session.projection.chunks import Delta as D
+
+    await redis_store.create(SessionHeader(id="timed"))
+    b = await redis_store.answer_begin("timed", "ans1", ttl_ms=30_000)
+    for i in range(300):
+        batch = [D(answer="ans1", index=i * 3 + k, kind="text", text="x" * 500) for k in range(3)]
+        await redis_store.answer_deltas("timed", "ans1", i * 3, batch, incarnation=b.incarnation, ttl_ms=30_000)
+    rows = {e.data["seq"]: e.time for e in await redis_store.read("timed") if e.type == "assistant/chunk"}
+    records = [r for r in await redis_store.read_live("timed") if r.is_delta]
+    late = [
+        (r.index, r.id, rows[r.index - r.index % 3])
+        for r in records
+        if int(r.id.split("-")[0]) > rows[r.index - r.index % 3]
+    ]
+    assert not late, late[:5]

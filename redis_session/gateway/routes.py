@@ -289,8 +289,8 @@ def _origin_form(scope: Scope) -> Scope:
 def _query_problem(scope: Scope) -> str | None:
     """The rule of every query string, whichever parameters the route reads (`common.query_arg`
     is the same rule for those it does): a parameter sent twice is ambiguous, one sent empty
-    means nothing; both are a 400 before anything is read, written or streamed. An empty
-    ``?incarnation=`` gets its route's own word for it, ``?token=`` the token check's."""
+    means nothing; both are a 400 before anything is read, written or streamed (``?token=``
+    has the token check's own rule)."""
     qs: bytes = scope.get("query_string", b"")
     if not qs:
         return None
@@ -299,7 +299,7 @@ def _query_problem(scope: Scope) -> str | None:
         if name == "token":
             continue  # a credential: the token check's own rule ("send one")
         seen[name] = seen.get(name, 0) + 1
-        if value == "" and name != "incarnation":
+        if value == "":
             return f"?{name[:40]}= is empty: give it a value or leave it out"
     for name, count in seen.items():
         if count > 1:
