@@ -258,7 +258,7 @@ def preconditions(request: Request) -> Preconditions:
         if not 1 <= len(pinned) <= 64 or (incarnation is not None and pinned != incarnation):
             raise _BadRequest("X-Session-Incarnation is 1-64 characters and agrees with If-Match")
         incarnation = pinned
-    query = query_arg(request, "incarnation", blank=True)  # empty: the 400 below says what it is
+    query = query_arg(request, "incarnation")
     if query is not None:
         if not 1 <= len(query) <= 64 or (incarnation is not None and query != incarnation):
             raise _BadRequest("?incarnation= is 1-64 characters and agrees with X-Session-Incarnation and If-Match")

@@ -287,8 +287,8 @@ def _origin_form(scope: Scope) -> Scope:
 
 
 def _query_problem(scope: Scope) -> str | None:
-    """The rule of every query string, whichever parameters the route reads (`common.query_arg`
-    is the same rule for those it does): a parameter sent twice is ambiguous, one sent empty
+    """The rule of every query string, whichever parameters the route reads (so `common.query_arg`
+    reads the one value there is): a parameter sent twice is ambiguous, one sent empty
     means nothing; both are a 400 before anything is read, written or streamed (``?token=``
     has the token check's own rule)."""
     qs: bytes = scope.get("query_string", b"")
