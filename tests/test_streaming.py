@@ -236,11 +236,6 @@ from redis_session import RedisSessionStore, Sessions
 
 from redis_session.projection.chunks import replay
 
-async def until(check):
-    with anyio.fail_after(120):
-        while not await check():
-            await anyio.sleep(0.01)
-
 async def main():
     store = RedisSessionStore.from_url(sys.argv[1], prefix=sys.argv[2])
     s = await Sessions(store).open("dead")
@@ -249,19 +244,33 @@ async def main():
     # for a full row that never comes, the log holds what it flushed and the rest is only live,
     # whatever the machine's load
     async with s.stream(turn=1, step=1, flush_interval=3600, max_chunks=8) as w:
-        for i in range(50):
+        total = 50
+        for i in range(total):
             await w.delta(f"d{i} ")
+        state = {}
 
         async def settled():
-            pending = len(w._deltas) - w._flushed
-            if w._row is not None or not 0 < pending < w.max_chunks:
-                return False
+            nonlocal total
+            pending = total - w._flushed
             logged = len(replay(await store.read("dead")).get(w.answer, []))
             live = sum(r.is_delta for r in await store.read_live("dead"))
-            return logged == w._flushed and live == 50
+            state.update(pending=pending, row=w._row, flushed=w._flushed, logged=logged, live=live)
+            if w._row is not None or pending >= w.max_chunks or logged != w._flushed:
+                return False
+            if pending == 0:  # every delta is in a row: one more, which only the live stream holds
+                await w.delta(f"d{total} ")
+                total += 1
+                return False
+            return live == total
 
-        await until(settled)
-        print(w.answer, flush=True)
+        try:
+            with anyio.fail_after(120):
+                while not await settled():
+                    await anyio.sleep(0.01)
+        except TimeoutError:
+            print("never settled:", state, file=sys.stderr, flush=True)
+            raise
+        print(w.answer, total, flush=True)
         os._exit(9)              # the process dies: no exit, no close
 
 anyio.run(main)
@@ -275,19 +284,20 @@ async def test_a_writer_that_dies_is_closed_by_repair(redis_url: str, redis_stor
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 9, proc.stderr
-    answer = proc.stdout.decode().strip()
+    answer, total_text = proc.stdout.decode().split()
+    total = int(total_text)
     sessions = Sessions(redis_store)
     before = await redis_store.read("dead")
     flushed = len(replay(before).get(answer, []))
-    assert 0 < flushed < 50  # the last ones only on the live stream
+    assert 0 < flushed < total  # the last ones only on the live stream
     assert await sessions.repair("dead", stale_after=60) == []  # too fresh: its writer may be alive
     appended = await sessions.repair("dead", stale_after=0)
     types = [e.type for e in appended]
     assert types[-3:] == [INTERRUPTED, "step/end", "turn/end"] and CHUNK in types
     entries = await redis_store.read("dead")
-    assert [c["text"] for c in replay(entries)[answer]] == [f"d{i} " for i in range(50)]
+    assert [c["text"] for c in replay(entries)[answer]] == [f"d{i} " for i in range(total)]
     mark = next(e for e in entries if e.type == INTERRUPTED)
-    assert mark.data["reason"] == "crashed" and mark.data["deltas"] == 50
+    assert mark.data["reason"] == "crashed" and mark.data["deltas"] == total
     assert await redis_store.get_draft("dead") is None
     assert await sessions.repair("dead", stale_after=0) == []
     assert 0 < await redis_store.client.pttl(redis_store.keys.live("dead")) <= 60_000  # expires

@@ -1,0 +1,110 @@
+"""The pool's taking and giving back of a connection can never be cut by a cancellation
+(`redis_session.redis.wire.shielded`), at the price of nothing when the pool does not wait."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from redis_session import NewEntry, RedisSessionStore, SessionHeader
+from redis_session.redis.wire import shielded
+
+pytestmark = pytest.mark.anyio
+
+
+async def _no_suspension(log: list[str]) -> int:
+    log.append("ran")
+    return 7
+
+
+async def _two_suspensions(log: list[str]) -> int:
+    log.append("start")
+    await anyio.sleep(0.01)
+    log.append("middle")
+    await anyio.sleep(0.01)
+    log.append("end")
+    return 8
+
+
+async def _fails(after_suspending: bool) -> None:
+    if after_suspending:
+        await anyio.lowlevel.checkpoint()
+    raise LookupError("from inside")
+
+
+async def test_a_call_that_never_waits_runs_even_in_a_cancelled_scope() -> None:
+    log: list[str] = []
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        got = await shielded(_no_suspension(log))
+        assert (got, log) == (7, ["ran"])
+        await anyio.lowlevel.checkpoint()  # the scope's cancellation lands at the next await, outside
+        pytest.fail("the cancellation was lost")
+    assert scope.cancelled_caught
+
+
+async def test_a_call_that_waits_finishes_when_its_scope_is_cancelled_meanwhile() -> None:
+    log: list[str] = []
+    result: list[int] = []
+    async with anyio.create_task_group() as tg:
+
+        async def call() -> None:
+            result.append(await shielded(_two_suspensions(log)))
+            await anyio.sleep(1)  # cancelled here, not inside the shielded call
+            result.append(-1)
+
+        tg.start_soon(call)
+        await anyio.sleep(0.005)  # inside the first suspension
+        assert log == ["start"]
+        tg.cancel_scope.cancel()
+    assert log == ["start", "middle", "end"]
+    assert result == [8]
+
+
+@pytest.mark.parametrize("after_suspending", [False, True])
+async def test_errors_come_out_as_they_are(after_suspending: bool) -> None:
+    with pytest.raises(LookupError, match="from inside"):
+        await shielded(_fails(after_suspending))
+
+
+async def test_cancelled_writes_and_reads_on_a_contended_pool_leak_no_connection(redis_url: str, prefix: str) -> None:
+    """Many callers on a pool of two, each cancelled at a random moment (waiting for a
+    connection, writing, reading the reply, giving it back): afterwards no connection is counted
+    as in use, and the pool still serves every caller."""
+    store = RedisSessionStore.from_url(
+        redis_url, prefix=prefix, client_options={"max_connections": 2, "pool_timeout": 10}
+    )
+    try:
+        await store.create(SessionHeader(id="s"))
+        rng = random.Random(27)
+        cancelled = [0]
+
+        async def caller(i: int) -> None:
+            for j in range(30):
+                with anyio.move_on_after(rng.uniform(0, 0.002)) as scope:
+                    if (i + j) % 2:
+                        await store.put("s", None, [NewEntry("user/message", {"content": f"{i}.{j}"})])
+                    else:
+                        await store.read("s", 0, 5)
+                cancelled[0] += scope.cancelled_caught
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(24):
+                    tg.start_soon(caller, i)
+        assert cancelled[0] > 10, "the test never cancelled a call"
+        pool = store.client.connection_pool
+        assert len(pool._in_use_connections) == 0
+        assert len(pool._available_connections) <= 2
+        with anyio.fail_after(10):  # every connection is usable again: the pool's limit is whole
+            async with anyio.create_task_group() as tg:
+                for _ in range(6):
+                    tg.start_soon(store.head, "s")
+        head = await store.head("s")
+        assert head is not None
+        assert [e.n for e in await store.read("s")] == list(range(head.n))
+    finally:
+        await store.aclose()
