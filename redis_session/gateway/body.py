@@ -244,6 +244,17 @@ def single_value(values: list[str], name: str) -> str | None:
 
 
 def preconditions(request: Request) -> Preconditions:
+    """The request's preconditions, read once per request (the pin check and the handler ask)."""
+    found: Preconditions | None = request.scope.get(_PRECONDITIONS)
+    if found is None:
+        found = request.scope[_PRECONDITIONS] = _read_preconditions(request)
+    return found
+
+
+_PRECONDITIONS = "redis_session.preconditions"
+
+
+def _read_preconditions(request: Request) -> Preconditions:
     expected: int | None = None
     incarnation: str | None = None
     raw = single_value(request.headers.getlist("if-match"), "If-Match")

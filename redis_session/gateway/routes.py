@@ -5,6 +5,7 @@ and, before any route, which ``Host`` names and which browser origins may call a
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Awaitable, Callable, Iterable
@@ -195,17 +196,23 @@ class WebPolicy:
         return cls(frozenset(names), frozenset(wanted), any_ip=wildcard)
 
     def allows_host(self, host: str) -> bool:
-        name = _host_name(host)
-        if not name:
-            return False
-        if "*" in self.hosts or name in self.hosts:
-            return True
-        if self.any_ip and _is_ip(name):
-            return True
-        return any(h.startswith(".") and (name.endswith(h) or name == h[1:]) for h in self.hosts)
+        return _allows_host(self, host)
 
     def allows_origin(self, origin: str) -> bool:
         return "*" in self.origins or origin in self.origins
+
+
+@functools.lru_cache(maxsize=256)
+def _allows_host(policy: WebPolicy, host: str) -> bool:
+    """`WebPolicy.allows_host`, remembered: a gateway hears the same few Host names."""
+    name = _host_name(host)
+    if not name:
+        return False
+    if "*" in policy.hosts or name in policy.hosts:
+        return True
+    if policy.any_ip and _is_ip(name):
+        return True
+    return any(h.startswith(".") and (name.endswith(h) or name == h[1:]) for h in policy.hosts)
 
 
 def split_list(text: str | None) -> list[str]:
@@ -218,6 +225,7 @@ _HOST_VALUE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|[A-Za-z0-9._-]*)(?::(?P
 """A ``Host`` value: a DNS name or IPv4 address, or an IPv6 one in brackets, and a port."""
 
 
+@functools.lru_cache(maxsize=256)
 def _host_problem(host: str) -> str | None:
     """Why `host` is no ``Host`` value (None when it is one): a name (no empty label; one trailing
     dot, the root, is one) or IPv4 address, or an IPv6 address in brackets, with an optional port
