@@ -17,6 +17,7 @@ from redis_session import Delta, DeltaGap, RedisSessionStore, SessionHeader
 from redis_session.live import follow_deltas
 from redis_session.projection.chunks import LiveRecord, compact_value, live_draft
 from redis_session.redis.store import _live_records
+from redis_session.redis.wire import held
 
 from support import wait_blocked_in_xread
 
@@ -215,7 +216,7 @@ async def test_a_tail_holds_one_connection_and_gives_it_back(
         async for r in tail:
             if isinstance(r, LiveRecord) and r.is_delta:
                 got += 1
-                seen.append({id(c) for c in pool._in_use_connections})
+                seen.append({id(c) for c in held(pool)})  # the one kept for the next put aside
                 if got == 5:
                     break
             if isinstance(r, LiveRecord) and (r.kind == "begin" or r.is_delta):
@@ -225,7 +226,7 @@ async def test_a_tail_holds_one_connection_and_gives_it_back(
     # between its XREADs the tail keeps the same connection taken (it is not given back each time)
     assert len(seen) == 5 and all(len(s) == 1 for s in seen) and len(set.union(*seen)) == 1
     await tail.aclose()
-    assert not pool._in_use_connections  # closed: given back
+    assert not held(pool)  # closed: given back
 
     # cancelled while blocked in its XREAD: given back too (redis-py drops a connection cut short)
     async def follow() -> None:
@@ -237,4 +238,4 @@ async def test_a_tail_holds_one_connection_and_gives_it_back(
             tg.start_soon(follow)
             await wait_blocked_in_xread(redis_url, prefix)
             tg.cancel_scope.cancel()
-    assert not pool._in_use_connections
+    assert not held(pool)

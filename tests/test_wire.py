@@ -1,16 +1,19 @@
 """The pool's taking and giving back of a connection can never be cut by a cancellation
-(`redis_session.redis.wire.shielded`), at the price of nothing when the pool does not wait."""
+(`redis_session.redis.wire.shielded`), at the price of nothing when the pool does not wait; and
+the one connection kept between calls (`PooledWire`) never costs another caller a connection."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
+import redis.asyncio as aioredis
 
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
-from redis_session.redis.wire import shielded
+from redis_session.redis.wire import held, kept, shielded
 
 pytestmark = pytest.mark.anyio
 
@@ -97,8 +100,8 @@ async def test_cancelled_writes_and_reads_on_a_contended_pool_leak_no_connection
                     tg.start_soon(caller, i)
         assert cancelled[0] > 10, "the test never cancelled a call"
         pool = store.client.connection_pool
-        assert len(pool._in_use_connections) == 0
-        assert len(pool._available_connections) <= 2
+        assert held(pool) == []  # in use: at most the one kept for the next call
+        assert len(pool._available_connections) + len(pool._in_use_connections) <= 2
         with anyio.fail_after(10):  # every connection is usable again: the pool's limit is whole
             async with anyio.create_task_group() as tg:
                 for _ in range(6):
@@ -106,5 +109,76 @@ async def test_cancelled_writes_and_reads_on_a_contended_pool_leak_no_connection
         head = await store.head("s")
         assert head is not None
         assert [e.n for e in await store.read("s")] == list(range(head.n))
+    finally:
+        await store.aclose()
+
+
+# --------------------------------------------------------------------------- the kept connection
+
+
+async def test_one_connection_is_kept_between_calls_and_given_back_on_close(redis_url: str, prefix: str) -> None:
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    other = RedisSessionStore(store.client, prefix=prefix)  # a second store on the same client
+    pool: Any = store.client.connection_pool
+    try:
+        await store.create(SessionHeader(id="k"))
+        first = kept(pool)
+        assert first is not None and held(pool) == []  # counted in use by the pool, held by no call
+        for i in range(5):
+            await store.put("k", i, [NewEntry("user/message", {"content": str(i)})])
+            await other.head("k")
+            assert kept(pool) is first  # the same connection every time: no pool round
+        assert len(pool._in_use_connections) == 1 and not pool._available_connections
+        await other.aclose()  # a store closing gives it back (its client goes on)
+        assert kept(pool) is None and not pool._in_use_connections
+        assert (await store.head("k")).n == 5  # type: ignore[union-attr]
+    finally:
+        await store.aclose()
+    assert not pool._in_use_connections
+
+
+async def test_a_kept_connection_the_server_closed_is_not_used(redis_url: str, prefix: str) -> None:
+    """A write (never re-sent) after the server closed the kept connection goes out on a new
+    one: it lands, instead of failing on the dead one."""
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    admin = aioredis.Redis.from_url(redis_url)
+    pool: Any = store.client.connection_pool
+    try:
+        await store.create(SessionHeader(id="k"))
+        killed = await _client_id(store)
+        assert kept(pool) is not None
+        await admin.execute_command("CLIENT", "KILL", "ID", killed)
+        await anyio.sleep(0.2)  # the close reaches the event loop
+        await store.put("k", 0, [NewEntry("user/message", {"content": "after"})])
+        assert await _client_id(store) != killed
+        assert [e.data["content"] for e in await store.read("k")] == ["after"]
+    finally:
+        await store.aclose()
+        await admin.aclose()
+
+
+async def _client_id(store: RedisSessionStore) -> int:
+    return int(await store._raw("CLIENT", "ID"))
+
+
+async def test_a_busy_pool_keeps_nothing_back(redis_url: str, prefix: str) -> None:
+    """With more than half the pool in use, every connection goes back to the pool: keeping one
+    would make another caller wait for it."""
+    store = RedisSessionStore.from_url(
+        redis_url, prefix=prefix, client_options={"max_connections": 2, "pool_timeout": 5}
+    )
+    pool: Any = store.client.connection_pool
+    try:
+        await store.create(SessionHeader(id="b"))
+        assert kept(pool) is not None
+        blocker = await pool.get_connection()  # another caller holds one of the two
+        try:
+            await store.head("b")  # takes the kept one: two in use, more than half
+            assert kept(pool) is None and len(pool._in_use_connections) == 1
+            with anyio.fail_after(5):  # so a third caller gets one without waiting
+                third = await pool.get_connection()
+                await pool.release(third)
+        finally:
+            await pool.release(blocker)
     finally:
         await store.aclose()

@@ -424,6 +424,8 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         if self._hint_task is not None and not self._hint_task.done():
             with anyio.move_on_after(5), contextlib.suppress(Exception):
                 await self._hint_task  # the queued feed hints go out before the client closes
+        if self._pool is not None:
+            await self._pool.aclose()  # the kept connection back to the pool (the client may go on)
         if self._owns_client:
             await self._user_client.aclose()
 
