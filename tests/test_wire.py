@@ -15,6 +15,8 @@ import redis.asyncio as aioredis
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
 from redis_session.redis.wire import held, kept, shielded
 
+from support import wait_for
+
 pytestmark = pytest.mark.anyio
 
 
@@ -182,3 +184,72 @@ async def test_a_busy_pool_keeps_nothing_back(redis_url: str, prefix: str) -> No
             await pool.release(blocker)
     finally:
         await store.aclose()
+
+
+async def test_the_kept_connection_is_handed_to_whoever_asks_the_pool(redis_url: str, prefix: str) -> None:
+    """The kept connection counts as in use for the pool, but never sits unused while another
+    caller needs one: redis-py's own commands on the store's client, a held tail, anyone taking
+    from the pool gets it first. With a pool of 2 that a put left one kept in, two blocking
+    commands of the caller's own still run at once (they waited out the pool's timeout)."""
+    store = RedisSessionStore.from_url(
+        redis_url, prefix=prefix, client_options={"max_connections": 2, "pool_timeout": 2}
+    )
+    pool: Any = store.client.connection_pool
+    admin = aioredis.Redis.from_url(redis_url)
+    key = f"{prefix}q"
+    try:
+        await store.create(SessionHeader(id="h"))
+        assert kept(pool) is not None
+        assert pool.can_get_connection()
+        got: list[Any] = []
+        async with anyio.create_task_group() as tg:
+
+            async def pop() -> None:
+                got.append(await store.client.blpop([key], timeout=5))
+
+            # a pop that finds no connection fails after the pool's 2 s: "No connection available"
+            tg.start_soon(pop)
+            tg.start_soon(pop)
+            await wait_for(lambda: len(held(pool)) == 2)  # both blocked on the server, the kept one among them
+            assert kept(pool) is None
+            await admin.rpush(key, "a", "b")
+        assert sorted(v for _, v in got) == [b"a", b"b"]
+        await store.put("h", 0, [NewEntry("user/message", {"content": "after"})])
+        assert (await store.head("h")).n == 1  # type: ignore[union-attr]
+    finally:
+        await store.aclose()
+        await admin.delete(key)
+        await admin.aclose()
+    assert not pool._in_use_connections
+
+
+async def test_held_tails_take_the_kept_connection(redis_url: str, prefix: str) -> None:
+    """Two live tails on a pool of 2 that a put left one connection kept in: between them they
+    hold both connections, the kept one included, and each gets every entry."""
+    store = RedisSessionStore.from_url(
+        redis_url, prefix=prefix, client_options={"max_connections": 2, "pool_timeout": 2}
+    )
+    writer = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    pool: Any = store.client.connection_pool
+    try:
+        await store.create(SessionHeader(id="t"))
+        assert kept(pool) is not None
+        seen: list[list[int]] = [[], []]
+        async with anyio.create_task_group() as tg:
+
+            async def follow(mine: list[int]) -> None:
+                async for entry in store.tail("t", start=0):
+                    mine.append(entry.n)
+                    if entry.n == 1:
+                        return
+
+            for mine in seen:
+                tg.start_soon(follow, mine)
+            await wait_for(lambda: len(held(pool)) == 2)  # both tails reading, the kept one among them
+            for i in range(2):
+                await writer.put("t", i, [NewEntry("user/message", {"content": str(i)})])
+        assert seen == [[0, 1], [0, 1]]
+    finally:
+        await store.aclose()
+        await writer.aclose()
+    assert not pool._in_use_connections

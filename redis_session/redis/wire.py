@@ -350,6 +350,51 @@ _KEPT = "_redis_session_kept"
 """The pool attribute holding the one connection `PooledWire` keeps between calls (None: none)."""
 
 
+def _take_kept(pool: Any) -> Any | None:
+    """The kept connection of `pool`, taken (no longer kept): None when there is none, or when the
+    pool was reset meanwhile (then it is not the pool's to hand out or take back). Synchronous, so
+    two tasks never take the same one."""
+    conn = getattr(pool, _KEPT, None)
+    if conn is None:
+        return None
+    setattr(pool, _KEPT, None)
+    return conn if conn in getattr(pool, "_in_use_connections", ()) else None
+
+
+def _share_kept(pool: Any) -> Callable[[], Any]:
+    """Make every taker of a connection from `pool` get the kept one first: redis-py's own
+    commands on any client of the pool, a held tail, a pipeline. The kept connection is counted
+    in use by the pool, so without this a pool filling up by other ways would make them wait for
+    (or fail for want of) a connection that sits unused. Returns the pool's own taking, for the
+    kept connection's owner. Installed once per pool; a pool that takes no attribute keeps
+    nothing (`PooledWire._give`)."""
+    own = getattr(pool, "_redis_session_own_get", None)
+    if own is not None:
+        return cast(Callable[[], Any], own)
+    own = connection_getter(pool)
+    own_can = getattr(pool, "can_get_connection", None)
+
+    async def get_connection(*args: Any, **kwargs: Any) -> Any:
+        conn = _take_kept(pool)
+        if conn is not None:
+            if not _stale(conn):
+                return conn
+            await _release(pool, conn)  # the pool's own round checks and reconnects it
+        return await own()
+
+    def can_get_connection() -> bool:
+        return getattr(pool, _KEPT, None) is not None or own_can is None or bool(own_can())
+
+    try:
+        pool._redis_session_own_get = own
+        pool.get_connection = get_connection
+        if own_can is not None:
+            pool.can_get_connection = can_get_connection
+    except AttributeError:  # a pool that takes no attribute
+        pass
+    return own
+
+
 def kept(pool: Any) -> Any | None:
     """The connection of `pool` kept for the next call (None: none): the pool counts it in use,
     though no call holds it."""
@@ -371,23 +416,21 @@ class PooledWire:
     40 µs on a blocking one, most of a single append's client time): kept per pool, so every
     store on one client shares it; only while the pool has room to spare (at most half its
     connections in use and no one waiting for one), so a busy pool has every connection to
-    hand out; a connection the server closed meanwhile goes back to the pool, whose own check
-    replaces it. `aclose` gives it back."""
+    hand out; and whoever asks the pool for a connection meanwhile (a tail, redis-py's own
+    commands on any client of the pool) is handed the kept one first (`_share_kept`), so it never
+    sits unused while another waits. A connection the server closed meanwhile is connected again
+    before use. `aclose` gives it back."""
 
     __slots__ = ("_connection", "pool")
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.pool = client.connection_pool
-        self._connection = connection_getter(self.pool)
+        self._connection = _share_kept(self.pool)
 
     async def _get(self) -> Any:
         """A connection: the kept one when it is there and sound, else one from the pool."""
         pool = self.pool
-        conn = getattr(pool, _KEPT, None)
-        if conn is not None:
-            setattr(pool, _KEPT, None)  # taken: no await in between, no other task can take it
-            if conn not in getattr(pool, "_in_use_connections", ()):
-                conn = None  # the pool was reset meanwhile: not ours to use or give back
+        conn = _take_kept(pool)  # no await in between: no other task can take it too
         if conn is None:
             # shielded: a cancellation (a reader that hung up: anyio cancels again at every await
             # until the task leaves its scope) landing inside the pool's round would leave the
@@ -504,7 +547,7 @@ class HeldWire:
         for attempt in (0, 1):
             conn = self._conn
             if conn is None:
-                conn = self._conn = await shielded(self._wire._connection())  # as in `PooledWire.send`
+                conn = self._conn = await self._wire._get()  # the kept one first, as every call
             try:
                 await write_packed(conn, packed)
                 replies, error = await read_replies(conn, count, False)
