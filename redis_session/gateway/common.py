@@ -70,7 +70,10 @@ class _BadRequest(Exception):
 def query_arg(request: Request, name: str) -> str | None:
     """The value of query parameter `name` (None: not sent). One rule for every query string
     holds before any route runs (`routes._query_problem`, in the gateway's guard): a parameter
-    sent twice or empty is already a 400, so a route reads the one value there is."""
+    sent twice or empty is already a 400, so a route reads the one value there is. Without a query
+    string (every append) no query is parsed."""
+    if not request.scope.get("query_string"):
+        return None
     return request.query_params.get(name)
 
 
