@@ -4,12 +4,19 @@ the one connection kept between calls (`PooledWire`) never costs another caller 
 
 from __future__ import annotations
 
+import contextlib
 import random
+import socket
+import struct
+import threading
+import time
 from typing import Any
+from urllib.parse import urlparse
 
 import anyio
 import anyio.lowlevel
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from redis_session import NewEntry, RedisSessionStore, SessionHeader
@@ -253,3 +260,104 @@ async def test_held_tails_take_the_kept_connection(redis_url: str, prefix: str) 
         await store.aclose()
         await writer.aclose()
     assert not pool._in_use_connections
+
+
+class _Relay:
+    """A TCP relay in front of the server, on threads (it works while the test's event loop is
+    blocked), that can drop its client connections abortively (RST), as a proxy or a cloud load
+    balancer closing an idle connection does."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.clients: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self.clients.append(client)
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def reset_all(self) -> None:
+        for client in self.clients:
+            with contextlib.suppress(OSError):  # one its pump closed already
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                # wakes its pump's recv, which then closes it: with a zero linger, an RST, not a
+                # FIN (a close while another thread is in recv on it would send nothing)
+                client.shutdown(socket.SHUT_RD)
+        self.clients.clear()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.reset_all()
+
+
+@pytest.mark.parametrize("loop_sees_it", [False, True], ids=["while-the-loop-is-busy", "after-the-loop-saw-it"])
+async def test_a_kept_connection_reset_while_unused_is_not_used(
+    redis_url: str, prefix: str, loop_sees_it: bool
+) -> None:
+    """A write after the kept connection was reset (RST) while unused goes out on a new one,
+    whether the event loop saw the reset (asyncio records it as an error, not an end of file) or
+    was busy when it came (only the socket knows)."""
+    url = urlparse(redis_url)
+    relay = _Relay(url.hostname or "127.0.0.1", url.port or 6379)
+    store = RedisSessionStore.from_url(f"redis://127.0.0.1:{relay.port}{url.path}", prefix=prefix)
+    try:
+        await store.create(SessionHeader(id="r"))
+        assert kept(store.client.connection_pool) is not None
+        relay.reset_all()
+        if loop_sees_it:
+            await anyio.sleep(0.3)
+        else:
+            time.sleep(0.3)  # noqa: ASYNC251 - the loop busy, as between two calls of an app's own work
+        await store.put("r", 0, [NewEntry("user/message", {"content": "after the reset"})])
+        assert [e.data["content"] for e in await store.read("r")] == ["after the reset"]
+    finally:
+        await store.aclose()
+        relay.close()
+
+
+@pytest.mark.parametrize("how", ["client-kill", "idle-timeout"])
+async def test_a_kept_connection_closed_while_the_loop_was_busy_is_not_used(
+    redis_url: str, prefix: str, how: str
+) -> None:
+    """The server closes the kept connection (CLIENT KILL from another process, its idle
+    timeout) while the event loop is busy with the app's own work: the loop has not seen the
+    close when the next write goes out, but the socket has, and the write goes on a new one."""
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    admin = redis.Redis.from_url(redis_url)
+    old_timeout = admin.config_get("timeout")["timeout"]
+    try:
+        await store.create(SessionHeader(id="c"))
+        killed = await _client_id(store)
+        if how == "client-kill":
+            admin.client_kill_filter(_id=killed)
+            time.sleep(0.3)  # noqa: ASYNC251 - the loop busy while the close arrives
+        else:
+            admin.config_set("timeout", 1)
+            time.sleep(2.5)  # noqa: ASYNC251 - the server's clock: it closes idle clients once a second
+        await store.put("c", 0, [NewEntry("user/message", {"content": "after the close"})])
+        assert await _client_id(store) != killed
+        assert [e.data["content"] for e in await store.read("c")] == ["after the close"]
+    finally:
+        admin.config_set("timeout", old_timeout)
+        admin.close()
+        await store.aclose()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -306,15 +307,45 @@ async def _release(pool: Any, conn: Any) -> None:
 
 
 def _stale(conn: Any) -> bool:
-    """Whether a connection cannot carry the next call as it is: not connected, closed by the
-    server (EOF), something unread waiting on it, or a reconnect asked for."""
+    """Whether a connection cannot carry the next call as it is, by what the event loop saw: not
+    connected, closed by the server (EOF, or a reset), something unread waiting on it, or a
+    reconnect asked for. (`_dead` asks the socket too.)"""
     reader = getattr(conn, "_reader", None)
     if reader is None or getattr(conn, "_writer", None) is None:
         return True
-    if reader.at_eof() or getattr(reader, "_buffer", None):
+    if reader.at_eof() or getattr(reader, "_buffer", None) or reader.exception() is not None:
         return True
     should = getattr(conn, "should_reconnect", None)
     return bool(should is not None and should())
+
+
+_PEEK = getattr(socket, "MSG_PEEK", 0) | getattr(socket, "MSG_DONTWAIT", 0)
+_CAN_PEEK = hasattr(socket, "MSG_PEEK") and hasattr(socket, "MSG_DONTWAIT")
+
+
+def _dead(conn: Any) -> bool:
+    """`_stale`, or the socket beneath says so though the event loop has not seen it yet (a close
+    or a reset that came while the loop was busy between two calls): one non-blocking peek, a
+    system call of about a microsecond, where redis-py's own check costs a pass of the event
+    loop. A connection that sat unused is asked before a command goes out on it."""
+    if _stale(conn):
+        return True
+    if not _CAN_PEEK:  # pragma: no cover - a platform without MSG_DONTWAIT
+        return False
+    sock = conn._writer.transport.get_extra_info("socket")
+    fd = -1 if sock is None else sock.fileno()
+    if fd < 0:
+        return sock is not None  # a closed transport's socket
+    probe = socket.socket(sock.family, sock.type, sock.proto, fd)  # borrowed: detached below
+    try:
+        probe.recv(1, _PEEK)  # b"": closed by the server; a byte: a reply nobody asked for
+    except (BlockingIOError, InterruptedError):
+        return False  # nothing to read: the connection is as the last call left it
+    except OSError:
+        return True  # reset
+    finally:
+        probe.detach()
+    return True
 
 
 def _sound(conn: Any, pool: Any) -> bool:
@@ -377,7 +408,7 @@ def _share_kept(pool: Any) -> Callable[[], Any]:
     async def get_connection(*args: Any, **kwargs: Any) -> Any:
         conn = _take_kept(pool)
         if conn is not None:
-            if not _stale(conn):
+            if not _dead(conn):
                 return conn
             await _release(pool, conn)  # the pool's own round checks and reconnects it
         return await own()
@@ -441,7 +472,7 @@ class PooledWire:
         # restart) is connected again before a command goes out on it: redis-py's pool skips its
         # own check while maintenance notifications are on ("auto" by default), and a script
         # sent on a dead connection is never sent again (its outcome would be unknown).
-        return await _renewed(pool, conn) if _stale(conn) else conn
+        return await _renewed(pool, conn) if _dead(conn) else conn
 
     async def _give(self, conn: Any) -> None:
         """`conn` back after a call that read every reply: kept for the next call, or to the pool."""
