@@ -547,7 +547,10 @@ async def test_replaced_session_is_never_served_from_the_old_log(redis_store: Re
                     SessionHeader(id="x"), [("user/message", {"content": f"new{i}"}) for i in range(5)]
                 )
                 rest = [ev async for ev in events if "comment" not in ev]
-            assert [e.get("event") for e in rest] == ["replaced", "end"], rest
+            # `replaced` when the stream next looks after the re-creation; a plain `end` when it
+            # looked between the delete and the create (it saw the id deleted): never an entry
+            # of the new life either way
+            assert [e.get("event") for e in rest] in (["replaced", "end"], ["end"]), rest
             r = await client.get(path("x", "messages"))
             assert [m["content"] for m in r.json()["messages"]] == [f"new{i}" for i in range(5)]
             r = await client.get(path("x", "messages"))  # and again, from the cache

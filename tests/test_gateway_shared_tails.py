@@ -609,3 +609,95 @@ async def test_a_hundred_and_fifty_readers_joining_at_once_all_get_in_and_writes
                 assert ended == [] and contiguous(got, 0, 9), (got, ended)
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize(("size", "limit"), [(1, 0), (2, 1), (4, 2), (5, 3), (8, 4), (12, 8), (100, 90)])
+async def test_the_stream_limit_leaves_the_short_commands_a_connection(redis_url: str, size: int, limit: int) -> None:
+    """A tenth of the pool kept for appends, reads and /readyz (at least 4, at most half of a small
+    pool, never none): a pool of 1 has no connection to spare for a stream."""
+    store = RedisSessionStore.from_url(redis_url, prefix="unused", client_options={"max_connections": size})
+    try:
+        from redis_session.gateway import create_app
+
+        assert create_app(store).state.tails.connection_limit == limit
+    finally:
+        await store.aclose()
+
+
+async def test_a_gateway_on_a_pool_of_one_refuses_streams_and_keeps_writing(redis_url: str, prefix: str) -> None:
+    """With one connection, a stream holding it would leave every append and /readyz waiting
+    out the pool's timeout: the stream answers 503 busy and the writes go on."""
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix, client_options={"max_connections": 1})
+    try:
+        await store.create(SessionHeader(id="one"))
+        async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+            for url in (path("one"), "/events"):
+                r = await client.get(url)
+                assert r.status_code == 503 and r.json()["error"] == "busy", url
+            for n in range(3):
+                r = await client.post(
+                    path("one", "entries"),
+                    json={"type": "user/message", "data": {"content": str(n)}},
+                    headers={"If-Match": f'"{n}"'},
+                )
+                assert r.status_code == 201, r.text
+            assert (await client.get("/readyz")).status_code == 200
+    finally:
+        await store.aclose()
+
+
+async def test_the_events_streams_share_one_subscription_and_writes_go_on(redis_url: str, prefix: str) -> None:
+    """Ten viewers' ``/events`` streams on a pool of 8 hold one connection between them, not
+    ten: appends and /readyz keep answering at once, and a branch's notification reaches all ten.
+    Counted as one more followed session: with the pool's streams all taken, /events is busy."""
+    store = RedisSessionStore.from_url(
+        redis_url, prefix=prefix, client_options={"max_connections": 8, "pool_timeout": 2}
+    )
+    store.block_ms = 1000
+    try:
+        await store.create(SessionHeader(id="main"))
+        async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+            async with contextlib_stack() as stack:
+                opened = []
+                for _ in range(10):
+                    r = await stack.enter_async_context(client.stream("GET", "/events"))
+                    assert r.status_code == 200
+                    lines = r.aiter_lines()
+                    while (await anext(lines)) != ": open":  # subscribed before the branch below
+                        pass
+                    opened.append(lines)
+                for n in range(5):  # a pool of 8 less ten held connections would fail these
+                    r = await client.post(
+                        path("main", "entries"),
+                        json={"type": "user/message", "data": {"content": str(n)}},
+                        headers={"If-Match": f'"{n}"'},
+                    )
+                    assert r.status_code == 201, r.text
+                assert (await client.get("/readyz")).status_code == 200
+                await wait_for(lambda: _subscribed(redis_url, f"{prefix}:events"))
+                r = await client.post(path("main", "branch"), json={"at": 2, "id": "main-b"})
+                assert r.status_code == 201, r.text
+                for lines in opened:
+                    with anyio.fail_after(30):
+                        while not (line := await anext(lines)).startswith("data:"):
+                            pass
+                    assert json.loads(line[5:]) == {"parent": "main", "session": "main-b", "at": 2}
+                # the four streams the pool spares: the subscription holds one, three sessions more
+                for i in range(3):
+                    await store.create(SessionHeader(id=f"s{i}"))
+                    r = await stack.enter_async_context(client.stream("GET", path(f"s{i}")))
+                    assert r.status_code == 200
+                await store.create(SessionHeader(id="s3"))
+                r = await client.get(path("s3"))
+                assert r.status_code == 503 and r.json()["error"] == "busy"
+    finally:
+        await store.aclose()
+
+
+async def _subscribed(redis_url: str, channel: str) -> bool:
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        counts = await r.pubsub_numsub(channel)
+    finally:
+        await r.aclose()
+    return bool(counts and counts[0][1] >= 1)

@@ -78,8 +78,8 @@ from .context import Gateway
 from .errors import GuardedApp, guarded, http_error, server_error
 from .openapi import openapi
 from .routes import WebPolicy, _WebGuard
-from .sse import _default_stream_limit, _Drafts, _store_events_route, _Streams
-from .tails import Tails
+from .sse import _default_stream_limit, _Drafts, _store_events_route, _store_notifications, _Streams
+from .tails import Notifications, Tails
 from .wire import http_protocol
 
 __all__ = ["MessagesFn", "WebPolicy", "check_exposure", "create_app", "listen", "openapi", "run_workers", "serve"]
@@ -164,6 +164,7 @@ def create_app(
         streams=_Streams(max_streams),
         drafts=_Drafts(),
         tails=Tails(store, _default_stream_limit(store)),
+        notifications=Notifications(partial(_store_notifications, store)),
         heartbeat=heartbeat,
         draft_interval=draft_interval,
         auth=known is not None,
@@ -181,7 +182,11 @@ def create_app(
         Route("/", guarded(partial(reads.viewer, gw)), methods=["GET"]),
         Route("/openapi.json", guarded(partial(reads.openapi_doc, gw)), methods=["GET"]),
         Route("/sessions", GuardedApp(partial(routes_.sessions, gw)), methods=["GET", "POST"]),
-        Route("/events", guarded(_store_events_route(store, heartbeat, gw.streams)), methods=["GET"]),
+        Route(
+            "/events",
+            guarded(_store_events_route(gw.notifications, gw.tails, heartbeat, gw.streams)),
+            methods=["GET"],
+        ),
     ]
     middleware = [Middleware(_WebGuard, policy=policy)]
     if known is not None:

@@ -9,7 +9,7 @@ from ..sessions import Sessions
 from ..store import SessionStore
 from .common import MessagesFn
 from .sse import _Drafts, _Streams
-from .tails import Tails
+from .tails import Notifications, Tails
 
 
 @dataclass
@@ -20,6 +20,7 @@ class Gateway:
     streams: _Streams
     drafts: _Drafts
     tails: Tails  # one live tail per followed session, shared by its SSE streams
+    notifications: Notifications  # the store's notifications, one subscription for every /events stream
     heartbeat: float
     draft_interval: float
     auth: bool

@@ -30,7 +30,7 @@ from ..store import SessionStore
 from ..streaming import LiveReader, _id_key
 from .auth import principal
 from .common import _error, _json, log
-from .tails import REPLACED, Subscriber, Tails, stop
+from .tails import REPLACED, Notifications, Subscriber, Tails, stop
 
 
 class _Streams:
@@ -128,12 +128,14 @@ class _Drafts:
 
 
 def _default_stream_limit(store: SessionStore) -> int | None:
-    """Each live tail holds one pooled connection in XREAD BLOCK (one per followed session, and
-    one per ``?deltas=1`` stream); past the pool's size the next command would fail with "Too many
-    connections". Keep a margin for the short commands."""
+    """Each live tail holds one pooled connection in XREAD BLOCK (one per followed session, one
+    per ``?deltas=1`` stream, one for every ``/events`` stream together); past the pool's size
+    the next command would wait for one, then fail. Keep a margin for the short commands
+    (appends, reads, ``/readyz``): a tenth of the pool, at least 4, but at most half of a small
+    pool and never none — a pool of 1 has no connection to spare for a stream, one of 2 has one."""
     size = getattr(store, "max_connections", None)
     if isinstance(size, int) and size > 0:
-        return max(1, size - max(4, size // 10))
+        return size - max(1, min(max(4, size // 10), size // 2))
     return None
 
 
@@ -579,17 +581,20 @@ class _EventStream(Response):
 
 
 def _store_events_route(
-    store: SessionStore, heartbeat: float, streams: _Streams
+    notifications: Notifications, tails: Tails, heartbeat: float, streams: _Streams
 ) -> Callable[[Request], Awaitable[Response]]:
     """``GET /events``: the store's notifications as SSE (``event: session-branch`` with
     ``{parent, session, at}``), so a viewer updates its branch tree and session list at once.
 
-    Its streams are ended with the session streams when the server shuts down (`streams`: the
-    gateway's), so a stop with a viewer open is clean instead of a cancelled task's traceback."""
+    Every stream of them shares one subscription (`notifications`), counted as one connection
+    of the pool in `tails`: past what the pool can spare, or past `streams`' cap, a new one
+    answers 503 ``busy``. Its streams are ended with the session streams when the server shuts
+    down, so a stop with a viewer open is clean instead of a cancelled task's traceback."""
 
     async def store_events(request: Request) -> Response:
         who = principal(request.scope)
-        return _StoreEventStream(store, heartbeat, None if who.prefix is None else who.sees, streams)
+        sees = None if who.prefix is None else who.sees
+        return _StoreEventStream(notifications, tails, heartbeat, sees, streams)
 
     return store_events
 
@@ -636,33 +641,44 @@ class _StoreEventStream(Response):
 
     def __init__(
         self,
-        store: SessionStore,
+        notifications: Notifications,
+        tails: Tails,
         heartbeat: float,
-        sees: Callable[[str], bool] | None = None,
-        streams: _Streams | None = None,
+        sees: Callable[[str], bool] | None,
+        streams: _Streams,
     ) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.store = store
+        self.notifications = notifications
+        self.tails = tails
         self.heartbeat = heartbeat
         self.sees = sees  # a tenant's token: only notifications about its own sessions
         self.streams = streams  # ended with the others on shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         if scope["method"] == "HEAD":
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
+        # counted before the first await, as a session stream is
+        if self.streams.full() or not self.tails.reserve(Notifications.HOLDER):
+            busy = _error(503, "busy", "too many live streams; retry later", {"Retry-After": "5"})
+            await busy(scope, receive, send)
+            return
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            self.tails.release(Notifications.HOLDER)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
 
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        if self.streams is not None and self.streams.closing:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        scopes: set[anyio.CancelScope] = self.streams.scopes if self.streams is not None else set()
-        with contextlib.suppress(OSError), _registered(scopes) as mine:
+        scopes = self.streams.scopes
+        with contextlib.suppress(OSError), _registered(scopes) as mine, self.notifications.join() as got:
             async with anyio.create_task_group() as tg:
                 mine.append(tg.cancel_scope)
                 scopes.add(tg.cancel_scope)
@@ -680,12 +696,12 @@ class _StoreEventStream(Response):
                 tg.start_soon(disconnect)
                 tg.start_soon(heartbeats)
                 await body(b"retry: 1000\n: open\n\n")
-                async for event in _store_notifications(self.store):
+                async for event, frame in got:
                     if self.sees is not None and not all(
                         self.sees(v) for k, v in event.items() if k in ("session", "parent") and isinstance(v, str)
                     ):
                         continue
-                    name = str(event.pop("event")).encode()
-                    await body(b"event: %b\ndata: %b\n\n" % (name, _json.encode(event)))
+                    await body(frame)
+                tg.cancel_scope.cancel()  # the subscription ended (too far behind): so does the stream
         with anyio.CancelScope(shield=True), anyio.move_on_after(1), contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Hashable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -238,3 +238,58 @@ class Tails:
             sub.send.close()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             hub.subscribers.discard(sub)
+
+
+Notification = tuple[dict[str, Any], bytes]
+"""A store notification (``{event, session, parent, ...}``) and its SSE frame, encoded once."""
+
+
+class Notifications:
+    """The store's notifications (``GET /events``): one subscription per gateway process, shared
+    by every stream of them, as a session's streams share its tail. It holds one pooled
+    connection (counted in `Tails` as `HOLDER`) however many viewers are open; it starts with the
+    first stream and stops with the last. A stream that falls `QUEUE` notifications behind is
+    ended (its browser reconnects and re-reads the list), so a slow client slows no one."""
+
+    QUEUE = 1024
+    HOLDER: Final = ("store-events",)
+
+    def __init__(self, source: Callable[[], AsyncIterator[dict[str, Any]]]) -> None:
+        self._source = source
+        self._subscribers: set[MemoryObjectSendStream[Notification]] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[MemoryObjectReceiveStream[Notification]]:
+        send, receive = anyio.create_memory_object_stream[Notification](self.QUEUE)
+        self._subscribers.add(send)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        try:
+            yield receive
+        finally:
+            self._subscribers.discard(send)
+            send.close()
+            receive.close()
+            if not self._subscribers:
+                stop(self._task)
+                self._task = None
+
+    async def _run(self) -> None:
+        try:
+            async for event in self._source():
+                name = str(event.get("event")).encode()
+                data = _json.encode({k: v for k, v in event.items() if k != "event"})
+                item = (event, b"event: %b\ndata: %b\n\n" % (name, data))
+                for send in list(self._subscribers):
+                    try:
+                        send.send_nowait(item)
+                    except anyio.WouldBlock:  # too far behind: its stream ends
+                        self._subscribers.discard(send)
+                        send.close()
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        self._subscribers.discard(send)
+        except Exception:  # never leave streams waiting on a dead subscription
+            log.exception("the store's notifications failed")
+        for send in list(self._subscribers):
+            send.close()
