@@ -1164,7 +1164,8 @@ async def test_sign_in_behind_a_tls_ingress_sets_a_secure_cookie_and_refuses_odd
     """Behind an ingress that ends TLS the gateway sees plain http with the public Host: its cookie
     (the token itself) must still be Secure, so a browser never sends it over http. A local gateway
     (127.0.0.1) keeps it usable over plain http. A declared oversize body is refused at once, and
-    a duplicate member name (`{"token": a, "token": b}`) is not taken."""
+    a duplicate member name (`{"token": a, "token": b}`), NaN, a lone surrogate, an integer
+    beyond 2^53 or a deep nesting is not taken: the body rule of every route."""
     async with (
         running_gateway(
             redis_store, token="tok", allowed_hosts=["127.0.0.1", "localhost", "sessions.example.com"]
@@ -1181,6 +1182,19 @@ async def test_sign_in_behind_a_tls_ingress_sets_a_secure_cookie_and_refuses_odd
         dup = await client.post("/signin", content=b'{"token":"nope","token":"tok"}',
                                 headers={"Content-Type": "application/json"})  # fmt: skip
         assert dup.status_code == 422 and "set-cookie" not in dup.headers
+        # the body rule of every route (I-JSON): nothing else signs in either
+        odd = {
+            b'{"token":"tok","x":NaN}': 400,
+            b'{"token":"tok","x":Infinity}': 400,
+            b'{"token":"tok","x":"\\ud800"}': 400,
+            b'{"token":"tok","x":18446744073709551616}': 422,
+            b'{"token":"tok","x":' + b"[" * 100 + b"]" * 100 + b"}": 422,
+            b"  ": 400,
+        }
+        for raw, status in odd.items():
+            r = await client.post("/signin", content=raw, headers={"Content-Type": "application/json"})
+            assert r.status_code == status and "set-cookie" not in r.headers, (raw[:40], r.status_code, r.text)
+            assert r.json()["error"] in ("bad_request", "invalid")
         host, port = base.removeprefix("http://").split(":")
         stream = await anyio.connect_tcp(host, int(port))
         try:
