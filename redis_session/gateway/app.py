@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import re
 import signal
 import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -495,7 +496,32 @@ def _corked_protocol(http: str) -> type[asyncio.Protocol]:
             self.transport.write(parser_400(self.server_state.default_headers))
             self.transport.close()
 
+    if isinstance(resolved, str):  # h11 takes any token as a method, httptools only upper-case ones
+
+        class CorkedH11(Corked):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.conn.next_event = _upper_case_methods(self.conn.next_event)
+
+        return cast("type[asyncio.Protocol]", CorkedH11)
     return cast("type[asyncio.Protocol]", Corked)
+
+
+def _upper_case_methods(next_event: Callable[[], Any]) -> Callable[[], Any]:
+    """h11's `next_event`, refusing a request whose method is not upper case (``get``) as a parse
+    error, as httptools does: the same `parser_400` on both stacks."""
+    import h11
+
+    def checked() -> Any:
+        event = next_event()
+        if isinstance(event, h11.Request) and not _METHOD.fullmatch(event.method):
+            raise h11.RemoteProtocolError("the method is not upper case")
+        return event
+
+    return checked
+
+
+_METHOD = re.compile(rb"[A-Z][A-Z-]*")
 
 
 class _Server(uvicorn.Server):
