@@ -24,8 +24,9 @@ used here, checked against redis-py 8.1 (the version ``pyproject.toml`` pins):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-import socket
+import select
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -319,33 +320,33 @@ def _stale(conn: Any) -> bool:
     return bool(should is not None and should())
 
 
-_PEEK = getattr(socket, "MSG_PEEK", 0) | getattr(socket, "MSG_DONTWAIT", 0)
-_CAN_PEEK = hasattr(socket, "MSG_PEEK") and hasattr(socket, "MSG_DONTWAIT")
+_POLL = getattr(select, "poll", None)
 
 
 def _dead(conn: Any) -> bool:
     """`_stale`, or the socket beneath says so though the event loop has not seen it yet (a close
-    or a reset that came while the loop was busy between two calls): one non-blocking peek, a
-    system call of about a microsecond, where redis-py's own check costs a pass of the event
-    loop. A connection that sat unused is asked before a command goes out on it."""
+    or a reset that came while the loop was busy between two calls, or bytes nobody asked for):
+    the socket of a connection at rest is readable only then. One ``poll`` with no wait, about a
+    microsecond, where redis-py's own check costs a pass of the event loop. A connection that
+    sat unused is asked before a command goes out on it."""
     if _stale(conn):
         return True
-    if not _CAN_PEEK:  # pragma: no cover - a platform without MSG_DONTWAIT
+    if _POLL is None:  # pragma: no cover - a platform without poll
         return False
-    sock = conn._writer.transport.get_extra_info("socket")
-    fd = -1 if sock is None else sock.fileno()
+    writer = conn._writer
+    known = getattr(conn, "_redis_session_fd", None)
+    if known is not None and known[0] is writer:
+        fd = known[1]
+    else:  # once per connection: uvloop makes a new socket object at every ask
+        sock = writer.transport.get_extra_info("socket")
+        fd = -1 if sock is None else sock.fileno()
+        with contextlib.suppress(AttributeError):
+            conn._redis_session_fd = (writer, fd)
     if fd < 0:
-        return sock is not None  # a closed transport's socket
-    probe = socket.socket(sock.family, sock.type, sock.proto, fd)  # borrowed: detached below
-    try:
-        probe.recv(1, _PEEK)  # b"": closed by the server; a byte: a reply nobody asked for
-    except (BlockingIOError, InterruptedError):
-        return False  # nothing to read: the connection is as the last call left it
-    except OSError:
-        return True  # reset
-    finally:
-        probe.detach()
-    return True
+        return True
+    poll = _POLL()
+    poll.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(poll.poll(0))  # readable, hung up or in error: not as the last call left it
 
 
 def _sound(conn: Any, pool: Any) -> bool:
