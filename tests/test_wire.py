@@ -361,3 +361,64 @@ async def test_a_kept_connection_closed_while_the_loop_was_busy_is_not_used(
         admin.config_set("timeout", old_timeout)
         admin.close()
         await store.aclose()
+
+
+async def test_redis_py_commands_on_the_client_never_get_a_closed_kept_connection(redis_url: str, prefix: str) -> None:
+    """The kept connection handed to redis-py's own commands (a plain command, a pipeline, a
+    SUBSCRIBE) after the server closed it is connected again first: redis-py's pool would hand
+    it out as it is, and the command would fail (a subscription's messages meanwhile lost)."""
+    client = aioredis.Redis.from_url(redis_url, max_connections=2)  # one kept while the other is free
+    store = RedisSessionStore(client, prefix=prefix)
+    admin = redis.Redis.from_url(redis_url)
+    pool: Any = client.connection_pool
+    key = f"{prefix}plain"
+    try:
+        await store.create(SessionHeader(id="k"))
+
+        async def kill_kept() -> None:
+            conn = kept(pool)
+            assert conn is not None
+            admin.client_kill_filter(_id=await _client_id(store))
+            assert kept(pool) is conn  # the id was read on it, and it was kept again
+            time.sleep(0.2)  # noqa: ASYNC251 - the close arrives while the loop is busy
+
+        await kill_kept()
+        await client.set(key, "1")
+        assert admin.get(key) == b"1"
+        await store.head("k")  # kept again
+        await kill_kept()
+        async with client.pipeline(transaction=True) as pipe:
+            assert await pipe.incr(key).incr(key).execute() == [2, 3]
+        await store.head("k")
+        await kill_kept()
+        pubsub = client.pubsub()
+        await pubsub.subscribe(f"{prefix}ch")  # handed the kept connection, killed meanwhile
+        try:
+            assert (await pubsub.get_message(timeout=5))["type"] == "subscribe"  # type: ignore[index]
+            admin.publish(f"{prefix}ch", "hello")
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+            assert msg is not None and msg["data"] == b"hello"
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+    finally:
+        admin.delete(key)
+        admin.close()
+        await store.aclose()
+        await client.aclose()
+
+
+async def test_a_closed_store_keeps_no_connection_from_a_call_still_in_flight(redis_url: str, prefix: str) -> None:
+    """`store.aclose()` while one of its calls is in flight: the call ends, and its connection
+    goes back to the pool instead of being kept by a store that is closed."""
+    client = aioredis.Redis.from_url(redis_url)
+    store = RedisSessionStore(client, prefix=prefix)
+    pool: Any = client.connection_pool
+    try:
+        await store.create(SessionHeader(id="f"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store._raw, "BLPOP", f"{prefix}never", "0.3")  # in flight for 0.3 s
+            await wait_for(lambda: len(held(pool)) == 1)
+            await store.aclose()
+        assert kept(pool) is None and not pool._in_use_connections
+    finally:
+        await client.aclose()

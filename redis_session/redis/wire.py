@@ -395,11 +395,12 @@ def _take_kept(pool: Any) -> Any | None:
 
 def _share_kept(pool: Any) -> Callable[[], Any]:
     """Make every taker of a connection from `pool` get the kept one first: redis-py's own
-    commands on any client of the pool, a held tail, a pipeline. The kept connection is counted
-    in use by the pool, so without this a pool filling up by other ways would make them wait for
-    (or fail for want of) a connection that sits unused. Returns the pool's own taking, for the
-    kept connection's owner. Installed once per pool; a pool that takes no attribute keeps
-    nothing (`PooledWire._give`)."""
+    commands on any client of the pool, a held tail, a pipeline, a pub/sub. The kept connection
+    is counted in use by the pool, so without this a pool filling up by other ways would make
+    them wait for (or fail for want of) a connection that sits unused. Whatever they are handed
+    is asked first (`_dead`) and connected again when the server closed it meanwhile. Returns
+    the pool's own taking, for the kept connection's owner. Installed once per pool; a pool that
+    takes no attribute keeps nothing (`PooledWire._give`)."""
     own = getattr(pool, "_redis_session_own_get", None)
     if own is not None:
         return cast(Callable[[], Any], own)
@@ -408,11 +409,12 @@ def _share_kept(pool: Any) -> Callable[[], Any]:
 
     async def get_connection(*args: Any, **kwargs: Any) -> Any:
         conn = _take_kept(pool)
-        if conn is not None:
-            if not _dead(conn):
-                return conn
-            await _release(pool, conn)  # the pool's own round checks and reconnects it
-        return await own()
+        if conn is None:
+            conn = await shielded(own())
+        # whichever it is: redis-py's own round hands out an idle connection the server closed
+        # as it is while maintenance notifications are on (its default), and a command sent on
+        # it fails (a SUBSCRIBE's messages meanwhile are lost)
+        return await _renewed(pool, conn) if _dead(conn) else conn
 
     def can_get_connection() -> bool:
         return getattr(pool, _KEPT, None) is not None or own_can is None or bool(own_can())
@@ -453,11 +455,12 @@ class PooledWire:
     sits unused while another waits. A connection the server closed meanwhile is connected again
     before use. `aclose` gives it back."""
 
-    __slots__ = ("_connection", "pool")
+    __slots__ = ("_closed", "_connection", "pool")
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.pool = client.connection_pool
         self._connection = _share_kept(self.pool)
+        self._closed = False  # `aclose`d: a call still in flight gives its connection back
 
     async def _get(self) -> Any:
         """A connection: the kept one when it is there and sound, else one from the pool."""
@@ -478,7 +481,7 @@ class PooledWire:
     async def _give(self, conn: Any) -> None:
         """`conn` back after a call that read every reply: kept for the next call, or to the pool."""
         pool = self.pool
-        if getattr(pool, _KEPT, None) is None and _spare(pool) and _sound(conn, pool):
+        if not self._closed and getattr(pool, _KEPT, None) is None and _spare(pool) and _sound(conn, pool):
             try:
                 setattr(pool, _KEPT, conn)
                 return
@@ -487,7 +490,12 @@ class PooledWire:
         await _release(pool, conn)
 
     async def aclose(self) -> None:
-        """Give the kept connection back to the pool (a store closing; the client may go on)."""
+        """Give the kept connection back to the pool (a store closing; the client may go on); a
+        call of this store still in flight gives its own back when it ends, keeping none."""
+        self._closed = True
+        await self._drop_kept()
+
+    async def _drop_kept(self) -> None:
         conn = getattr(self.pool, _KEPT, None)
         if conn is not None:
             setattr(self.pool, _KEPT, None)
@@ -514,7 +522,7 @@ class PooledWire:
                 if not retry or attempt:
                     raise
                 await pool.disconnect(inuse_connections=False)  # the other idle ones are stale too
-                await self.aclose()  # and so is the kept one
+                await self._drop_kept()  # and so is the kept one
                 continue
             except BaseException:
                 await _release(pool, conn)
