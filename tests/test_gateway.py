@@ -1057,6 +1057,51 @@ def test_workers_share_the_port_and_stop_on_sigterm(redis_url: str, prefix: str)
     assert "2 worker processes" in stderr
 
 
+def test_sigterm_with_a_reader_that_stopped_reading_stops_at_once_and_cleanly(redis_url: str, prefix: str) -> None:
+    """SIGTERM while a client that stopped reading holds a stream whose writes are backed up: its
+    connection is dropped, so the gateway stops at once, exits 0 and logs no error (it waited out
+    uvicorn's 3 s graceful timeout, then logged a cancelled task and an incomplete response)."""
+    port = _free_port()
+    cmd = _gateway_cmd("--url", redis_url, "--prefix", prefix, "--port", str(port), env={})
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env())
+    stalled = socket.socket()
+    try:
+        wait_until(lambda: _ready(port) or proc.poll() is not None, within=60)
+        assert proc.poll() is None, "the gateway did not start"
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            assert client.post("/sessions", json={"id": "big"}).status_code == 201
+            pad = "x" * 200_000
+            for k in range(0, 60, 10):  # 12 MB of backlog: more than the sockets hold
+                batch = [{"type": "test/mark", "data": {"pad": pad}} for _ in range(10)]
+                r = client.post("/sessions/big/entries", json={"entries": batch}, headers={"If-Match": f'"{k}"'})
+                assert r.status_code == 201, r.text
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", port))
+        stalled.sendall(b"GET /sessions/big/events?start=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        stalled.recv(1024)  # the answer began; then nothing more is read
+        time.sleep(1.0)  # the gateway's writes back up behind it
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        stalled.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        anyio.run(cleanup_prefix, redis_url, prefix)
+    assert proc.returncode == 0, stderr
+    assert "ERROR" not in stderr, stderr
+    assert took < 2.9, took  # under uvicorn's graceful timeout: nothing waited it out
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def _children(pid: int) -> list[int]:
     """The live (not zombie) child processes of `pid`, from /proc."""
     found = []

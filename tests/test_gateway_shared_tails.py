@@ -701,3 +701,61 @@ async def _subscribed(redis_url: str, channel: str) -> bool:
     finally:
         await r.aclose()
     return bool(counts and counts[0][1] >= 1)
+
+
+async def test_a_reader_that_stops_reading_a_backlog_of_large_entries_holds_little_of_it(
+    redis_store_for_backlog: RedisSessionStore,
+) -> None:
+    """A stream opened on a long backlog of large entries by a client that never reads: the
+    stream reads the store a page at a time, each written before the next is read, and the server
+    stops taking writes the client does not read, so it has read a few MiB of it, not the whole
+    backlog (a page of 1 000 entries near the entry limit held a GiB per such reader). The same
+    stream, read at last, gets every entry once and in order."""
+    store = redis_store_for_backlog
+    total, pad = 120, "x" * 250_000  # 30 MB of backlog
+    await store.create(SessionHeader(id="big"))
+    for k in range(0, total, 10):
+        await store.put("big", k, [("test/mark", {"k": k + j, "pad": pad}) for j in range(10)])
+    read_bytes: list[int] = []
+    original = store.read
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        page = await original(*args, **kwargs)
+        read_bytes.append(sum(len(e.data.get("pad", "")) for e in page))
+        return page
+
+    store.read = counted  # type: ignore[method-assign]
+    async with running_gateway(store) as base:
+        port = int(base.rsplit(":", 1)[1])
+        stalled = await anyio.connect_tcp("127.0.0.1", port)
+        try:
+            await stalled.send(f"GET {path('big')}?start=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            settled: list[int] = []
+
+            def reads_stopped() -> bool:  # the same total twice, half a second apart
+                settled.append(sum(read_bytes))
+                return len(settled) > 1 and settled[-1] == settled[-2] > 0
+
+            await wait_for(reads_stopped, interval=0.5)
+            assert sum(read_bytes) < 16 << 20, (len(read_bytes), sum(read_bytes))  # of 30 MB
+            buf, seen = b"", []
+            with anyio.fail_after(120):
+                while not seen or seen[-1] < total - 1:
+                    buf += await stalled.receive(1 << 20)
+                    *done, buf = buf.split(b"\n\n")
+                    for ev in done:
+                        for line in ev.split(b"\n"):
+                            if line.startswith(b"data: {") and b'"n":' in line:
+                                seen.append(json.loads(line[6:])["n"])
+            assert seen == list(range(total))
+        finally:
+            await stalled.aclose()
+
+
+@pytest.fixture
+async def redis_store_for_backlog(redis_url: str, prefix: str) -> AsyncIterator[RedisSessionStore]:
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    try:
+        yield store
+    finally:
+        await store.aclose()

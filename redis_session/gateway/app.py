@@ -546,7 +546,25 @@ class _Server(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._streams.close_all()
-        await super().shutdown(sockets)
+        dropping = asyncio.get_running_loop().create_task(self._drop_stalled())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            dropping.cancel()
+
+    STALL_GRACE = 0.25
+
+    async def _drop_stalled(self) -> None:
+        """Abort the connections of clients that stopped reading, every `STALL_GRACE` seconds
+        while the server stops: an ended stream's last write waits behind what such a client
+        never read, and uvicorn would wait out its graceful timeout for it, then cancel it with an
+        error in the log. A client that reads gets its answer's end as before."""
+        while True:
+            await asyncio.sleep(self.STALL_GRACE)
+            for conn in list(self.server_state.connections):
+                flow, transport = getattr(conn, "flow", None), getattr(conn, "transport", None)
+                if flow is not None and transport is not None and flow.write_paused:
+                    transport.abort()
 
     def bound_port(self) -> int:
         for s in self.servers:

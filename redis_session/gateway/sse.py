@@ -158,10 +158,35 @@ def _entry_event(e: Entry, inc: str, cursor: str | None = None, body: bytes | No
 Write = Callable[[bytes], Awaitable[None]]
 
 
-async def _flush(write: Write, out: list[bytes]) -> None:
-    if out:
-        await write(b"".join(out))
-        out.clear()
+async def _flush(write: Write, out: list[bytes]) -> int:
+    """Write `out` at once and empty it; the bytes written."""
+    if not out:
+        return 0
+    data = b"".join(out)
+    out.clear()
+    await write(data)
+    return len(data)
+
+
+class _Pages:
+    """How many entries a stream reads from the store at once: few at first, twice as many after
+    each page under half of `BYTES`, fewer after one over it. A page is written before the next
+    is read, and the server stops taking writes a client does not read, so a reader that stopped
+    reading holds about two pages: a fixed page of 1 000 entries near the 1 MiB entry limit held
+    a GiB per reader."""
+
+    FIRST, MOST, BYTES = 8, 1000, 1 << 20
+
+    __slots__ = ("size",)
+
+    def __init__(self) -> None:
+        self.size = self.FIRST
+
+    def took(self, nbytes: int) -> None:
+        if nbytes > self.BYTES:
+            self.size = max(1, self.size * self.BYTES // nbytes)
+        elif nbytes * 2 < self.BYTES:
+            self.size = min(self.MOST, self.size * 2)
 
 
 # --------------------------------------------------------------------------- SSE deltas (§8.2)
@@ -226,7 +251,6 @@ class _EventStream(Response):
     the store alone."""
 
     media_type = "text/event-stream"
-    BACKLOG_PAGE = 1000
 
     def __init__(
         self,
@@ -265,6 +289,7 @@ class _EventStream(Response):
         self.deltas = deltas  # `event: delta` too (`_shared_deltas`); drafts then only set_draft's
         self.live_after = live_after
         self.tails = tails  # the process's shared tails: this stream joins its session's
+        self._pages = _Pages()  # how many entries it reads from the store at once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "HEAD":
@@ -435,7 +460,7 @@ class _EventStream(Response):
         while True:
             page: list[Entry] = []
             if nxt < stop:
-                page = await self.store.read(self.session_id, nxt, min(stop, nxt + self.BACKLOG_PAGE), incarnation=inc)
+                page = await self.store.read(self.session_id, nxt, min(stop, nxt + self._pages.size), incarnation=inc)
             last = not page or page[-1].n + 1 >= stop
             if not page and not (exact and pending):
                 return nxt
@@ -451,7 +476,7 @@ class _EventStream(Response):
             pending = pending[merged.records :]
             if out:
                 self._poke()
-                await _flush(write, out)
+                self._pages.took(await _flush(write, out))
             if last or not merged.entries:
                 return nxt
 
@@ -514,7 +539,7 @@ class _EventStream(Response):
     async def _read_to(self, write: Write, nxt: int, stop: int, reader: LiveReader | None = None) -> int:
         inc = self._incarnation or ""
         while nxt < stop:
-            page = await self.store.read(self.session_id, nxt, min(stop, nxt + self.BACKLOG_PAGE), incarnation=inc)
+            page = await self.store.read(self.session_id, nxt, min(stop, nxt + self._pages.size), incarnation=inc)
             if not page:
                 break
             out: list[bytes] = []
@@ -522,7 +547,7 @@ class _EventStream(Response):
                 if reader is not None:
                     out.extend(self._live_events(inc, e.n, reader, reader.entry(e)))
                 out.append(_entry_event(e, inc, self.live_after))
-            await write(b"".join(out))
+            self._pages.took(await _flush(write, out))
             nxt = page[-1].n + 1
         return nxt
 
@@ -547,12 +572,12 @@ class _EventStream(Response):
                 if nxt == head.n:
                     return nxt
                 page = await self.store.read(
-                    self.session_id, nxt, min(head.n, nxt + self.BACKLOG_PAGE), incarnation=self._incarnation
+                    self.session_id, nxt, min(head.n, nxt + self._pages.size), incarnation=self._incarnation
                 )
                 if not page:
                     return nxt
                 inc = self._incarnation or ""
-                await write(b"".join([_entry_event(e, inc, self.live_after) for e in page]))
+                self._pages.took(await _flush(write, [_entry_event(e, inc, self.live_after) for e in page]))
                 nxt = page[-1].n + 1
         except RETRYABLE:
             return nxt
