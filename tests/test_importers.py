@@ -894,6 +894,7 @@ async def test_replace_with_a_lost_reply_loses_nothing(tmp_path: Path) -> None:
                     calls += 1
                     if calls == 3:  # two batches landed: the reply of the third put is lost
                         cuts = proxy.stats.cuts
+                        proxy.cut_keeps = 0  # all of it: a reply that arrived whole before the cut is no lost reply
                         proxy.cut_up, proxy.cut_down, proxy.cut_rate = False, True, 1.0
 
                         def heal() -> None:  # one reply lost, then the network is fine again
@@ -921,6 +922,7 @@ async def test_replace_with_a_lost_reply_loses_nothing(tmp_path: Path) -> None:
 def _one_lost_reply(proxy: Any) -> None:
     """Cut the connection after the server runs the next command (its reply is lost), once."""
     cuts = proxy.stats.cuts
+    proxy.cut_keeps = 0  # all of it: a reply that arrived whole before the cut is no lost reply
     proxy.cut_up, proxy.cut_down, proxy.cut_rate = False, True, 1.0
 
     def heal() -> None:

@@ -7,7 +7,8 @@ Faults, all changeable while traffic flows:
 
 - ``delay`` / ``jitter``: seconds added before each forwarded chunk (both directions, order kept);
 - ``cut_rate``: per forwarded chunk, the chance that the connection is cut right there: a random
-  prefix of the chunk is forwarded, then both sides are reset. A cut on the way up can leave a
+  prefix of the chunk (``cut_keeps`` bytes when set: 0 loses the whole reply) is forwarded, then
+  both sides are reset. A cut on the way up can leave a
   half-sent command (the server drops it); on the way down a half-sent reply (the client sees a
   torn reply, then EOF) or a command that ran but whose reply never arrives (the ambiguous case
   idempotency keys exist for);
@@ -53,6 +54,7 @@ class FaultProxy:
         self.cut_rate = 0.0
         self.cut_up = True  # allow cuts on the client -> server direction
         self.cut_down = True  # allow cuts on the server -> client direction
+        self.cut_keeps: int | None = None  # bytes of a cut chunk forwarded (None: a random prefix)
         self.blackhole = False
         self.refuse = False
         self.stats = ProxyStats()
@@ -198,7 +200,8 @@ class FaultProxy:
                     break
                 may_cut = self.cut_up if up else self.cut_down
                 if may_cut and self.cut_rate and self._rng.random() < self.cut_rate:
-                    keep = self._rng.randrange(0, len(chunk) + 1)
+                    keep = self._rng.randrange(0, len(chunk) + 1) if self.cut_keeps is None else self.cut_keeps
+                    keep = min(keep, len(chunk))
                     if keep:
                         writer.write(chunk[:keep])
                         with contextlib.suppress(ConnectionError):
