@@ -1095,6 +1095,54 @@ def test_sigterm_with_a_reader_that_stopped_reading_stops_at_once_and_cleanly(re
     assert took < 2.9, took  # under uvicorn's graceful timeout: nothing waited it out
 
 
+def test_sigterm_lets_a_slow_reader_that_reads_get_its_stream_end(redis_url: str, prefix: str) -> None:
+    """SIGTERM while a client reads a large backlog more slowly than the gateway writes it (its
+    writes are held back all the time): it still reads, so its connection is not dropped, and its
+    stream ends properly (the chunked body's last chunk), exit 0, no error logged."""
+    port = _free_port()
+    cmd = _gateway_cmd("--url", redis_url, "--prefix", prefix, "--port", str(port), env={})
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env())
+    reader = socket.socket()
+    got = bytearray()
+    done = threading.Event()
+
+    def read_slowly() -> None:
+        with contextlib.suppress(OSError):
+            while chunk := reader.recv(128 * 1024):
+                got.extend(chunk)
+                if got.endswith(b"0\r\n\r\n"):
+                    break
+                time.sleep(0.05)  # ~2.6 MB/s
+        done.set()
+
+    try:
+        wait_until(lambda: _ready(port) or proc.poll() is not None, within=60)
+        assert proc.poll() is None, "the gateway did not start"
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            assert client.post("/sessions", json={"id": "big"}).status_code == 201
+            pad = "x" * 200_000
+            for k in range(0, 60, 10):  # 12 MB of backlog
+                batch = [{"type": "test/mark", "data": {"pad": pad}} for _ in range(10)]
+                r = client.post("/sessions/big/entries", json={"entries": batch}, headers={"If-Match": f'"{k}"'})
+                assert r.status_code == 201, r.text
+        reader.connect(("127.0.0.1", port))
+        reader.sendall(b"GET /sessions/big/events?start=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        threading.Thread(target=read_slowly, daemon=True).start()
+        wait_until(lambda: len(got) > 1 << 20, within=60)  # reading, behind the gateway's writes
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+        assert done.wait(30)
+    finally:
+        reader.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        anyio.run(cleanup_prefix, redis_url, prefix)
+    assert got.endswith(b"0\r\n\r\n"), bytes(got[-80:])
+    assert proc.returncode == 0, stderr
+    assert "ERROR" not in stderr, stderr
+
+
 def _ready(port: int) -> bool:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200

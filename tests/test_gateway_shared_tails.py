@@ -759,3 +759,45 @@ async def redis_store_for_backlog(redis_url: str, prefix: str) -> AsyncIterator[
         yield store
     finally:
         await store.aclose()
+
+
+async def test_events_streams_end_when_their_subscription_drops_and_new_ones_miss_nothing(
+    redis_url: str, prefix: str
+) -> None:
+    """The shared subscription of /events drops (an idle timeout, a failover, CLIENT KILL): what is
+    published until it is made again is lost, so every open stream ends (its browser reconnects
+    and re-reads the list) instead of staying open with a silent gap; a stream opened after that
+    opens once subscribed again and gets every notification from then on."""
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        await store.create(SessionHeader(id="p"))
+        async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+            async with client.stream("GET", "/events") as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                while (await anext(lines)) != ": open":
+                    pass
+                await wait_for(lambda: _subscribed(redis_url, f"{prefix}:events"))
+                await admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+                with anyio.fail_after(30):  # the stream ends: no more lines
+                    rest = [line async for line in lines if line and not line.startswith(":")]
+                assert rest == []
+            async with client.stream("GET", "/events") as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                while (await anext(lines)) != ": open":
+                    pass
+                for i in range(3):  # published right after the open: none missed
+                    r2 = await client.post(path("p", "branch"), json={"at": 0, "id": f"p-{i}"})
+                    assert r2.status_code == 201, r2.text
+                got = []
+                with anyio.fail_after(30):
+                    while len(got) < 3:
+                        line = await anext(lines)
+                        if line.startswith("data:"):
+                            got.append(json.loads(line[5:])["session"])
+                assert got == ["p-0", "p-1", "p-2"]
+    finally:
+        await admin.aclose()
+        await store.aclose()

@@ -496,32 +496,46 @@ def _corked_protocol(http: str) -> type[asyncio.Protocol]:
             self.transport.write(parser_400(self.server_state.default_headers))
             self.transport.close()
 
-    if isinstance(resolved, str):  # h11 takes any token as a method, httptools only upper-case ones
+    if isinstance(resolved, str):  # h11 takes what httptools refuses: refused the same way
 
         class CorkedH11(Corked):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
-                self.conn.next_event = _upper_case_methods(self.conn.next_event)
+                self.conn.next_event = _as_httptools_would(self.conn.next_event)
 
         return cast("type[asyncio.Protocol]", CorkedH11)
     return cast("type[asyncio.Protocol]", Corked)
 
 
-def _upper_case_methods(next_event: Callable[[], Any]) -> Callable[[], Any]:
-    """h11's `next_event`, refusing a request whose method is not upper case (``get``) as a parse
-    error, as httptools does: the same `parser_400` on both stacks."""
+def _as_httptools_would(next_event: Callable[[], Any]) -> Callable[[], Any]:
+    """h11's `next_event`, refusing as a parse error what httptools refuses and h11 takes: a
+    method not in upper case (``get``), a control byte in a header value (h11 refuses only NUL,
+    CR and LF), an HTTP version other than 1.0 and 1.1, and both ``Content-Length`` and
+    ``Transfer-Encoding`` (RFC 9112 §6.3: a smuggling vector): the same `parser_400` on both
+    stacks."""
     import h11
 
     def checked() -> Any:
         event = next_event()
-        if isinstance(event, h11.Request) and not _METHOD.fullmatch(event.method):
-            raise h11.RemoteProtocolError("the method is not upper case")
+        if isinstance(event, h11.Request):
+            if not _METHOD.fullmatch(event.method):
+                raise h11.RemoteProtocolError("the method is not upper case")
+            if event.http_version not in (b"1.0", b"1.1"):
+                raise h11.RemoteProtocolError("not HTTP/1.1")
+            names = set()
+            for name, value in event.headers:
+                if _CONTROL.search(value):
+                    raise h11.RemoteProtocolError("a control byte in a header value")
+                names.add(name)
+            if b"content-length" in names and b"transfer-encoding" in names:
+                raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding")
         return event
 
     return checked
 
 
 _METHOD = re.compile(rb"[A-Z][A-Z-]*")
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class _Server(uvicorn.Server):
@@ -555,16 +569,25 @@ class _Server(uvicorn.Server):
     STALL_GRACE = 0.25
 
     async def _drop_stalled(self) -> None:
-        """Abort the connections of clients that stopped reading, every `STALL_GRACE` seconds
-        while the server stops: an ended stream's last write waits behind what such a client
-        never read, and uvicorn would wait out its graceful timeout for it, then cancel it with an
-        error in the log. A client that reads gets its answer's end as before."""
+        """Abort the connections of clients that stopped reading while the server stops: an
+        ended stream's last write waits behind what such a client never read, and uvicorn would
+        wait out its graceful timeout for it, then cancel it with an error in the log. Stopped
+        reading: writes held back (the transport paused) and not one byte of them taken in a
+        whole `STALL_GRACE`; a client that reads, however slowly, gets its answer's end as before."""
+        backlog: dict[Any, int] = {}  # connection -> bytes it had not taken at the last look
         while True:
             await asyncio.sleep(self.STALL_GRACE)
+            seen: dict[Any, int] = {}
             for conn in list(self.server_state.connections):
                 flow, transport = getattr(conn, "flow", None), getattr(conn, "transport", None)
-                if flow is not None and transport is not None and flow.write_paused:
+                if flow is None or transport is None or not flow.write_paused:
+                    continue
+                left = transport.get_write_buffer_size()
+                if conn in backlog and left >= backlog[conn]:
                     transport.abort()
+                else:
+                    seen[conn] = left
+            backlog = seen
 
     def bound_port(self) -> int:
         for s in self.servers:

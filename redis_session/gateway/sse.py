@@ -30,7 +30,7 @@ from ..store import SessionStore
 from ..streaming import LiveReader, _id_key
 from .auth import principal
 from .common import _error, _json, log
-from .tails import REPLACED, Notifications, Subscriber, Tails, stop
+from .tails import DROPPED, REPLACED, SUBSCRIBED, Notifications, Subscriber, Tails, stop
 
 
 class _Streams:
@@ -625,24 +625,30 @@ def _store_events_route(
 
 
 async def _store_notifications(store: SessionStore) -> Any:
-    """Each notification published on the store's ``{prefix}:events`` channel, as a dict; across
-    dropped connections (resubscribing). Stores without pub/sub (memory, cluster) yield nothing."""
+    """Each notification published on the store's ``{prefix}:events`` channel, as a dict, with
+    `SUBSCRIBED` each time the subscription is in place and `DROPPED` where it dropped (what is
+    published until it is made again is lost: `Notifications` ends its streams, whose browsers
+    reconnect and re-read the list); across dropped connections (resubscribing). Stores without
+    pub/sub (memory, cluster) yield `SUBSCRIBED` and nothing more."""
     from redis.asyncio import Redis
 
     client, keys = getattr(store, "client", None), getattr(store, "keys", None)
     if not isinstance(client, Redis) or keys is None:
+        yield SUBSCRIBED
         await anyio.sleep_forever()
         return
     while True:
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(keys.events)
+            yield SUBSCRIBED
             async for message in pubsub.listen():
                 with contextlib.suppress(msgspec.DecodeError):
                     body = msgspec.json.decode(message["data"])
                     if isinstance(body, dict) and isinstance(body.get("event"), str):
                         yield body
         except RETRYABLE:
+            yield DROPPED
             await anyio.sleep(1.0)
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
@@ -696,14 +702,20 @@ class _StoreEventStream(Response):
         finally:
             self.tails.release(Notifications.HOLDER)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+    READY_WITHIN = 5.0
 
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         scopes = self.streams.scopes
         with contextlib.suppress(OSError), _registered(scopes) as mine, self.notifications.join() as got:
+            # opened once subscribed: whatever is published after the open reaches it, or it ends
+            if not await self.notifications.ready(self.READY_WITHIN):
+                down = _error(503, "unavailable", "the store's notifications are unavailable; retry later")
+                await down(scope, receive, send)
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
                 mine.append(tg.cancel_scope)
                 scopes.add(tg.cancel_scope)

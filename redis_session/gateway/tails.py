@@ -244,26 +244,39 @@ Notification = tuple[dict[str, Any], bytes]
 """A store notification (``{event, session, parent, ...}``) and its SSE frame, encoded once."""
 
 
+SUBSCRIBED: Final = "subscribed"
+DROPPED: Final = "dropped"
+"""What a notification source yields besides notifications: its subscription is (again) in place,
+or it dropped (what is published until it is made again is lost)."""
+
+
 class Notifications:
     """The store's notifications (``GET /events``): one subscription per gateway process, shared
     by every stream of them, as a session's streams share its tail. It holds one pooled
     connection (counted in `Tails` as `HOLDER`) however many viewers are open; it starts with the
-    first stream and stops with the last. A stream that falls `QUEUE` notifications behind is
-    ended (its browser reconnects and re-reads the list), so a slow client slows no one."""
+    first stream and stops with the last.
+
+    A stream opens once the subscription is in place (`ready`), so whatever is published after
+    it opened reaches it, or it ends: one that falls `QUEUE` notifications behind is ended (its
+    browser reconnects and re-reads the list), so a slow client slows no one, and when the
+    subscription drops every open stream is ended so (a stream that stayed open would miss what
+    is published until the subscription is made again, silently)."""
 
     QUEUE = 1024
     HOLDER: Final = ("store-events",)
 
-    def __init__(self, source: Callable[[], AsyncIterator[dict[str, Any]]]) -> None:
+    def __init__(self, source: Callable[[], AsyncIterator[dict[str, Any] | str]]) -> None:
         self._source = source
         self._subscribers: set[MemoryObjectSendStream[Notification]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._live = anyio.Event()
 
     @contextlib.contextmanager
     def join(self) -> Iterator[MemoryObjectReceiveStream[Notification]]:
         send, receive = anyio.create_memory_object_stream[Notification](self.QUEUE)
         self._subscribers.add(send)
         if self._task is None or self._task.done():
+            self._live = anyio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
         try:
             yield receive
@@ -275,9 +288,24 @@ class Notifications:
                 stop(self._task)
                 self._task = None
 
+    async def ready(self, within: float) -> bool:
+        """Wait until the subscription is in place, at most `within` seconds: whether it is."""
+        with anyio.move_on_after(within):
+            await self._live.wait()
+        return self._live.is_set()
+
     async def _run(self) -> None:
         try:
             async for event in self._source():
+                if event == SUBSCRIBED:
+                    self._live.set()
+                    continue
+                if not isinstance(event, dict):  # dropped: every open stream has a gap now
+                    self._live = anyio.Event()
+                    for send in list(self._subscribers):
+                        send.close()
+                    self._subscribers.clear()
+                    continue
                 name = str(event.get("event")).encode()
                 data = _json.encode({k: v for k, v in event.items() if k != "event"})
                 item = (event, b"event: %b\ndata: %b\n\n" % (name, data))
