@@ -620,3 +620,34 @@ async def test_a_page_of_an_allowed_origin_calls_and_streams_a_closed_one_cannot
             assert "from another origin" in got["stream"] and "streamed later" in got["stream"]
     head = await redis_store.head("cors-1")
     assert head is not None and head.n == 2
+
+
+async def test_viewer_reads_the_list_again_when_the_store_events_stream_ends(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    """The gateway's subscription to the store's notifications drops (CLIENT KILL, a failover): a
+    branch made before it is back is announced to no one. The gateway ends the /events stream;
+    the viewer's browser reconnects, and the viewer reads the list and the branch tree again: the
+    branch is there long before the tree's own 30 s poll."""
+    import redis.asyncio as aioredis
+
+    from redis_session import Sessions
+
+    sessions = Sessions(redis_store)
+    s = await sessions.open("gap-1")
+    await s.append("user/message", {"content": "first"})
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        with anyio.fail_after(90), chromium() as browser:
+            async with running_gateway(redis_store) as base:
+                await browser.open(f"{base}/#gap-1")
+                await browser.wait_for("document.getElementById('status').textContent === 'live'")
+                await wait_subscribed(redis_url, f"{prefix}:events")
+                await admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+                await sessions.branch("gap-1", 1, branch_id="gap-1-missed")  # while unsubscribed
+                # the tree: it polls every 30 s by itself (the list every 5 s, so it is not the test)
+                assert await browser.wait_for(
+                    "!!document.querySelector('#tree li[data-id=\"gap-1-missed\"] a')", seconds=12.0
+                )
+    finally:
+        await admin.aclose()
