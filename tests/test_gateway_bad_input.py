@@ -4,7 +4,9 @@ uvicorn server (both HTTP parsers where they differ) and a real Redis."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
@@ -404,3 +406,32 @@ async def test_two_sign_in_cookies_or_two_tokens_in_the_sign_in_form_are_refused
             assert r.status_code == 400 and "set-cookie" not in r.headers, r.text[:200]
             r = await c.post("/signin", content=b"token=read-tok-01234", headers=form)
             assert r.status_code in (200, 303) and "rs_token=" in r.headers.get("set-cookie", ""), r.text[:200]
+
+
+async def test_a_request_the_parser_refuses_after_a_pipelined_write_does_not_hide_its_answer(
+    redis_store: RedisSessionStore,
+) -> None:
+    """A write and, in the same packet, a request the parser refuses: the write's own answer
+    (201) comes first, then the 400 (it said "nothing was done" alone while the write was done:
+    a client retrying it would write twice)."""
+    async with running_gateway(redis_store) as base:
+        host, port = base.removeprefix("http://").split(":")
+        stream = await anyio.connect_tcp(host, int(port))
+        body = b'{"id": "pipelined"}'
+        try:
+            await stream.send(
+                b"POST /sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%b"
+                % (len(body), body)
+                + b"get /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            )
+            got = b""
+            with anyio.fail_after(30):
+                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    while True:
+                        got += await stream.receive()
+        finally:
+            await stream.aclose()
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", got)  # the 400 follows the 201's body directly
+    assert statuses == [b"201", b"400"], got[:400]
+    assert (await redis_store.head("pipelined")) is not None

@@ -801,3 +801,42 @@ async def test_events_streams_end_when_their_subscription_drops_and_new_ones_mis
     finally:
         await admin.aclose()
         await store.aclose()
+
+
+async def test_an_events_stream_asked_while_the_store_is_down_opens_when_it_is_back(tmp_path: Any) -> None:
+    """/events asked while Redis is down: the subscription fails and is tried again each second;
+    the stream waits for it (up to 5 s), then opens and stays open, and gets what is published
+    after. (It waited on the readiness of a subscription that had dropped meanwhile, till the
+    5 s were out, then opened and ended at once.)"""
+    from redis_session.redis.embedded import start_server
+
+    server = start_server(tmp_path / "srv", appendonly=False)
+    port = server.port
+    store = RedisSessionStore.from_url(server.url, prefix="ev")
+    try:
+        await store.create(SessionHeader(id="p"))
+        async with running_gateway(store) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+            server.stop()
+            async with anyio.create_task_group() as tg:
+
+                async def back_soon() -> None:
+                    await anyio.sleep(1.5)
+                    nonlocal server
+                    server = start_server(tmp_path / "srv", port=port, appendonly=False)
+
+                tg.start_soon(back_soon)
+                async with client.stream("GET", "/events") as r:
+                    assert r.status_code == 200
+                    lines = r.aiter_lines()
+                    while (await anext(lines)) != ": open":
+                        pass
+                    await store.create(SessionHeader(id="p"))  # the restart kept nothing
+                    r2 = await client.post(path("p", "branch"), json={"at": 0, "id": "p-b"})
+                    assert r2.status_code == 201, r2.text
+                    with anyio.fail_after(30):
+                        while not (line := await anext(lines)).startswith("data:"):
+                            pass
+                    assert json.loads(line[5:])["session"] == "p-b"
+    finally:
+        await store.aclose()
+        server.stop()

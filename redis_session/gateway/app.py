@@ -491,10 +491,27 @@ def _corked_protocol(http: str) -> type[asyncio.Protocol]:
         def connection_made(self, transport: Any) -> None:
             super().connection_made(_Cork(transport))
 
+        _refused = False  # a refused request waits for the answers of those before it
+
         def send_400_response(self, msg: str) -> None:
-            # what the parser refuses never reaches the app: answer it as the app answers a 400
+            # what the parser refuses never reaches the app: answer it as the app answers a 400,
+            # after the answers of the requests pipelined before it (a write among them is done:
+            # its own answer must not be lost behind a 400 that says nothing was done)
+            cycle = getattr(self, "cycle", None)
+            waiting = cycle is not None and not cycle.response_complete and not cycle.more_body
+            if waiting or getattr(self, "pipeline", None):
+                self._refused = True
+                self.flow.pause_reading()
+                return
             self.transport.write(parser_400(self.server_state.default_headers))
             self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            cycle = getattr(self, "cycle", None)
+            if self._refused and not getattr(self, "pipeline", None) and (cycle is None or cycle.response_complete):
+                self._refused = False
+                self.send_400_response("")
 
     if isinstance(resolved, str):  # h11 takes what httptools refuses: refused the same way
 
@@ -509,10 +526,11 @@ def _corked_protocol(http: str) -> type[asyncio.Protocol]:
 
 def _as_httptools_would(next_event: Callable[[], Any]) -> Callable[[], Any]:
     """h11's `next_event`, refusing as a parse error what httptools refuses and h11 takes: a
-    method not in upper case (``get``), a control byte in a header value (h11 refuses only NUL,
-    CR and LF), an HTTP version other than 1.0 and 1.1, and both ``Content-Length`` and
+    method not in upper case (``get``), a control byte in a header or trailer value (h11 refuses
+    only NUL, CR and LF), an HTTP version other than 1.0 and 1.1, and both ``Content-Length`` and
     ``Transfer-Encoding`` (RFC 9112 §6.3: a smuggling vector): the same `parser_400` on both
-    stacks."""
+    stacks. h11 stays more lenient than httptools elsewhere (obs-fold, bare LF line ends, chunk
+    extensions, any upper-case method, long targets)."""
     import h11
 
     def checked() -> Any:
@@ -529,6 +547,10 @@ def _as_httptools_would(next_event: Callable[[], Any]) -> Callable[[], Any]:
                 names.add(name)
             if b"content-length" in names and b"transfer-encoding" in names:
                 raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding")
+        elif isinstance(event, h11.EndOfMessage):  # a chunked body's trailer fields
+            for _, value in event.headers:
+                if _CONTROL.search(value):
+                    raise h11.RemoteProtocolError("a control byte in a trailer value")
         return event
 
     return checked
@@ -566,28 +588,33 @@ class _Server(uvicorn.Server):
         finally:
             dropping.cancel()
 
-    STALL_GRACE = 0.25
+    STALL_LOOK, STALL_GRACE = 0.25, 1.0
 
     async def _drop_stalled(self) -> None:
         """Abort the connections of clients that stopped reading while the server stops: an
         ended stream's last write waits behind what such a client never read, and uvicorn would
         wait out its graceful timeout for it, then cancel it with an error in the log. Stopped
-        reading: writes held back (the transport paused) and not one byte of them taken in a
-        whole `STALL_GRACE`; a client that reads, however slowly, gets its answer's end as before."""
-        backlog: dict[Any, int] = {}  # connection -> bytes it had not taken at the last look
+        reading: writes held back (the transport paused) and not one byte of them taken for
+        `STALL_GRACE` seconds (looked at every `STALL_LOOK`: a slow reader's kernel takes bytes
+        in lumps). A client that reads gets its stream's end, when what it has yet to read
+        drains within the stop's grace."""
+        loop = asyncio.get_running_loop()
+        last: dict[Any, tuple[int, float]] = {}  # connection -> bytes not taken, since when
         while True:
-            await asyncio.sleep(self.STALL_GRACE)
-            seen: dict[Any, int] = {}
+            await asyncio.sleep(self.STALL_LOOK)
+            now, seen = loop.time(), {}
             for conn in list(self.server_state.connections):
                 flow, transport = getattr(conn, "flow", None), getattr(conn, "transport", None)
                 if flow is None or transport is None or not flow.write_paused:
                     continue
                 left = transport.get_write_buffer_size()
-                if conn in backlog and left >= backlog[conn]:
+                before = last.get(conn)
+                since = before[1] if before is not None and left >= before[0] else now
+                if now - since >= self.STALL_GRACE:
                     transport.abort()
                 else:
-                    seen[conn] = left
-            backlog = seen
+                    seen[conn] = (left, since)
+            last = seen
 
     def bound_port(self) -> int:
         for s in self.servers:

@@ -32,6 +32,11 @@ from .auth import principal
 from .common import _error, _json, log
 from .tails import DROPPED, REPLACED, SUBSCRIBED, Notifications, Subscriber, Tails, stop
 
+END_PATIENCE = 2.0
+"""Seconds an ended stream's last write may wait behind what its client has yet to read: past
+the stopping gateway's patience with a client that took nothing (1 s, `app._Server`), within
+uvicorn's graceful stop (3 s)."""
+
 
 class _Streams:
     """The open SSE streams, so a shutting-down server can end them at once instead of waiting
@@ -332,7 +337,7 @@ class _EventStream(Response):
                 tg.cancel_scope.cancel()
             finally:
                 self.streams.scopes.discard(tg.cancel_scope)
-        with anyio.CancelScope(shield=True), anyio.move_on_after(1), contextlib.suppress(OSError):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(END_PATIENCE), contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _poke(self) -> None:
@@ -740,5 +745,5 @@ class _StoreEventStream(Response):
                         continue
                     await body(frame)
                 tg.cancel_scope.cancel()  # the subscription ended (too far behind): so does the stream
-        with anyio.CancelScope(shield=True), anyio.move_on_after(1), contextlib.suppress(OSError):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(END_PATIENCE), contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b"", "more_body": False})

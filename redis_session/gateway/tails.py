@@ -270,11 +270,15 @@ class Notifications:
         self._subscribers: set[MemoryObjectSendStream[Notification]] = set()
         self._task: asyncio.Task[None] | None = None
         self._live = anyio.Event()
+        self._waiting: set[MemoryObjectSendStream[Notification]] = set()  # joined, not yet open
 
     @contextlib.contextmanager
     def join(self) -> Iterator[MemoryObjectReceiveStream[Notification]]:
+        """A queue of the notifications published from now on, once `ready` said the
+        subscription is in place; until then a drop does not end it (nothing was promised yet)."""
         send, receive = anyio.create_memory_object_stream[Notification](self.QUEUE)
         self._subscribers.add(send)
+        self._waiting.add(send)
         if self._task is None or self._task.done():
             self._live = anyio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -282,6 +286,7 @@ class Notifications:
             yield receive
         finally:
             self._subscribers.discard(send)
+            self._waiting.discard(send)
             send.close()
             receive.close()
             if not self._subscribers:
@@ -289,10 +294,15 @@ class Notifications:
                 self._task = None
 
     async def ready(self, within: float) -> bool:
-        """Wait until the subscription is in place, at most `within` seconds: whether it is."""
+        """Wait until the subscription is in place, at most `within` seconds (across drops and
+        subscribing again): whether it is. From then on, the joined queue ends at a drop."""
         with anyio.move_on_after(within):
-            await self._live.wait()
-        return self._live.is_set()
+            while not self._live.is_set():
+                await self._live.wait()  # a drop replaces the event: wait on the new one
+        if not self._live.is_set():
+            return False
+        self._waiting.clear()  # every stream waiting is open now (no await since the check)
+        return True
 
     async def _run(self) -> None:
         try:
@@ -301,10 +311,11 @@ class Notifications:
                     self._live.set()
                     continue
                 if not isinstance(event, dict):  # dropped: every open stream has a gap now
-                    self._live = anyio.Event()
-                    for send in list(self._subscribers):
+                    live, self._live = self._live, anyio.Event()
+                    live.set()  # wakes the waiters of `ready`, which wait on the new one
+                    for send in list(self._subscribers - self._waiting):
                         send.close()
-                    self._subscribers.clear()
+                    self._subscribers &= self._waiting
                     continue
                 name = str(event.get("event")).encode()
                 data = _json.encode({k: v for k, v in event.items() if k != "event"})
