@@ -394,10 +394,10 @@ def _take_kept(pool: Any) -> Any | None:
 
 
 def _share_kept(pool: Any) -> Callable[[], Any]:
-    """Make every taker of a connection from `pool` get the kept one first: redis-py's own
-    commands on any client of the pool, a held tail, a pipeline, a pub/sub. The kept connection
-    is counted in use by the pool, so without this a pool filling up by other ways would make
-    them wait for (or fail for want of) a connection that sits unused. Whatever they are handed
+    """Make every taker of a connection from `pool` (redis-py's own commands on any client of the
+    pool, a held tail, a pipeline, a pub/sub) get the kept one when the pool has no other to give
+    at once. The kept connection is counted in use by the pool, so without this a pool filling up
+    by other ways would make them wait for (or fail for want of) a connection that sits unused. Whatever they are handed
     is asked first (`_dead`) and connected again when the server closed it meanwhile. Returns
     the pool's own taking, for the kept connection's owner. Installed once per pool; a pool that
     takes no attribute keeps nothing (`PooledWire._give`)."""
@@ -408,18 +408,13 @@ def _share_kept(pool: Any) -> Callable[[], Any]:
     own_can = getattr(pool, "can_get_connection", None)
 
     async def get_connection(*args: Any, **kwargs: Any) -> Any:
-        conn = _take_kept(pool)
-        if conn is None:
-            conn = await shielded(own())
-        # whichever it is: redis-py's own round hands out an idle connection the server closed
-        # as it is while maintenance notifications are on (its default), and a command sent on
-        # it fails (a SUBSCRIBE's messages meanwhile are lost)
-        return await _renewed(pool, conn) if _dead(conn) else conn
+        return await _hand_out(pool, own, own_can)
 
     def can_get_connection() -> bool:
         return getattr(pool, _KEPT, None) is not None or own_can is None or bool(own_can())
 
     try:
+        pool._redis_session_own_can = own_can
         pool._redis_session_own_get = own
         pool.get_connection = get_connection
         if own_can is not None:
@@ -427,6 +422,20 @@ def _share_kept(pool: Any) -> Callable[[], Any]:
     except AttributeError:  # a pool that takes no attribute
         pass
     return own
+
+
+async def _hand_out(pool: Any, own: Callable[[], Any], own_can: Callable[[], Any] | None) -> Any:
+    """A connection for a taker other than the store's next call: the pool's own while it has one
+    to give without waiting (the kept one stays for the store's next call: a caller's own
+    commands between two puts would cost each put a pool round), the kept one when the pool would
+    make the taker wait or fail. Whichever it is, asked first (`_dead`) and connected again if
+    the server closed it: redis-py's own round hands out an idle connection the server closed as
+    it is while maintenance notifications are on (its default), and a command sent on it fails
+    (a SUBSCRIBE's messages meanwhile are lost)."""
+    conn = None if own_can is None or own_can() else _take_kept(pool)
+    if conn is None:
+        conn = await shielded(own())
+    return await _renewed(pool, conn) if _dead(conn) else conn
 
 
 def kept(pool: Any) -> Any | None:
@@ -451,15 +460,16 @@ class PooledWire:
     store on one client shares it; only while the pool has room to spare (at most half its
     connections in use and no one waiting for one), so a busy pool has every connection to
     hand out; and whoever asks the pool for a connection meanwhile (a tail, redis-py's own
-    commands on any client of the pool) is handed the kept one first (`_share_kept`), so it never
-    sits unused while another waits. A connection the server closed meanwhile is connected again
-    before use. `aclose` gives it back."""
+    commands on any client of the pool) when it has no other to give at once is handed the kept
+    one (`_share_kept`), so it never sits unused while another waits. A connection the server
+    closed meanwhile is connected again before use. `aclose` gives it back."""
 
-    __slots__ = ("_closed", "_connection", "pool")
+    __slots__ = ("_can", "_closed", "_connection", "pool")
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.pool = client.connection_pool
         self._connection = _share_kept(self.pool)
+        self._can = getattr(self.pool, "_redis_session_own_can", None)  # the pool's own can_get_connection
         self._closed = False  # `aclose`d: a call still in flight gives its connection back
 
     async def _get(self) -> Any:
@@ -587,7 +597,8 @@ class HeldWire:
         for attempt in (0, 1):
             conn = self._conn
             if conn is None:
-                conn = self._conn = await self._wire._get()  # the kept one first, as every call
+                wire = self._wire  # held for long: the kept one only when the pool has no other
+                conn = self._conn = await _hand_out(wire.pool, wire._connection, wire._can)
             try:
                 await write_packed(conn, packed)
                 replies, error = await read_replies(conn, count, False)
