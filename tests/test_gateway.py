@@ -1066,15 +1066,7 @@ def test_sigterm_with_a_reader_that_stopped_reading_stops_at_once_and_cleanly(re
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env())
     stalled = socket.socket()
     try:
-        wait_until(lambda: _ready(port) or proc.poll() is not None, within=60)
-        assert proc.poll() is None, "the gateway did not start"
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            assert client.post("/sessions", json={"id": "big"}).status_code == 201
-            pad = "x" * 200_000
-            for k in range(0, 60, 10):  # 12 MB of backlog: more than the sockets hold
-                batch = [{"type": "test/mark", "data": {"pad": pad}} for _ in range(10)]
-                r = client.post("/sessions/big/entries", json={"entries": batch}, headers={"If-Match": f'"{k}"'})
-                assert r.status_code == 201, r.text
+        _big_backlog(proc, port)
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.connect(("127.0.0.1", port))
         stalled.sendall(b"GET /sessions/big/events?start=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
@@ -1116,15 +1108,7 @@ def test_sigterm_lets_a_slow_reader_that_reads_get_its_stream_end(redis_url: str
         done.set()
 
     try:
-        wait_until(lambda: _ready(port) or proc.poll() is not None, within=60)
-        assert proc.poll() is None, "the gateway did not start"
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            assert client.post("/sessions", json={"id": "big"}).status_code == 201
-            pad = "x" * 200_000
-            for k in range(0, 60, 10):  # 12 MB of backlog
-                batch = [{"type": "test/mark", "data": {"pad": pad}} for _ in range(10)]
-                r = client.post("/sessions/big/entries", json={"entries": batch}, headers={"If-Match": f'"{k}"'})
-                assert r.status_code == 201, r.text
+        _big_backlog(proc, port)
         reader.connect(("127.0.0.1", port))
         reader.sendall(b"GET /sessions/big/events?start=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         threading.Thread(target=read_slowly, daemon=True).start()
@@ -1141,6 +1125,20 @@ def test_sigterm_lets_a_slow_reader_that_reads_get_its_stream_end(redis_url: str
     assert got.endswith(b"0\r\n\r\n"), bytes(got[-80:])
     assert proc.returncode == 0, stderr
     assert "ERROR" not in stderr, stderr
+
+
+def _big_backlog(proc: subprocess.Popen[str], port: int) -> None:
+    """Wait for the gateway process to serve, then give it session ``big``: 12 MB of backlog,
+    more than the sockets between it and a client hold."""
+    wait_until(lambda: _ready(port) or proc.poll() is not None, within=60)
+    assert proc.poll() is None, "the gateway did not start"
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        assert client.post("/sessions", json={"id": "big"}).status_code == 201
+        pad = "x" * 200_000
+        for k in range(0, 60, 10):
+            batch = [{"type": "test/mark", "data": {"pad": pad}} for _ in range(10)]
+            r = client.post("/sessions/big/entries", json={"entries": batch}, headers={"If-Match": f'"{k}"'})
+            assert r.status_code == 201, r.text
 
 
 def _ready(port: int) -> bool:

@@ -634,14 +634,7 @@ async def test_a_gateway_on_a_pool_of_one_refuses_streams_and_keeps_writing(redi
             for url in (path("one"), "/events"):
                 r = await client.get(url)
                 assert r.status_code == 503 and r.json()["error"] == "busy", url
-            for n in range(3):
-                r = await client.post(
-                    path("one", "entries"),
-                    json={"type": "user/message", "data": {"content": str(n)}},
-                    headers={"If-Match": f'"{n}"'},
-                )
-                assert r.status_code == 201, r.text
-            assert (await client.get("/readyz")).status_code == 200
+            await _writes_go_on(client, "one", 3)
     finally:
         await store.aclose()
 
@@ -666,14 +659,7 @@ async def test_the_events_streams_share_one_subscription_and_writes_go_on(redis_
                     while (await anext(lines)) != ": open":  # subscribed before the branch below
                         pass
                     opened.append(lines)
-                for n in range(5):  # a pool of 8 less ten held connections would fail these
-                    r = await client.post(
-                        path("main", "entries"),
-                        json={"type": "user/message", "data": {"content": str(n)}},
-                        headers={"If-Match": f'"{n}"'},
-                    )
-                    assert r.status_code == 201, r.text
-                assert (await client.get("/readyz")).status_code == 200
+                await _writes_go_on(client, "main", 5)  # a pool of 8 less ten held connections would fail
                 await wait_for(lambda: _subscribed(redis_url, f"{prefix}:events"))
                 r = await client.post(path("main", "branch"), json={"at": 2, "id": "main-b"})
                 assert r.status_code == 201, r.text
@@ -840,3 +826,15 @@ async def test_an_events_stream_asked_while_the_store_is_down_opens_when_it_is_b
     finally:
         await store.aclose()
         server.stop()
+
+
+async def _writes_go_on(client: httpx.AsyncClient, sid: str, count: int) -> None:
+    """`count` appends to `sid` (from n = 0) and /readyz, each answered at once."""
+    for n in range(count):
+        r = await client.post(
+            path(sid, "entries"),
+            json={"type": "user/message", "data": {"content": str(n)}},
+            headers={"If-Match": f'"{n}"'},
+        )
+        assert r.status_code == 201, r.text
+    assert (await client.get("/readyz")).status_code == 200

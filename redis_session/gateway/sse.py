@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -36,6 +36,34 @@ END_PATIENCE = 2.0
 """Seconds an ended stream's last write may wait behind what its client has yet to read: past
 the stopping gateway's patience with a client that took nothing (1 s, `app._Server`), within
 uvicorn's graceful stop (3 s)."""
+
+
+async def _admitted(
+    response: Response,
+    streams: _Streams,
+    tails: Tails,
+    holder: Hashable,
+    serve: Callable[[Scope, Receive, Send], Awaitable[None]],
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+) -> None:
+    """Run a stream's `serve` if it is admitted: a HEAD gets the head alone; past the streams'
+    cap, or past the connections the pool can spare for followed sessions (`holder` names the
+    one it shares, counted before the first await so concurrent requests cannot all slip under),
+    503 ``busy``."""
+    if scope["method"] == "HEAD":
+        await send({"type": "http.response.start", "status": 200, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    if streams.full() or not tails.reserve(holder):
+        busy = _error(503, "busy", "too many live streams; retry later", {"Retry-After": "5"})
+        await busy(scope, receive, send)
+        return
+    try:
+        await serve(scope, receive, send)
+    finally:
+        tails.release(holder)
 
 
 class _Streams:
@@ -297,21 +325,10 @@ class _EventStream(Response):
         self._pages = _Pages()  # how many entries it reads from the store at once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] == "HEAD":
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
         # a shared tail's streams hold one pooled connection between them, a `?deltas=1` stream
-        # its own: counted before the first await, so concurrent requests cannot all slip under
+        # its own
         held = Tails.holder(self.session_id, self.deltas)
-        if self.streams.full() or not self.tails.reserve(held):
-            busy = _error(503, "busy", "too many live streams; retry later", {"Retry-After": "5"})
-            await busy(scope, receive, send)
-            return
-        try:
-            await self._serve(scope, receive, send)
-        finally:
-            self.tails.release(held)
+        await _admitted(self, self.streams, self.tails, held, self._serve, scope, receive, send)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         lock = anyio.Lock(fast_acquire=True)
@@ -693,19 +710,7 @@ class _StoreEventStream(Response):
         self.streams = streams  # ended with the others on shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] == "HEAD":
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        # counted before the first await, as a session stream is
-        if self.streams.full() or not self.tails.reserve(Notifications.HOLDER):
-            busy = _error(503, "busy", "too many live streams; retry later", {"Retry-After": "5"})
-            await busy(scope, receive, send)
-            return
-        try:
-            await self._serve(scope, receive, send)
-        finally:
-            self.tails.release(Notifications.HOLDER)
+        await _admitted(self, self.streams, self.tails, Notifications.HOLDER, self._serve, scope, receive, send)
 
     READY_WITHIN = 5.0
 
