@@ -16,7 +16,7 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from redis_session import NewEntry, RedisSessionStore, SessionHeader
+from redis_session import NewEntry, RedisSessionStore, SessionError, SessionHeader
 
 pytestmark = pytest.mark.anyio
 
@@ -139,3 +139,26 @@ async def test_layout_through_redis_cli(redis_store: RedisSessionStore, redis_ur
         else:
             rows.append((line, []))
     check_rows([(rid, dict(zip(f[::2], f[1::2], strict=True))) for rid, f in rows])
+
+
+async def test_long_reads_decode_every_row_in_order(
+    redis_store: RedisSessionStore, raw_redis: aioredis.Redis, prefix: str
+) -> None:
+    """A read of a long log is decoded a chunk of rows at a time: every entry comes back once, in
+    order, with its own fields (plain rows and rows with meta between them), whichever chunk edge
+    a range starts or stops at; a row edited outside redis-session fails the read, not silently."""
+    await redis_store.create(SessionHeader(id="long"))
+    batch = [
+        NewEntry("assistant/message", {"content": f"a{i}"}, {"turn": i}) if i % 97 == 0 else um(f"m{i}")
+        for i in range(1000)
+    ]
+    await redis_store.put("long", 0, batch)
+    got = await redis_store.read("long")
+    assert [e.n for e in got] == list(range(1000))
+    assert [(e.type, e.data, e.meta) for e in got] == [(b.type, b.data, b.meta) for b in batch]
+    for start, stop in [(0, 256), (255, 257), (1, 999), (743, 1000), (512, 513)]:
+        assert [e.n for e in await redis_store.read("long", start, stop)] == list(range(start, stop))
+    await raw_redis.xadd(f"{prefix}:{{long}}:log", {"type": "user/message", "time": "1", "data": "{oops"}, id="1000-1")
+    await raw_redis.hset(f"{prefix}:{{long}}:hdr", "n", 1001)
+    with pytest.raises(SessionError, match="corrupt"):
+        await redis_store.read("long")

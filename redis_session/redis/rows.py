@@ -28,6 +28,32 @@ def rows_to_entries(rows: Sequence[Any]) -> builtins.list[Entry]:
     return _decode_entries(_splice_rows(rows)) if rows else []
 
 
+_CHUNK = 256
+"""Rows spliced and decoded at a time by `take_entries`: a chunk's pieces are still in the CPU's
+cache when they are joined, and its JSON when it is decoded (one 3 MB splice of a 10 000-entry
+read missed the cache on every piece, and again on every byte of the decode)."""
+
+
+def take_entries(rows: builtins.list[Any]) -> builtins.list[Entry]:
+    """`rows_to_entries` of a reply the caller hands over: decoded a chunk at a time from the end,
+    each chunk's rows dropped before the next, so `rows` is empty afterwards and the collector's
+    passes that the new entries trigger walk less and less of the reply."""
+    if len(rows) <= _CHUNK:
+        out = rows_to_entries(rows)
+        rows.clear()
+        return out
+    decoded: builtins.list[builtins.list[Entry]] = []
+    while rows:
+        chunk = rows[-_CHUNK:]
+        del rows[-_CHUNK:]
+        decoded.append(_decode_entries(_splice_rows(chunk)))
+        del chunk
+    out = decoded.pop()
+    while decoded:
+        out += decoded.pop()
+    return out
+
+
 def _splice_rows(rows: Sequence[Any]) -> bytes:
     """Raw XRANGE rows as one JSON array of entries. The splice appends slices to one list and
     joins once: no per-row formatting, no intermediate bytes."""

@@ -90,7 +90,7 @@ from .replies import confirmed as _confirmed
 from .replies import io_guard as _io
 from .replies import typed_reply_error as _typed
 from .replies import unavailable as _unavailable
-from .rows import _decode_entries, _splice_rows, rows_to_entries
+from .rows import rows_to_entries, take_entries
 from .scripts import SCRIPTS as _SCRIPTS
 from .scripts import Script as _Script
 from .wire import (
@@ -612,12 +612,10 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                 if paged is None:  # archived (or restored) under the pages: read again
                     return await self.read(session_id, start, stop, incarnation=incarnation)
                 rows = paged
-            # The reply's ~9 objects per row are dropped before the decode, so the collector
+            # The reply's ~9 objects per row are dropped as they are decoded, so the collector
             # passes that the new entries trigger do not walk them.
-            blob = _splice_rows(rows) if rows else b""
+            own = take_entries(rows if isinstance(rows, builtins.list) else builtins.list(rows))
             del rows
-            own = _decode_entries(blob) if blob else []
-            del blob
             if stop is not None and own and own[-1].n >= stop:
                 own = [e for e in own if e.n < stop]
             if own and own[-1].n >= n:  # written after our HMGET: not part of this snapshot
