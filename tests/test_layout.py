@@ -17,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from redis_session import NewEntry, RedisSessionStore, SessionError, SessionHeader
+from redis_session.redis.rows import rows_to_entries
 
 pytestmark = pytest.mark.anyio
 
@@ -142,7 +143,7 @@ async def test_layout_through_redis_cli(redis_store: RedisSessionStore, redis_ur
 
 
 async def test_long_reads_decode_every_row_in_order(
-    redis_store: RedisSessionStore, raw_redis: aioredis.Redis, prefix: str
+    redis_store: RedisSessionStore, raw_redis: aioredis.Redis, redis_url: str, prefix: str
 ) -> None:
     """A read of a long log is decoded a chunk of rows at a time: every entry comes back once, in
     order, with its own fields (plain rows and rows with meta between them), whichever chunk edge
@@ -158,6 +159,13 @@ async def test_long_reads_decode_every_row_in_order(
     assert [(e.type, e.data, e.meta) for e in got] == [(b.type, b.data, b.meta) for b in batch]
     for start, stop in [(0, 256), (255, 257), (1, 999), (743, 1000), (512, 513)]:
         assert [e.n for e in await redis_store.read("long", start, stop)] == list(range(start, stop))
+    # the doctor's and the archive's decoder (the rows left as they are) reads the same entries
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        rows = [[rid, [x for kv in f.items() for x in kv]] for rid, f in await raw.xrange(f"{prefix}:{{long}}:log")]
+    finally:
+        await raw.aclose()
+    assert rows_to_entries(rows) == got
     await raw_redis.xadd(f"{prefix}:{{long}}:log", {"type": "user/message", "time": "1", "data": "{oops"}, id="1000-1")
     await raw_redis.hset(f"{prefix}:{{long}}:hdr", "n", 1001)
     with pytest.raises(SessionError, match="corrupt"):
