@@ -170,3 +170,47 @@ async def test_long_reads_decode_every_row_in_order(
     await raw_redis.hset(f"{prefix}:{{long}}:hdr", "n", 1001)
     with pytest.raises(SessionError, match="corrupt"):
         await redis_store.read("long")
+
+
+@pytest.mark.parametrize(
+    "edit",
+    ["gap", "last row deleted", "stray row", "no type", "empty type", "no time", "no data", "type not UTF-8"],
+)
+async def test_a_log_edited_outside_fails_the_read(
+    redis_store: RedisSessionStore, raw_redis: aioredis.Redis, redis_url: str, prefix: str, edit: str
+) -> None:
+    """A row deleted or added outside redis-session, or one without its type, time or data, fails
+    the read with the corruption error: never a shorter log, a second entry n, or an entry read
+    with a default type, time or data in place of what is missing. (Data that no longer fits its
+    type's schema is `redis-session doctor`'s to report: a read does not re-validate every entry.)"""
+    await redis_store.create(SessionHeader(id="e"))
+    await redis_store.put("e", 0, [um(f"m{i}") for i in range(9)])
+    log, hdr = f"{prefix}:{{e}}:log", f"{prefix}:{{e}}:hdr"
+    raw = aioredis.Redis.from_url(redis_url)  # bytes, for a value that is not UTF-8
+    try:
+        fields: dict[str, str | bytes] = {"type": "user/message", "time": "1", "data": '{"content":"m9"}'}
+        if edit == "gap":
+            await redis_store.put("e", 9, [um("m9")])
+            await raw.xdel(log, "5-1")
+        elif edit == "last row deleted":
+            await redis_store.put("e", 9, [um("m9")])
+            await raw.xdel(log, "9-1")
+        elif edit == "stray row":
+            await raw.xadd(log, {"type": "user/message", "time": "1", "data": '{"content":"stray"}'}, id="8-2")
+        else:
+            if edit == "empty type":
+                fields["type"] = ""
+            elif edit == "type not UTF-8":
+                fields["type"] = b"user/\xff"
+            else:
+                fields.pop(edit.split()[1])
+            await raw.xadd(log, fields, id="9-1")  # type: ignore[arg-type]
+            await raw.hset(hdr, "n", 10)
+        with pytest.raises(SessionError, match="corrupt"):
+            await redis_store.read("e")
+        if edit in ("gap", "last row deleted"):  # a range over the hole, too
+            with pytest.raises(SessionError, match="corrupt"):
+                await redis_store.read("e", 4, 10)
+        assert [e.n for e in await redis_store.read("e", 0, 4)] == [0, 1, 2, 3]  # the sound part reads
+    finally:
+        await raw.aclose()

@@ -65,9 +65,12 @@ def _splice_rows(rows: Sequence[Any]) -> bytes:
     parts: builtins.list[bytes] = [b"["]
     extend = parts.extend
     for rid, f in rows:
-        # ID "<n>-1": rid[:-2] is n (any other ID fails to decode, it is never mis-numbered)
-        if len(f) == 6 and f[4] == b"data" and f[0] == b"type" and f[2] == b"time":
-            extend((b'{"n":', rid[:-2], b',"type":"', f[1], b'","time":', f[3], b',"data":', f[5], b"},"))
+        # ID "<n>-1" gives n; any other ID is left whole, "<n>-<seq>", and fails to decode: a
+        # row added beside entry n (XADD <n>-2) is never read as a second entry n
+        if len(f) == 6 and f[4] == b"data" and f[0] == b"type" and f[2] == b"time" and f[1]:
+            extend(
+                (b'{"n":', rid.removesuffix(b"-1"), b',"type":"', f[1], b'","time":', f[3], b',"data":', f[5], b"},")
+            )
         else:
             extend(_odd_row(rid, f))
     parts[-1] = b"}]"  # the last row's "}," closes the array instead
@@ -78,17 +81,34 @@ def _decode_entries(blob: bytes) -> builtins.list[Entry]:
     try:
         return ENTRY_LIST_DECODER.decode(blob)
     except msgspec.DecodeError as e:
-        raise SessionError(f"stored entries are corrupt (edited outside redis-session?): {e}") from None
+        raise _corrupt(str(e)) from None
+
+
+def _corrupt(why: str) -> SessionError:
+    return SessionError(f"stored entries are corrupt (edited outside redis-session?): {why}")
 
 
 def _odd_row(rid: bytes, f: Any) -> tuple[bytes, ...]:
-    """A row with `meta`/`surface` (or fields in another order): the same splice, by name."""
+    """A row with `meta`/`surface` (or fields in another order): the same splice, by name. A row
+    without its type, time or data (or with an empty type) is corrupt: never read with a default."""
     d = f if isinstance(f, dict) else dict(zip(f[::2], f[1::2], strict=False))
+    typ, tm, data = d.get(b"type"), d.get(b"time"), d.get(b"data")
+    if not typ or tm is None or data is None:
+        missing = (
+            "an empty type"
+            if typ == b""
+            else "no " + ", ".join(name for name, v in (("type", typ), ("time", tm), ("data", data)) if v is None)
+        )
+        raise _corrupt(f"the row {rid.decode(errors='replace')} has {missing}")
+    try:
+        type_json = _json.encode(typ.decode())
+    except UnicodeDecodeError:
+        raise _corrupt(f"the row {rid.decode(errors='replace')} has a type that is not UTF-8") from None
     out: tuple[bytes, ...] = (
-        b'{"n":', rid.partition(b"-")[0],
-        b',"type":', _json.encode(d.get(b"type", b"").decode()),
-        b',"time":', d.get(b"time", b"0"),
-        b',"data":', d.get(b"data", b"{}"),
+        b'{"n":', rid.removesuffix(b"-1"),
+        b',"type":', type_json,
+        b',"time":', tm,
+        b',"data":', data,
     )  # fmt: skip
     if b"meta" in d:
         out += (b',"meta":', d[b"meta"])

@@ -313,6 +313,21 @@ class _SessionWire(msgspec.Struct, frozen=True, gc=False):
     short_nargs: int  # how many bulks `short` and the short layout's fixed ARGV hold together
 
 
+
+def _whole(session_id: str, entries: builtins.list[Entry], start: int, end: int) -> builtins.list[Entry]:
+    """`entries`, checked to be exactly entries [start, end) of the session: the rows' IDs rise
+    (a stream's do) and each names its n (`rows`), so the first n, the last and the count tell
+    a row deleted (``XDEL``, a trim) or added outside redis-session, which a read must not pass
+    on as a shorter or longer log (`redis-session doctor` names the row)."""
+    want = max(end - start, 0)
+    if len(entries) == want and (not want or (entries[0].n == start and entries[-1].n == end - 1)):
+        return entries
+    got = f"n={entries[0].n}..{entries[-1].n}" if entries else "nothing"
+    raise SessionError(
+        f"stored entries are corrupt (edited outside redis-session?): the log of {session_id!r} holds "
+        f"{len(entries)} entries ({got}) where [{start}, {end}) has {want}; run `redis-session doctor`"
+    )
+
 class RedisSessionStore(ColdTierOps, AnswerOps):
     """Sessions on Redis Streams (see the README for the key layout).
 
@@ -624,14 +639,14 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             # an archived prefix (the header's `cold` field): stitched in front of the hot stream
             own = await self._with_cold(session_id, inc, cold_raw, max(start, at), stop, n, own, incarnation)
             if start >= at:
-                return own
+                return _whole(session_id, own, start, n if stop is None else min(stop, n))
             segments = [] if seg_raw is None else _segments_decoder.decode(seg_raw)
             out: builtins.list[Entry] = []
             for anc, lo, hi2 in plan_read(segments, at, n, start, stop):
                 if anc:
                     out.extend(await self._own_range(anc, lo, hi2))
             out.extend(own)
-            return out
+            return _whole(session_id, out, start, n if stop is None else min(stop, n))
 
     async def _page_on(self, session_id: str, rows: Any, seen: tuple[Any, Any, Any]) -> builtins.list[Any] | None:
         """The rest of a long log after its first page `rows`, then the header checked against
