@@ -108,3 +108,41 @@ async def test_an_unexpected_error_on_the_short_way_reaches_the_server(redis_sto
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
         with pytest.raises(RuntimeError, match="projection of s failed"):
             await client.get("/sessions/s/messages")
+
+
+async def _call(app: Any, messages: list[dict[str, Any]], headers: list[tuple[bytes, bytes]]) -> list[dict[str, Any]]:
+    """One ASGI request on `app` whose body arrives as `messages` (then the client is gone)."""
+    sent: list[dict[str, Any]] = []
+    queue = list(messages)
+
+    async def receive() -> dict[str, Any]:
+        return queue.pop(0) if queue else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/sessions/s/entries", "raw_path": b"/sessions/s/entries", "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"127.0.0.1"), *headers], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    await app(scope, receive, send)
+    return sent
+
+
+async def test_a_body_in_pieces_and_a_client_gone_mid_body(redis_store: RedisSessionStore) -> None:
+    """The body is read as the server hands it over: in pieces (an empty one among them) it is one
+    body; a client that hangs up before its last piece gets nothing written (its answer, a 400,
+    is for the log); a declared length over the limit is refused before any piece is read."""
+    await redis_store.create(SessionHeader(id="s"))
+    body = b'{"type":"user/message","data":{"content":"in pieces"}}'
+    pieces = [body[:10], b"", body[10:30], body[30:]]
+    for app in _apps(redis_store):
+        messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)]
+        sent = await _call(app, messages, [(b"if-match", b"*")])
+        assert sent[0]["status"] == 201
+        gone = await _call(app, [{"type": "http.request", "body": body[:10], "more_body": True}], [])
+        assert gone[0]["status"] == 400 and json.loads(gone[1]["body"])["error"] == "client_disconnected"
+        big = await _call(app, [], [(b"content-length", b"%d" % (64 << 20))])
+        assert big[0]["status"] == 413 and json.loads(big[1]["body"])["error"] == "body_too_large"
+    assert [e.data["content"] for e in await redis_store.read("s")] == ["in pieces", "in pieces"]

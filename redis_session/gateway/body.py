@@ -9,7 +9,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ..errors import InvalidEntryError
 from ..model import MAX_JSON_DEPTH, MAX_TTL, NewEntry, NotIJsonError, check_ijson
@@ -89,17 +89,32 @@ class NoFieldsIn(Struct, forbid_unknown_fields=True):
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, read as a stream and refused (413) as soon as it passes `limit` bytes:
     an oversized body is never buffered whole, let alone parsed."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        raise TooLarge(f"the request body is {int(declared)} bytes; the limit is {limit}", "body_too_large")
+    for name, value in request.scope["headers"]:
+        if name == b"content-length":
+            declared = value.strip()
+            if declared.isdigit() and int(declared) > limit:
+                raise TooLarge(f"the request body is {int(declared)} bytes; the limit is {limit}", "body_too_large")
+            break
+    if hasattr(request, "_body"):  # read already (Starlette keeps it): what `request.stream()` gives
+        return request._body
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    receive = request.receive
+    while True:  # what `request.stream()` does, without an async generator per request
+        message = await receive()
+        if message["type"] != "http.request":
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            continue
+        chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise TooLarge(f"the request body is over the limit of {limit} bytes", "body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        if chunk:
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            request._stream_consumed = True
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 MAX_DEPTH = MAX_JSON_DEPTH
@@ -254,16 +269,24 @@ def preconditions(request: Request) -> Preconditions:
 _PRECONDITIONS = "redis_session.preconditions"
 
 
+_PRECONDITION_HEADERS = (b"if-match", b"x-session-incarnation", b"idempotency-key")
+
+
 def _read_preconditions(request: Request) -> Preconditions:
     expected: int | None = None
     incarnation: str | None = None
-    raw = single_value(request.headers.getlist("if-match"), "If-Match")
+    # the three headers in one pass over the request's (lower-case, as ASGI gives them) headers
+    found: dict[bytes, list[str]] = {}
+    for name, value in request.scope["headers"]:
+        if name in _PRECONDITION_HEADERS:
+            found.setdefault(name, []).append(value.decode("latin-1"))
+    raw = single_value(found.get(b"if-match", []), "If-Match")
     if raw is not None and raw.strip() != "*":
         m = _IF_MATCH.fullmatch(raw.strip())
         if m is None:
             raise _BadRequest('If-Match is "<n>", "<n>;<incarnation>" or *, got ' + repr(raw[:80]))
         expected, incarnation = int(m.group(2)), m.group(3)
-    pinned = single_value(request.headers.getlist("x-session-incarnation"), "X-Session-Incarnation")
+    pinned = single_value(found.get(b"x-session-incarnation", []), "X-Session-Incarnation")
     if pinned is not None:
         pinned = pinned.strip()
         if not 1 <= len(pinned) <= 64 or (incarnation is not None and pinned != incarnation):
@@ -274,7 +297,7 @@ def _read_preconditions(request: Request) -> Preconditions:
         if not 1 <= len(query) <= 64 or (incarnation is not None and query != incarnation):
             raise _BadRequest("?incarnation= is 1-64 characters and agrees with X-Session-Incarnation and If-Match")
         incarnation = query
-    key = single_value(request.headers.getlist("idempotency-key"), "Idempotency-Key")
+    key = single_value(found.get(b"idempotency-key", []), "Idempotency-Key")
     if key is not None and not 1 <= len(key) <= 256:
         raise _BadRequest("Idempotency-Key is 1-256 characters")
     return Preconditions(expected, incarnation, key)
