@@ -512,3 +512,28 @@ async def test_repair_racing_a_branch_keeps_its_link(store: Any) -> None:
     assert await store.delete("p") is True
     assert await store.head("p") is None
     assert [e.data["content"] for e in await store.read("c")] == ["a", "b"]
+
+
+async def test_a_branch_deleted_while_its_prefix_is_read(redis_store: Any) -> None:
+    """A branch read between its header and its parent's prefix: the branch deleted in between
+    (its hidden parent's log goes with its last branch) answers `SessionNotFoundError`, as a read
+    of a deleted session does, never a log without its prefix or a corruption error."""
+    sessions = Sessions(redis_store)
+    parent = await sessions.create("p")
+    await parent.append_many([um(f"m{i}") for i in range(10)])
+    b = await sessions.branch("p", 6, branch_id="b")
+    await b.append("assistant/message", {"content": "child"})
+    await redis_store.delete("p")  # hidden: the branch still reads its prefix
+    assert len(await redis_store.read("b")) == 7
+    own_range = redis_store._own_range
+
+    async def deleted_first(session_id: str, lo: int, hi: int, _depth: int = 0) -> list[Entry]:
+        assert await redis_store.delete("b")  # its parent's log with it
+        return await own_range(session_id, lo, hi, _depth)
+
+    redis_store._own_range = deleted_first
+    try:
+        with pytest.raises(SessionNotFoundError):
+            await redis_store.read("b")
+    finally:
+        del redis_store._own_range

@@ -313,20 +313,14 @@ class _SessionWire(msgspec.Struct, frozen=True, gc=False):
     short_nargs: int  # how many bulks `short` and the short layout's fixed ARGV hold together
 
 
-
-def _whole(session_id: str, entries: builtins.list[Entry], start: int, end: int) -> builtins.list[Entry]:
-    """`entries`, checked to be exactly entries [start, end) of the session: the rows' IDs rise
-    (a stream's do) and each names its n (`rows`), so the first n, the last and the count tell
-    a row deleted (``XDEL``, a trim) or added outside redis-session, which a read must not pass
-    on as a shorter or longer log (`redis-session doctor` names the row)."""
+def _whole(entries: builtins.list[Entry], start: int, end: int) -> bool:
+    """Whether `entries` are exactly entries [start, end): the rows' IDs rise (a stream's do) and
+    each names its n (`rows`), so the first n, the last and the count tell a row deleted
+    (``XDEL``, a trim) or added outside redis-session, which a read must not pass on as a shorter
+    or longer log (`redis-session doctor` names the row)."""
     want = max(end - start, 0)
-    if len(entries) == want and (not want or (entries[0].n == start and entries[-1].n == end - 1)):
-        return entries
-    got = f"n={entries[0].n}..{entries[-1].n}" if entries else "nothing"
-    raise SessionError(
-        f"stored entries are corrupt (edited outside redis-session?): the log of {session_id!r} holds "
-        f"{len(entries)} entries ({got}) where [{start}, {end}) has {want}; run `redis-session doctor`"
-    )
+    return len(entries) == want and (not want or (entries[0].n == start and entries[-1].n == end - 1))
+
 
 class RedisSessionStore(ColdTierOps, AnswerOps):
     """Sessions on Redis Streams (see the README for the key layout).
@@ -638,15 +632,34 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             at = 0 if at_raw is None else int(at_raw)
             # an archived prefix (the header's `cold` field): stitched in front of the hot stream
             own = await self._with_cold(session_id, inc, cold_raw, max(start, at), stop, n, own, incarnation)
+            end = n if stop is None else min(stop, n)
             if start >= at:
-                return _whole(session_id, own, start, n if stop is None else min(stop, n))
-            segments = [] if seg_raw is None else _segments_decoder.decode(seg_raw)
-            out: builtins.list[Entry] = []
-            for anc, lo, hi2 in plan_read(segments, at, n, start, stop):
-                if anc:
-                    out.extend(await self._own_range(anc, lo, hi2))
-            out.extend(own)
-            return _whole(session_id, out, start, n if stop is None else min(stop, n))
+                out = own
+            else:
+                segments = [] if seg_raw is None else _segments_decoder.decode(seg_raw)
+                out = []
+                for anc, lo, hi2 in plan_read(segments, at, n, start, stop):
+                    if anc:
+                        out.extend(await self._own_range(anc, lo, hi2))
+                out.extend(own)
+            if not _whole(out, start, end):
+                await self._not_whole(session_id, inc, out, start, end)
+            return out
+
+    async def _not_whole(self, session_id: str, inc: str, got: builtins.list[Entry], start: int, end: int) -> None:
+        """Raise for a read that did not come out as entries [start, end): the session deleted or
+        replaced while its branch's prefix was read (its last branch gone, a parent's log goes
+        too), else a log edited outside redis-session."""
+        head = await self.head(session_id)
+        if head is None:
+            raise SessionNotFoundError(session_id)
+        if (head.header.incarnation or legacy_incarnation(head.header.created_at)) != inc:
+            raise SessionReplacedError(session_id)
+        shown = f"n={got[0].n}..{got[-1].n}" if got else "nothing"
+        raise SessionError(
+            f"stored entries are corrupt (edited outside redis-session?): the log of {session_id!r} holds "
+            f"{len(got)} entries ({shown}) where [{start}, {end}) has {max(end - start, 0)}; run `redis-session doctor`"
+        )
 
     async def _page_on(self, session_id: str, rows: Any, seen: tuple[Any, Any, Any]) -> builtins.list[Any] | None:
         """The rest of a long log after its first page `rows`, then the header checked against
