@@ -17,7 +17,7 @@ from .keys import is_staging_id, validate_session_id
 from .model import CUT, Entry, SessionHead, Vocabulary
 from .projection.invariants import Problem, check_invariants
 from .snapshots import read_range
-from .store import InspectableStore, SessionStore, sequence_problems
+from .store import InspectableStore, SessionStore, StorageCheck, sequence_problems
 
 
 class DoctorReport(Struct, frozen=True):
@@ -81,13 +81,18 @@ async def _doctor_once(store: SessionStore, session_id: str) -> tuple[DoctorRepo
         raise SessionNotFoundError(session_id)
     n, at = head.n, head.header.at or 0
 
-    check = await store.storage_problems(session_id, n, at) if isinstance(store, InspectableStore) else None
+    walked = True
+    try:
+        check = await store.storage_problems(session_id, n, at) if isinstance(store, InspectableStore) else None
+    except SessionError as e:  # a key of another kind than the layout's (a log replaced by a string)
+        add(None, "decode", f"the log cannot be read: {e}")
+        check, walked = None, False
     if check is not None:
         problems.extend(check.problems)
     try:
         entries = await read_range(store, session_id, 0, n)
     except SessionError as e:
-        if not (isinstance(e, ColdSegmentError) and check is not None and _segment_reported(check.problems)):
+        if walked and not _explained(e, check):
             add(None, "decode", f"the log cannot be read: {e}")
         entries = []
         complete = False
@@ -114,9 +119,19 @@ async def _doctor_once(store: SessionStore, session_id: str) -> tuple[DoctorRepo
     return DoctorReport(session_id, n, problems), head
 
 
-def _segment_reported(problems: Sequence[Problem]) -> bool:
-    """A missing or corrupt segment is reported already (by the storage check)."""
-    return any(p.code in ("segment-missing", "segment-corrupt") for p in problems)
+def _explained(e: SessionError, check: StorageCheck | None) -> bool:
+    """Whether the storage walk reported what made the read fail already, and named the row: a
+    row that does not decode, a gap, a stray or misplaced row, a log ahead of or behind the
+    header (the read's "not every entry of the range" is one of those), a missing or corrupt
+    segment. A failure it cannot see (a branch's prefix in its parent's log) is reported."""
+    if check is None:
+        return False
+    if isinstance(e, ColdSegmentError):
+        return any(p.code in ("segment-missing", "segment-corrupt") for p in check.problems)
+    return any(p.code in _STREAM_SHAPE for p in check.problems)
+
+
+_STREAM_SHAPE = frozenset({"decode", "stream-id", "stream-gap", "stream-order", "stream-ahead", "stream-behind"})
 
 
 def _schema_problems(vocabulary: Vocabulary, own: Sequence[Entry]) -> builtins.list[Problem]:

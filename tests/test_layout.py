@@ -174,14 +174,26 @@ async def test_long_reads_decode_every_row_in_order(
 
 @pytest.mark.parametrize(
     "edit",
-    ["gap", "last row deleted", "stray row", "no type", "empty type", "no time", "no data", "type not UTF-8"],
+    [
+        "gap",
+        "last row deleted",
+        "stray row",
+        "no type",
+        "empty type",
+        "no time",
+        "no data",
+        "type not UTF-8",
+        "data twice",
+        "log not a stream",
+    ],
 )
 async def test_a_log_edited_outside_fails_the_read(
     redis_store: RedisSessionStore, raw_redis: aioredis.Redis, redis_url: str, prefix: str, edit: str
 ) -> None:
-    """A row deleted or added outside redis-session, or one without its type, time or data, fails
-    the read with the corruption error: never a shorter log, a second entry n, or an entry read
-    with a default type, time or data in place of what is missing. (Data that no longer fits its
+    """A row deleted or added outside redis-session, one without its type, time or data or with a
+    field twice, or a log that is no stream, fails the read with the corruption error: never a
+    shorter log, a second entry n, an entry read with a default in place of what is missing, or a
+    raw WRONGTYPE. (Data that no longer fits its
     type's schema is `redis-session doctor`'s to report: a read does not re-validate every entry.)"""
     await redis_store.create(SessionHeader(id="e"))
     await redis_store.put("e", 0, [um(f"m{i}") for i in range(9)])
@@ -197,6 +209,14 @@ async def test_a_log_edited_outside_fails_the_read(
             await raw.xdel(log, "9-1")
         elif edit == "stray row":
             await raw.xadd(log, {"type": "user/message", "time": "1", "data": '{"content":"stray"}'}, id="8-2")
+        elif edit == "data twice":
+            await raw.execute_command(
+                "XADD", log, "9-1", "type", "user/message", "time", "1", "data", "{}", "data", '{"a":1}'
+            )
+            await raw.hset(hdr, "n", 10)
+        elif edit == "log not a stream":
+            await raw.delete(log)
+            await raw.set(log, "oops")
         else:
             if edit == "empty type":
                 fields["type"] = ""
@@ -211,6 +231,11 @@ async def test_a_log_edited_outside_fails_the_read(
         if edit in ("gap", "last row deleted"):  # a range over the hole, too
             with pytest.raises(SessionError, match="corrupt"):
                 await redis_store.read("e", 4, 10)
+        if edit == "log not a stream":
+            with pytest.raises(SessionError, match="corrupt"):  # a write too, and nothing is written
+                await redis_store.put("e", 9, [um("m9")])
+            assert await raw.get(log) == b"oops"
+            return
         assert [e.n for e in await redis_store.read("e", 0, 4)] == [0, 1, 2, 3]  # the sound part reads
     finally:
         await raw.aclose()

@@ -816,6 +816,29 @@ async def test_doctor_finds_storage_damage_on_redis(redis_store: Any, raw_redis:
     assert codes["behind"] == {"stream-behind"}
 
 
+async def test_doctor_names_each_edit_once(redis_store: Any, raw_redis: Any, prefix: str) -> None:
+    """A log edited outside redis-session is reported by the doctor, not raised: a row added beside
+    one (its ID named), a row given a field twice, a log key that is no stream; the read's own
+    corruption error is not reported again beside the row the walk names."""
+    sessions = Sessions(redis_store)
+    for sid in ("stray", "twice", "string"):
+        s = await sessions.open(sid)
+        await s.append_many([um("a"), um("b")])
+    log, hdr = f"{prefix}:{{%s}}:log", f"{prefix}:{{%s}}:hdr"
+    await raw_redis.xadd(log % "stray", {"type": "user/message", "time": "1", "data": "{}"}, id="1-2")
+    await raw_redis.execute_command(
+        "XADD", log % "twice", "2-1", "type", "user/message", "time", "1", "data", "{}", "data", "{}"
+    )
+    await raw_redis.hset(hdr % "twice", "n", "3")
+    await raw_redis.delete(log % "string")
+    await raw_redis.set(log % "string", "oops")
+    reports = {sid: (await doctor(redis_store, sid)).problems for sid in ("stray", "twice", "string")}
+    assert [p.code for p in reports["stray"]] == ["stream-id"] and "1-2" in reports["stray"][0].message
+    assert [(p.n, p.code) for p in reports["twice"]] == [(2, "decode")]
+    assert "a field twice" in reports["twice"][0].message
+    assert [p.code for p in reports["string"]] == ["decode"] and "another kind" in reports["string"][0].message
+
+
 async def test_doctor_checks_the_memory_store_through_read() -> None:
     from redis_session import MemorySessionStore
 

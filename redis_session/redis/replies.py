@@ -15,7 +15,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, RedisCluste
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..errors import AccessDeniedError, StoreUnavailableError
+from ..errors import AccessDeniedError, SessionError, StoreUnavailableError
 from ..model import Entry
 
 _json = msgspec.json.Encoder()
@@ -31,10 +31,16 @@ def unavailable(e: BaseException) -> StoreUnavailableError:
 
 
 def typed_reply_error(error: ResponseError) -> Exception:
-    """An ACL refusal as `AccessDeniedError` (nothing was written); other replies as they are."""
+    """An ACL refusal as `AccessDeniedError` (nothing was written); a key of the session that
+    holds another kind of value than the layout's (``WRONGTYPE``: a log replaced by a string
+    outside redis-session) as the corruption `SessionError` reads raise; other replies as they are."""
     text = str(error)
     if isinstance(error, NoPermissionError) or text.startswith(("NOPERM", "ACL failure")) or "NOPERM" in text[:80]:
         return AccessDeniedError(f"the Redis user may not do this: {text}")
+    if text.startswith("WRONGTYPE") or "WRONGTYPE" in text[:80]:
+        return SessionError(
+            f"stored entries are corrupt (edited outside redis-session?): a key holds another kind of value: {text}"
+        )
     return error
 
 
@@ -65,6 +71,11 @@ def io_guard() -> Iterator[None]:
         yield
     except IO_ERRORS as e:
         raise unavailable(e) from e
+    except ResponseError as e:  # the typed ones, on every path (a cluster's commands too)
+        typed = typed_reply_error(e)
+        if typed is e:
+            raise
+        raise typed from None
     except (AttributeError, TypeError) as e:
         if leaked_close_race(e):
             raise StoreUnavailableError(f"the Redis connection closed under a write: {e!r}") from e

@@ -90,8 +90,11 @@ def _corrupt(why: str) -> SessionError:
 
 def _odd_row(rid: bytes, f: Any) -> tuple[bytes, ...]:
     """A row with `meta`/`surface` (or fields in another order): the same splice, by name. A row
-    without its type, time or data (or with an empty type) is corrupt: never read with a default."""
+    without its type, time or data (or with an empty type), or with a field twice, is corrupt:
+    never read with a default, or with one of two values."""
     d = f if isinstance(f, dict) else dict(zip(f[::2], f[1::2], strict=False))
+    if not isinstance(f, dict) and 2 * len(d) != len(f):  # a field given twice: which one is it?
+        raise _corrupt(f"the row {rid.decode(errors='replace')} gives a field twice")
     typ, tm, data = d.get(b"type"), d.get(b"time"), d.get(b"data")
     if not typ or tm is None or data is None:
         missing = (
