@@ -129,6 +129,16 @@ local now_s = fmt('%d', now)
 local n, ttl
 local base
 
+-- The feed shard is written after the log here: holding another kind of value than a stream
+-- (edited outside redis-session), it would fail the script half-way with the entries written.
+-- Refused before any write instead (the idempotency set is read before any write already).
+if KEYS[9] then
+  local t = call('TYPE', KEYS[9])['ok']
+  if t ~= 'none' and t ~= 'stream' then
+    return redis.error_reply('WRONGTYPE the change feed shard holds another kind of value than a stream')
+  end
+end
+
 if mode == 'create' then
   if call('EXISTS', hdr) == 1 then return {5} end
   -- leftovers of an expired or half-purged session must not leak into the new one

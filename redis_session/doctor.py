@@ -12,7 +12,14 @@ from collections.abc import Sequence
 import msgspec
 from msgspec import Struct
 
-from .errors import ColdSegmentError, InvalidEntryError, SessionError, SessionNotFoundError
+from .errors import (
+    AccessDeniedError,
+    ColdSegmentError,
+    InvalidEntryError,
+    SessionError,
+    SessionNotFoundError,
+    StoreUnavailableError,
+)
 from .keys import is_staging_id, validate_session_id
 from .model import CUT, Entry, SessionHead, Vocabulary
 from .projection.invariants import Problem, check_invariants
@@ -59,11 +66,32 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     return report
 
 
+async def _header_of(store: SessionStore, session_id: str) -> tuple[SessionHead | None, str | None]:
+    """(the head, None), or (None, why the header cannot be read): it does not parse, or its key
+    holds another kind of value (WRONGTYPE)."""
+    try:
+        return await store.head(session_id), None
+    except (ValueError, TypeError, msgspec.DecodeError) as e:
+        return None, f"the header does not parse: {e}"
+    except SessionError as e:
+        if isinstance(e, _NOT_THE_SESSIONS):
+            raise
+        return None, f"the header cannot be read: {e}"
+
+
 async def _head_or_none(store: SessionStore, session_id: str) -> SessionHead | None:
     try:
         return await store.head(session_id)
     except (ValueError, TypeError, msgspec.DecodeError):
         return None
+    except SessionError as e:
+        if isinstance(e, _NOT_THE_SESSIONS):
+            raise
+        return None
+
+
+_NOT_THE_SESSIONS = (StoreUnavailableError, AccessDeniedError, SessionNotFoundError)
+"""Errors of reaching the store, not of what it holds: raised, never reported as a problem."""
 
 
 async def _doctor_once(store: SessionStore, session_id: str) -> tuple[DoctorReport, SessionHead | None]:
@@ -72,10 +100,9 @@ async def _doctor_once(store: SessionStore, session_id: str) -> tuple[DoctorRepo
     def add(n: int | None, code: str, message: str) -> None:
         problems.append(Problem(n, code, message))
 
-    try:
-        head = await store.head(session_id)
-    except (ValueError, TypeError, msgspec.DecodeError) as e:
-        add(None, "header", f"the header does not parse: {e}")
+    head, unreadable = await _header_of(store, session_id)
+    if unreadable is not None:
+        add(None, "header", unreadable)
         return DoctorReport(session_id, -1, problems), None
     if head is None:
         raise SessionNotFoundError(session_id)
@@ -85,6 +112,8 @@ async def _doctor_once(store: SessionStore, session_id: str) -> tuple[DoctorRepo
     try:
         check = await store.storage_problems(session_id, n, at) if isinstance(store, InspectableStore) else None
     except SessionError as e:  # a key of another kind than the layout's (a log replaced by a string)
+        if isinstance(e, _NOT_THE_SESSIONS):
+            raise
         add(None, "decode", f"the log cannot be read: {e}")
         check, walked = None, False
     if check is not None:

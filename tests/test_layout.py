@@ -239,3 +239,30 @@ async def test_a_log_edited_outside_fails_the_read(
         assert [e.n for e in await redis_store.read("e", 0, 4)] == [0, 1, 2, 3]  # the sound part reads
     finally:
         await raw.aclose()
+
+
+@pytest.mark.parametrize("key", ["feed", "idem"])
+@pytest.mark.parametrize("keyed", [True, False])
+async def test_a_shared_key_of_another_kind_fails_a_write_before_it_writes(
+    redis_store: RedisSessionStore, redis_url: str, key: str, keyed: bool
+) -> None:
+    """The change feed's shard or the idempotency set holding another kind of value (edited
+    outside redis-session) fails an append with the corruption error and nothing written: not the
+    entries in the log and an error after them (a caller retrying with a new key wrote twice)."""
+    await redis_store.create(SessionHeader(id="k"), [um("m0")])
+    name = redis_store.keys.feed(redis_store.keys.feed_shard("k")) if key == "feed" else redis_store.keys.idem("k")
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        await raw.delete(name)
+        await raw.set(name, "oops")
+        if key == "idem" and not keyed:  # the set is only looked at by a keyed append
+            await redis_store.put("k", 1, [um("m1")])
+            assert [e.data["content"] for e in await redis_store.read("k")] == ["m0", "m1"]
+            return
+        with pytest.raises(SessionError, match="corrupt"):
+            await redis_store.put("k", 1, [um("m1")], idempotency_key="pay-1" if keyed else None)
+        assert [e.data["content"] for e in await redis_store.read("k")] == ["m0"]
+        assert (await redis_store.head("k")).n == 1  # type: ignore[union-attr]
+    finally:
+        await raw.delete(name)
+        await raw.aclose()

@@ -474,6 +474,7 @@ class LosesReplies:
     def __init__(self, store: RedisSessionStore, error: type[Exception] = redis.exceptions.ConnectionError) -> None:
         self._store = store
         self.lose = 0
+        self.fail = 0  # writes that fail before they are sent (nothing lands)
         self.error = error
 
     def __getattr__(self, name: str) -> Any:
@@ -486,6 +487,9 @@ class LosesReplies:
         return result
 
     async def put(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail:
+            self.fail -= 1
+            raise self.error("the server did not answer")
         return await self._lost(await self._store.put(*args, **kwargs))
 
     async def create(self, *args: Any, **kwargs: Any) -> Any:
@@ -1006,6 +1010,58 @@ def test_a_session_whose_stored_key_leads_elsewhere_is_listed_under_the_key_that
     loaded = pod.load("copy-7")
     assert loaded is not None and [m["content"] for m in loaded.messages] == ["hi"]
     assert pod.read("copy-7")["key"] == "copy-7"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_the_save_after_one_of_unknown_outcome_is_no_conflict(rig: Rig, landed: bool) -> None:
+    """A save fails with its outcome unknown (the store unreachable: it landed or not), and nanobot
+    goes on: the next turn adds a message and saves. That save is its own, not another pod's: it
+    lands with the earlier one's messages once, whether they had landed or not, and no
+    `NanobotSessionConflict` fails the turn (a CLIENT KILL or a restart under two writers gave
+    one every few saves)."""
+    flaky = LosesReplies(RedisSessionStore.from_url(rig.url, prefix=rig.prefix), StoreUnavailableError)
+    ours = RedisNanobotStore(flaky)
+    key = "telegram:unsure"
+    s = Session(key=key)
+    s.add_message("user", "first")
+    ours.save(s)
+    s.add_message("assistant", "second")
+    if landed:
+        flaky.lose = 1
+    else:
+        flaky.fail = 1
+    with pytest.raises(StoreUnavailableError):
+        ours.save(s)
+    s.add_message("user", "third")
+    ours.save(s)
+    s.add_message("assistant", "fourth")
+    ours.save(s)
+    fresh = rig.ours.load(key)
+    assert fresh is not None
+    assert [m["content"] for m in fresh.messages] == ["first", "second", "third", "fourth"]
+
+
+def test_a_save_of_unknown_outcome_overtaken_by_another_pod_is_the_conflict(rig: Rig) -> None:
+    """The unsettled save did not land and another pod saved meanwhile: the next save is that
+    conflict (nanobot's turn fails, the object holds what is stored), never a write over it."""
+    flaky = LosesReplies(RedisSessionStore.from_url(rig.url, prefix=rig.prefix), StoreUnavailableError)
+    a, b = RedisNanobotStore(flaky), rig.pod()
+    key = "telegram:overtaken"
+    s = Session(key=key)
+    s.add_message("user", "first")
+    a.save(s)
+    s.add_message("assistant", "mine")
+    flaky.fail = 1
+    with pytest.raises(StoreUnavailableError):
+        a.save(s)
+    other = b.load(key)
+    assert other is not None
+    other.add_message("assistant", "theirs")
+    b.save(other)
+    with pytest.raises(NanobotSessionConflict):
+        a.save(s)
+    assert [m["content"] for m in s.messages] == ["first", "theirs"]  # what is stored
+    assert [m["content"] for m in rig.ours.load(key).messages] == ["first", "theirs"]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("error", [redis.exceptions.ConnectionError, StoreUnavailableError])

@@ -818,10 +818,10 @@ async def test_doctor_finds_storage_damage_on_redis(redis_store: Any, raw_redis:
 
 async def test_doctor_names_each_edit_once(redis_store: Any, raw_redis: Any, prefix: str) -> None:
     """A log edited outside redis-session is reported by the doctor, not raised: a row added beside
-    one (its ID named), a row given a field twice, a log key that is no stream; the read's own
+    one (its ID named), a row given a field twice, a log or header key of another kind; the read's own
     corruption error is not reported again beside the row the walk names."""
     sessions = Sessions(redis_store)
-    for sid in ("stray", "twice", "string"):
+    for sid in ("stray", "twice", "string", "hdr"):
         s = await sessions.open(sid)
         await s.append_many([um("a"), um("b")])
     log, hdr = f"{prefix}:{{%s}}:log", f"{prefix}:{{%s}}:hdr"
@@ -832,7 +832,10 @@ async def test_doctor_names_each_edit_once(redis_store: Any, raw_redis: Any, pre
     await raw_redis.hset(hdr % "twice", "n", "3")
     await raw_redis.delete(log % "string")
     await raw_redis.set(log % "string", "oops")
-    reports = {sid: (await doctor(redis_store, sid)).problems for sid in ("stray", "twice", "string")}
+    await raw_redis.delete(hdr % "hdr")
+    await raw_redis.set(hdr % "hdr", "oops")
+    reports = {sid: (await doctor(redis_store, sid)).problems for sid in ("stray", "twice", "string", "hdr")}
+    assert [p.code for p in reports["hdr"]] == ["header"] and "another kind" in reports["hdr"][0].message
     assert [p.code for p in reports["stray"]] == ["stream-id"] and "1-2" in reports["stray"][0].message
     assert [(p.n, p.code) for p in reports["twice"]] == [(2, "decode")]
     assert "a field twice" in reports["twice"][0].message

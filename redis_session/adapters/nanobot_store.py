@@ -60,6 +60,7 @@ from datetime import datetime
 from typing import Any, TypeVar, cast
 
 import msgspec
+import redis.exceptions
 from nanobot.providers.base import ProviderConversationState
 from nanobot.session import manager as _nb
 from nanobot.session.summary import is_summary_checkpoint
@@ -87,6 +88,11 @@ __all__ = ["NanobotSessionConflict", "NanobotSessionDeleted", "RedisNanobotStore
 
 #: nanobot's own limits for a listing's preview scan
 _PIN = "_redis_session_pin"
+_UNKNOWN_OUTCOME = (StoreUnavailableError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+"""What a write that may have landed raises (a reply lost to a closed connection, a timeout)."""
+_UNSURE = "_redis_session_unsure"
+"""On a session object: the write of a save whose outcome is unknown (the store was unreachable
+after it was sent: it may have landed), as (n, incarnation, entries, pin after it)."""
 _CACHE_SIZE = 256
 _REBASES = 16
 
@@ -507,6 +513,7 @@ class RedisNanobotStore:
             raise NanobotSessionDeleted(sid, session.key) from None
 
     async def _update(self, session: _nb.Session, sid: str, pin: _Pin) -> _Pin:
+        pin = await self._settle(session, sid, pin)
         for _ in range(_REBASES):
             entries, after = _plan(pin, session)
             if not entries:
@@ -514,20 +521,49 @@ class RedisNanobotStore:
             try:
                 await self._put(sid, pin, entries)
                 return after
+            except _UNKNOWN_OUTCOME:
+                # it may have landed: the next save sends this very write again first (`_settle`),
+                # instead of planning from before it and taking its own entries for another pod's
+                setattr(session, _UNSURE, (pin.n, pin.incarnation, entries, after))
+                raise
             except SessionConflictError as e:
                 if e.actual_n < pin.n:
                     raise SessionReplacedError(sid, "the log is shorter than this session object saw") from None
                 pin = await self._rebase(session, sid, pin, e.actual_n)
         raise NanobotSessionConflict(sid, session.key, pin.n, pin.n)
 
+    async def _settle(self, session: _nb.Session, sid: str, pin: _Pin) -> _Pin:
+        """The pin after the write of an earlier save of `session` whose outcome was unknown: that
+        write sent again (its key names it: replayed if it landed, written now if not), so this
+        save plans from after it; `pin` as it is when another write took its place meanwhile (the
+        usual conflict then) or there was none. Unreachable again: it stays unsettled."""
+        unsure = getattr(session, _UNSURE, None)
+        if unsure is None:
+            return pin
+        n, incarnation, entries, after = unsure
+        if (n, incarnation) != (pin.n, pin.incarnation):
+            delattr(session, _UNSURE)  # the object was saved or loaded since: not this pin's write
+            return pin
+        try:
+            await self._put_at(sid, n, incarnation, entries)
+        except SessionConflictError:
+            delattr(session, _UNSURE)  # it did not land, and another write did
+            return pin
+        delattr(session, _UNSURE)
+        setattr(session, _PIN, after)
+        return cast(_Pin, after)
+
     async def _put(self, sid: str, pin: _Pin, entries: Sequence[NewEntry]) -> None:
+        await self._put_at(sid, pin.n, pin.incarnation, entries)
+
+    async def _put_at(self, sid: str, n: int, incarnation: str, entries: Sequence[NewEntry]) -> None:
         # The key names the write itself (this life, this n, these entries): a save retried after
         # a lost reply finds its first attempt and lands once.
-        key = _write_key(sid, pin.incarnation, pin.n, entries)
+        key = _write_key(sid, incarnation, n, entries)
         step = self._store.max_batch
         for i in range(0, len(entries), step):
             await self._store.put(
-                sid, pin.n + i, entries[i : i + step], idempotency_key=f"{key}:{i}", incarnation=pin.incarnation
+                sid, n + i, entries[i : i + step], idempotency_key=f"{key}:{i}", incarnation=incarnation
             )
 
     async def _rebase(self, session: _nb.Session, sid: str, pin: _Pin, actual: int) -> _Pin:
