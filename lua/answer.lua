@@ -114,6 +114,12 @@ if op == 'begin' then
     if (s[4] or '') ~= ARGV[6] or (s[5] or '') ~= ARGV[7] then return {15} end
     return {1, tonumber(s[2]), s[3], cur}
   end
+  -- an answer is committed to the log at its end: a log that is no stream (edited outside
+  -- redis-session) refuses it now, before its live records are written for nothing
+  local lt = call('TYPE', log)['ok']
+  if lt ~= 'none' and lt ~= 'stream' then
+    return redis.error_reply('WRONGTYPE the log of this session holds another kind of value than a stream')
+  end
   local at = n
   if ARGV[8] ~= '' then at = tonumber(ARGV[8]) end
   local f = {'a', answer, 'k', 'b'}
@@ -268,6 +274,14 @@ if op == 'end' then
     if mine ~= at then return {2, n} end
   elseif expected ~= '' then
     if tonumber(expected) ~= n then return {2, n} end
+  end
+  -- the feed shard and the live stream are written after the log: either holding another kind
+  -- of value than a stream (edited outside redis-session) is refused before any write
+  for _, key in ipairs({live, ctype ~= '' and KEYS[10] or nil}) do
+    local t = call('TYPE', key)['ok']
+    if t ~= 'none' and t ~= 'stream' then
+      return redis.error_reply('WRONGTYPE a stream of this session or its feed holds another kind of value')
+    end
   end
   if write_row then
     local err = add_entry(n, 'assistant/chunk', data, '')

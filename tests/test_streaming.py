@@ -612,3 +612,35 @@ async def test_a_small_row_waits_for_more_deltas_up_to_four_intervals(store: Any
     rows = [e for e in await s.read() if e.type == CHUNK]
     assert len(rows[1].data["chunks"]) >= 32
     assert [c["text"] for c in replay(await s.read())[w.answer]] == WORDS[:40]
+
+
+@pytest.mark.parametrize("edited", ["log", "live"])
+async def test_an_answer_on_a_key_of_another_kind_is_refused_before_it_writes(
+    redis_store: RedisSessionStore, redis_url: str, edited: str
+) -> None:
+    """A log that is no stream (edited outside redis-session) refuses a streamed answer at its
+    begin, before live records are written for nothing; a live stream replaced while the answer
+    streams refuses its end before anything reaches the log (it stood after the log's rows)."""
+    from redis_session import SessionError
+
+    s = await _open(redis_store)
+    keys = redis_store.keys
+    name = keys.log("chat") if edited == "log" else keys._k("chat", "live")
+    raw = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        if edited == "log":
+            await raw.delete(name)
+            await raw.set(name, "oops")
+            with pytest.raises(SessionError, match="corrupt"):
+                async with s.stream(turn=1, step=1) as w:
+                    await w.delta("never")
+            assert not await raw.exists(keys._k("chat", "live"))  # nothing of it was written
+            return
+        with pytest.raises(SessionError, match="corrupt"):
+            async with s.stream(turn=1, step=1) as w:
+                await w.delta("hello")
+                await raw.delete(name)
+                await raw.set(name, "oops")
+        assert [e.type for e in await redis_store.read("chat")] == ["turn/start", "user/message", "step/start"]
+    finally:
+        await raw.aclose()
