@@ -49,8 +49,10 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
     data fails its type's schema), ``last-cut`` (the header's last_cut is not the last cut entry),
     ``stale-link`` (a child link whose branch does not exist: it keeps the session's keys, and an
     ephemeral one's TTL, for nothing; `Sessions.repair` / ``doctor --repair`` removes it),
-    ``staging-copy`` (the id is a replacing import's staging copy, `keys.is_staging_id`: one an
-    import died building, or still builds; ``doctor --repair`` deletes it).
+    ``key-type`` (a key of the session holds another kind of value than the layout's: a log
+    replaced by a string, a snapshot by a list), ``staging-copy`` (the id is a replacing
+    import's staging copy, `keys.is_staging_id`: one an import died building, or still builds;
+    ``doctor --repair`` deletes it).
     A store that can look below `read` (`InspectableStore.storage_problems`: the Redis store walks
     the stream itself) reports the storage codes; on other stores the same is checked through
     `read`. Raises `SessionNotFoundError` for a missing session.
@@ -160,7 +162,9 @@ def _explained(e: SessionError, check: StorageCheck | None) -> bool:
     return any(p.code in _STREAM_SHAPE for p in check.problems)
 
 
-_STREAM_SHAPE = frozenset({"decode", "stream-id", "stream-gap", "stream-order", "stream-ahead", "stream-behind"})
+_STREAM_SHAPE = frozenset(
+    {"decode", "stream-id", "stream-gap", "stream-order", "stream-ahead", "stream-behind", "key-type"}
+)
 
 
 def _schema_problems(vocabulary: Vocabulary, own: Sequence[Entry]) -> builtins.list[Problem]:

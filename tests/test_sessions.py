@@ -821,7 +821,7 @@ async def test_doctor_names_each_edit_once(redis_store: Any, raw_redis: Any, pre
     one (its ID named), a row given a field twice, a log or header key of another kind; the read's own
     corruption error is not reported again beside the row the walk names."""
     sessions = Sessions(redis_store)
-    for sid in ("stray", "twice", "string", "hdr"):
+    for sid in ("stray", "twice", "string", "hdr", "proj"):
         s = await sessions.open(sid)
         await s.append_many([um("a"), um("b")])
     log, hdr = f"{prefix}:{{%s}}:log", f"{prefix}:{{%s}}:hdr"
@@ -834,12 +834,14 @@ async def test_doctor_names_each_edit_once(redis_store: Any, raw_redis: Any, pre
     await raw_redis.set(log % "string", "oops")
     await raw_redis.delete(hdr % "hdr")
     await raw_redis.set(hdr % "hdr", "oops")
-    reports = {sid: (await doctor(redis_store, sid)).problems for sid in ("stray", "twice", "string", "hdr")}
+    await raw_redis.set(f"{prefix}:{{proj}}:proj", "oops")  # the projector's snapshot, as a string
+    reports = {sid: (await doctor(redis_store, sid)).problems for sid in ("stray", "twice", "string", "hdr", "proj")}
+    assert [p.code for p in reports["proj"]] == ["key-type"] and ":proj holds a string" in reports["proj"][0].message
     assert [p.code for p in reports["hdr"]] == ["header"] and "another kind" in reports["hdr"][0].message
     assert [p.code for p in reports["stray"]] == ["stream-id"] and "1-2" in reports["stray"][0].message
     assert [(p.n, p.code) for p in reports["twice"]] == [(2, "decode")]
     assert "a field twice" in reports["twice"][0].message
-    assert [p.code for p in reports["string"]] == ["decode"] and "another kind" in reports["string"][0].message
+    assert [p.code for p in reports["string"]] == ["key-type"] and "holds a string" in reports["string"][0].message
 
 
 async def test_doctor_checks_the_memory_store_through_read() -> None:

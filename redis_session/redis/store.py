@@ -77,6 +77,7 @@ from ..projection.chunks import (
     live_draft,
     merge_live,
 )
+from ..projection.invariants import Problem
 from ..store.protocol import IDEMPOTENCY_WINDOW, MAX_READ_RANGE, StorageCheck
 from ..store.rules import Segment, check_list, check_read, lineage_for, plan_read, tail_start
 from .answers import AnswerOps
@@ -1450,6 +1451,9 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             return _i(await self._raw("HGET", hdr, "n"))
 
         with _io():
+            kinds = await self._key_kinds(session_id)
+            if kinds:  # a key of another kind than the layout's: the walk would only fail on it
+                return StorageCheck(kinds)
             for _attempt in range(5):
                 cold_raw, inc_raw, born_raw = await self._raw("HMGET", hdr, "cold", "incarnation", "created_at")
                 cold = None
@@ -1462,6 +1466,23 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                 if not check.problems or await self._raw("HGET", hdr, "cold") == cold_raw:
                     return check
             return check
+
+    async def _key_kinds(self, session_id: str) -> builtins.list[Problem]:
+        """A ``key-type`` problem for each key of the session holding another kind of value than
+        the layout's (README, Redis key layout): one TYPE of each, in one round trip."""
+        k = self.keys
+        layout = [
+            (k.hdr(session_id), b"hash"), (k.log(session_id), b"stream"), (k.proj(session_id), b"hash"),
+            (k.idem(session_id), b"zset"), (k.kids(session_id), b"zset"), (k.live(session_id), b"stream"),
+            (k.draft(session_id), b"string"), (k.lease(session_id), b"string"),
+            (k.cold_pending(session_id), b"zset"),
+        ]  # fmt: skip
+        kinds = await self._pipeline(*(("TYPE", key) for key, _ in layout))
+        return [
+            Problem(None, "key-type", f"{key} holds a {_s(got)}, where the layout has a {kind.decode()}")
+            for (key, kind), got in zip(layout, kinds, strict=True)
+            if _s(got) not in ("none", kind.decode())
+        ]
 
     async def publish(self, event: str, payload: dict[str, Any]) -> None:
         """Publish `event` on ``{prefix}:events`` and, for the projector, on the change feed."""
