@@ -114,11 +114,13 @@ if op == 'begin' then
     if (s[4] or '') ~= ARGV[6] or (s[5] or '') ~= ARGV[7] then return {15} end
     return {1, tonumber(s[2]), s[3], cur}
   end
-  -- an answer is committed to the log at its end: a log that is no stream (edited outside
-  -- redis-session) refuses it now, before its live records are written for nothing
-  local lt = call('TYPE', log)['ok']
-  if lt ~= 'none' and lt ~= 'stream' then
-    return redis.error_reply('WRONGTYPE the log of this session holds another kind of value than a stream')
+  -- an answer is committed to the log (and the feed) at its end: either of them no stream
+  -- (edited outside redis-session) refuses it now, before its live records are written for nothing
+  for _, key in ipairs({log, KEYS[10]}) do  -- the log, and the feed shard its end writes
+    local t = call('TYPE', key)['ok']
+    if t ~= 'none' and t ~= 'stream' then
+      return redis.error_reply('WRONGTYPE the log of this session or its feed holds another kind of value than a stream')
+    end
   end
   local at = n
   if ARGV[8] ~= '' then at = tonumber(ARGV[8]) end

@@ -24,6 +24,12 @@ if inc and inc ~= '' then
   if inc ~= cur then return {8, cur} end
 end
 if tonumber(ARGV[1]) > tonumber(h[1]) then return {4, tonumber(h[1])} end
+-- the branch reads the parent's log: one that is no stream (edited outside redis-session) makes
+-- a branch every read of which fails, so none is made
+local lt = redis.call('TYPE', KEYS[3])['ok']
+if lt ~= 'none' and lt ~= 'stream' then
+  return redis.error_reply('WRONGTYPE the log of the parent holds another kind of value than a stream')
+end
 local added = redis.call('ZADD', KEYS[2], 0, ARGV[2])
 if h[6] then
   for k = 1, #KEYS do redis.call('PERSIST', KEYS[k]) end

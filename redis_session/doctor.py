@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Sequence
 
+import anyio
 import msgspec
 from msgspec import Struct
 
@@ -66,6 +67,23 @@ async def doctor(store: SessionStore, session_id: str) -> DoctorReport:
             break
         report, seen = await _doctor_once(store, session_id)
     return report
+
+
+async def _lasting_stale_links(store: SessionStore, session_id: str) -> builtins.list[str]:
+    """The branches linked to the session that do not exist, and still do not after
+    `STALE_LINK_GRACE`: one between its two steps is not one of them."""
+    stale = (await store.links(session_id))[1]
+    if not stale:
+        return stale
+    await anyio.sleep(STALE_LINK_GRACE)
+    still = set((await store.links(session_id))[1])
+    return [child for child in stale if child in still]
+
+
+STALE_LINK_GRACE = 0.25
+"""Seconds a stale link must last to be reported: a branch is made in two steps (linked in the
+parent, then created) and deleted in two (removed, then unlinked), and one between its steps
+looks like a stale link for that moment."""
 
 
 async def _header_of(store: SessionStore, session_id: str) -> tuple[SessionHead | None, str | None]:
@@ -144,7 +162,7 @@ async def _doctor_once(store: SessionStore, session_id: str) -> tuple[DoctorRepo
             "release's copies expire by themselves; a listed one was left by an older release): "
             "`redis-session doctor --repair` or `redis-session delete` removes it",
         )
-    for child in (await store.links(session_id))[1]:
+    for child in await _lasting_stale_links(store, session_id):
         add(None, "stale-link", f"branch {child!r} is linked but does not exist: `redis-session doctor --repair`")
     problems.sort(key=lambda p: -1 if p.n is None else p.n)
     return DoctorReport(session_id, n, problems), head

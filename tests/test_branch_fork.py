@@ -6,6 +6,7 @@ Every refused fork asserts that no child was created.
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import anyio
@@ -537,3 +538,38 @@ async def test_a_branch_deleted_while_its_prefix_is_read(redis_store: Any) -> No
             await redis_store.read("b")
     finally:
         del redis_store._own_range
+
+
+async def test_the_doctor_does_not_take_a_branch_between_its_steps_for_a_stale_link(redis_store: Any) -> None:
+    """A branch is linked in its parent, then created: the doctor of the parent run in between
+    finds no stale link (the link is looked at again after a grace); a link whose branch never
+    comes is reported."""
+    from redis_session import SessionHeader
+    from redis_session.doctor import STALE_LINK_GRACE, doctor
+
+    await redis_store.create(SessionHeader(id="p"), [um("a")])
+    orig = redis_store._eval_packed
+    linked = anyio.Event()
+
+    async def slow_create(script: Any, count: int, body: bytes, route: Any, durable: bool = False) -> Any:
+        if script.name == "append" and b"$6\r\ncreate\r\n" in body:
+            linked.set()
+            await anyio.sleep(STALE_LINK_GRACE / 3)  # the doctor runs now, the link without its branch
+        return await orig(script, count, body, route, durable)
+
+    redis_store._eval_packed = slow_create
+    reports = []
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(Sessions(redis_store).branch, "p", 1, branch_id="p-child"))
+            await linked.wait()
+            reports.append(await doctor(redis_store, "p"))
+    finally:
+        del redis_store._eval_packed
+    assert reports[0].ok, reports[0].problems
+    assert (await redis_store.head("p-child")) is not None
+    # a link whose branch never comes: reported, once the grace is over
+    member = (await redis_store.client.zrange(redis_store.keys.kids("p"), 0, -1))[0]
+    ghost = member.replace(b"p-child", b"p-ghost")
+    await redis_store.client.zadd(redis_store.keys.kids("p"), {ghost: 0})
+    assert [p.code for p in (await doctor(redis_store, "p")).problems] == ["stale-link"]

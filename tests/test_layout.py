@@ -266,3 +266,22 @@ async def test_a_shared_key_of_another_kind_fails_a_write_before_it_writes(
     finally:
         await raw.delete(name)
         await raw.aclose()
+
+
+async def test_a_branch_of_a_log_of_another_kind_is_not_made(redis_store: RedisSessionStore, redis_url: str) -> None:
+    """A parent whose log is no stream (edited outside redis-session): its branch, every read of
+    which would fail, is refused with the corruption error, and nothing of it is written (no link
+    in the parent, no header)."""
+    from redis_session import Sessions
+
+    await redis_store.create(SessionHeader(id="p"), [um("a"), um("b")])
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        await raw.delete(redis_store.keys.log("p"))
+        await raw.set(redis_store.keys.log("p"), "oops")
+        with pytest.raises(SessionError, match="corrupt"):
+            await Sessions(redis_store).branch("p", 1, branch_id="p-b")
+        assert await redis_store.head("p-b") is None
+        assert await raw.zcard(redis_store.keys.kids("p")) == 0
+    finally:
+        await raw.aclose()

@@ -614,27 +614,30 @@ async def test_a_small_row_waits_for_more_deltas_up_to_four_intervals(store: Any
     assert [c["text"] for c in replay(await s.read())[w.answer]] == WORDS[:40]
 
 
-@pytest.mark.parametrize("edited", ["log", "live"])
+@pytest.mark.parametrize("edited", ["log", "feed", "live"])
 async def test_an_answer_on_a_key_of_another_kind_is_refused_before_it_writes(
     redis_store: RedisSessionStore, redis_url: str, edited: str
 ) -> None:
-    """A log that is no stream (edited outside redis-session) refuses a streamed answer at its
-    begin, before live records are written for nothing; a live stream replaced while the answer
+    """A log or a feed shard that is no stream (edited outside redis-session) refuses a streamed
+    answer at its begin, before live records are written for nothing; a live stream replaced while the answer
     streams refuses its end before anything reaches the log (it stood after the log's rows)."""
     from redis_session import SessionError
 
     s = await _open(redis_store)
     keys = redis_store.keys
-    name = keys.log("chat") if edited == "log" else keys._k("chat", "live")
+    name = {"log": keys.log("chat"), "feed": keys.feed(keys.feed_shard("chat")), "live": keys._k("chat", "live")}[
+        edited
+    ]
     raw = redis.asyncio.Redis.from_url(redis_url)
     try:
-        if edited == "log":
+        if edited in ("log", "feed"):
             await raw.delete(name)
             await raw.set(name, "oops")
             with pytest.raises(SessionError, match="corrupt"):
                 async with s.stream(turn=1, step=1) as w:
                     await w.delta("never")
             assert not await raw.exists(keys._k("chat", "live"))  # nothing of it was written
+            await raw.delete(name)
             return
         with pytest.raises(SessionError, match="corrupt"):
             async with s.stream(turn=1, step=1) as w:
