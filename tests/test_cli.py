@@ -133,6 +133,28 @@ async def test_doctor_reports_a_broken_log(redis_store: RedisSessionStore, redis
     assert "bad" in r.stdout and "1 with problems" in r.stdout
 
 
+async def test_doctor_all_checks_many_sessions_and_reports_in_order(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str
+) -> None:
+    """`doctor --all` over more sessions than it checks at once (`DOCTOR_WINDOW`), some broken:
+    each is checked once and reported in the listing's order (newest first), the broken ones with
+    their problem, the count right."""
+    from redis_session.cli.inspection import DOCTOR_WINDOW
+
+    total = DOCTOR_WINDOW + 8
+    for i in range(total):
+        bad = i % 9 == 0
+        turns = [NewEntry("turn/start", {"turn": 1})] + ([NewEntry("turn/start", {"turn": 2})] if bad else [])
+        await redis_store.create(SessionHeader(id=f"s{i:03d}"), turns)
+    r = cli("doctor", "--all", "--json", url=redis_url, prefix=prefix)
+    assert r.returncode == 1, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    listed = [h.id for h in (await redis_store.list(limit=1000)).items]
+    assert [x["session"] for x in lines] == listed and len(listed) == total
+    assert {x["session"] for x in lines if not x["ok"]} == {f"s{i:03d}" for i in range(0, total, 9)}
+    assert f"{total} session(s) checked, {len(range(0, total, 9))} with problems" in r.stderr
+
+
 async def test_doctor_repair_removes_a_stale_branch_link(
     redis_store: RedisSessionStore, redis_url: str, prefix: str
 ) -> None:

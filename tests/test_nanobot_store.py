@@ -1026,12 +1026,14 @@ def test_the_save_after_one_of_unknown_outcome_is_no_conflict(rig: Rig, landed: 
     s.add_message("user", "first")
     ours.save(s)
     s.add_message("assistant", "second")
+    s.metadata["usage"] = {"turns": 1}
     if landed:
         flaky.lose = 1
     else:
         flaky.fail = 1
     with pytest.raises(StoreUnavailableError):
         ours.save(s)
+    s.metadata["usage"]["turns"] = 2  # changed in place before the next save, as an app does
     s.add_message("user", "third")
     ours.save(s)
     s.add_message("assistant", "fourth")
@@ -1039,6 +1041,7 @@ def test_the_save_after_one_of_unknown_outcome_is_no_conflict(rig: Rig, landed: 
     fresh = rig.ours.load(key)
     assert fresh is not None
     assert [m["content"] for m in fresh.messages] == ["first", "second", "third", "fourth"]
+    assert fresh.metadata["usage"] == {"turns": 2}
 
 
 def test_a_save_of_unknown_outcome_overtaken_by_another_pod_is_the_conflict(rig: Rig) -> None:

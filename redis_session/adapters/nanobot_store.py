@@ -524,7 +524,13 @@ class RedisNanobotStore:
             except _UNKNOWN_OUTCOME:
                 # it may have landed: the next save sends this very write again first (`_settle`),
                 # instead of planning from before it and taking its own entries for another pod's
-                setattr(session, _UNSURE, (pin.n, pin.incarnation, entries, after))
+                # a copy: the entries hold the session's own dicts, which nanobot may change in
+                # place before it saves again (a changed copy would be another write, another key)
+                frozen = [
+                    NewEntry(e.type, log.clone(e.data), log.clone(e.meta), log.clone(e.surface), e.time)
+                    for e in entries
+                ]
+                setattr(session, _UNSURE, (pin.n, pin.incarnation, frozen, after))
                 raise
             except SessionConflictError as e:
                 if e.actual_n < pin.n:

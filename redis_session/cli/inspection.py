@@ -6,6 +6,7 @@ import json
 import sys
 from typing import Annotated, Any
 
+import anyio
 import typer
 from rich.table import Table
 from rich.text import Text
@@ -242,33 +243,37 @@ def doctor_cmd(
         raise CliError("give a SESSION or --all")
 
     async def main() -> tuple[int, int]:
-        from ..doctor import doctor
         from ..errors import SessionNotFoundError
         from ..keys import is_staging_id
 
         bad = checked = 0
         async with opened(url, prefix) as store:
             ids = await _all_ids(store) if all_ else [session]
-            for sid in ids:
-                assert sid is not None
-                if repair and is_staging_id(sid):  # a replacing import's leftover: never a session
-                    await store.delete(sid)
-                    (err if as_json else out).print(f"removed the staging copy {sid!r}", highlight=False)
-                    continue
-                if repair:
-                    for child in await store.repair_links(sid):
-                        (err if as_json else out).print(
-                            f"[yellow]{sid}[/yellow] removed the stale link to branch {child!r}", highlight=False
-                        )
-                try:
-                    report = await doctor(store, sid)
-                except SessionNotFoundError:
-                    if not all_ and not repair:
-                        raise
-                    continue  # deleted or expired since it was listed (or purged by the repair)
-                checked += 1
-                bad += not report.ok
-                _doctor_report(sid, report, as_json)
+            # checked DOCTOR_WINDOW at a time (a stale link waits out its grace: one after another,
+            # a thousand such sessions took minutes), reported in the listing's order
+            for start in range(0, len(ids), DOCTOR_WINDOW):
+                window: list[str] = []
+                for sid in ids[start : start + DOCTOR_WINDOW]:
+                    assert sid is not None
+                    if repair and is_staging_id(sid):  # a replacing import's leftover: never a session
+                        await store.delete(sid)
+                        (err if as_json else out).print(f"removed the staging copy {sid!r}", highlight=False)
+                        continue
+                    if repair:
+                        for child in await store.repair_links(sid):
+                            (err if as_json else out).print(
+                                f"[yellow]{sid}[/yellow] removed the stale link to branch {child!r}", highlight=False
+                            )
+                    window.append(sid)
+                reports = await _doctor_window(store, window)
+                for sid, report in zip(window, reports, strict=True):
+                    if isinstance(report, SessionNotFoundError):
+                        if not all_ and not repair:
+                            raise report
+                        continue  # deleted or expired since it was listed (or purged by the repair)
+                    checked += 1
+                    bad += not report.ok
+                    _doctor_report(sid, report, as_json)
         return checked, bad
 
     checked, bad = run(main)
@@ -280,6 +285,29 @@ def doctor_cmd(
         out.print(f"[{style}]{line}[/{style}]", highlight=False)
     if bad:
         raise typer.Exit(1)
+
+
+DOCTOR_WINDOW = 32
+"""Sessions `doctor --all` checks at once."""
+
+
+async def _doctor_window(store: Any, ids: list[str]) -> list[Any]:
+    """`doctor` of each of `ids` at once: its report, or the `SessionNotFoundError` it raised."""
+    from ..doctor import doctor
+    from ..errors import SessionNotFoundError
+
+    reports: list[Any] = [None] * len(ids)
+
+    async def check(i: int, sid: str) -> None:
+        try:
+            reports[i] = await doctor(store, sid)
+        except SessionNotFoundError as e:
+            reports[i] = e
+
+    async with anyio.create_task_group() as tg:
+        for i, sid in enumerate(ids):
+            tg.start_soon(check, i, sid)
+    return reports
 
 
 async def _all_ids(store: Any) -> list[str | None]:
