@@ -474,7 +474,7 @@ class LosesReplies:
     def __init__(self, store: RedisSessionStore, error: type[Exception] = redis.exceptions.ConnectionError) -> None:
         self._store = store
         self.lose = 0
-        self.fail = 0  # writes that fail before they are sent (nothing lands)
+        self.fail = self.fail_create = 0  # puts / creates that fail before they are sent (nothing lands)
         self.error = error
 
     def __getattr__(self, name: str) -> Any:
@@ -493,6 +493,9 @@ class LosesReplies:
         return await self._lost(await self._store.put(*args, **kwargs))
 
     async def create(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail_create:
+            self.fail_create -= 1
+            raise self.error("the server did not answer")
         return await self._lost(await self._store.create(*args, **kwargs))
 
 
@@ -1041,6 +1044,34 @@ def test_the_save_after_one_of_unknown_outcome_is_no_conflict(rig: Rig, landed: 
     fresh = rig.ours.load(key)
     assert fresh is not None
     assert [m["content"] for m in fresh.messages] == ["first", "second", "third", "fourth"]
+    assert fresh.metadata["usage"] == {"turns": 2}
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_the_save_after_a_first_save_of_unknown_outcome_is_no_conflict(rig: Rig, landed: bool) -> None:
+    """The first save of a session (its create) fails with its outcome unknown, and nanobot goes
+    on: a message added, a metadata value changed in place, saved again. That save finds its own
+    create (or makes it) and appends what changed since: nothing lost, no false conflict."""
+    flaky = LosesReplies(RedisSessionStore.from_url(rig.url, prefix=rig.prefix), StoreUnavailableError)
+    ours = RedisNanobotStore(flaky)
+    key = "telegram:unsure-create"
+    s = Session(key=key)
+    s.add_message("user", "first")
+    s.metadata["usage"] = {"turns": 1}
+    if landed:
+        flaky.lose = 1
+    else:
+        flaky.fail_create = 1
+    with pytest.raises(StoreUnavailableError):
+        ours.save(s)
+    s.metadata["usage"]["turns"] = 2
+    s.add_message("assistant", "second")
+    ours.save(s)
+    s.add_message("user", "third")
+    ours.save(s)
+    fresh = rig.ours.load(key)
+    assert fresh is not None
+    assert [m["content"] for m in fresh.messages] == ["first", "second", "third"]
     assert fresh.metadata["usage"] == {"turns": 2}
 
 

@@ -90,6 +90,9 @@ __all__ = ["NanobotSessionConflict", "NanobotSessionDeleted", "RedisNanobotStore
 _PIN = "_redis_session_pin"
 _UNKNOWN_OUTCOME = (StoreUnavailableError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 """What a write that may have landed raises (a reply lost to a closed connection, a timeout)."""
+_UNSURE_CREATE = "_redis_session_unsure_create"
+"""On a session object: the create of its first save, whose outcome is unknown, as (session id,
+origin, first entries, pin after it)."""
 _UNSURE = "_redis_session_unsure"
 """On a session object: the write of a save whose outcome is unknown (the store was unreachable
 after it was sent: it may have landed), as (n, incarnation, entries, pin after it)."""
@@ -287,6 +290,12 @@ def _plan(pin: _Pin, session: _nb.Session) -> tuple[list[NewEntry], _Pin]:
         floor=floor,
     )
     return entries, after
+
+
+def _frozen(entries: Sequence[NewEntry]) -> list[NewEntry]:
+    """A copy of `entries` that nanobot's later changes in place (to a message or a metadata
+    value, which the entries hold) cannot touch: a write kept to be sent again, as it was sent."""
+    return [NewEntry(e.type, log.clone(e.data), log.clone(e.meta), log.clone(e.surface), e.time) for e in entries]
 
 
 def _write_key(sid: str, incarnation: str, n: int, entries: Sequence[NewEntry]) -> str:
@@ -504,6 +513,8 @@ class RedisNanobotStore:
 
     async def _save(self, session: _nb.Session, sid: str, pin: _Pin | None) -> _Pin:
         if pin is None:
+            pin = await self._settle_create(session, sid)
+        if pin is None:
             return await self._create(session, sid)
         try:
             return await self._update(session, sid, pin)
@@ -526,11 +537,7 @@ class RedisNanobotStore:
                 # instead of planning from before it and taking its own entries for another pod's
                 # a copy: the entries hold the session's own dicts, which nanobot may change in
                 # place before it saves again (a changed copy would be another write, another key)
-                frozen = [
-                    NewEntry(e.type, log.clone(e.data), log.clone(e.meta), log.clone(e.surface), e.time)
-                    for e in entries
-                ]
-                setattr(session, _UNSURE, (pin.n, pin.incarnation, frozen, after))
+                setattr(session, _UNSURE, (pin.n, pin.incarnation, _frozen(entries), after))
                 raise
             except SessionConflictError as e:
                 if e.actual_n < pin.n:
@@ -614,6 +621,11 @@ class RedisNanobotStore:
         first = entries[:step]
         try:
             head = await self._store.create(header, first)
+        except _UNKNOWN_OUTCOME:
+            # it may have landed: the next save looks for it first (`_settle_create`), instead of
+            # planning a create again and taking its own session for another pod's
+            setattr(session, _UNSURE_CREATE, (sid, origin, _frozen(first), after))
+            raise
         except SessionAlreadyExistsError:
             found = await self._created_by(sid, origin, first)
             if found is None:
@@ -627,6 +639,24 @@ class RedisNanobotStore:
             start.n = step
             await self._put(sid, start, rest)
         return after
+
+    async def _settle_create(self, session: _nb.Session, sid: str) -> _Pin | None:
+        """The pin after the create of `session`'s first save, when that save's outcome was
+        unknown and it landed (the session at `sid` is exactly that create): the next save then
+        appends what changed since, as after any save. None: there was none, or it did not land
+        (the save creates as usual). Unreachable again: it stays unsettled."""
+        unsure = getattr(session, _UNSURE_CREATE, None)
+        if unsure is None:
+            return None
+        usid, origin, first, after = unsure
+        found = await self._created_by(sid, origin, first) if usid == sid else None
+        delattr(session, _UNSURE_CREATE)
+        if found is None or len(first) >= self._store.max_batch:
+            return None  # not ours, or ours with a rest of more batches after it: planned again
+        # ours: the save goes on from after it (another pod's writes since are met as after any save)
+        after.incarnation = found.header.incarnation
+        setattr(session, _PIN, after)
+        return cast(_Pin, after)
 
     async def _created_by(self, sid: str, origin: dict[str, Any], first: Sequence[NewEntry]) -> SessionHead | None:
         """The head of `sid` when it is exactly the create we sent (a retry after a lost reply)."""
