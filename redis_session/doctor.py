@@ -100,14 +100,7 @@ async def _header_of(store: SessionStore, session_id: str) -> tuple[SessionHead 
 
 
 async def _head_or_none(store: SessionStore, session_id: str) -> SessionHead | None:
-    try:
-        return await store.head(session_id)
-    except (ValueError, TypeError, msgspec.DecodeError):
-        return None
-    except SessionError as e:
-        if isinstance(e, _NOT_THE_SESSIONS):
-            raise
-        return None
+    return (await _header_of(store, session_id))[0]
 
 
 _NOT_THE_SESSIONS = (StoreUnavailableError, AccessDeniedError, SessionNotFoundError)

@@ -15,8 +15,9 @@ from redis.exceptions import AuthenticationError, NoPermissionError, RedisCluste
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..errors import AccessDeniedError, SessionError, StoreUnavailableError
+from ..errors import AccessDeniedError, StoreUnavailableError
 from ..model import Entry
+from .rows import corrupt
 
 _json = msgspec.json.Encoder()
 
@@ -38,9 +39,7 @@ def typed_reply_error(error: ResponseError) -> Exception:
     if isinstance(error, NoPermissionError) or text.startswith(("NOPERM", "ACL failure")) or "NOPERM" in text[:80]:
         return AccessDeniedError(f"the Redis user may not do this: {text}")
     if text.startswith("WRONGTYPE") or "WRONGTYPE" in text[:80]:
-        return SessionError(
-            f"stored entries are corrupt (edited outside redis-session?): a key holds another kind of value: {text}"
-        )
+        return corrupt(f"a key holds another kind of value: {text}")
     return error
 
 

@@ -81,10 +81,11 @@ def _decode_entries(blob: bytes) -> builtins.list[Entry]:
     try:
         return ENTRY_LIST_DECODER.decode(blob)
     except msgspec.DecodeError as e:
-        raise _corrupt(str(e)) from None
+        raise corrupt(str(e)) from None
 
 
-def _corrupt(why: str) -> SessionError:
+def corrupt(why: str) -> SessionError:
+    """The error of a session's stored keys edited outside redis-session (reads and writes raise it)."""
     return SessionError(f"stored entries are corrupt (edited outside redis-session?): {why}")
 
 
@@ -94,7 +95,7 @@ def _odd_row(rid: bytes, f: Any) -> tuple[bytes, ...]:
     never read with a default, or with one of two values."""
     d = f if isinstance(f, dict) else dict(zip(f[::2], f[1::2], strict=False))
     if not isinstance(f, dict) and 2 * len(d) != len(f):  # a field given twice: which one is it?
-        raise _corrupt(f"the row {rid.decode(errors='replace')} gives a field twice")
+        raise corrupt(f"the row {rid.decode(errors='replace')} gives a field twice")
     typ, tm, data = d.get(b"type"), d.get(b"time"), d.get(b"data")
     if not typ or tm is None or data is None:
         missing = (
@@ -102,11 +103,11 @@ def _odd_row(rid: bytes, f: Any) -> tuple[bytes, ...]:
             if typ == b""
             else "no " + ", ".join(name for name, v in (("type", typ), ("time", tm), ("data", data)) if v is None)
         )
-        raise _corrupt(f"the row {rid.decode(errors='replace')} has {missing}")
+        raise corrupt(f"the row {rid.decode(errors='replace')} has {missing}")
     try:
         type_json = _json.encode(typ.decode())
     except UnicodeDecodeError:
-        raise _corrupt(f"the row {rid.decode(errors='replace')} has a type that is not UTF-8") from None
+        raise corrupt(f"the row {rid.decode(errors='replace')} has a type that is not UTF-8") from None
     out: tuple[bytes, ...] = (
         b'{"n":', rid.removesuffix(b"-1"),
         b',"type":', type_json,

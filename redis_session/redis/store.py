@@ -91,7 +91,7 @@ from .replies import confirmed as _confirmed
 from .replies import io_guard as _io
 from .replies import typed_reply_error as _typed
 from .replies import unavailable as _unavailable
-from .rows import rows_to_entries, take_entries
+from .rows import corrupt, rows_to_entries, take_entries
 from .scripts import SCRIPTS as _SCRIPTS
 from .scripts import Script as _Script
 from .wire import (
@@ -657,9 +657,9 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         if (head.header.incarnation or legacy_incarnation(head.header.created_at)) != inc:
             raise SessionReplacedError(session_id)
         shown = f"n={got[0].n}..{got[-1].n}" if got else "nothing"
-        raise SessionError(
-            f"stored entries are corrupt (edited outside redis-session?): the log of {session_id!r} holds "
-            f"{len(got)} entries ({shown}) where [{start}, {end}) has {max(end - start, 0)}; run `redis-session doctor`"
+        raise corrupt(
+            f"the log of {session_id!r} holds {len(got)} entries ({shown}) where [{start}, {end}) has "
+            f"{max(end - start, 0)}; `redis-session doctor {session_id}` names the rows"
         )
 
     async def _page_on(self, session_id: str, rows: Any, seen: tuple[Any, Any, Any]) -> builtins.list[Any] | None:
