@@ -46,6 +46,12 @@ class SessionRewoundError(SessionError):
         self.n = n
 
 
+class SessionCorruptError(SessionError):
+    """A session's stored keys were edited outside redis-session (a row deleted or rewritten, a
+    key replaced by another kind of value): what is stored is not what was written, so it is
+    never read with a guess. `redis-session doctor` names what is wrong."""
+
+
 class SessionAlreadyExistsError(SessionError):
     def __init__(self, session_id: str, detail: str = "") -> None:
         msg = f"session {session_id!r} already exists"

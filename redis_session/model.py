@@ -111,10 +111,13 @@ T = TypeVar("T")
 
 
 class Page(Struct, Generic[T], frozen=True):
-    """One page of a listing; `cursor` is None on the last page."""
+    """One page of a listing; `cursor` is None on the last page. `unreadable`: ids listed on
+    this page whose header could not be read (a key edited outside redis-session: another kind
+    of value, or a field that is no number); `redis-session doctor` says what is wrong with each."""
 
     items: list[T]
     cursor: str | None = None
+    unreadable: list[str] = []
 
 
 # --------------------------------------------------------------------------- surface (dsh)

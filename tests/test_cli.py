@@ -563,3 +563,38 @@ def test_ctrl_c_while_the_gateway_workers_start_exits_0(redis_url: str, prefix: 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.parametrize("edit", ["header not a hash", "n not a number"])
+async def test_ls_and_doctor_all_go_on_past_an_unreadable_header(
+    redis_store: RedisSessionStore, redis_url: str, prefix: str, edit: str
+) -> None:
+    """One header edited outside redis-session made `ls` and `doctor --all` exit on the
+    corruption error, listing and checking nothing: an operator could not find the others, nor
+    which one was broken. `ls` lists the others and names that one on stderr; `doctor --all`
+    checks every one and reports that one's header."""
+    import redis.asyncio as aioredis
+
+    for sid in ("a", "b", "c"):
+        await redis_store.create(SessionHeader(id=sid), [NewEntry("user/message", {"content": "x"})])
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        if edit == "header not a hash":
+            await raw.delete(redis_store.keys.hdr("b"))
+            await raw.set(redis_store.keys.hdr("b"), "oops")
+        else:
+            await raw.hset(redis_store.keys.hdr("b"), "n", "twelve")
+    finally:
+        await raw.aclose()
+    r = cli("ls", url=redis_url, prefix=prefix)
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in r.stdout.splitlines()[1:]] == ["c", "a"]
+    assert "'b'" in r.stderr and "cannot be read" in r.stderr and "redis-session doctor b" in r.stderr
+    r = cli("ls", "--json", url=redis_url, prefix=prefix)
+    assert [json.loads(line)["id"] for line in r.stdout.splitlines()] == ["c", "a"]
+    r = cli("doctor", "--all", "--json", url=redis_url, prefix=prefix)
+    assert r.returncode == 1, r.stderr
+    reports = {x["session"]: x for x in map(json.loads, r.stdout.splitlines())}
+    assert set(reports) == {"a", "b", "c"} and reports["a"]["ok"] and reports["c"]["ok"]
+    assert [p["code"] for p in reports["b"]["problems"]] == ["header"]
+    assert "3 session(s) checked, 1 with problems" in r.stderr

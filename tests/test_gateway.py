@@ -318,6 +318,35 @@ async def test_list_pages_and_branches(redis_store: RedisSessionStore) -> None:
         assert [e["data"]["content"] for e in r["entries"]] == ["m0", "m1"]
 
 
+async def test_list_goes_on_past_an_unreadable_header(redis_store: RedisSessionStore, redis_url: str) -> None:
+    """One header edited outside redis-session (no hash any more) made `GET /sessions` answer 500
+    for everyone. The others are listed and that one is named in `unreadable`; a tenant token
+    sees only its own there."""
+    import redis.asyncio as aioredis
+
+    from redis_session.gateway.auth import parse_tokens
+
+    for sid in ("t/a", "t/b", "u/c", "u/d"):
+        await mk(redis_store, sid, 1)
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        for sid in ("t/b", "u/d"):
+            await raw.delete(redis_store.keys.hdr(sid))
+            await raw.set(redis_store.keys.hdr(sid), "oops")
+    finally:
+        await raw.aclose()
+    tokens = parse_tokens("admin-token admin\nt-token read t/", "test")
+    async with running_gateway(redis_store, tokens=tokens) as base, httpx.AsyncClient(base_url=base) as client:
+        every = await client.get("/sessions", headers={"Authorization": "Bearer admin-token"})
+        assert every.status_code == 200, every.text
+        assert sorted(h["id"] for h in every.json()["items"]) == ["t/a", "u/c"]
+        assert sorted(every.json()["unreadable"]) == ["t/b", "u/d"]
+        own = (await client.get("/sessions", headers={"Authorization": "Bearer t-token"})).json()
+        assert [h["id"] for h in own["items"]] == ["t/a"] and own["unreadable"] == ["t/b"]
+        broken = await client.get(path("t/b"), headers={"Authorization": "Bearer admin-token"})
+        assert broken.status_code == 500 and broken.json()["error"] == "corrupt"  # named, not "internal"
+
+
 async def test_memory_store_works_too() -> None:
     store = MemorySessionStore()
     await mk(store, "m", 2)

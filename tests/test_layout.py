@@ -285,3 +285,40 @@ async def test_a_branch_of_a_log_of_another_kind_is_not_made(redis_store: RedisS
         assert await raw.zcard(redis_store.keys.kids("p")) == 0
     finally:
         await raw.aclose()
+
+
+@pytest.mark.parametrize("edit", ["header not a hash", "n not a number"])
+async def test_one_unreadable_header_never_ends_a_listing(
+    redis_store: RedisSessionStore, redis_url: str, edit: str
+) -> None:
+    """One session's header edited outside redis-session (another kind of value, or a field that
+    is no number) used to make every listing raise — `ls`, `doctor --all` and `GET /sessions`
+    with it. The listing goes on: the others are listed, that one is named in `unreadable`, on a
+    parent's branch listing too."""
+    from redis_session import SessionCorruptError, Sessions
+
+    for sid in ("a", "b", "c"):
+        await redis_store.create(SessionHeader(id=sid), [um("x")])
+    await Sessions(redis_store).branch("a", 1, branch_id="a-1")
+    await Sessions(redis_store).branch("a", 1, branch_id="a-2")
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        for sid in ("b", "a-1"):
+            hdr = redis_store.keys.hdr(sid)
+            if edit == "header not a hash":
+                await raw.delete(hdr)
+                await raw.set(hdr, "oops")
+            else:
+                await raw.hset(hdr, "n", "twelve")
+        page = await redis_store.list()
+        assert [h.id for h in page.items] == ["a-2", "c", "a"]  # newest first, as always
+        assert page.unreadable == ["a-1", "b"]
+        kids = await redis_store.list(parent="a")
+        assert [h.id for h in kids.items] == ["a-2"] and kids.unreadable == ["a-1"]
+        small = await redis_store.list(limit=1)  # a page of one: the unreadable one does not count
+        assert len(small.items) == 1
+        with pytest.raises(SessionCorruptError):  # a typed error of its own, a SessionError
+            await redis_store.head("b")
+        assert await raw.type(redis_store.keys.hdr("b")) in (b"string", b"hash")  # nothing was "healed"
+    finally:
+        await raw.aclose()

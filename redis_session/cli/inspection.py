@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from typing import Annotated, Any
 
@@ -56,17 +57,29 @@ def ls_cmd(
 ) -> None:
     """List sessions, newest first."""
 
-    async def main() -> tuple[list[Any], str | None]:
-        from ..errors import SessionNotFoundError
+    async def main() -> tuple[list[Any], str | None, list[str]]:
+        from ..errors import SessionCorruptError, SessionNotFoundError
 
         async with opened(url, prefix) as store:
             if parent is not None and await store.head(parent) is None:
                 raise SessionNotFoundError(parent)
             page = await store.list(parent=parent, limit=limit, cursor=cursor)
-            heads = [await store.head(h.id) for h in page.items]
-        return [h for h in heads if h is not None], page.cursor
+            heads, unreadable = [], list(page.unreadable)
+            for h in page.items:
+                try:
+                    heads.append(await store.head(h.id))
+                except SessionCorruptError:  # its header changed kind since it was listed
+                    unreadable.append(h.id)
+        return [h for h in heads if h is not None], page.cursor, unreadable
 
-    heads, more = run(main)
+    heads, more, unreadable = run(main)
+    for sid in unreadable:  # on stderr: the listing on stdout stays what a script parses
+        err.print(
+            f"warning: session {sid!r} is listed but its header cannot be read (edited outside "
+            f"redis-session?): redis-session doctor {shlex.quote(sid)}",
+            highlight=False,
+            markup=False,
+        )
     if as_json:
         for h in heads:
             emit_json(head_json(h))
@@ -315,7 +328,7 @@ async def _all_ids(store: Any) -> list[str | None]:
     cursor = None
     while True:
         page = await store.list(limit=1000, cursor=cursor)
-        ids += [h.id for h in page.items]
+        ids += [h.id for h in page.items] + page.unreadable  # the doctor says what is wrong with those
         cursor = page.cursor
         if cursor is None:
             return ids

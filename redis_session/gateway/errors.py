@@ -13,6 +13,8 @@
 422 invalid_entry …        a body that parses but is not valid (`path` names the field)
 422 idempotency_key_reused the key already landed a different batch (as the IETF
                            Idempotency-Key draft answers a reused key with another payload)
+500 corrupt                the session's stored keys were edited outside redis-session
+                           (`SessionCorruptError`: `redis-session doctor` names what is wrong)
 503 unavailable            the store is unreachable (Retry-After)
 503 store_forbidden        the gateway's own Redis user may not do this (an ACL refusal: a
                            deployment error, docs/security.md — not the caller's scope)
@@ -37,6 +39,7 @@ from ..errors import (
     LeaseHeldError,
     SessionAlreadyExistsError,
     SessionConflictError,
+    SessionCorruptError,
     SessionError,
     SessionForkError,
     SessionNotFoundError,
@@ -98,6 +101,11 @@ def _store_forbidden(e: Exception) -> Response:
     return _error(503, "store_forbidden", "the gateway's Redis user may not do this; nothing was written")
 
 
+def _corrupt(e: Exception) -> Response:
+    log.error("a session's stored keys are corrupt (run redis-session doctor): %s", e)
+    return _error(500, "corrupt", str(e))
+
+
 def _internal(e: Exception) -> Response:
     log.exception("gateway request failed")
     return _error(500, "internal", type(e).__name__)
@@ -125,6 +133,7 @@ _HANDLERS: list[tuple[type[Exception] | tuple[type[Exception], ...], Callable[[E
     (DurabilityError, _simple(503, "not_durable")),
     (AccessDeniedError, _store_forbidden),
     (StoreUnavailableError, _unavailable),
+    (SessionCorruptError, _corrupt),
     (ValueError, _simple(400, "bad_request")),  # the store's own argument checks (limit, cursor, range)
     (SessionError, _internal),
 ]

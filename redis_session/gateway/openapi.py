@@ -235,6 +235,12 @@ def openapi(*, auth: bool = False) -> dict[str, Any]:
                     "properties": {
                         "items": {"type": "array", "items": ref("SessionHeader")},
                         "cursor": {"type": ["string", "null"], "description": "null on the last page"},
+                        "unreadable": {
+                            "type": "array",
+                            "items": {"type": "string"},
+                            "description": "ids listed on this page whose header could not be read (edited "
+                            "outside redis-session); `redis-session doctor` says what is wrong",
+                        },
                     },
                 },
                 "Entry": {

@@ -68,9 +68,10 @@ async def list_sessions(gw: Gateway, request: Request) -> Response:
         who.check_session(validate_session_id(parent))
     if who.prefix is None:
         page = await gw.store.list(parent=parent, limit=limit, cursor=cursor)
-        return _JSON({"items": [_header_dict(h) for h in page.items], "cursor": page.cursor})
-    items, cursor = await _tenant_page(gw, who.sees, parent, limit, cursor)
-    return _JSON({"items": [_header_dict(h) for h in items], "cursor": cursor})
+        items, cursor, unreadable = page.items, page.cursor, page.unreadable
+    else:
+        items, cursor, unreadable = await _tenant_page(gw, who.sees, parent, limit, cursor)
+    return _JSON({"items": [_header_dict(h) for h in items], "cursor": cursor, "unreadable": unreadable})
 
 
 TENANT_SCAN_PAGES = 10
@@ -80,18 +81,20 @@ cursor) when the tenant's sessions are sparse among many others."""
 
 async def _tenant_page(
     gw: Gateway, sees: Callable[[str], bool], parent: str | None, limit: int, cursor: str | None
-) -> tuple[list[SessionHeader], str | None]:
+) -> tuple[list[SessionHeader], str | None, list[str]]:
     """One page of the sessions a tenant token sees: the store's pages, filtered.
 
     The cursor never names another tenant's session: when the scan stops on one, it becomes the
     bound ``<inverted created_at>:`` of that member (or this page's last own member, if later),
     which resumes exactly there — no item skipped, none repeated — and tells nothing but a time."""
     items: list[SessionHeader] = []
+    unreadable: list[str] = []
     for _ in range(TENANT_SCAN_PAGES):
         page = await gw.store.list(parent=parent, limit=limit - len(items), cursor=cursor)
         for h in page.items:
             if sees(h.id):
                 items.append(h)
+        unreadable += [sid for sid in page.unreadable if sees(sid)]
         cursor = page.cursor
         if cursor is None or len(items) >= limit:
             break
@@ -99,7 +102,7 @@ async def _tenant_page(
         bound = cursor[: len(cursor) - len(id_from_index_member(cursor))]  # "<inverted created_at>:"
         own = index_member(items[-1].created_at, items[-1].id) if items else ""
         cursor = max(bound, own)
-    return items, cursor
+    return items, cursor, unreadable
 
 
 async def head(gw: Gateway, request: Request, sid: str) -> Response:

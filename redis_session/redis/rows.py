@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from ..errors import SessionError
+from ..errors import SessionCorruptError
 from ..model import ENTRY_LIST_DECODER, Entry
 
 _json = msgspec.json.Encoder()
@@ -84,9 +84,9 @@ def _decode_entries(blob: bytes) -> builtins.list[Entry]:
         raise corrupt(str(e)) from None
 
 
-def corrupt(why: str) -> SessionError:
+def corrupt(why: str) -> SessionCorruptError:
     """The error of a session's stored keys edited outside redis-session (reads and writes raise it)."""
-    return SessionError(f"stored entries are corrupt (edited outside redis-session?): {why}")
+    return SessionCorruptError(f"stored entries are corrupt (edited outside redis-session?): {why}")
 
 
 def _odd_row(rid: bytes, f: Any) -> tuple[bytes, ...]:

@@ -46,6 +46,7 @@ from ..errors import (
     InvalidEntryError,
     SessionAlreadyExistsError,
     SessionConflictError,
+    SessionCorruptError,
     SessionError,
     SessionNotFoundError,
     SessionReplacedError,
@@ -234,8 +235,17 @@ class _Hdr(msgspec.Struct):
 
 
 def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
+    """A header hash as read (None: no session), or the corruption error of one whose fields are
+    not what redis-session writes (``n`` that is no number, an origin that is no JSON …)."""
     if not raw or b"n" not in raw:
         return None
+    try:
+        return _hdr_fields(raw)
+    except (ValueError, msgspec.DecodeError) as e:
+        raise corrupt(f"a header field is not what redis-session writes: {e}") from None
+
+
+def _hdr_fields(raw: dict[bytes, bytes]) -> _Hdr:
     g = raw.get
     origin_raw = g(b"origin")
     seg_raw = g(b"segments")
@@ -1079,6 +1089,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         # of the shards' pages. A parent's branches are one key in the parent's slot.
         keys = self.keys.all_sessions() if parent is None else [self.keys.kids(parent)]
         items: builtins.list[SessionHeader] = []
+        unreadable: builtins.list[str] = []
         with _io():
             while True:
                 lo = "-" if cursor is None else "(" + cursor
@@ -1088,10 +1099,22 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                 more = len(members) > limit
                 members = members[:limit]
                 hgets = [("HGETALL", self.keys.hdr(id_from_index_member(m))) for m in members]
-                raws = await self._pipeline(*hgets) if hgets else []
+                try:
+                    with _io():  # typed here on every path (a cluster's pipeline raises them raw)
+                        raws = await self._pipeline(*hgets) if hgets else []
+                except SessionCorruptError:  # one header is no hash: read them one by one to tell which
+                    raws = [await self._header_or_error(cmd[1]) for cmd in hgets]
                 stale = []
                 for m, raw in zip(members, raws, strict=True):
-                    h = _parse_hdr(_as_dict(raw))
+                    try:
+                        if isinstance(raw, SessionCorruptError):
+                            raise raw
+                        h = _parse_hdr(_as_dict(raw))
+                    except SessionCorruptError:
+                        # one session edited outside redis-session: listed as unreadable, never
+                        # the end of the listing of every other one
+                        unreadable.append(id_from_index_member(m))
+                        continue
                     if h is None:
                         stale.append(m)  # expired (TTL) or half-deleted: heal the index lazily
                     elif not h.deleted:
@@ -1100,7 +1123,15 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                     await self._pipeline(*[("ZREM", self.keys.sessions(id_from_index_member(m)), m) for m in stale])
                 cursor = members[-1] if more and members else None
                 if cursor is None or len(items) >= limit:
-                    return Page(items=items[:limit], cursor=cursor)
+                    return Page(items=items[:limit], cursor=cursor, unreadable=unreadable)
+
+    async def _header_or_error(self, key: str) -> Any:
+        """A header's raw hash, or the `SessionCorruptError` of a key holding another kind of value."""
+        try:
+            with _io():
+                return await self._raw("HGETALL", key)
+        except SessionCorruptError as e:
+            return e
 
     async def delete(self, session_id: str, *, incarnation: str | None = None) -> bool:
         validate_session_id(session_id)
