@@ -57,6 +57,7 @@
 --   {6, last_id} the stream is ahead of the header (corrupt)
 --   {15} begin: this answer began with another turn / step (an idempotency key reused)
 --   {16, cost, budget, logged} the row would take the answer's content cost over its budget
+--   {17, field} the header's `field` (n, ttl_ms) is not what redis-session writes (nothing written)
 -- The checks come in one order for every op: the session, the life the caller pinned, the answer,
 -- the answer's own life, its end, then the batch (index, digest, size), the count, the fence.
 local call, fmt = redis.call, string.format
@@ -66,7 +67,14 @@ local maxlen = ARGV[5]
 local hdr, log, live, state = KEYS[1], KEYS[2], KEYS[8], KEYS[9]
 
 local h = call('HMGET', hdr, 'n', 'deleted', 'ttl_ms', 'incarnation', 'created_at')
+if not h[1] and call('EXISTS', hdr) == 1 then return {17, 'n'} end
 if not h[1] or h[2] then return {3} end
+-- header fields edited outside redis-session: refused before anything is written
+local function bad_count(s)
+  return not (s == '0' or string.find(s, '^[1-9]%d*$')) or #s > 16 or tonumber(s) > 9007199254740991
+end
+if bad_count(h[1]) then return {17, 'n'} end
+if h[3] and (h[3] == '0' or bad_count(h[3])) then return {17, 'ttl_ms'} end
 local cur = h[4] or ('legacy-' .. (h[5] or '0'))
 if want_inc ~= '' and want_inc ~= cur then return {8} end
 local n = tonumber(h[1])

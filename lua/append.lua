@@ -7,7 +7,9 @@
 -- KEYS[4..7]     proj, draft, kids, lease    (only touched to refresh a session TTL)
 -- KEYS[8] live   STREAM  {prefix}:{id}:live  streamed answers in flight (deleted on create; an
 --                                            ephemeral session's TTL caps its expiry)
--- KEYS[9] feed   STREAM  optional change-feed shard (standalone servers only: another slot)
+-- KEYS[9] gone   SET     {prefix}:{id}:gone  create keys of deleted lives (delete.lua): a create
+--                                            with one of them is refused
+-- KEYS[10] feed  STREAM  optional change-feed shard (standalone servers only: another slot)
 --
 -- ARGV[1] mode         "append" | "create"
 -- ARGV[2] expected_n   "" = append at the end whatever n is
@@ -51,6 +53,8 @@
 --         {7}                               the idempotency key landed a different batch (nothing written)
 --         {8}                               the session has another incarnation (it was replaced)
 --         {9}                               short layout only: the session is ephemeral (use the long one)
+--         {10}                              create: its create key made a session that was deleted since
+--         {11, field}                       the header's `field` (n, ttl_ms) is not what redis-session writes
 
 -- The hot path (a plain append, the short layout) is kept to four redis.call()s: HMGET, the feed
 -- XADD (trimmed on every 32nd n only: an approximate trim frees whole nodes, so asking on each
@@ -58,12 +62,21 @@
 -- formatted once (an n below 2^53 prints exactly with %d).
 local call, fmt = redis.call, string.format
 
+-- A header field edited outside redis-session (an n that is no count, a ttl_ms that is no
+-- positive duration) is refused before anything is written: {11, field}. Used as it is, it failed
+-- the script half-way with rows written, or expired the session's keys at once.
+local function bad_count(s)
+  return not (s == '0' or string.find(s, '^[1-9]%d*$')) or #s > 16 or tonumber(s) > 9007199254740991
+end
+
 if #KEYS < 8 then
   -- the short layout (see above): HMGET, the feed XADD (else TIME), XADD, HSET
   local hdr, log, feed = KEYS[1], KEYS[2], KEYS[3]
   local h = call('HMGET', hdr, 'n', 'deleted', 'ttl_ms', 'incarnation')
   local ns = h[1]
+  if not ns and call('EXISTS', hdr) == 1 then return {11, 'n'} end
   if not ns or h[2] then return {3} end
+  if bad_count(ns) then return {11, 'n'} end
   local inc = ARGV[2]
   if inc ~= '' and inc ~= (h[4] or ('legacy-' .. (call('HGET', hdr, 'created_at') or '0'))) then return {8} end
   local n = tonumber(ns)
@@ -132,8 +145,8 @@ local base
 -- The feed shard is written after the log here: holding another kind of value than a stream
 -- (edited outside redis-session), it would fail the script half-way with the entries written.
 -- Refused before any write instead (the idempotency set is read before any write already).
-if KEYS[9] then
-  local t = call('TYPE', KEYS[9])['ok']
+if KEYS[10] then
+  local t = call('TYPE', KEYS[10])['ok']
   if t ~= 'none' and t ~= 'stream' then
     return redis.error_reply('WRONGTYPE the change feed shard holds another kind of value than a stream')
   end
@@ -141,8 +154,6 @@ end
 
 if mode == 'create' then
   if call('EXISTS', hdr) == 1 then return {5} end
-  -- leftovers of an expired or half-purged session must not leak into the new one
-  call('DEL', log, idem, KEYS[4], KEYS[5], KEYS[7], KEYS[8])
   local nhdr = tonumber(ARGV[8])
   local fields = {}
   n = 0
@@ -150,9 +161,12 @@ if mode == 'create' then
     local k, v = ARGV[10 + 2 * i], ARGV[11 + 2 * i]
     if k == 'created_at' and v == '' then v = now_s end
     if k == 'at' then n = tonumber(v) end
+    if k == 'create_key' and call('SISMEMBER', KEYS[9], v) == 1 then return {10} end
     fields[#fields + 1] = k
     fields[#fields + 1] = v
   end
+  -- leftovers of an expired or half-purged session must not leak into the new one
+  call('DEL', log, idem, KEYS[4], KEYS[5], KEYS[7], KEYS[8])
   ttl = ARGV[7]
   if ttl ~= '' then fields[#fields + 1] = 'ttl_ms'; fields[#fields + 1] = ttl end
   fields[#fields + 1] = 'n'; fields[#fields + 1] = fmt('%d', n)
@@ -161,7 +175,10 @@ if mode == 'create' then
   base = 10 + 2 * nhdr
 else
   local h = call('HMGET', hdr, 'n', 'deleted', 'ttl_ms', 'incarnation')
+  if not h[1] and call('EXISTS', hdr) == 1 then return {11, 'n'} end
   if not h[1] or h[2] then return {3} end
+  if bad_count(h[1]) then return {11, 'n'} end
+  if h[3] and (h[3] == '0' or bad_count(h[3])) then return {11, 'ttl_ms'} end
   local inc = ARGV[9]
   if inc ~= '' and inc ~= (h[4] or ('legacy-' .. (call('HGET', hdr, 'created_at') or '0'))) then return {8} end
   n = tonumber(h[1])
@@ -269,11 +286,11 @@ if ttl ~= '' and kept == 0 then
   if live_ttl == -1 or live_ttl > tonumber(ttl) then call('PEXPIRE', KEYS[8], ttl) end
 end
 
-if KEYS[9] and hint then
+if KEYS[10] and hint then
   if new_n % 32 < count then
-    call('XADD', KEYS[9], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', new_n_s)
+    call('XADD', KEYS[10], 'MAXLEN', '~', ARGV[5], '*', 's', ARGV[6], 'n', new_n_s)
   else
-    call('XADD', KEYS[9], '*', 's', ARGV[6], 'n', new_n_s)
+    call('XADD', KEYS[10], '*', 's', ARGV[6], 'n', new_n_s)
   end
 end
 

@@ -1,7 +1,9 @@
 -- delete.lua: delete one session, or hide it (a tombstone) while live branches still read it.
 --
 -- KEYS[1..8] hdr, log, idem, proj, draft, kids, lease, live of the session  ({prefix}:{id}:*)
+-- KEYS[9]    gone: the create keys of deleted lives (SET; kept ARGV[2] ms after the last delete)
 -- ARGV[1]    the incarnation to delete, or "" (whichever is current)
+-- ARGV[2]    how long the life's create key is remembered (ms)
 --
 -- Returns {0}                                  absent (or already hidden)
 --         {3, incarnation}                      another life than ARGV[1]: nothing deleted
@@ -9,12 +11,19 @@
 --         {2, created_at, parent or "", incarnation or "", cold or ""}
 --                                               deleted: every key gone (the caller deletes the
 --                                               archived segments `cold` names, else the sweep does)
-local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'created_at', 'parent', 'incarnation', 'cold')
-if not h[1] or h[2] then return {0} end
+local h = redis.call('HMGET', KEYS[1], 'n', 'deleted', 'created_at', 'parent', 'incarnation', 'cold', 'create_key')
+-- absent, or hidden already; a header without its n (edited outside redis-session) is deleted too
+if h[2] or (not h[1] and redis.call('EXISTS', KEYS[1]) == 0) then return {0} end
 if ARGV[1] and ARGV[1] ~= '' then
   local inc = h[5] or ('legacy-' .. (h[3] or ''))
   if inc ~= ARGV[1] then return {3, inc} end
 end
+-- a keyed create of this life, retried after its reply was lost, must not make it again
+-- (append.lua refuses a create whose key is here): remembered first, so a refused DEL (ACL)
+-- leaves at worst a key remembered for a session still there, never a deleted one forgotten
+-- (every delete of the id restarts the clock: each key is remembered ARGV[2] ms after the last one)
+if h[7] then redis.call('SADD', KEYS[9], h[7]) end
+redis.call('PEXPIRE', KEYS[9], ARGV[2])
 if redis.call('ZCARD', KEYS[6]) > 0 then
   -- the tombstone is written last: a Redis user refused a DEL or PERSIST here (ACL) leaves the
   -- session visible, never hidden with half its keys

@@ -4,10 +4,13 @@
 --
 -- KEYS[1..8]  hdr, log, idem, proj, draft, kids, lease, live of the target  ({prefix}:{id}:*)
 -- KEYS[9..16] the same keys of the staged session
+-- KEYS[17]    gone of the target: the create key of the life replaced is remembered there (SET), as
+--             delete.lua remembers a deleted life's (a keyed create retried after it is refused)
 -- ARGV[1]     the incarnation of the target the importer saw (another one is refused)
 -- ARGV[2]     the target id (written into the header that moves)
 -- ARGV[3]     the staged session's incarnation ("" = not known): a retry whose swap already
 --             landed (a lost reply) finds the target holding it and answers 11
+-- ARGV[4]     how long the replaced life's create key is remembered (ms)
 --
 -- The staged session was created expiring (a crashed import leaks nothing): the swap makes the
 -- keys that move lasting and drops its ttl_ms. The caller unlinks the old session from its
@@ -23,7 +26,7 @@
 --         {11, created_at, n}                                 already swapped (the target holds the
 --                                                             staged incarnation, the staged id is gone)
 local call = redis.call
-local t = call('HMGET', KEYS[1], 'n', 'deleted', 'incarnation', 'created_at', 'parent')
+local t = call('HMGET', KEYS[1], 'n', 'deleted', 'incarnation', 'created_at', 'parent', 'create_key')
 if not t[1] or t[2] then return {3} end
 local inc = t[3] or ('legacy-' .. (t[4] or '0'))
 if ARGV[3] ~= '' and inc == ARGV[3] and call('EXISTS', KEYS[9]) == 0 then return {11, t[4] or '0', t[1]} end
@@ -31,6 +34,8 @@ if inc ~= ARGV[1] then return {8} end
 if call('ZCARD', KEYS[6]) > 0 then return {9} end
 local s = call('HMGET', KEYS[9], 'n', 'created_at', 'deleted')
 if not s[1] or s[3] then return {10} end
+if t[6] then call('SADD', KEYS[17], t[6]) end
+call('PEXPIRE', KEYS[17], ARGV[4])
 call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
 if call('EXISTS', KEYS[10]) == 1 then call('RENAME', KEYS[10], KEYS[2]) end
 if call('EXISTS', KEYS[11]) == 1 then call('RENAME', KEYS[11], KEYS[3]) end

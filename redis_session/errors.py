@@ -26,6 +26,17 @@ class SessionReplacedError(SessionNotFoundError):
         msg = f"session {session_id!r} was replaced (deleted and created again)"
         self.args = (f"{msg}: {detail}" if detail else msg,)
 
+    @classmethod
+    def created_and_deleted(cls, session_id: str) -> SessionReplacedError:
+        """A keyed create retried (its reply lost) after the session it made was deleted: the
+        retry is refused, not made again (the key is remembered for `keys.GONE_TTL_MS`)."""
+        e = cls(session_id)
+        e.args = (
+            f"session {session_id!r} was made by this create (its idempotency key) and deleted since: "
+            "nothing was written; create it under another key to make it again",
+        )
+        return e
+
 
 class SessionRewoundError(SessionError):
     """A reader is ahead of the session's log: it was given entries up to `cursor` - 1, and the
@@ -50,6 +61,17 @@ class SessionCorruptError(SessionError):
     """A session's stored keys were edited outside redis-session (a row deleted or rewritten, a
     key replaced by another kind of value): what is stored is not what was written, so it is
     never read with a guess. `redis-session doctor` names what is wrong."""
+
+    @classmethod
+    def because(cls, why: str) -> SessionCorruptError:
+        return cls(f"stored entries are corrupt (edited outside redis-session?): {why}")
+
+    @classmethod
+    def header_field(cls, session_id: str, field: str) -> SessionCorruptError:
+        """A header field a script found unusable (an ``n`` that is no count): nothing written."""
+        return cls.because(
+            f"session {session_id!r}: the header's {field} is not what redis-session writes; nothing was written"
+        )
 
 
 class SessionAlreadyExistsError(SessionError):

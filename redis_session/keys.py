@@ -128,6 +128,11 @@ def unescape_key(session_id: str) -> str:
 # A replacing import builds its session under a staging id (`importers.common.staging_id`):
 # "<target id[:160]>.import-<16 hex>.<hex>". Such a session is never listed and expires by itself
 # (a crashed import leaks nothing); the swap makes it the target's, listed and lasting.
+GONE_TTL_MS = 24 * 60 * 60 * 1000
+"""How long a deleted session's ``create_key`` is remembered (`Keys.gone`), from its delete: a
+keyed create retried within it after the session was deleted is refused. The IETF
+Idempotency-Key draft's usual window (24 h)."""
+
 STAGING_TTL_MS = 15 * 60 * 1000
 _STAGING = re.compile(r"\.import-[0-9a-f]{16}\.[0-9a-f]+\Z")
 
@@ -195,6 +200,12 @@ class Keys:
     def live(self, session_id: str) -> str:
         return self._k(session_id, "live")
 
+    def gone(self, session_id: str) -> str:
+        """SET: the ``create_key`` of each life of this id that was deleted (`GONE_TTL_MS`): a
+        keyed create retried after its reply was lost and the session deleted since is refused
+        (append.lua), never made again."""
+        return self._k(session_id, "gone")
+
     def restore(self, session_id: str) -> str:
         """The prefix of a restore's staging streams (``…:restore:<token>``: same slot; renamed
         onto the log by archive.lua)."""
@@ -218,6 +229,10 @@ class Keys:
 
     def archiver_stats(self, group: str) -> str:
         return f"{self.prefix}:archiver:{group}:stats"
+
+    def delete_keys(self, session_id: str) -> list[str]:
+        """delete.lua's keys: every per-session key (`session_keys`), then `gone`."""
+        return [*self.session_keys(session_id), self.gone(session_id)]
 
     def session_keys(self, session_id: str) -> list[str]:
         """Every per-session key, in the order the Lua scripts take them."""

@@ -40,6 +40,7 @@ import msgspec
 from .checks import check_incarnation, check_int, check_seconds
 from .doctor import DoctorReport, doctor
 from .errors import (
+    IdempotencyKeyReusedError,
     InvalidArgumentError,
     InvalidEntryError,
     InvalidSessionIdError,
@@ -66,6 +67,7 @@ from .model import (
     Surface,
     as_new_entry,
     check_entries,
+    check_idempotency_key,
     create_key_digest,
     encode_batch,
     kind_of,
@@ -147,6 +149,32 @@ def split_create_key(create_key: str | None) -> tuple[str | None, str | None]:
         return None, None
     key, dot, request = create_key.partition(".")
     return key, request if dot else None
+
+
+def keyed_session_id(idempotency_key: str, prefix: str = "") -> str:
+    """The id a keyed create without one gets: the same for every retry of the request, so the
+    retry finds the session its first attempt made (`prefix`: a tenant's)."""
+    return f"{prefix}session-{hashlib.sha256(idempotency_key.encode()).hexdigest()[:32]}"
+
+
+def keyed_child_id(parent: str, idempotency_key: str) -> str:
+    """The id a keyed branch or fork without one gets: the same for every retry of the request."""
+    return f"{parent}:branch:{hashlib.sha256(idempotency_key.encode()).hexdigest()[:16]}"
+
+
+def _same_entries(stored: Sequence[Entry], batch: Sequence[NewEntryLike]) -> bool:
+    def norm(e: NewEntry) -> tuple[Any, ...]:
+        surface = None if e.surface is None else msgspec.to_builtins(msgspec.convert(e.surface, Surface))
+        return (e.type, e.data, e.meta, surface)
+
+    def stored_norm(e: Entry) -> tuple[Any, ...]:
+        surface = None if e.surface is None else msgspec.to_builtins(e.surface)
+        return (e.type, e.data, e.meta, surface)
+
+    news = [as_new_entry(b) for b in batch]
+    return len(stored) == len(news) and all(
+        stored_norm(s) == norm(b) and (b.time is None or b.time == s.time) for s, b in zip(stored, news, strict=True)
+    )
 
 
 def _meta_dict(meta: object) -> dict[str, Any]:
@@ -810,16 +838,88 @@ class Sessions:
             entries = entries if isinstance(entries, (list, tuple)) else list(entries)
             ms = None if ttl is None else ttl_ms(ttl)  # 60 and 60.0 are one request
             digest = request_digest("create", title, origin, delegation_depth, ms, created_at, entries=entries)
+        check_idempotency_key(idempotency_key)
+        if session_id is None:
+            session_id = _new_session_id() if idempotency_key is None else keyed_session_id(idempotency_key)
         header = SessionHeader(
-            id=_new_session_id() if session_id is None else session_id,
+            id=session_id,
             title=title,
             origin=origin,
             delegation_depth=0 if delegation_depth is None else delegation_depth,
             created_at=created_at or 0,
             create_key=keyed_create_key(idempotency_key, digest),
         )
-        head = await self.store.create(header, entries, ttl_ms=None if ttl is None else ttl_ms(ttl))
+        try:
+            head = await self.store.create(header, entries, ttl_ms=None if ttl is None else ttl_ms(ttl))
+        except SessionAlreadyExistsError as taken:
+            if idempotency_key is None:
+                raise
+            head = await self._replayed_create(header, idempotency_key, digest, entries, taken)
         return Session(self, head)
+
+    async def _own_creation(
+        self, session_id: str, idempotency_key: str, taken: SessionAlreadyExistsError
+    ) -> SessionHead:
+        """The session at the taken id, when this `idempotency_key` created it (a retry whose first
+        attempt landed); else `taken`: another request made it, keyed or not."""
+        head = await self.store.head(session_id)
+        if head is None or split_create_key(head.header.create_key)[0] != create_key_digest(idempotency_key):
+            raise taken  # the store's own words (a hidden id names its branches)
+        return head
+
+    async def _replayed_create(
+        self,
+        header: SessionHeader,
+        idempotency_key: str,
+        digest: str,
+        entries: Sequence[NewEntryLike],
+        taken: SessionAlreadyExistsError,
+    ) -> SessionHead:
+        """A keyed create of a taken id: its own creation, when the same key made it with the same
+        request (the request digest its `create_key` records: `ttl`, `created_at` and entries
+        included, which the header alone cannot tell); `IdempotencyKeyReusedError` when that key
+        made it with another; else `taken`."""
+        head = await self._own_creation(header.id, idempotency_key, taken)
+        h = head.header
+        recorded = split_create_key(h.create_key)[1]
+        if recorded is not None:
+            if recorded != digest:
+                raise IdempotencyKeyReusedError(header.id, idempotency_key)
+            return head
+        # a creation recorded before requests were (the key's digest alone): what its header shows
+        same = (h.parent, h.title, h.origin, h.delegation_depth) == (
+            None,
+            header.title,
+            header.origin,
+            header.delegation_depth,
+        ) and head.n >= len(entries)
+        if same and entries:
+            same = _same_entries(await self.store.read(header.id, 0, len(entries), incarnation=h.incarnation), entries)
+        if not same:
+            raise IdempotencyKeyReusedError(header.id, idempotency_key)
+        return head
+
+    async def _replayed_branch(
+        self,
+        child: str,
+        parent: str,
+        at: int | None,
+        idempotency_key: str,
+        digest: str,
+        taken: SessionAlreadyExistsError,
+    ) -> SessionHead:
+        """A keyed branch or fork onto a taken id: the child, when this key made it from the same
+        parent at the same point (`at`; None: a fork's default, any) with the same fields
+        (`digest`); `IdempotencyKeyReusedError` when that key made another; else `taken`."""
+        head = await self._own_creation(child, idempotency_key, taken)
+        recorded = split_create_key(head.header.create_key)[1]
+        if (
+            head.header.parent != parent
+            or (at is not None and head.header.at != at)
+            or (recorded is not None and recorded != digest)
+        ):
+            raise IdempotencyKeyReusedError(parent, idempotency_key)
+        return head
 
     async def branch(
         self,
@@ -850,6 +950,9 @@ class Sessions:
         and nothing is created.
         """
         validate_session_id(session_id)
+        check_idempotency_key(idempotency_key)
+        if branch_id is None and idempotency_key is not None:
+            branch_id = keyed_child_id(session_id, idempotency_key)  # a retry finds its first attempt's
         if branch_id is not None:
             validate_new_session_id(branch_id)  # before any round trip: nothing is read or written
         check_int(at, "at")
@@ -881,7 +984,10 @@ class Sessions:
             try:
                 head = await self.store.create(header, parent_incarnation=life)
                 break
-            except SessionAlreadyExistsError:
+            except SessionAlreadyExistsError as taken:
+                if idempotency_key is not None:
+                    head = await self._replayed_branch(child_id, session_id, at, idempotency_key, digest, taken)
+                    return Session(self, head)  # replayed: published when it was made
                 if branch_id is not None or attempt == 2:
                     raise  # 8 random hex digits colliding three times is not luck
         try:
@@ -917,7 +1023,20 @@ class Sessions:
         life = head.header.incarnation or None
         if incarnation is not None and life != incarnation:
             raise SessionReplacedError(session_id, f"it is incarnation {life} now, not {incarnation}: not forked")
+        check_idempotency_key(idempotency_key)
+        if fork_id is None and idempotency_key is not None:
+            fork_id = keyed_child_id(session_id, idempotency_key)  # a retry finds its first attempt's
         if fork_id is not None and await self.store.head(validate_new_session_id(fork_id)) is not None:
+            taken = SessionAlreadyExistsError(fork_id)
+            if idempotency_key is not None:  # this key's own fork, retried: the same child
+                at = None if boundary is None else boundary + 1
+                digest = request_digest("branch", None, None, None)  # a fork gives no header field
+                try:
+                    return Session(
+                        self, await self._replayed_branch(fork_id, session_id, at, idempotency_key, digest, taken)
+                    )
+                except SessionAlreadyExistsError:
+                    pass
             raise SessionForkError(f"session {fork_id!r} already exists", "SESSION_ALREADY_EXISTS")
         n = head.n
         last = "none" if n == 0 else str(n - 1)

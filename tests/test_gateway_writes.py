@@ -120,6 +120,46 @@ async def test_idempotency_key_retries_return_the_same_answer(
     assert [k["id"] for k in kids] == [b1.json()["id"]]
 
 
+async def test_a_keyed_create_retried_after_a_delete_makes_nothing(client: httpx.AsyncClient) -> None:
+    """A keyed create (and branch, and fork) whose reply was lost, retried after another client
+    deleted what it made: 409 session_replaced and nothing made — it used to make the deleted
+    session again (its title, its entries), the retry silently undoing the delete. Without the
+    key, or with another, the id is made anew."""
+    turn = [
+        {"type": "turn/start", "data": {"turn": 1}},
+        um("x"),
+        {"type": "turn/end", "data": {"turn": 1, "reason": "completed"}},
+    ]
+    body = {"id": "once", "title": "t", "entries": turn}
+    assert (await client.post("/sessions", json=body, headers={"Idempotency-Key": "k1"})).status_code == 201
+    b = await client.post(path("once", "branch"), json={"at": 1}, headers={"Idempotency-Key": "kb"})
+    f = await client.post(path("once", "fork"), json={"id": "once-f"}, headers={"Idempotency-Key": "kf"})
+    assert b.status_code == f.status_code == 201, (b.text, f.text)
+    for sid in (b.json()["id"], "once-f"):
+        assert (await client.delete(path(sid))).status_code == 204
+    assert (await client.delete(path("once"))).status_code == 204
+    for method_path, payload, key in (
+        ("/sessions", body, "k1"),
+        (path("once", "branch"), {"at": 1}, "kb"),
+        (path("once", "fork"), {"id": "once-f"}, "kf"),
+    ):
+        r = await client.post(method_path, json=payload, headers={"Idempotency-Key": key})
+        if method_path == "/sessions":
+            assert (r.status_code, r.json()["error"]) == (409, "session_replaced"), r.text
+            assert "deleted since" in r.json()["message"]
+        else:  # the parent is gone too: its branch and fork are refused before their create
+            assert r.status_code == 404, r.text
+    assert (await client.get(path("once"))).status_code == 404
+    again = await client.post("/sessions", json=body, headers={"Idempotency-Key": "k2"})
+    assert again.status_code == 201 and len((await client.get(path("once", "entries"))).json()["entries"]) == 3
+    # a branch made and deleted under a live parent: its keyed retry is refused, the parent unlinked
+    b = await client.post(path("once", "branch"), json={"at": 1}, headers={"Idempotency-Key": "kb2"})
+    assert (await client.delete(path(b.json()["id"]))).status_code == 204
+    r = await client.post(path("once", "branch"), json={"at": 1}, headers={"Idempotency-Key": "kb2"})
+    assert (r.status_code, r.json()["error"]) == (409, "session_replaced"), r.text
+    assert (await client.get("/sessions", params={"parent": "once"})).json()["items"] == []
+
+
 async def test_a_keyed_create_or_branch_is_never_another_clients(
     client: httpx.AsyncClient, redis_store: RedisSessionStore
 ) -> None:

@@ -383,6 +383,25 @@ async def test_import_existing_id_error_skip_replace(store: Any, tmp_path: Path)
     assert head is not None and head.n == 2
 
 
+async def test_a_keyed_create_retried_after_its_life_was_replaced_by_an_import_is_refused(
+    store: Any, tmp_path: Path
+) -> None:
+    """An import that replaces a session ends that life as a delete does (r19 05): a keyed create
+    of it retried afterwards (its reply lost), and the imported session deleted in turn, must not
+    make the replaced life again. The replaced life's key is remembered as a deleted one's."""
+    from redis_session import Sessions, SessionReplacedError
+
+    sessions = Sessions(store)
+    await sessions.create("im", title="t", entries=[("user/message", {"content": "mine"})], idempotency_key="K")
+    path = write_jsonl(tmp_path / "s.jsonl", nanobot_rows("im")[:3])
+    [res] = await import_path(store, path, on_exists="replace")
+    assert res.status == "replaced"
+    await sessions.delete("im")
+    with pytest.raises(SessionReplacedError):
+        await sessions.create("im", title="t", entries=[("user/message", {"content": "mine"})], idempotency_key="K")
+    assert await store.head("im") is None
+
+
 async def test_replace_refuses_a_session_with_branches(store: Any, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "s.jsonl", nanobot_rows("cli:direct"))
     await import_path(store, path)

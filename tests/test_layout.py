@@ -322,3 +322,131 @@ async def test_one_unreadable_header_never_ends_a_listing(
         assert await raw.type(redis_store.keys.hdr("b")) in (b"string", b"hash")  # nothing was "healed"
     finally:
         await raw.aclose()
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 4, 7])
+async def test_paging_past_unreadable_and_stale_members_loses_none(
+    redis_store: RedisSessionStore, redis_url: str, limit: int
+) -> None:
+    """Pages of a listing with unreadable headers and stale index members (a header gone, its
+    member left: an expiry) among the sessions: every readable session is listed once, in order,
+    whatever the page size. A page used to read more members than it had room for once it had
+    skipped one, and its cursor passed over the rest (`limit=4` over 8 sessions, one unreadable:
+    one page of 4, cursor None, three sessions never listed)."""
+    ids = [f"s{i}" for i in range(10)]
+    for i, sid in enumerate(ids):
+        await redis_store.create(SessionHeader(id=sid, created_at=1_700_000_000_000 + 1000 * (10 - i)), [um("x")])
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        await raw.hset(redis_store.keys.hdr("s3"), "n", "abc")  # unreadable
+        await raw.delete(redis_store.keys.hdr("s5"))  # stale: its member is healed away
+        await raw.hset(redis_store.keys.hdr("s6"), "n", "abc")
+    finally:
+        await raw.aclose()
+    seen: list[str] = []
+    unreadable: list[str] = []
+    cursor = None
+    for _ in range(40):
+        page = await redis_store.list(limit=limit, cursor=cursor)
+        assert len(page.items) <= limit
+        seen += [h.id for h in page.items]
+        unreadable += page.unreadable
+        cursor = page.cursor
+        if cursor is None:
+            break
+    assert seen == [sid for sid in ids if sid not in ("s3", "s5", "s6")]  # each once, newest first
+    assert unreadable == ["s3", "s6"]
+
+
+async def test_the_gone_set_holds_deleted_create_keys_for_a_day_after_the_last_delete(
+    redis_store: RedisSessionStore, redis_url: str
+) -> None:
+    """`rs:{<id>}:gone` (README, Redis key layout): the create key of each deleted life of the id,
+    a SET expiring 24 h after the last delete of the id — any delete, a life created without a
+    key too (it used to restart only on a keyed life's delete)."""
+    from redis_session.keys import GONE_TTL_MS
+
+    gone = redis_store.keys.gone("g")
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        await redis_store.create(SessionHeader(id="g", create_key="k1"))
+        assert not await raw.exists(gone)  # nothing until a delete
+        await redis_store.delete("g")
+        assert await raw.smembers(gone) == {b"k1"}
+        assert GONE_TTL_MS - 60_000 < await raw.pttl(gone) <= GONE_TTL_MS
+        await raw.pexpire(gone, 5000)  # as if most of the day had passed
+        await redis_store.create(SessionHeader(id="g"))  # a life without a key
+        await redis_store.delete("g")
+        assert await raw.smembers(gone) == {b"k1"}
+        assert GONE_TTL_MS - 60_000 < await raw.pttl(gone) <= GONE_TTL_MS
+    finally:
+        await raw.aclose()
+
+
+HEADER_EDITS = {
+    "n not a number": ("n", "abc"),
+    "n empty": ("n", ""),
+    "n negative": ("n", "-1"),
+    "n a fraction": ("n", "1.5"),
+    "n with a space": ("n", " 2"),
+    "n past 2^53": ("n", str(2**53)),
+    "n missing": ("n", None),
+    "ttl_ms not a number": ("ttl_ms", "x"),
+    "ttl_ms negative": ("ttl_ms", "-1"),
+    "ttl_ms zero": ("ttl_ms", "0"),
+    "created_at not a number": ("created_at", "x"),
+    "created_at missing": ("created_at", None),
+    "id of another session": ("id", "someone-else"),
+}
+
+
+@pytest.mark.parametrize("edit", list(HEADER_EDITS))
+async def test_a_header_field_edited_outside_is_corrupt_everywhere_and_nothing_is_written(
+    redis_store: RedisSessionStore, redis_url: str, edit: str
+) -> None:
+    """A header field that is not what redis-session writes (r19): `head`, `read` and every kind
+    of append raise `SessionCorruptError` and write nothing — an append used to write its rows and
+    then fail on a bare Lua error (so its retry wrote them twice), or, with a `ttl_ms` of 0 or
+    below, to answer success and expire the whole session at once; `n=-1` read as an empty log,
+    `n=2^53` took another entry, an `id` of another session was answered as that one. The
+    listing names it unreadable; a delete still deletes it."""
+    from redis_session import SessionCorruptError
+
+    await redis_store.create(SessionHeader(id="e"), [um("a"), um("b")])
+    await redis_store.create(SessionHeader(id="ok"), [um("x")])
+    field, value = HEADER_EDITS[edit]
+    hdr, log = redis_store.keys.hdr("e"), redis_store.keys.log("e")
+    feed = redis_store.keys.feed(redis_store.keys.feed_shard("e"))
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        if value is None:
+            await raw.hdel(hdr, field)
+        else:
+            await raw.hset(hdr, field, value)
+        before = (await raw.xlen(log), await raw.xlen(feed), await raw.hgetall(hdr))
+        with pytest.raises(SessionCorruptError):
+            await redis_store.head("e")
+        if field == "n":
+            with pytest.raises(SessionCorruptError):
+                await redis_store.read("e")
+        else:  # a field the read does not use: the entries, which are sound, are read
+            assert [e.data["content"] for e in await redis_store.read("e")] == ["a", "b"]
+        writes = [
+            lambda: redis_store.put("e", None, [um("c")]),  # the short layout
+            lambda: redis_store.put("e", 2, [um("c")], idempotency_key="k"),  # the long one
+            lambda: redis_store.put("e", None, [NewEntry("user/message", {"content": "c"}, {"m": 1})]),
+        ]
+        for write in writes:
+            if field in ("created_at", "id"):  # not used by an append: the read and head refuse it
+                continue
+            with pytest.raises(SessionCorruptError):
+                await write()
+            assert (await raw.xlen(log), await raw.xlen(feed), await raw.hgetall(hdr)) == before
+            assert await raw.pttl(log) == -1  # no expiry set
+        page = await redis_store.list()
+        assert [h.id for h in page.items] == ["ok"] and page.unreadable == ["e"]
+        assert await redis_store.delete("e") is True  # an operator can still delete it
+        assert not await raw.exists(hdr) and not await raw.exists(log)
+        assert [h.id for h in (await redis_store.list()).items] == ["ok"]
+    finally:
+        await raw.aclose()

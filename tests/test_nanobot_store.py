@@ -1051,6 +1051,84 @@ def test_the_save_after_one_of_unknown_outcome_is_no_conflict(rig: Rig, first: b
     assert fresh.metadata["usage"] == {"turns": 2}
 
 
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_first_save_of_unknown_outcome_then_a_delete_never_brings_the_session_back(rig: Rig, landed: bool) -> None:
+    """A session's first save (its create) fails with its outcome unknown, and another pod
+    deletes the key before this one saves again. When the create had landed, that save is the
+    deletion (`NanobotSessionDeleted`, the object emptied, nothing written): it used to create
+    the session again with the deleted messages. When it had not, there was nothing to delete,
+    and the save makes the session as usual."""
+    flaky = LosesReplies(RedisSessionStore.from_url(rig.url, prefix=rig.prefix), StoreUnavailableError)
+    ours, other = RedisNanobotStore(flaky), rig.pod()
+    key = f"telegram:unsure-deleted-{landed}"
+    s = Session(key=key)
+    s.add_message("user", "first")
+    if landed:
+        flaky.lose = 1
+    else:
+        flaky.fail_create = 1
+    with pytest.raises(StoreUnavailableError):
+        ours.save(s)
+    assert other.delete(key) is landed
+    s.add_message("assistant", "second")
+    if landed:
+        with pytest.raises(NanobotSessionDeleted):
+            ours.save(s)
+        assert rig.ours.load(key) is None  # not made again
+        assert s.messages == []  # the object holds what is stored: nothing
+        s.add_message("user", "anew")
+        ours.save(s)  # a new session of the key, with only what came after
+        assert [m["content"] for m in rig.ours.load(key).messages] == ["anew"]  # type: ignore[union-attr]
+    else:
+        ours.save(s)
+        assert [m["content"] for m in rig.ours.load(key).messages] == ["first", "second"]  # type: ignore[union-attr]
+
+
+class LosesAPut(LosesReplies):
+    """`LosesReplies` that lets the create through and loses (`lose_put`) or fails (`fail`) a put."""
+
+    lose_put = 0
+
+    async def put(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail:
+            self.fail -= 1
+            raise self.error("the server did not answer")
+        result = await self._store.put(*args, **kwargs)
+        if self.lose_put:
+            self.lose_put -= 1
+            raise self.error("reply lost")
+        return result
+
+
+@pytest.mark.parametrize("what", ["create", "rest"])
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_first_save_over_one_batch_of_unknown_outcome_settles(rig: Rig, what: str, landed: bool) -> None:
+    """A first save with more messages than one batch (a create, then the rest in more puts)
+    whose create or rest fails with its outcome unknown: the next save sends that very write
+    again (replayed where it landed) and goes on, every message stored once, in order. A lost rest
+    used to be planned again with what was added since — another write, another key — and
+    every later save failed with a raw `SessionConflictError`."""
+    flaky = LosesAPut(RedisSessionStore.from_url(rig.url, prefix=rig.prefix, max_batch=4), StoreUnavailableError)
+    ours = RedisNanobotStore(flaky)
+    key = f"telegram:big-{what}-{landed}"
+    s = Session(key=key)
+    for i in range(10):  # one create of 4 entries, then two puts (4 and 2)
+        s.add_message("user" if i % 2 == 0 else "assistant", f"m{i}")
+    if what == "create":
+        flaky.lose, flaky.fail_create = (1, 0) if landed else (0, 1)
+    else:  # the rest's first put: landed (its reply lost) or never sent
+        flaky.lose_put, flaky.fail = (1, 0) if landed else (0, 1)
+    with pytest.raises(StoreUnavailableError):
+        ours.save(s)
+    s.add_message("user", "m10")
+    ours.save(s)
+    s.add_message("assistant", "m11")
+    ours.save(s)
+    fresh = rig.ours.load(key)
+    assert fresh is not None
+    assert [m["content"] for m in fresh.messages] == [f"m{i}" for i in range(12)]
+
+
 def test_a_save_of_unknown_outcome_overtaken_by_another_pod_is_the_conflict(rig: Rig) -> None:
     """The unsettled save did not land and another pod saved meanwhile: the next save is that
     conflict (nanobot's turn fails, the object holds what is stored), never a write over it."""

@@ -980,3 +980,37 @@ async def test_an_argument_whose_repr_raises_or_is_huge_is_still_a_typed_error(r
         await s.read(["x" * 100_000])  # type: ignore[arg-type]
     assert len(str(caught.value)) < 300
     assert s.n == 0 and await redis_store.read("repr-1") == []
+
+
+async def test_keyed_create_branch_and_fork_retried_are_the_same_session(store: Any) -> None:
+    """`idempotency_key` on `Sessions.create`, `branch` and `fork` (r19): a retry of the same
+    request — after a lost reply, or just sent twice — is the session the first attempt made
+    (the same life), never `SessionAlreadyExistsError` nor another session; without an id the
+    key names it, so an id-less retry finds it too. The same key with another request is
+    `IdempotencyKeyReusedError`; another key (or none) for a taken id stays
+    `SessionAlreadyExistsError`. The gateway's keyed routes are this, over HTTP."""
+    from redis_session import IdempotencyKeyReusedError
+
+    sessions = Sessions(store)
+    turn = [NewEntry("turn/start", {"turn": 1}), um("q"), NewEntry("turn/end", {"turn": 1, "reason": "completed"})]
+    a = await sessions.create("c1", title="t", entries=turn, idempotency_key="K")
+    b = await sessions.create("c1", title="t", entries=turn, idempotency_key="K")
+    assert (a.id, a.header.incarnation) == (b.id, b.header.incarnation)
+    with pytest.raises(IdempotencyKeyReusedError):
+        await sessions.create("c1", title="other", entries=turn, idempotency_key="K")
+    for key in ("other-key", None):
+        with pytest.raises(SessionAlreadyExistsError):
+            await sessions.create("c1", title="t", entries=turn, idempotency_key=key)
+    x = await sessions.create(idempotency_key="no-id")  # no id: the key names it
+    y = await sessions.create(idempotency_key="no-id")
+    assert x.id == y.id and x.header.incarnation == y.header.incarnation
+    br1 = await sessions.branch("c1", 2, idempotency_key="B")
+    br2 = await sessions.branch("c1", 2, idempotency_key="B")
+    assert (br1.id, br1.header.incarnation) == (br2.id, br2.header.incarnation)
+    with pytest.raises(IdempotencyKeyReusedError):
+        await sessions.branch("c1", 1, idempotency_key="B")  # the key's branch is at 2
+    f1 = await sessions.fork("c1", 2, idempotency_key="F")
+    f2 = await sessions.fork("c1", 2, idempotency_key="F")
+    assert (f1.id, f1.header.incarnation) == (f2.id, f2.header.incarnation)
+    kids = sorted(h.id for h in (await sessions.list(parent="c1")).items)
+    assert kids == sorted([br1.id, f1.id])  # one child per request, not one per attempt

@@ -91,8 +91,10 @@ _PIN = "_redis_session_pin"
 _UNKNOWN_OUTCOME = (StoreUnavailableError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 """What a write that may have landed raises (a reply lost to a closed connection, a timeout)."""
 _UNSURE_CREATE = "_redis_session_unsure_create"
-"""On a session object: the create of its first save, whose outcome is unknown, as (session id,
-origin, first entries, pin after it)."""
+"""On a session object: the create of its first save, whose outcome is unknown (the create, or
+the rest of its entries after the first batch), as `_UnsureCreate`."""
+_UnsureCreate = tuple[str, dict[str, Any], list[NewEntry], list[NewEntry], "_Pin"]
+"""(session id, origin, first batch, rest of the entries, pin after them all)."""
 _UNSURE = "_redis_session_unsure"
 """On a session object: the write of a save whose outcome is unknown (the store was unreachable
 after it was sent: it may have landed), as (n, incarnation, entries, pin after it)."""
@@ -302,6 +304,15 @@ def _write_key(sid: str, incarnation: str, n: int, entries: Sequence[NewEntry]) 
     digest = hashlib.sha256(f"{sid}\0{incarnation}\0{n}\0".encode())
     digest.update(msgspec.json.encode(list(entries)))
     return "nanobot:" + digest.hexdigest()[:32]
+
+
+def _create_header(sid: str, session: _nb.Session, origin: dict[str, Any], first: Sequence[NewEntry]) -> SessionHeader:
+    """The header of `session`'s create, keyed by the create itself (its origin and first
+    entries: the same for a resend of the same create), so a resend of a create that landed and
+    was deleted since is refused by the store (`SessionReplacedError`), never made again."""
+    key = _write_key(sid, "create:" + log.encode(origin).decode(), 0, first)
+    created_at = int(session.created_at.timestamp() * 1000)
+    return SessionHeader(id=sid, created_at=created_at, origin=origin, create_key=key)
 
 
 def _digest(data: bytes) -> str:
@@ -617,46 +628,78 @@ class RedisNanobotStore:
         }
         entries, after = _plan(_empty_pin(sid), session)
         step = self._store.max_batch
-        header = SessionHeader(id=sid, created_at=int(session.created_at.timestamp() * 1000), origin=origin)
-        first = entries[:step]
+        first, rest = entries[:step], entries[step:]
+        # what the next save needs to settle this create when its outcome is unknown: a copy (the
+        # entries hold the session's own dicts, which nanobot may change in place meanwhile)
+        unsure = (sid, origin, _frozen(first), _frozen(rest), after)
         try:
-            head = await self._store.create(header, first)
+            head = await self._store.create(_create_header(sid, session, origin, first), first)
         except _UNKNOWN_OUTCOME:
             # it may have landed: the next save looks for it first (`_settle_create`), instead of
             # planning a create again and taking its own session for another pod's
-            setattr(session, _UNSURE_CREATE, (sid, origin, _frozen(first), after))
+            setattr(session, _UNSURE_CREATE, unsure)
             raise
+        except SessionReplacedError:  # made by an earlier attempt and deleted since
+            raise NanobotSessionDeleted(sid, session.key) from None
         except SessionAlreadyExistsError:
             found = await self._created_by(sid, origin, first)
             if found is None:
                 head_now = await self._store.head(sid)
                 raise NanobotSessionConflict(sid, session.key, 0, head_now.n if head_now else 0) from None
             head = found  # our own create, its reply lost: it landed once
+        return await self._created(session, sid, head, unsure)
+
+    async def _created(self, session: _nb.Session, sid: str, head: SessionHead, unsure: _UnsureCreate) -> _Pin:
+        """The pin after the create `unsure` of `session`, which landed (`head`), once the rest of
+        its entries (a first save over one batch) is written too: sent with the key of the write
+        itself, so a resend after a lost reply lands once. Unknown outcome again: it stays
+        unsettled, for the next save."""
+        _, _, first, rest, after = unsure
         after.incarnation = head.header.incarnation
-        rest = entries[step:]
         if rest:
             start = _empty_pin(sid, after.incarnation)
-            start.n = step
-            await self._put(sid, start, rest)
+            start.n = len(first)
+            try:
+                await self._put(sid, start, rest)
+            except _UNKNOWN_OUTCOME:
+                setattr(session, _UNSURE_CREATE, unsure)
+                raise
+            except SessionConflictError as e:  # another pod wrote after the first batch: nothing of the rest
+                raise NanobotSessionConflict(sid, session.key, start.n, e.actual_n) from None
         return after
 
     async def _settle_create(self, session: _nb.Session, sid: str) -> _Pin | None:
         """The pin after the create of `session`'s first save, when that save's outcome was
-        unknown and it landed (the session at `sid` is exactly that create): the next save then
-        appends what changed since, as after any save. None: there was none, or it did not land
-        (the save creates as usual). Unreachable again: it stays unsettled."""
-        unsure = getattr(session, _UNSURE_CREATE, None)
+        unknown and it landed (the session at `sid` is exactly that create; the rest of its
+        entries is sent again, replayed if it landed): the next save then appends what changed
+        since, as after any save. None: there was none, or it did not land and another pod's
+        create took the id (the save creates as usual, and meets that conflict). Unreachable
+        again: it stays unsettled."""
+        unsure = cast(_UnsureCreate | None, getattr(session, _UNSURE_CREATE, None))
         if unsure is None:
             return None
-        usid, origin, first, after = unsure
-        found = await self._created_by(sid, origin, first) if usid == sid else None
+        usid, origin, first = unsure[:3]
+        if usid != sid:
+            delattr(session, _UNSURE_CREATE)
+            return None
+        found = await self._created_by(sid, origin, first)
+        if found is None and await self._store.head(sid) is None:
+            # not there: it did not land, or it landed and was deleted since. That very create sent
+            # again tells which (its key is remembered for a deleted life, `Keys.gone`): refused —
+            # the session this object made was deleted, nothing is made again —, or made now
+            try:
+                found = await self._store.create(_create_header(sid, session, origin, first), first)
+            except SessionReplacedError:
+                delattr(session, _UNSURE_CREATE)
+                raise NanobotSessionDeleted(sid, session.key) from None
+            except SessionAlreadyExistsError:  # another pod's create took the id meanwhile
+                found = None
         delattr(session, _UNSURE_CREATE)
-        if found is None or len(first) >= self._store.max_batch:
-            return None  # not ours, or ours with a rest of more batches after it: planned again
-        # ours: the save goes on from after it (another pod's writes since are met as after any save)
-        after.incarnation = found.header.incarnation
-        setattr(session, _PIN, after)
-        return cast(_Pin, after)
+        if found is None:
+            return None
+        pin = await self._created(session, sid, found, unsure)
+        setattr(session, _PIN, pin)
+        return pin
 
     async def _created_by(self, sid: str, origin: dict[str, Any], first: Sequence[NewEntry]) -> SessionHead | None:
         """The head of `sid` when it is exactly the create we sent (a retry after a lost reply)."""

@@ -8,6 +8,10 @@ from typing import Any
 
 from .common import FORMATS, MAX_ENTRY_LIMIT
 
+_MADE_AND_DELETED = (
+    "; or `session_replaced`: this keyed request's session was made and deleted since (a retry never makes it again)"
+)
+
 
 def openapi(*, auth: bool = False) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the gateway."""
@@ -376,7 +380,7 @@ def _write_paths(
                 "requestBody": body(ref("CreateSession"), required=False),
                 "responses": {
                     "201": created("The new session's head", ref("SessionHead")),
-                    "409": error("The id exists"),
+                    "409": error("The id exists" + _MADE_AND_DELETED),
                     **write_errors,
                 },
             }
@@ -403,7 +407,7 @@ def _write_paths(
                 "requestBody": body(ref("BranchBody")),
                 "responses": {
                     "201": created("The branch's head", ref("SessionHead")),
-                    "409": error("The branch id exists"),
+                    "409": error("The branch id exists" + _MADE_AND_DELETED),
                     **write_errors,
                 },
             }
@@ -415,7 +419,7 @@ def _write_paths(
                 "requestBody": body(ref("ForkBody"), required=False),
                 "responses": {
                     "201": created("The fork's head", ref("SessionHead")),
-                    "409": error("The fork id exists"),
+                    "409": error("The fork id exists" + _MADE_AND_DELETED),
                     **write_errors,
                     "422": error("INVALID_BOUNDARY or OPEN_TURN (`code`), or an invalid body"),
                 },

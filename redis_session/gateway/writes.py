@@ -11,27 +11,22 @@ the store's idempotency key: a retried append returns the entries it wrote, neve
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import (
-    IdempotencyKeyReusedError,
     InvalidEntryError,
-    SessionAlreadyExistsError,
     SessionConflictError,
-    SessionForkError,
     SessionNotFoundError,
     SessionReplacedError,
 )
 from ..keys import validate_session_id
-from ..model import Entry, NewEntry, SessionHead, Surface, create_key_digest, ttl_ms
-from ..sessions import Session, request_digest, split_create_key
+from ..model import Entry, NewEntry, SessionHead
+from ..sessions import Session, keyed_child_id, keyed_session_id
 from .auth import principal
 from .body import (
     BranchIn,
@@ -71,14 +66,6 @@ def _written(entries: Sequence[Entry], n: int, incarnation: str | None, status: 
 
 def _head_of(s: Session) -> SessionHead:
     return SessionHead(header=s.header, n=s.n, updated_at=s.header.created_at, last_cut=s.last_cut)
-
-
-def _keyed_id(parent: str, key: str | None) -> str | None:
-    """The child id a keyed branch or fork gets when none is given: the same for every retry of
-    the request, so a retry finds the child the first attempt made instead of making another."""
-    if key is None:
-        return None
-    return f"{parent}:branch:{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 # --------------------------------------------------------------------------- append
@@ -125,9 +112,8 @@ async def create(gw: Gateway, request: Request) -> Response:
         sid = req.id
     elif cond.idempotency_key is not None:
         # the same for every retry of the keyed request, so a retry finds the session the first
-        # attempt made (and replays its 201, or refuses another body) instead of making another
-        digest = hashlib.sha256(cond.idempotency_key.encode()).hexdigest()[:32]
-        sid = f"{who.prefix or ''}session-{digest}"
+        # attempt made (`Sessions.create` replays it, or refuses another body)
+        sid = keyed_session_id(cond.idempotency_key, who.prefix or "")
     else:
         sid = f"{who.prefix or ''}session-{uuid.uuid4().hex}"
     who.check_new_id(validate_session_id(sid))
@@ -147,85 +133,14 @@ async def create(gw: Gateway, request: Request) -> Response:
         )
     except InvalidEntryError as e:
         raise header_error(e) or entry_error(e, "$.entries") from None
-    except SessionAlreadyExistsError as taken:
-        return _created(await _replayed_create(gw, sid, cond.idempotency_key, req, batch, taken))
     return _created(_head_of(s))
-
-
-def _same_entries(stored: Sequence[Entry], batch: Sequence[NewEntry]) -> bool:
-    def norm(e: NewEntry) -> tuple[Any, ...]:
-        surface = None if e.surface is None else msgspec.to_builtins(msgspec.convert(e.surface, Surface))
-        return (e.type, e.data, e.meta, surface)
-
-    def stored_norm(e: Entry) -> tuple[Any, ...]:
-        surface = None if e.surface is None else msgspec.to_builtins(e.surface)
-        return (e.type, e.data, e.meta, surface)
-
-    return len(stored) == len(batch) and all(
-        stored_norm(s) == norm(b) and (b.time is None or b.time == s.time) for s, b in zip(stored, batch, strict=True)
-    )
-
-
-async def _own_creation(
-    gw: Gateway, sid: str, key: str | None, taken: SessionAlreadyExistsError | None = None
-) -> SessionHead:
-    """The session at the taken id `sid`, when this request's `key` created it (a retry whose
-    first attempt landed); else the `SessionAlreadyExistsError` a create of a taken id is: another
-    request made it, keyed or not, whatever it holds."""
-    head = await gw.store.head(sid) if key is not None else None
-    if head is None or split_create_key(head.header.create_key)[0] != create_key_digest(cast(str, key)):
-        raise taken or SessionAlreadyExistsError(sid)  # the store's own words (a hidden id names its branches)
-    return head
-
-
-async def _replayed_create(
-    gw: Gateway,
-    sid: str,
-    key: str | None,
-    req: CreateIn,
-    batch: list[NewEntry],
-    taken: SessionAlreadyExistsError | None = None,
-) -> SessionHead:
-    """The answer to a create of a taken id: its own creation replayed, when the same key made
-    it with the same fields and first entries (the request digest its `create_key` records:
-    `ttl`, `created_at` and entries included, which the header alone cannot tell); 422 when
-    that key made it with others; else 409."""
-    head = await _own_creation(gw, sid, key, taken)
-    h = head.header
-    recorded = split_create_key(h.create_key)[1]
-    if recorded is not None:
-        asked = request_digest(
-            "create",
-            req.title,
-            req.origin,
-            req.delegation_depth,
-            None if req.ttl is None else ttl_ms(req.ttl),  # as Sessions.create hashes it: 60 and 60.0 alike
-            req.created_at,
-            entries=batch,
-        )
-        if asked != recorded:
-            raise IdempotencyKeyReusedError(sid, cast(str, key))
-        return head
-    # a creation recorded before requests were (the key's digest alone): what its header shows
-    same_header = (h.parent, h.title, h.origin, h.delegation_depth) == (
-        None,
-        req.title,
-        req.origin,
-        req.delegation_depth or 0,
-    )
-    same = same_header and head.n >= len(batch)
-    if same and batch:
-        same = _same_entries(await gw.store.read(sid, 0, len(batch), incarnation=h.incarnation), batch)
-    if not same:
-        raise IdempotencyKeyReusedError(sid, cast(str, key))
-    return head
 
 
 async def branch(gw: Gateway, request: Request, sid: str) -> Response:
     who = principal(request.scope)
     cond = preconditions(request)
     req = convert(decode_json(await read_body(request, gw.max_body)), BranchIn)
-    child = req.id if req.id is not None else _keyed_id(sid, cond.idempotency_key)
+    child = _child_id(sid, req.id, cond.idempotency_key)
     if child is not None:
         who.check_new_id(validate_session_id(child))
     try:
@@ -241,51 +156,27 @@ async def branch(gw: Gateway, request: Request, sid: str) -> Response:
         )
     except InvalidEntryError as e:  # the branch point is beyond the parent's n, or a field over its limit
         raise header_error(e) or Unprocessable(str(e), "$.at") from None
-    except SessionAlreadyExistsError:
-        assert child is not None
-        digest = request_digest("branch", req.delegation_depth, req.title, req.origin)
-        return _created(await _replayed_branch(gw, cond, child, sid, req.at, digest))
     return _created(_head_of(s))
 
 
-async def _replayed_branch(
-    gw: Gateway, cond: Preconditions, child: str, parent: str, at: int | None, digest: str
-) -> SessionHead:
-    """The answer to a branch or fork onto a taken id: the child replayed, when this request's key
-    made it from the same parent at the same point with the same fields (`digest`, the request
-    digest of its `title`, `origin` and `delegation_depth` as given; a fork gives none); 422 when
-    that key made another; else 409."""
-    head = await _own_creation(gw, child, cond.idempotency_key)
-    recorded = split_create_key(head.header.create_key)[1]
-    if (
-        head.header.parent != parent
-        or (at is not None and head.header.at != at)
-        or (recorded is not None and recorded != digest)
-    ):
-        raise IdempotencyKeyReusedError(parent, cast(str, cond.idempotency_key))
-    return head
+def _child_id(parent: str, given: str | None, key: str | None) -> str | None:
+    """The id a branch or fork will get, when it is known before it is made (given, or from its
+    key as `Sessions` derives it): checked against the token's tenant first."""
+    if given is not None or key is None:
+        return given
+    return keyed_child_id(parent, key)
 
 
 async def fork(gw: Gateway, request: Request, sid: str) -> Response:
     who = principal(request.scope)
     cond = preconditions(request)
     req = convert(decode_json(await read_body(request, gw.max_body)), ForkIn)
-    child = req.id if req.id is not None else _keyed_id(sid, cond.idempotency_key)
+    child = _child_id(sid, req.id, cond.idempotency_key)
     if child is not None:
         who.check_new_id(validate_session_id(child))
-    try:
-        s = await gw.sessions.fork(
-            sid, req.boundary, fork_id=child, idempotency_key=cond.idempotency_key, incarnation=cond.incarnation
-        )
-    except SessionForkError as e:
-        if e.code != "SESSION_ALREADY_EXISTS" or child is None:
-            raise
-        at = None if req.boundary is None else req.boundary + 1
-        try:
-            digest = request_digest("branch", None, None, None)  # a fork gives no header field
-            return _created(await _replayed_branch(gw, cond, child, sid, at, digest))
-        except SessionAlreadyExistsError:
-            raise e from None
+    s = await gw.sessions.fork(
+        sid, req.boundary, fork_id=child, idempotency_key=cond.idempotency_key, incarnation=cond.incarnation
+    )
     return _created(_head_of(s))
 
 

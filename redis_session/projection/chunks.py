@@ -38,6 +38,7 @@ from ..errors import (
     AnswerTooLargeError,
     IdempotencyKeyReusedError,
     SessionConflictError,
+    SessionCorruptError,
     SessionError,
     SessionNotFoundError,
     SessionReplacedError,
@@ -283,6 +284,10 @@ def answer_refusal(
         return AnswerTooLargeError(session_id, answer, int(res[1]), int(res[2]), int(res[3]))
     if code == 6:
         return SessionError(f"session {session_id!r}: the stream is ahead of the header; run `redis-session doctor`")
+    if code == 17:
+        return SessionCorruptError.header_field(
+            session_id, res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+        )
     return SessionError(f"unexpected reply from answer.lua: {res!r}")
 
 

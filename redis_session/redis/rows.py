@@ -86,7 +86,7 @@ def _decode_entries(blob: bytes) -> builtins.list[Entry]:
 
 def corrupt(why: str) -> SessionCorruptError:
     """The error of a session's stored keys edited outside redis-session (reads and writes raise it)."""
-    return SessionCorruptError(f"stored entries are corrupt (edited outside redis-session?): {why}")
+    return SessionCorruptError.because(why)
 
 
 def _odd_row(rid: bytes, f: Any) -> tuple[bytes, ...]:

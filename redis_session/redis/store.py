@@ -27,8 +27,9 @@ import contextlib
 import heapq
 import itertools
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import anyio
 import msgspec
@@ -39,6 +40,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
+from ..checks import MAX_N
 from ..cold.segments import ColdTier, hot_start
 from ..errors import (
     DurabilityError,
@@ -53,7 +55,7 @@ from ..errors import (
     SessionRewoundError,
     StoreUnavailableError,
 )
-from ..keys import Keys, id_from_index_member, index_member, is_staging_id, validate_session_id
+from ..keys import GONE_TTL_MS, Keys, id_from_index_member, index_member, is_staging_id, validate_session_id
 from ..model import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_ENTRY_BYTES,
@@ -234,11 +236,55 @@ class _Hdr(msgspec.Struct):
     cold_end: int = 0  # the end of the archived range (0: nothing archived)
 
 
-def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
-    """A header hash as read (None: no session), or the corruption error of one whose fields are
-    not what redis-session writes (``n`` that is no number, an origin that is no JSON …)."""
-    if not raw or b"n" not in raw:
+_COUNT = re.compile(rb"0|[1-9][0-9]{0,15}")
+"""A count, an n or a time in ms as the scripts write it (``%d`` of a number in [0, 2^53 - 1])."""
+
+
+def _count(raw: Any, field: str) -> int:
+    """A header field that is a count (n, at, created_at …) as redis-session writes it, else the
+    corruption error naming it: never a sign, a space, a fraction or a number past 2^53 - 1 read as
+    if it were one."""
+    b = raw.encode() if isinstance(raw, str) else raw
+    if not isinstance(b, bytes) or not _COUNT.fullmatch(b) or int(b) > MAX_N:
+        shown = "missing" if raw is None else repr(bytes(b)[:40]) if isinstance(b, (bytes, bytearray)) else repr(raw)
+        raise corrupt(f"the header's {field} is {shown}, not a count in [0, 2^53 - 1]")
+    return int(b)
+
+
+def _not_found_or_corrupt(session_id: str, n_raw: Any, inc_raw: Any, born_raw: Any) -> NoReturn:
+    """Raise for a header read without its n or deleted: `SessionNotFoundError`, unless the header
+    is there without its n (edited outside redis-session): the corruption error."""
+    if n_raw is None and (inc_raw is not None or born_raw is not None):
+        raise corrupt(f"the header of {session_id!r} has no n")
+    raise SessionNotFoundError(session_id)
+
+
+def _segments_of(session_id: str, raw: bytes | None) -> builtins.list[Segment]:
+    """A branch header's ``segments`` (where it reads its prefix), else the corruption error."""
+    try:
+        return [] if raw is None else _segments_decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        raise corrupt(f"the header's segments of {session_id!r} are not what redis-session writes: {e}") from None
+
+
+def _ttl(raw: bytes | None) -> int | None:
+    """A header's ``ttl_ms``: None (no expiry) or a count of at least 1 ms."""
+    if raw is None:
         return None
+    ttl = _count(raw, "ttl_ms")
+    if ttl < 1:
+        raise corrupt("the header's ttl_ms is 0, not a duration of at least 1 ms")
+    return ttl
+
+
+def _parse_hdr(raw: dict[bytes, bytes], session_id: str | None = None) -> _Hdr | None:
+    """A header hash as read (None: no session), or the corruption error of one that is not what
+    redis-session writes: a hash without its ``n``, a count that is no count, an origin that is no
+    JSON, an ``id`` that is not the session's own (`session_id`, when given) …"""
+    if not raw:
+        return None
+    if session_id is not None and raw.get(b"id") != session_id.encode():
+        raise corrupt(f"the header of {session_id!r} names the session {_s(raw.get(b'id'))!r}")
     try:
         return _hdr_fields(raw)
     except (ValueError, msgspec.DecodeError) as e:
@@ -247,16 +293,21 @@ def _parse_hdr(raw: dict[bytes, bytes]) -> _Hdr | None:
 
 def _hdr_fields(raw: dict[bytes, bytes]) -> _Hdr:
     g = raw.get
+
+    def count(field: bytes, default: int | None = None) -> int | None:
+        value = g(field)
+        return default if value is None else _count(value, field.decode())
+
     origin_raw = g(b"origin")
     seg_raw = g(b"segments")
-    created_at = int(g(b"created_at", b"0"))
+    created_at = _count(g(b"created_at"), "created_at")
     header = SessionHeader(
         id=_s(g(b"id")) or "",
-        format_version=int(g(b"format_version", b"1")),
+        format_version=cast(int, count(b"format_version", 1)),
         created_at=created_at,
         parent=_s(g(b"parent")),
-        at=_i(g(b"at")),
-        delegation_depth=int(g(b"delegation_depth", b"0")),
+        at=count(b"at"),
+        delegation_depth=cast(int, count(b"delegation_depth", 0)),
         title=_s(g(b"title")),
         origin=None if origin_raw is None else _decode_any.decode(origin_raw),
         incarnation=_s(g(b"incarnation")) or legacy_incarnation(created_at),
@@ -264,12 +315,12 @@ def _hdr_fields(raw: dict[bytes, bytes]) -> _Hdr:
     )
     return _Hdr(
         header=header,
-        n=int(raw[b"n"]),
-        updated_at=int(g(b"updated_at", b"0")),
-        last_cut=_i(g(b"last_cut")),
+        n=_count(g(b"n"), "n"),
+        updated_at=cast(int, count(b"updated_at", 0)),
+        last_cut=count(b"last_cut"),
         segments=[] if seg_raw is None else _segments_decoder.decode(seg_raw),
         deleted=b"deleted" in raw,
-        ttl_ms=_i(g(b"ttl_ms")),
+        ttl_ms=_ttl(g(b"ttl_ms")),
         cold_end=hot_start(raw[b"cold"]) if b"cold" in raw else 0,
     )
 
@@ -550,10 +601,10 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         except (KeyError, TypeError):  # TypeError: an unhashable "id", rejected just below
             pass
         validate_session_id(session_id)
-        keys = self.keys.session_keys(session_id)
+        keys = [*self.keys.session_keys(session_id), self.keys.gone(session_id)]
         if self.feed and not self.cluster:
             keys.append(self.keys.feed(self.keys.feed_shard(session_id)))
-        short = keys[:2] + keys[8:]  # hdr, log and the feed shard (standalone with a feed)
+        short = keys[:2] + keys[9:]  # hdr, log and the feed shard (standalone with a feed)
         tail: builtins.list[str | int] = [session_id, self.feed_maxlen] if len(short) == 3 else []
         wire = _SessionWire(
             keys=bulks([len(keys), *keys]),
@@ -579,7 +630,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
 
     async def _hdr(self, session_id: str) -> _Hdr | None:
         raw = await self._raw("HGETALL", self.keys.hdr(session_id))
-        return _parse_hdr(_as_dict(raw))
+        return _parse_hdr(_as_dict(raw), session_id)
 
     # ------------------------------------------------------------------ contract
 
@@ -616,7 +667,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                     ("HMGET", hdr_key, b"incarnation", b"created_at", b"cold"),
                 )
                 if n_raw is None or deleted is not None:
-                    raise SessionNotFoundError(session_id)
+                    _not_found_or_corrupt(session_id, n_raw, inc_raw, born_raw)
                 inc = self._check_incarnation(session_id, incarnation, inc_raw, born_raw)
                 if after[0] == inc_raw and after[1] == born_raw and after[2] == cold_raw:
                     break  # the same life, and no archive or restore moved entries in between
@@ -624,7 +675,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                     raise SessionReplacedError(session_id)
             else:
                 raise StoreUnavailableError(f"session {session_id!r} was replaced during every read attempt")
-            n = int(n_raw)
+            n = _count(n_raw, "n")
             if stop is not None and stop <= start:
                 return []
             if stop is None and len(rows) == MAX_READ_RANGE:  # a long log: page on, no giant reply
@@ -640,14 +691,14 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                 own = [e for e in own if e.n < stop]
             if own and own[-1].n >= n:  # written after our HMGET: not part of this snapshot
                 own = [e for e in own if e.n < n]
-            at = 0 if at_raw is None else int(at_raw)
+            at = 0 if at_raw is None else _count(at_raw, "at")
             # an archived prefix (the header's `cold` field): stitched in front of the hot stream
             own = await self._with_cold(session_id, inc, cold_raw, max(start, at), stop, n, own, incarnation)
             end = n if stop is None else min(stop, n)
             if start >= at:
                 out = own
             else:
-                segments = [] if seg_raw is None else _segments_decoder.decode(seg_raw)
+                segments = _segments_of(session_id, seg_raw)
                 out = []
                 for anc, lo, hi2 in plan_read(segments, at, n, start, stop):
                     if anc:
@@ -692,7 +743,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
     def _check_incarnation(session_id: str, expected: str | None, inc_raw: Any, born_raw: Any) -> str:
         """The incarnation of a header read as raw `incarnation` and `created_at` values; raises
         `SessionReplacedError` when it is not `expected` (None: any)."""
-        inc = _s(inc_raw) or legacy_incarnation(int(born_raw or 0))
+        inc = _s(inc_raw) or legacy_incarnation(_count(born_raw, "created_at"))
         if expected is not None and inc != expected:
             raise SessionReplacedError(session_id)
         return inc
@@ -816,6 +867,10 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             raise SessionAlreadyExistsError(session_id)
         if code == 8:
             raise SessionReplacedError(session_id, "this write was meant for the session before")
+        if code == 10:
+            raise SessionReplacedError.created_and_deleted(session_id)
+        if code == 11:
+            raise SessionCorruptError.header_field(session_id, _s(res[1]) or "")
         if code == 6:
             raise SessionError(
                 f"session {session_id!r}: the stream is ahead of the header (last ID {_s(res[1])}); "
@@ -1092,12 +1147,16 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         unreadable: builtins.list[str] = []
         with _io():
             while True:
+                # only as many members as the page still lacks: the cursor is the last member looked
+                # at, so no member past it may have been read and left out (one skipped as stale or
+                # unreadable made the next round read more than the page had room for)
+                want = limit - len(items)
                 lo = "-" if cursor is None else "(" + cursor
-                pages = await self._pipeline(*[("ZRANGE", k, lo, "+", "BYLEX", "LIMIT", 0, limit + 1) for k in keys])
+                pages = await self._pipeline(*[("ZRANGE", k, lo, "+", "BYLEX", "LIMIT", 0, want + 1) for k in keys])
                 merged = heapq.merge(*[[bytes(m) for m in page] for page in pages])
-                members = [m.decode() for m in itertools.islice(merged, limit + 1)]
-                more = len(members) > limit
-                members = members[:limit]
+                members = [m.decode() for m in itertools.islice(merged, want + 1)]
+                more = len(members) > want
+                members = members[:want]
                 hgets = [("HGETALL", self.keys.hdr(id_from_index_member(m))) for m in members]
                 try:
                     with _io():  # typed here on every path (a cluster's pipeline raises them raw)
@@ -1109,7 +1168,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                     try:
                         if isinstance(raw, SessionCorruptError):
                             raise raw
-                        h = _parse_hdr(_as_dict(raw))
+                        h = _parse_hdr(_as_dict(raw), id_from_index_member(m))
                     except SessionCorruptError:
                         # one session edited outside redis-session: listed as unreadable, never
                         # the end of the listing of every other one
@@ -1123,7 +1182,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                     await self._pipeline(*[("ZREM", self.keys.sessions(id_from_index_member(m)), m) for m in stale])
                 cursor = members[-1] if more and members else None
                 if cursor is None or len(items) >= limit:
-                    return Page(items=items[:limit], cursor=cursor, unreadable=unreadable)
+                    return Page(items=items, cursor=cursor, unreadable=unreadable)
 
     async def _header_or_error(self, key: str) -> Any:
         """A header's raw hash, or the `SessionCorruptError` of a key holding another kind of value."""
@@ -1136,7 +1195,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
     async def delete(self, session_id: str, *, incarnation: str | None = None) -> bool:
         validate_session_id(session_id)
         with _io():
-            res = await self._eval("delete", self.keys.session_keys(session_id), [incarnation or ""])
+            res = await self._eval("delete", self.keys.delete_keys(session_id), [incarnation or "", GONE_TTL_MS])
             code = int(res[0])
             if code == 3:
                 raise SessionReplacedError(session_id, f"it is incarnation {_s(res[1])} now; nothing was deleted")
@@ -1144,11 +1203,16 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                 # absent, or hidden already: a hidden one kept only by stale links goes now
                 await self.repair_links(session_id)
                 return False
-            member = index_member(int(res[1]), session_id)
-            await self._raw("ZREM", self.keys.sessions(session_id), member)
-            if code == 2 and len(res) > 4 and res[4]:
-                await self._drop_cold(session_id, _s(res[3]) or legacy_incarnation(int(res[1])), res[4])
-            if code == 2 and res[2]:
+            try:
+                born = _count(res[1], "created_at")
+            except SessionCorruptError:  # edited outside redis-session: deleted all the same; its
+                born = None  # index member (which names created_at) is healed by the next list()
+            member = None if born is None else index_member(born, session_id)
+            if member is not None:
+                await self._raw("ZREM", self.keys.sessions(session_id), member)
+            if code == 2 and len(res) > 4 and res[4] and (res[3] or born is not None):
+                await self._drop_cold(session_id, _s(res[3]) or legacy_incarnation(cast(int, born)), res[4])
+            if code == 2 and res[2] and member is not None:
                 await self._unlink(_s(res[2]) or "", member)
             if code == 1:
                 await self.repair_links(session_id)  # hidden for branches: only for live ones
@@ -1184,8 +1248,9 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         validate_session_id(staged_id)
         with _io():
             res = await self._eval(
-                "swap", [*self.keys.session_keys(session_id), *self.keys.session_keys(staged_id)],
-                [incarnation, session_id, staged_incarnation or ""],
+                "swap",
+                [*self.keys.session_keys(session_id), *self.keys.session_keys(staged_id), self.keys.gone(session_id)],
+                [incarnation, session_id, staged_incarnation or "", GONE_TTL_MS],
             )  # fmt: skip
             code = int(res[0])
             if code == 3:
@@ -1506,7 +1571,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             (k.hdr(session_id), b"hash"), (k.log(session_id), b"stream"), (k.proj(session_id), b"hash"),
             (k.idem(session_id), b"zset"), (k.kids(session_id), b"zset"), (k.live(session_id), b"stream"),
             (k.draft(session_id), b"string"), (k.lease(session_id), b"string"),
-            (k.cold_pending(session_id), b"zset"),
+            (k.cold_pending(session_id), b"zset"), (k.gone(session_id), b"set"),
         ]  # fmt: skip
         kinds = await self._pipeline(*(("TYPE", key) for key, _ in layout))
         return [

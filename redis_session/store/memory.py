@@ -26,7 +26,7 @@ from ..errors import (
     SessionNotFoundError,
     SessionReplacedError,
 )
-from ..keys import index_member, is_staging_id, validate_session_id
+from ..keys import GONE_TTL_MS, index_member, is_staging_id, validate_session_id
 from ..model import (
     CUT,
     DEFAULT_MAX_BATCH,
@@ -146,6 +146,8 @@ class MemorySessionStore(StoreRules):
         #: the store's clock, ms since the epoch: entry times, created_at, TTLs and leases (a
         #: test passes one it can move forward instead of sleeping)
         self.clock = clock
+        #: id -> (the create keys of its deleted lives, when they are forgotten): `Keys.gone`
+        self._gone: dict[str, tuple[set[str], int]] = {}
         #: where archived segments live (`redis_session.archiver`); None: nothing can be archived
         self.cold: ColdTier | None = ColdTier(cold, prefix="memory") if isinstance(cold, str) else cold
         if self.cold is not None and self.cold._prefix is None:
@@ -322,6 +324,8 @@ class MemorySessionStore(StoreRules):
                 if header.at > parent.n:
                     raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={parent.n}")
                 segments = lineage_for(parent.header.id, parent.header.at, parent.segments, header.at)
+            if header.create_key is not None and header.create_key in self._gone_keys(header.id):
+                raise SessionReplacedError.created_and_deleted(header.id)
             if header.created_at == 0:
                 header = msgspec.structs.replace(header, created_at=self.clock())
             header = msgspec.structs.replace(header, incarnation=new_incarnation())  # every create: a new life
@@ -333,6 +337,21 @@ class MemorySessionStore(StoreRules):
             if not batch:
                 self._touch(s)
             return s.head()
+
+    def _forget_life(self, session_id: str, s: _MemSession) -> None:
+        """As delete.lua and swap.lua: the ending life's create key remembered, and every end of a
+        life of the id restarts the clock of all of them."""
+        keys = self._gone_keys(session_id) | ({s.header.create_key} if s.header.create_key else set())
+        if keys:
+            self._gone[session_id] = (keys, self.clock() + GONE_TTL_MS)
+
+    def _gone_keys(self, session_id: str) -> set[str]:
+        """The create keys of `session_id`'s deleted lives not forgotten yet."""
+        keys, until = self._gone.get(session_id, (set(), 0))
+        if until <= self.clock():
+            self._gone.pop(session_id, None)
+            return set()
+        return keys
 
     async def list(
         self, *, parent: str | None = None, limit: int = 100, cursor: str | None = None
@@ -361,6 +380,7 @@ class MemorySessionStore(StoreRules):
                 raise SessionReplacedError(
                     session_id, f"it is incarnation {s.header.incarnation} now; nothing was deleted"
                 )
+            self._forget_life(session_id, s)
             if s.kids:
                 s.deleted = True
                 s.draft = None
@@ -418,6 +438,7 @@ class MemorySessionStore(StoreRules):
             new = self._get(staged_id)
             if new is None:
                 raise SessionNotFoundError(staged_id)
+            self._forget_life(session_id, old)  # as swap.lua: the replaced life's create key is remembered
             self._purge(session_id)
             self._sessions.pop(staged_id)
             new.header = msgspec.structs.replace(new.header, id=session_id)

@@ -117,6 +117,35 @@ class SessionStoreContract:
             await store.create(SessionHeader(id="dup"), [um("x")])
         assert [e.data["content"] for e in await store.read("dup")] == ["m0", "m1"]
 
+    async def test_a_keyed_create_retried_after_a_delete_is_not_made_again(self, store: Any) -> None:
+        """A create with a ``create_key`` (a keyed create: `Sessions.create(idempotency_key=)`)
+        whose reply was lost, retried after the session it made was deleted: refused with
+        `SessionReplacedError` and nothing made, not the deleted session made again. Unkeyed and
+        other-keyed creates of the id still make it; so do branches under another key."""
+        keyed = SessionHeader(id="k", create_key="key-1")
+        await store.create(keyed, [um("a")])
+        assert await store.delete("k") is True
+        with pytest.raises(SessionReplacedError, match="deleted since"):
+            await store.create(keyed, [um("a")])
+        assert await store.head("k") is None
+        again = await store.create(SessionHeader(id="k", create_key="key-2"), [um("b")])  # another key
+        assert [e.data["content"] for e in await store.read("k")] == ["b"]
+        await store.delete("k")
+        for key in ("key-1", "key-2"):  # both lives' keys are remembered
+            with pytest.raises(SessionReplacedError):
+                await store.create(SessionHeader(id="k", create_key=key))
+        plain = await store.create(SessionHeader(id="k"), [um("c")])  # unkeyed: made
+        assert plain.header.incarnation != again.header.incarnation
+        # a branch whose keyed create was deleted: its retry is refused too, its parent unlinked
+        await make(store, "p", 2)
+        branch = SessionHeader(id="p-b", parent="p", at=1, create_key="branch-key")
+        await store.create(branch)
+        await store.delete("p-b")
+        with pytest.raises(SessionReplacedError):
+            await store.create(branch)
+        assert await store.head("p-b") is None
+        assert [h.id for h in (await store.list(parent="p")).items] == []
+
     # --------------------------------------------------------------------------- put
 
     async def test_put_assigns_contiguous_n_and_time(self, store: Any) -> None:
