@@ -389,7 +389,7 @@ async def test_a_keyed_create_retried_after_its_life_was_replaced_by_an_import_i
     """An import that replaces a session ends that life as a delete does (r19 05): a keyed create
     of it retried afterwards (its reply lost), and the imported session deleted in turn, must not
     make the replaced life again. The replaced life's key is remembered as a deleted one's."""
-    from redis_session import Sessions, SessionReplacedError
+    from redis_session import SessionReplacedError, Sessions
 
     sessions = Sessions(store)
     await sessions.create("im", title="t", entries=[("user/message", {"content": "mine"})], idempotency_key="K")
