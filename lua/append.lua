@@ -153,15 +153,19 @@ if KEYS[10] then
 end
 
 if mode == 'create' then
-  if call('EXISTS', hdr) == 1 then return {5} end
   local nhdr = tonumber(ARGV[8])
+  -- a create key of a life that ended (deleted, or replaced by an import) is refused first: its
+  -- retry must say so whether the id is free now or another life holds it
+  for i = 0, nhdr - 1 do
+    if ARGV[10 + 2 * i] == 'create_key' and call('SISMEMBER', KEYS[9], ARGV[11 + 2 * i]) == 1 then return {10} end
+  end
+  if call('EXISTS', hdr) == 1 then return {5} end
   local fields = {}
   n = 0
   for i = 0, nhdr - 1 do
     local k, v = ARGV[10 + 2 * i], ARGV[11 + 2 * i]
     if k == 'created_at' and v == '' then v = now_s end
     if k == 'at' then n = tonumber(v) end
-    if k == 'create_key' and call('SISMEMBER', KEYS[9], v) == 1 then return {10} end
     fields[#fields + 1] = k
     fields[#fields + 1] = v
   end

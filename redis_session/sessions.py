@@ -48,6 +48,7 @@ from .errors import (
     LeaseLostError,
     SessionAlreadyExistsError,
     SessionConflictError,
+    SessionError,
     SessionForkError,
     SessionNotFoundError,
     SessionReplacedError,
@@ -857,9 +858,7 @@ class Sessions:
             head = await self._replayed_create(header, idempotency_key, digest, entries, taken)
         return Session(self, head)
 
-    async def _own_creation(
-        self, session_id: str, idempotency_key: str, taken: SessionAlreadyExistsError
-    ) -> SessionHead:
+    async def _own_creation(self, session_id: str, idempotency_key: str, taken: SessionError) -> SessionHead:
         """The session at the taken id, when this `idempotency_key` created it (a retry whose first
         attempt landed); else `taken`: another request made it, keyed or not."""
         head = await self.store.head(session_id)
@@ -906,11 +905,12 @@ class Sessions:
         at: int | None,
         idempotency_key: str,
         digest: str,
-        taken: SessionAlreadyExistsError,
+        taken: SessionError,
     ) -> SessionHead:
-        """A keyed branch or fork onto a taken id: the child, when this key made it from the same
-        parent at the same point (`at`; None: a fork's default, any) with the same fields
-        (`digest`); `IdempotencyKeyReusedError` when that key made another; else `taken`."""
+        """A keyed branch or fork onto a taken id (or of a parent gone since): the child, when
+        this key made it from the same parent at the same point (`at`; None: a fork's default,
+        any) with the same fields (`digest`); `IdempotencyKeyReusedError` when that key made
+        another; else `taken`."""
         head = await self._own_creation(child, idempotency_key, taken)
         recorded = split_create_key(head.header.create_key)[1]
         if (
@@ -956,9 +956,15 @@ class Sessions:
         if branch_id is not None:
             validate_new_session_id(branch_id)  # before any round trip: nothing is read or written
         check_int(at, "at")
+        digest = request_digest("branch", delegation_depth, title, origin)  # as given: None inherits
         parent = await self.store.head(session_id)
         if parent is None:
-            raise SessionNotFoundError(session_id)
+            gone = SessionNotFoundError(session_id)
+            if idempotency_key is None or branch_id is None:
+                raise gone
+            # a retry whose first attempt landed, the parent deleted since (hidden while the child
+            # reads it): the child it made, else the parent's absence
+            return Session(self, await self._replayed_branch(branch_id, session_id, at, idempotency_key, digest, gone))
         life = parent.header.incarnation or None
         if incarnation is not None and life != incarnation:
             raise SessionReplacedError(session_id, f"it is incarnation {life} now, not {incarnation}: not branched")
@@ -966,7 +972,6 @@ class Sessions:
             raise InvalidEntryError(f"branch point at={at} is beyond the parent's n={parent.n}")
         if branch_id == session_id:
             raise SessionAlreadyExistsError(branch_id, "it is the parent's id")
-        digest = request_digest("branch", delegation_depth, title, origin)  # as given: None inherits
         depth = parent.header.delegation_depth if delegation_depth is None else delegation_depth
         title = parent.header.title if title is None else title
         origin = parent.header.origin if origin is None else origin
@@ -1017,13 +1022,13 @@ class Sessions:
         raises `SessionReplacedError`.
         """
         validate_session_id(session_id)
+        check_idempotency_key(idempotency_key)
         head = await self.store.head(session_id)
         if head is None:
-            raise SessionForkError(f"session {session_id!r} not found", "SESSION_NOT_FOUND")
+            return await self._fork_of_gone_source(session_id, boundary, fork_id, idempotency_key)
         life = head.header.incarnation or None
         if incarnation is not None and life != incarnation:
             raise SessionReplacedError(session_id, f"it is incarnation {life} now, not {incarnation}: not forked")
-        check_idempotency_key(idempotency_key)
         if fork_id is None and idempotency_key is not None:
             fork_id = keyed_child_id(session_id, idempotency_key)  # a retry finds its first attempt's
         if fork_id is not None and await self.store.head(validate_new_session_id(fork_id)) is not None:
@@ -1067,6 +1072,19 @@ class Sessions:
             raise
         except SessionNotFoundError as e:  # deleted under us
             raise SessionForkError(str(e), "SESSION_NOT_FOUND") from e
+
+    async def _fork_of_gone_source(
+        self, session_id: str, boundary: int | None, fork_id: str | None, idempotency_key: str | None
+    ) -> Session:
+        """A fork of a source that is not there: SESSION_NOT_FOUND, unless it is a keyed retry whose
+        first attempt landed before the source was deleted: the child it made."""
+        missing = SessionForkError(f"session {session_id!r} not found", "SESSION_NOT_FOUND")
+        if idempotency_key is None:
+            raise missing
+        child = fork_id if fork_id is not None else keyed_child_id(session_id, idempotency_key)
+        at = None if boundary is None else boundary + 1
+        digest = request_digest("branch", None, None, None)  # a fork gives no header field
+        return Session(self, await self._replayed_branch(child, session_id, at, idempotency_key, digest, missing))
 
     async def _fork_hint(self, session_id: str, check: int, kind: str, window: int = 1000) -> str:
         """Why a fork at `check` is refused, and the boundary to pass instead (the last turn/end

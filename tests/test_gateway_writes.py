@@ -151,6 +151,8 @@ async def test_a_keyed_create_retried_after_a_delete_makes_nothing(client: httpx
             assert r.status_code == 404, r.text
     assert (await client.get(path("once"))).status_code == 404
     again = await client.post("/sessions", json=body, headers={"Idempotency-Key": "k2"})
+    late = await client.post("/sessions", json=body, headers={"Idempotency-Key": "k1"})  # another life holds it
+    assert (late.status_code, late.json()["error"]) == (409, "session_replaced"), late.text
     assert again.status_code == 201 and len((await client.get(path("once", "entries"))).json()["entries"]) == 3
     # a branch made and deleted under a live parent: its keyed retry is refused, the parent unlinked
     b = await client.post(path("once", "branch"), json={"at": 1}, headers={"Idempotency-Key": "kb2"})

@@ -396,6 +396,10 @@ async def test_a_keyed_create_retried_after_its_life_was_replaced_by_an_import_i
     path = write_jsonl(tmp_path / "s.jsonl", nanobot_rows("im")[:3])
     [res] = await import_path(store, path, on_exists="replace")
     assert res.status == "replaced"
+    imported = await store.head("im")
+    with pytest.raises(SessionReplacedError):  # while the imported life holds the id
+        await sessions.create("im", title="t", entries=[("user/message", {"content": "mine"})], idempotency_key="K")
+    assert await store.head("im") == imported
     await sessions.delete("im")
     with pytest.raises(SessionReplacedError):
         await sessions.create("im", title="t", entries=[("user/message", {"content": "mine"})], idempotency_key="K")

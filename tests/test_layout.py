@@ -443,10 +443,51 @@ async def test_a_header_field_edited_outside_is_corrupt_everywhere_and_nothing_i
                 await write()
             assert (await raw.xlen(log), await raw.xlen(feed), await raw.hgetall(hdr)) == before
             assert await raw.pttl(log) == -1  # no expiry set
+        if field == "ttl_ms":  # the draft's expiry is the session's: refused too, nothing written
+            with pytest.raises(SessionCorruptError):
+                await redis_store.set_draft("e", {"content": "x"})
+            assert not await raw.exists(redis_store.keys.draft("e"))
         page = await redis_store.list()
         assert [h.id for h in page.items] == ["ok"] and page.unreadable == ["e"]
         assert await redis_store.delete("e") is True  # an operator can still delete it
         assert not await raw.exists(hdr) and not await raw.exists(log)
         assert [h.id for h in (await redis_store.list()).items] == ["ok"]
+    finally:
+        await raw.aclose()
+
+
+async def test_an_earlier_lifes_index_member_never_lists_a_session_twice(
+    redis_store: RedisSessionStore, redis_url: str
+) -> None:
+    """An ephemeral session expires (its index member stays: healed lazily), and its id is
+    created again: the index holds a member of each life, both naming the live header. It was
+    listed twice (r20 26), by `list()`, `ls` and `GET /sessions`. The earlier life's member is
+    healed; a header whose only member names another created_at (written by another client) is
+    still listed, once."""
+    from redis_session.keys import index_member
+
+    await redis_store.create(SessionHeader(id="other", created_at=1_700_000_000_000))
+    now = await redis_store.create(SessionHeader(id="eph", created_at=1_700_000_005_000))
+    shard = redis_store.keys.sessions("eph")
+    earlier = index_member(1_700_000_001_000, "eph")  # the expired life's member
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        await raw.zadd(shard, {earlier: 0})
+        for limit in (1, 2, 3, 100):
+            seen, cursor = [], None
+            while True:
+                page = await redis_store.list(limit=limit, cursor=cursor)
+                seen += [h.id for h in page.items]
+                cursor = page.cursor
+                if cursor is None:
+                    break
+            assert seen == ["eph", "other"], limit
+        assert await raw.zscore(shard, earlier) is None  # healed
+        # a header whose only member is not its own (another client wrote it): listed, once
+        own = index_member(now.header.created_at, "eph")
+        await raw.zrem(shard, own)
+        await raw.zadd(shard, {earlier: 0})
+        assert [h.id for h in (await redis_store.list()).items] == ["eph", "other"]
+        assert await raw.zscore(shard, earlier) is not None  # not healed away: it is the only one
     finally:
         await raw.aclose()

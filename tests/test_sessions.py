@@ -24,6 +24,7 @@ from redis_session import (
     RedisSessionStore,
     SessionAlreadyExistsError,
     SessionConflictError,
+    SessionForkError,
     SessionHeader,
     SessionNotFoundError,
     SessionReplacedError,
@@ -1014,3 +1015,26 @@ async def test_keyed_create_branch_and_fork_retried_are_the_same_session(store: 
     assert (f1.id, f1.header.incarnation) == (f2.id, f2.header.incarnation)
     kids = sorted(h.id for h in (await sessions.list(parent="c1")).items)
     assert kids == sorted([br1.id, f1.id])  # one child per request, not one per attempt
+
+
+async def test_a_keyed_branch_or_fork_retried_after_its_parent_was_deleted_is_the_child(store: Any) -> None:
+    """A keyed branch (or fork) whose reply was lost, its parent deleted before the retry (hidden
+    while the child reads it): the retry is the child the first attempt made (r20 24: it was
+    `SessionNotFoundError`, the caller could not get back a child that exists). Without a key, or
+    with another, the parent's absence stands."""
+    sessions = Sessions(store)
+    turn = [NewEntry("turn/start", {"turn": 1}), um("q"), NewEntry("turn/end", {"turn": 1, "reason": "completed"})]
+    await sessions.create("P", entries=turn)
+    b = await sessions.branch("P", 2, idempotency_key="B")
+    f = await sessions.fork("P", 2, idempotency_key="F")
+    assert await sessions.delete("P")
+    again = await sessions.branch("P", 2, idempotency_key="B")
+    assert (again.id, again.header.incarnation) == (b.id, b.header.incarnation)
+    fagain = await sessions.fork("P", 2, idempotency_key="F")
+    assert (fagain.id, fagain.header.incarnation) == (f.id, f.header.incarnation)
+    with pytest.raises(SessionNotFoundError):
+        await sessions.branch("P", 2, idempotency_key="other")
+    with pytest.raises(SessionNotFoundError):
+        await sessions.branch("P", 2)
+    with pytest.raises(SessionForkError):
+        await sessions.fork("P", 2, idempotency_key="other")

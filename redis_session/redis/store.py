@@ -924,8 +924,17 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
         parent is ephemeral."""
         assert header.parent is not None and header.at is not None
         sid = header.id
-        # The id first, as the memory store and dsh do: a taken id wins over a bad parent.
-        if await self._raw("EXISTS", self.keys.hdr(sid)):
+        # The id first, as the memory store and dsh do: a taken id wins over a bad parent; before
+        # it, a create key of a life that ended (append.lua's first check, made here before the link)
+        if header.create_key is None:
+            taken = await self._raw("EXISTS", self.keys.hdr(sid))
+        else:
+            taken, gone = await self._pipeline(
+                ("EXISTS", self.keys.hdr(sid)), ("SISMEMBER", self.keys.gone(sid), header.create_key)
+            )
+            if int(gone):
+                raise SessionReplacedError.created_and_deleted(sid)
+        if int(taken):
             await self._raise_taken(sid)
             raise SessionAlreadyExistsError(sid)
         p = header.parent
@@ -1176,6 +1185,10 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                         continue
                     if h is None:
                         stale.append(m)  # expired (TTL) or half-deleted: heal the index lazily
+                    elif index_member(h.header.created_at, h.header.id) != m and await self._indexed(h.header, keys):
+                        # the member of an earlier life of the id (it expired, and the id was created
+                        # again), beside the member of this one: listed once, by its own
+                        stale.append(m)
                     elif not h.deleted:
                         items.append(h.header)
                 if stale and parent is None:
@@ -1183,6 +1196,13 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
                 cursor = members[-1] if more and members else None
                 if cursor is None or len(items) >= limit:
                     return Page(items=items, cursor=cursor, unreadable=unreadable)
+
+    async def _indexed(self, header: SessionHeader, keys: Sequence[str]) -> bool:
+        """Whether the index (`keys`: the list shards, or a parent's branch set) holds the member
+        of this life of the session: a member of the id that is not it is an earlier life's."""
+        member = index_member(header.created_at, header.id)
+        key = self.keys.sessions(header.id) if len(keys) > 1 else keys[0]
+        return await self._raw("ZSCORE", key, member) is not None
 
     async def _header_or_error(self, key: str) -> Any:
         """A header's raw hash, or the `SessionCorruptError` of a key holding another kind of value."""
@@ -1381,6 +1401,8 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             )
         if ok == 2:
             raise SessionReplacedError(session_id, "this draft was meant for the session before")
+        if ok == 3:
+            raise SessionCorruptError.header_field(session_id, "ttl_ms")
         if ok != 1:
             raise SessionNotFoundError(session_id)
 

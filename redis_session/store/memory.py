@@ -307,6 +307,8 @@ class MemorySessionStore(StoreRules):
     ) -> SessionHead:
         batch = self._create_batch(header, entries, ttl_ms)
         async with self._lock:
+            if header.create_key is not None and header.create_key in self._gone_keys(header.id):
+                raise SessionReplacedError.created_and_deleted(header.id)  # as append.lua: before the id
             existing = self._get(header.id, include_deleted=True)
             if existing is not None:
                 if existing.deleted:
@@ -324,8 +326,6 @@ class MemorySessionStore(StoreRules):
                 if header.at > parent.n:
                     raise InvalidEntryError(f"branch point at={header.at} is beyond the parent's n={parent.n}")
                 segments = lineage_for(parent.header.id, parent.header.at, parent.segments, header.at)
-            if header.create_key is not None and header.create_key in self._gone_keys(header.id):
-                raise SessionReplacedError.created_and_deleted(header.id)
             if header.created_at == 0:
                 header = msgspec.structs.replace(header, created_at=self.clock())
             header = msgspec.structs.replace(header, incarnation=new_incarnation())  # every create: a new life

@@ -136,6 +136,10 @@ class SessionStoreContract:
                 await store.create(SessionHeader(id="k", create_key=key))
         plain = await store.create(SessionHeader(id="k"), [um("c")])  # unkeyed: made
         assert plain.header.incarnation != again.header.incarnation
+        for key in ("key-1", "key-2"):  # another life holds the id now: still the deleted one's key
+            with pytest.raises(SessionReplacedError):
+                await store.create(SessionHeader(id="k", create_key=key))
+        assert (await store.head("k")).header.incarnation == plain.header.incarnation
         # a branch whose keyed create was deleted: its retry is refused too, its parent unlinked
         await make(store, "p", 2)
         branch = SessionHeader(id="p-b", parent="p", at=1, create_key="branch-key")
@@ -144,6 +148,10 @@ class SessionStoreContract:
         with pytest.raises(SessionReplacedError):
             await store.create(branch)
         assert await store.head("p-b") is None
+        await store.create(SessionHeader(id="p-b", parent="p", at=2))  # another life of the branch id
+        with pytest.raises(SessionReplacedError):
+            await store.create(branch)
+        await store.delete("p-b")
         assert [h.id for h in (await store.list(parent="p")).items] == []
 
     # --------------------------------------------------------------------------- put
