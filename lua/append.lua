@@ -64,11 +64,8 @@ local call, fmt = redis.call, string.format
 
 -- A header field edited outside redis-session (an n that is no count, a ttl_ms that is no
 -- positive duration) is refused before anything is written: {11, field}. Used as it is, it failed
--- the script half-way with rows written, or expired the session's keys at once.
-local function bad_count(s)
-  return not (s == '0' or string.find(s, '^[1-9]%d*$')) or #s > 16 or tonumber(s) > 9007199254740991
-end
-
+-- the script half-way with rows written, or expired the session's keys at once. A count is what
+-- the scripts write: digits, no leading zero, at most 2^53 - 1.
 if #KEYS < 8 then
   -- the short layout (see above): HMGET, the feed XADD (else TIME), XADD, HSET
   local hdr, log, feed = KEYS[1], KEYS[2], KEYS[3]
@@ -76,10 +73,12 @@ if #KEYS < 8 then
   local ns = h[1]
   if not ns and call('EXISTS', hdr) == 1 then return {11, 'n'} end
   if not ns or h[2] then return {3} end
-  if bad_count(ns) then return {11, 'n'} end
+  local n = tonumber(ns)
+  if not string.find(ns, '^%d+$') or #ns > 16 or n > 9007199254740991 or (#ns > 1 and string.byte(ns) == 48) then
+    return {11, 'n'}
+  end
   local inc = ARGV[2]
   if inc ~= '' and inc ~= (h[4] or ('legacy-' .. (call('HGET', hdr, 'created_at') or '0'))) then return {8} end
-  local n = tonumber(ns)
   if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= n then return {2, n} end
   if h[3] then return {9} end
   local base = feed and 5 or 3
@@ -126,6 +125,10 @@ if #KEYS < 8 then
     call('HSET', hdr, 'n', new_n_s, 'updated_at', now_s)
   end
   return {0, n, now_s}
+end
+
+local function bad_count(s)
+  return not (s == '0' or string.find(s, '^[1-9]%d*$')) or #s > 16 or tonumber(s) > 9007199254740991
 end
 
 local hdr, log, idem = KEYS[1], KEYS[2], KEYS[3]
