@@ -7,8 +7,8 @@
 -- KEYS[4..7]     proj, draft, kids, lease    (only touched to refresh a session TTL)
 -- KEYS[8] live   STREAM  {prefix}:{id}:live  streamed answers in flight (deleted on create; an
 --                                            ephemeral session's TTL caps its expiry)
--- KEYS[9] gone   SET     {prefix}:{id}:gone  create keys of deleted lives (delete.lua): a create
---                                            with one of them is refused
+-- KEYS[9] gone   SET     {prefix}:{id}:gone  the keys of deleted lives' create keys (delete.lua,
+--                                            swap.lua: the part before "."): a create with one is refused
 -- KEYS[10] feed  STREAM  optional change-feed shard (standalone servers only: another slot)
 --
 -- ARGV[1] mode         "append" | "create"
@@ -160,7 +160,10 @@ if mode == 'create' then
   -- a create key of a life that ended (deleted, or replaced by an import) is refused first: its
   -- retry must say so whether the id is free now or another life holds it
   for i = 0, nhdr - 1 do
-    if ARGV[10 + 2 * i] == 'create_key' and call('SISMEMBER', KEYS[9], ARGV[11 + 2 * i]) == 1 then return {10} end
+    -- the key's part of it (before "."): the same key with another request body is refused too
+    if ARGV[10 + 2 * i] == 'create_key' and call('SISMEMBER', KEYS[9], string.match(ARGV[11 + 2 * i], '^[^.]*')) == 1 then
+      return {10}
+    end
   end
   if call('EXISTS', hdr) == 1 then return {5} end
   local fields = {}

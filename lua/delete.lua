@@ -22,7 +22,7 @@ end
 -- (append.lua refuses a create whose key is here): remembered first, so a refused DEL (ACL)
 -- leaves at worst a key remembered for a session still there, never a deleted one forgotten
 -- (every delete of the id restarts the clock: each key is remembered ARGV[2] ms after the last one)
-if h[7] then redis.call('SADD', KEYS[9], h[7]) end
+if h[7] then redis.call('SADD', KEYS[9], string.match(h[7], '^[^.]*')) end  -- the key's part
 redis.call('PEXPIRE', KEYS[9], ARGV[2])
 if redis.call('ZCARD', KEYS[6]) > 0 then
   -- the tombstone is written last: a Redis user refused a DEL or PERSIST here (ACL) leaves the

@@ -34,7 +34,7 @@ if inc ~= ARGV[1] then return {8} end
 if call('ZCARD', KEYS[6]) > 0 then return {9} end
 local s = call('HMGET', KEYS[9], 'n', 'created_at', 'deleted')
 if not s[1] or s[3] then return {10} end
-if t[6] then call('SADD', KEYS[17], t[6]) end
+if t[6] then call('SADD', KEYS[17], string.match(t[6], '^[^.]*')) end  -- the key's part
 call('PEXPIRE', KEYS[17], ARGV[4])
 call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
 if call('EXISTS', KEYS[10]) == 1 then call('RENAME', KEYS[10], KEYS[2]) end

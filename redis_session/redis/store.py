@@ -930,7 +930,7 @@ class RedisSessionStore(ColdTierOps, AnswerOps):
             taken = await self._raw("EXISTS", self.keys.hdr(sid))
         else:
             taken, gone = await self._pipeline(
-                ("EXISTS", self.keys.hdr(sid)), ("SISMEMBER", self.keys.gone(sid), header.create_key)
+                ("EXISTS", self.keys.hdr(sid)), ("SISMEMBER", self.keys.gone(sid), header.create_key.partition(".")[0])
             )
             if int(gone):
                 raise SessionReplacedError.created_and_deleted(sid)

@@ -307,7 +307,7 @@ class MemorySessionStore(StoreRules):
     ) -> SessionHead:
         batch = self._create_batch(header, entries, ttl_ms)
         async with self._lock:
-            if header.create_key is not None and header.create_key in self._gone_keys(header.id):
+            if header.create_key is not None and header.create_key.partition(".")[0] in self._gone_keys(header.id):
                 raise SessionReplacedError.created_and_deleted(header.id)  # as append.lua: before the id
             existing = self._get(header.id, include_deleted=True)
             if existing is not None:
@@ -341,7 +341,8 @@ class MemorySessionStore(StoreRules):
     def _forget_life(self, session_id: str, s: _MemSession) -> None:
         """As delete.lua and swap.lua: the ending life's create key remembered, and every end of a
         life of the id restarts the clock of all of them."""
-        keys = self._gone_keys(session_id) | ({s.header.create_key} if s.header.create_key else set())
+        own = {s.header.create_key.partition(".")[0]} if s.header.create_key else set()  # the key's part
+        keys = self._gone_keys(session_id) | own
         if keys:
             self._gone[session_id] = (keys, self.clock() + GONE_TTL_MS)
 

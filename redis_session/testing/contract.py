@@ -134,6 +134,10 @@ class SessionStoreContract:
         for key in ("key-1", "key-2"):  # both lives' keys are remembered
             with pytest.raises(SessionReplacedError):
                 await store.create(SessionHeader(id="k", create_key=key))
+        await store.create(SessionHeader(id="kr", create_key="kd.request-1"))  # key "kd", a request digest
+        await store.delete("kr")
+        with pytest.raises(SessionReplacedError):  # the same key with another request: its life ended too
+            await store.create(SessionHeader(id="kr", create_key="kd.request-2"))
         plain = await store.create(SessionHeader(id="k"), [um("c")])  # unkeyed: made
         assert plain.header.incarnation != again.header.incarnation
         for key in ("key-1", "key-2"):  # another life holds the id now: still the deleted one's key
