@@ -23,6 +23,11 @@ if inc and inc ~= '' then
   local cur = h[7] or ('legacy-' .. (h[8] or '0'))
   if inc ~= cur then return {8, cur} end
 end
+-- the parent's n and ttl_ms as the scripts write them, else none is made (a header edited outside
+-- redis-session: the client reads the error as the corruption one, nothing linked)
+if not string.find(h[1], '^%d+$') or #h[1] > 16 or (h[6] and not string.find(h[6], '^[1-9]%d*$')) then
+  return redis.error_reply('WRONGTYPE the header of the parent holds an n or ttl_ms that is no count')
+end
 if tonumber(ARGV[1]) > tonumber(h[1]) then return {4, tonumber(h[1])} end
 -- the branch reads the parent's log: one that is no stream (edited outside redis-session) makes
 -- a branch every read of which fails, so none is made

@@ -491,3 +491,24 @@ async def test_an_earlier_lifes_index_member_never_lists_a_session_twice(
         assert await raw.zscore(shard, earlier) is not None  # not healed away: it is the only one
     finally:
         await raw.aclose()
+
+
+@pytest.mark.parametrize("field, value", [("n", "abc"), ("n", "-1"), ("ttl_ms", "x"), ("ttl_ms", "0")])
+async def test_a_branch_of_a_parent_whose_header_was_edited_is_not_made(
+    redis_store: RedisSessionStore, redis_url: str, field: str, value: str
+) -> None:
+    """A branch made by the store directly (no `Sessions` head read first) of a parent whose `n`
+    or `ttl_ms` is no count: `link.lua` refuses it (the corruption error), nothing linked or made;
+    it raised a bare Lua comparison error."""
+    from redis_session import SessionCorruptError
+
+    await redis_store.create(SessionHeader(id="p"), [um("a")])
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        await raw.hset(redis_store.keys.hdr("p"), field, value)
+        with pytest.raises(SessionCorruptError):
+            await redis_store.create(SessionHeader(id="p-b", parent="p", at=0))
+        assert await raw.zcard(redis_store.keys.kids("p")) == 0
+        assert not await raw.exists(redis_store.keys.hdr("p-b"))
+    finally:
+        await raw.aclose()
